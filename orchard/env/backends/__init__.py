@@ -1,0 +1,1 @@
+"""Sandbox backends: where a sandbox's processes and files actually live."""
