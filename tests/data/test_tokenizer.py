@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.train.tiny import tiny_qwen3
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "exec",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "list files"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "exec", "arguments": {"command": "ls"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+    {"role": "assistant", "content": "Let me look", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "exec", "arguments": '{"command": "cat a.txt"}'}},
+        {"id": "c3", "type": "function", "function": {"name": "exec", "arguments": {"command": "pwd"}}}]},
+    {"role": "tool", "tool_call_id": "c2", "content": "hi"},
+    {"role": "assistant", "content": "done"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_chat_tokenizer()
+
+
+def test_template_renders_turns_and_tool_calls(tok):
+    text = tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n{\"type\": \"function\"")
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "exec", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>\n' in text
+    # A string `arguments` is emitted verbatim, a dict as JSON; both read the same.
+    assert 'Let me look\n<tool_call>\n{"name": "exec", "arguments": {"command": "cat a.txt"}}\n</tool_call>\n<tool_call>' in text
+    assert text.endswith("<|im_start|>assistant\ndone<|im_end|>\n")
+
+
+def test_template_is_prefix_consistent(tok):
+    for k in range(1, len(CONVERSATION)):
+        shorter = tok.apply_chat_template(CONVERSATION[:k], tools=TOOLS, tokenize=False)
+        longer = tok.apply_chat_template(CONVERSATION[: k + 1], tools=TOOLS, tokenize=False)
+        assert longer.startswith(shorter), k
+    prompt = tok.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_encode_decode_round_trip_and_atomic_markup(tok):
+    text = tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    for marker in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"):
+        assert len(tok.encode(marker)) == 1, marker
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.decode(tok.encode("ünïcödé ✓"), skip_special_tokens=True) == "ünïcödé ✓"
+
+
+def test_build_is_deterministic_and_learns_domain_text():
+    domain = ["send_mail to carol@corp.test about the quarterly inventory"] * 50
+    a, b = build_chat_tokenizer(domain, vocab_size=600), build_chat_tokenizer(domain, vocab_size=600)
+    assert a.get_vocab() == b.get_vocab()
+    plain = build_chat_tokenizer(vocab_size=600)
+    assert len(a.encode(domain[0])) < len(plain.encode(domain[0]))
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_chat_tokenizer(vocab_size=10)
+    with pytest.raises(ValueError, match="texts"):
+        build_chat_tokenizer("one string")
+    with pytest.raises(ValueError, match="vocab_size"):
+        tiny_qwen3(0)
+
+
+def test_tiny_qwen3_is_seeded_and_runs(tok):
+    a, b = tiny_qwen3(tok, seed=3), tiny_qwen3(tok, seed=3)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert a.config.vocab_size == len(tok) and a.config.eos_token_id == tok.eos_token_id
+    untied = tiny_qwen3(tok, tie_word_embeddings=False)
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([tok.encode("hello world")])
+    logits = a(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
