@@ -1,0 +1,457 @@
+"""Rendering trajectories to training tensors: token ids, action mask, turn index, sampling log-probs.
+
+The sequence is built turn by turn through the tokenizer's chat template. For assistant turn ``k`` (at message
+index ``i``) let ``P_k = template(messages[:i], add_generation_prompt=True)`` (the prompt the engine saw) and
+``F_k = template(messages[:i+1])``. Then
+
+* the context ``P_k - F_{k-1}`` (system/user/tool turns, the generation prompt ``<|im_start|>assistant\\n``) is
+  tokenized and is never an action;
+* the assistant part ``F_k - P_k`` splits at the end-of-turn token into the action text (content, tool-call text,
+  ``<|im_end|>``) and the template's tail (the newline after ``<|im_end|>``, not an action);
+* the action tokens are the exact ids the engine sampled (``Message.token_ids``), checked against the template's
+  tokenization of the action text. A disagreement is a *mismatch* and is handled per ``on_mismatch``.
+
+``X - Y`` means "the text of X after its prefix Y"; this needs a prefix-consistent template (the rendering of
+``messages[:k]`` is a prefix of that of ``messages[:k+1]``). A break is detected and reported; :func:`render_turns`
+renders such trajectories as one sample per assistant turn instead.
+
+A sampled turn that did not end with the end-of-turn token (cut by ``max_tokens``) is compared without it and the
+template's end-of-turn token is kept as context, not as an action.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from orchard.data.schema import Message, Trajectory
+
+MismatchPolicy = Literal["use_sampled", "retokenize", "drop", "raise"]
+MISMATCH_POLICIES: tuple[str, ...] = ("use_sampled", "retokenize", "drop", "raise")
+
+
+@dataclass
+class TurnMismatch:
+    """Where one assistant turn's sampled ids disagree with the template's tokenization of its text.
+
+    Fields:
+        turn: the assistant step (0-based among assistant messages).
+        message_index: index of the message in ``Trajectory.messages``.
+        start: position in the rendered sequence of the turn's first action token.
+        offsets: offsets within the turn where the two id lists differ: every ``j < min(len)`` with
+            ``sampled[j] != rendered[j]``, then every ``j`` in ``[min(len), max(len))``.
+        sampled_len: number of sampled ids compared (without an end-of-turn token the sampler never emitted).
+        rendered_len: number of ids the template's tokenization gives for the same span.
+        kind: ``tokenization`` when the sampled ids decode to the same text (the engine picked a non-canonical
+            split), ``text`` when the message text differs from what was sampled (e.g. a parser rewrote it).
+    """
+
+    turn: int
+    message_index: int
+    start: int
+    offsets: list[int]
+    sampled_len: int
+    rendered_len: int
+    kind: Literal["tokenization", "text"]
+
+    @property
+    def count(self) -> int:
+        """Number of differing positions."""
+        return len(self.offsets)
+
+    @property
+    def positions(self) -> list[int]:
+        """Absolute positions (in a ``use_sampled`` rendering) of the differing sampled tokens."""
+        return [self.start + j for j in self.offsets if j < self.sampled_len]
+
+
+@dataclass
+class RenderReport:
+    """What rendering found.
+
+    Fields:
+        mismatches: one entry per assistant turn whose sampled ids disagree with the template.
+        prefix_breaks: message indices at which the template's rendering of the shorter conversation was not a
+            prefix of the longer one (the sequence there is an approximation; use :func:`render_turns`).
+        truncated: True when ``max_len`` cut the sequence.
+        full_length: the length before truncation.
+    """
+
+    mismatches: list[TurnMismatch] = field(default_factory=list)
+    prefix_breaks: list[int] = field(default_factory=list)
+    truncated: bool = False
+    full_length: int = 0
+
+    @property
+    def num_mismatched_tokens(self) -> int:
+        return sum(m.count for m in self.mismatches)
+
+    @property
+    def ok(self) -> bool:
+        """No mismatch and no prefix break (truncation is not an error)."""
+        return not self.mismatches and not self.prefix_breaks
+
+
+@dataclass
+class RenderedSample:
+    """One trajectory as training tensors, all of shape ``[T]``.
+
+    Fields:
+        input_ids: token ids (long).
+        action_mask: True on tokens the policy generated (assistant content, tool-call text, end-of-turn token);
+            False on system, user and tool tokens, the generation prompt and the template's tail.
+        turn_index: the assistant step an action token belongs to, -1 on non-action tokens (long).
+        old_logprobs: the sampling log-prob of each action token, 0.0 where unknown (float32).
+        logprob_mask: True where ``old_logprobs`` holds a sampled log-prob (always within ``action_mask``).
+        report: mismatches, prefix breaks, truncation.
+        reward, task_id, group_id: copied from the trajectory.
+    """
+
+    input_ids: torch.Tensor
+    action_mask: torch.Tensor
+    turn_index: torch.Tensor
+    old_logprobs: torch.Tensor
+    logprob_mask: torch.Tensor
+    report: RenderReport
+    reward: float | None = None
+    task_id: str | None = None
+    group_id: str | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class _Builder:
+    """Accumulates token segments of a sequence."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.action: list[bool] = []
+        self.turn: list[int] = []
+        self.logprobs: list[float] = []
+        self.lp_known: list[bool] = []
+
+    def context(self, ids: Sequence[int]) -> None:
+        n = len(ids)
+        self.ids.extend(ids)
+        self.action.extend([False] * n)
+        self.turn.extend([-1] * n)
+        self.logprobs.extend([0.0] * n)
+        self.lp_known.extend([False] * n)
+
+    def actions(self, ids: Sequence[int], turn: int, logprobs: Sequence[float] | None, known: int) -> None:
+        """Append action ids; the first ``known`` of them carry ``logprobs``."""
+        n = len(ids)
+        self.ids.extend(ids)
+        self.action.extend([True] * n)
+        self.turn.extend([turn] * n)
+        lps = list(logprobs[:known]) if logprobs is not None else []
+        known = len(lps)
+        self.logprobs.extend(lps + [0.0] * (n - known))
+        self.lp_known.extend([True] * known + [False] * (n - known))
+
+    def build(self, max_len: int | None, report: RenderReport, traj: Trajectory) -> RenderedSample:
+        report.full_length = len(self.ids)
+        end = len(self.ids) if max_len is None else min(max_len, len(self.ids))
+        report.truncated = end < len(self.ids)
+        return RenderedSample(
+            input_ids=torch.tensor(self.ids[:end], dtype=torch.long),
+            action_mask=torch.tensor(self.action[:end], dtype=torch.bool),
+            turn_index=torch.tensor(self.turn[:end], dtype=torch.long),
+            old_logprobs=torch.tensor(self.logprobs[:end], dtype=torch.float32),
+            logprob_mask=torch.tensor(self.lp_known[:end], dtype=torch.bool),
+            report=report,
+            reward=traj.reward,
+            task_id=traj.task_id,
+            group_id=traj.group_id,
+        )
+
+
+def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any) -> None:
+    if not isinstance(traj, Trajectory):
+        raise ValueError(f"traj must be a Trajectory, got {type(traj).__name__}")
+    if not hasattr(tokenizer, "apply_chat_template") or getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"tokenizer must be a transformers tokenizer with a chat_template, got {type(tokenizer).__name__}"
+        )
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    if on_mismatch not in MISMATCH_POLICIES:
+        raise ValueError(f"on_mismatch must be one of {list(MISMATCH_POLICIES)}, got {on_mismatch!r}")
+
+
+def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], gen: bool) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=gen
+    )
+    if not isinstance(text, str):
+        raise ValueError(
+            f"tokenizer.apply_chat_template(tokenize=False) must return a str, got {type(text).__name__}"
+        )
+    return text
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def _suffix(prev: str, new: str, message_index: int, report: RenderReport) -> str:
+    """``new - prev``; on a prefix break, record it and continue after the longest common prefix."""
+    if new.startswith(prev):
+        return new[len(prev) :]
+    report.prefix_breaks.append(message_index)
+    common = 0
+    for a, b in zip(prev, new, strict=False):
+        if a != b:
+            break
+        common += 1
+    return new[common:]
+
+
+def _eot_token(tokenizer: Any, eot_token: str | None) -> tuple[str, int]:
+    text = eot_token if eot_token is not None else getattr(tokenizer, "eos_token", None)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"eot_token must be given when the tokenizer has no eos_token, got {eot_token!r}")
+    ids = _encode(tokenizer, text)
+    if len(ids) != 1:
+        raise ValueError(f"eot_token {text!r} must be a single token, it encodes to {ids}")
+    return text, ids[0]
+
+
+def _diff_offsets(sampled: Sequence[int], rendered: Sequence[int]) -> list[int]:
+    n = min(len(sampled), len(rendered))
+    offsets = [j for j in range(n) if sampled[j] != rendered[j]]
+    offsets.extend(range(n, max(len(sampled), len(rendered))))
+    return offsets
+
+
+def _split_action_text(delta: str, eot_text: str) -> tuple[str, str]:
+    """Split an assistant delta into (action text ending with the end-of-turn token, template tail)."""
+    j = delta.rfind(eot_text)
+    if j < 0:
+        return delta, ""
+    return delta[: j + len(eot_text)], delta[j + len(eot_text) :]
+
+
+def _splice_turn(
+    out: _Builder,
+    tokenizer: Any,
+    message: Message,
+    turn: int,
+    message_index: int,
+    action_text: str,
+    eot_id: int,
+    on_mismatch: str,
+    report: RenderReport,
+    *,
+    close: bool,
+) -> None:
+    """Append one assistant turn's action tokens, checking its sampled ids against the template's.
+
+    With ``close``, a turn cut before its end-of-turn token gets the template's one appended as context.
+    """
+    rendered = _encode(tokenizer, action_text)
+    sampled = message.token_ids
+    if sampled is None:
+        out.actions(rendered, turn, None, 0)
+        return
+    # A turn cut by max_tokens has no end-of-turn token: compare without the template's one.
+    cut = not (sampled and sampled[-1] == eot_id) and bool(rendered) and rendered[-1] == eot_id
+    compare = rendered[:-1] if cut else rendered
+    offsets = _diff_offsets(sampled, compare)
+    if offsets:
+        same_text = tokenizer.decode(sampled) == tokenizer.decode(compare)
+        report.mismatches.append(
+            TurnMismatch(
+                turn=turn,
+                message_index=message_index,
+                start=len(out.ids),
+                offsets=offsets,
+                sampled_len=len(sampled),
+                rendered_len=len(compare),
+                kind="tokenization" if same_text else "text",
+            )
+        )
+    if on_mismatch == "retokenize" and offsets:
+        out.actions(compare, turn, message.logprobs, offsets[0])
+    else:
+        out.actions(sampled, turn, message.logprobs, len(sampled))
+    if cut and close:
+        out.context(rendered[-1:])
+
+
+def render_trajectory(
+    traj: Trajectory,
+    tokenizer: Any,
+    *,
+    max_len: int | None = None,
+    on_mismatch: MismatchPolicy = "use_sampled",
+    eot_token: str | None = None,
+) -> RenderedSample | None:
+    """Render one trajectory to a :class:`RenderedSample` (tensors of shape ``[T]``).
+
+    Args:
+        traj: the trajectory; assistant turns with ``token_ids`` are spliced in exactly, turns without them are
+            tokenized from their text (the SFT path; their log-probs are unknown).
+        tokenizer: a transformers tokenizer with a chat template (``apply_chat_template``) whose end-of-turn token
+            is a single token.
+        max_len: keep the first ``max_len`` tokens (``report.truncated`` says if any were cut); None keeps all.
+        on_mismatch: what to do when a turn's sampled ids disagree with the template's tokenization of its text
+            (or the template is not prefix-consistent):
+            ``use_sampled`` (default) keeps the sampled ids and their log-probs and reports;
+            ``retokenize`` uses the template's ids, keeps the sampled log-probs on the common leading ids only
+            (``logprob_mask`` False after the first difference) and reports;
+            ``drop`` returns None; ``raise`` raises ``ValueError`` with the report.
+        eot_token: the end-of-turn token text; default ``tokenizer.eos_token``.
+
+    Returns:
+        The sample, or None when ``on_mismatch="drop"`` and the trajectory has a mismatch or prefix break.
+    """
+    _check_args(traj, tokenizer, max_len, on_mismatch)
+    eot_text, eot_id = _eot_token(tokenizer, eot_token)
+    messages = traj.openai_messages()
+    tools = traj.tools
+    report = RenderReport()
+    out = _Builder()
+    prev = ""
+    turn = -1
+    for i, message in enumerate(traj.messages):
+        if message.role != "assistant":
+            continue
+        turn += 1
+        prompt = _template(tokenizer, messages[:i], tools, gen=True)
+        out.context(_encode(tokenizer, _suffix(prev, prompt, i, report)))
+        full = _template(tokenizer, messages[: i + 1], tools, gen=False)
+        action_text, tail = _split_action_text(_suffix(prompt, full, i, report), eot_text)
+        _splice_turn(out, tokenizer, message, turn, i, action_text, eot_id, on_mismatch, report, close=True)
+        out.context(_encode(tokenizer, tail))
+        prev = full
+    if traj.messages:
+        final = _template(tokenizer, messages, tools, gen=False)
+        out.context(_encode(tokenizer, _suffix(prev, final, len(messages), report)))
+    if not report.ok:
+        if on_mismatch == "drop":
+            return None
+        if on_mismatch == "raise":
+            raise ValueError(
+                f"trajectory (task {traj.task_id!r}) does not render consistently: "
+                f"{len(report.mismatches)} mismatched turns "
+                f"({[(m.turn, m.kind, m.positions[:8]) for m in report.mismatches]}), "
+                f"prefix breaks at messages {report.prefix_breaks}"
+            )
+    return out.build(max_len, report, traj)
+
+
+def render_turns(
+    traj: Trajectory,
+    tokenizer: Any,
+    *,
+    max_len: int | None = None,
+    on_mismatch: MismatchPolicy = "use_sampled",
+    eot_token: str | None = None,
+) -> list[RenderedSample]:
+    """Render each assistant turn as its own sample: the prompt the engine saw, then the turn's action tokens.
+
+    Sample ``k`` is ``tokenize(template(messages[:i], add_generation_prompt=True))`` (no action) followed by turn
+    ``k``'s sampled ids (or the template's ids of its text when none were recorded), all with
+    ``turn_index == k``. This is what a recording proxy sees call by call, and it is exact for templates that are
+    not prefix-consistent (e.g. ones that drop earlier reasoning). Mismatches are found and handled as in
+    :func:`render_trajectory` (``drop`` drops only the offending turns' samples).
+    """
+    _check_args(traj, tokenizer, max_len, on_mismatch)
+    eot_text, eot_id = _eot_token(tokenizer, eot_token)
+    messages = traj.openai_messages()
+    samples: list[RenderedSample] = []
+    turn = -1
+    for i, message in enumerate(traj.messages):
+        if message.role != "assistant":
+            continue
+        turn += 1
+        prompt = _template(tokenizer, messages[:i], traj.tools, gen=True)
+        report = RenderReport()
+        out = _Builder()
+        out.context(_encode(tokenizer, prompt))
+        full = _template(tokenizer, messages[: i + 1], traj.tools, gen=False)
+        action_text, _ = _split_action_text(_suffix(prompt, full, i, report), eot_text)
+        _splice_turn(out, tokenizer, message, turn, i, action_text, eot_id, on_mismatch, report, close=False)
+        if not report.ok:
+            if on_mismatch == "drop":
+                continue
+            if on_mismatch == "raise":
+                raise ValueError(f"turn {turn} (message {i}) does not render consistently: {report}")
+        samples.append(out.build(max_len, report, traj))
+    return samples
+
+
+def collate(
+    samples: Sequence[RenderedSample],
+    pad_id: int,
+    *,
+    advantages: Sequence[float] | torch.Tensor | None = None,
+    pad_to_multiple_of: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Right-pad rendered samples into a batch.
+
+    Args:
+        samples: B rendered samples (lengths may differ).
+        pad_id: token id written into padding positions of ``input_ids``.
+        advantages: optional per-sample advantages, shape ``[B]``; broadcast over each row's action tokens.
+        pad_to_multiple_of: round T up to a multiple of this (e.g. 8 for tensor cores); default 1.
+
+    Returns:
+        ``input_ids`` [B, T] long (``pad_id`` in padding), ``attention_mask`` [B, T] long (1 on real tokens),
+        ``action_mask`` [B, T] bool, ``old_logprobs`` [B, T] float32 (0 where unknown or padding),
+        ``logprob_mask`` [B, T] bool, ``turn_index`` [B, T] long (-1 on non-action and padding), and with
+        ``advantages`` also ``advantages`` [B, T] float32 (``adv_b`` on row b's action tokens, 0 elsewhere).
+        T is the longest sample rounded up to ``pad_to_multiple_of`` (at least 1, so an all-empty batch is
+        ``[B, 1]`` of padding).
+    """
+    if isinstance(samples, RenderedSample) or not isinstance(samples, Sequence) or len(samples) == 0:
+        raise ValueError(
+            f"samples must be a non-empty sequence of RenderedSample, got {type(samples).__name__}"
+        )
+    for b, s in enumerate(samples):
+        if not isinstance(s, RenderedSample):
+            raise ValueError(f"samples[{b}] must be a RenderedSample, got {type(s).__name__}")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+        raise ValueError(f"pad_id must be a non-negative int, got {pad_id!r}")
+    if (
+        isinstance(pad_to_multiple_of, bool)
+        or not isinstance(pad_to_multiple_of, int)
+        or pad_to_multiple_of < 1
+    ):
+        raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of!r}")
+    B = len(samples)
+    adv_B = None
+    if advantages is not None:
+        adv_B = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+        if adv_B.shape[0] != B:
+            raise ValueError(
+                f"advantages must have shape [B]=[{B}], got {list(torch.as_tensor(advantages).shape)}"
+            )
+        if not torch.isfinite(adv_B).all():
+            raise ValueError("advantages must be finite")
+    T = max(1, max(len(s) for s in samples))
+    T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
+    batch = {
+        "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((B, T), dtype=torch.long),
+        "action_mask": torch.zeros((B, T), dtype=torch.bool),
+        "old_logprobs": torch.zeros((B, T), dtype=torch.float32),
+        "logprob_mask": torch.zeros((B, T), dtype=torch.bool),
+        "turn_index": torch.full((B, T), -1, dtype=torch.long),
+    }
+    for b, s in enumerate(samples):
+        n = len(s)
+        batch["input_ids"][b, :n] = s.input_ids
+        batch["attention_mask"][b, :n] = 1
+        batch["action_mask"][b, :n] = s.action_mask
+        batch["old_logprobs"][b, :n] = s.old_logprobs
+        batch["logprob_mask"][b, :n] = s.logprob_mask
+        batch["turn_index"][b, :n] = s.turn_index
+    if adv_B is not None:
+        batch["advantages"] = adv_B[:, None] * batch["action_mask"].float()  # [B, T]
+    return batch
