@@ -1,0 +1,119 @@
+"""The engine interface: asynchronous generation from prompt token ids to sampled token ids and their log-probs.
+
+Every engine (`HFEngine`, `VLLMEngine`, `OpenAIEngine`) takes token ids, not text, so the caller controls the exact
+prompt the trainer will later render, and returns the exact ids it sampled, so nothing is re-tokenized between
+sampling and training.
+
+Log-prob convention (all engines): the log-probability of each sampled token under the distribution it was drawn
+from, i.e. ``log_softmax(logits / temperature)`` restricted to the top-p nucleus and renormalised over it. With
+``top_p = 1`` this is exactly what a trainer computes as ``log_softmax(logits / temperature)`` at the sampled ids.
+At ``temperature = 0`` (greedy) it is ``log_softmax(logits)`` at the argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length"]
+"""``stop``: a stop token was sampled (it is the last of ``token_ids``); ``length``: ``max_tokens`` ran out."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 keeps the whole vocabulary."""
+    max_tokens: int = 256
+    """Most tokens to sample (the stop token counts)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Sampling one of these ends the sample (finish reason ``stop``); the stop token is kept in ``token_ids``."""
+    seed: int | None = None
+    """Per-request seed: sample ``i`` of the request draws from a generator seeded with ``seed + i``."""
+    n: int = 1
+    """Independent samples of the same prompt."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite float >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt (token ids) and how to sample it."""
+
+    prompt_ids: Sequence[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        ids = list(self.prompt_ids)
+        if not ids:
+            raise ValueError("prompt_ids must hold at least one token id, got an empty sequence")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise ValueError(f"prompt_ids must be non-negative ints, got {ids[:8]!r}...")
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
+        object.__setattr__(self, "prompt_ids", tuple(ids))
+
+
+@dataclass
+class Completion:
+    """One sample: the sampled ids, their log-probs (one per id, same length) and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass
+class GenerateResult:
+    """The answer to one `GenerateRequest`: ``n`` completions, and the weight version that produced them."""
+
+    prompt_ids: tuple[int, ...]
+    completions: list[Completion]
+    weight_version: int = 0
+    """Incremented by every `update_weights`; lets a trainer measure how off-policy a sample is."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the server, the proxy and the agent loop need from an inference engine."""
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Sample every request (concurrent calls may be batched together); results in request order."""
+        ...
+
+    async def update_weights(self, weights: Any) -> None:
+        """Replace the policy's weights (a state dict, a model, or an engine-specific handle such as a path);
+        waits for in-flight generation to finish first."""
+        ...
+
+    async def close(self) -> None:
+        """Release workers, connections and memory. Idempotent."""
+        ...
+
+
+def validate_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+    """Check the argument of `Engine.generate`: a sequence of `GenerateRequest` (possibly empty)."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise ValueError(f"requests must be a sequence of GenerateRequest, got {type(requests).__name__}")
+    for i, request in enumerate(requests):
+        if not isinstance(request, GenerateRequest):
+            raise ValueError(f"requests[{i}] must be a GenerateRequest, got {type(request).__name__}")
+    return list(requests)

@@ -1,0 +1,159 @@
+import asyncio
+
+import pytest
+import torch
+
+from orchard.rollout.engine import GenerateRequest, SamplingParams
+from orchard.rollout.hf_engine import HFEngine, nucleus_logprobs
+
+
+def _recomputed_logprobs(model, prompt, sampled, temperature):
+    """Plain reference: one forward pass over prompt + sampled (no padding, no cache)."""
+    ids = torch.tensor([list(prompt) + list(sampled)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()  # [T, V]
+    targets = ids[0, len(prompt) :]
+    positions = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+    logp = torch.log_softmax(logits[positions] / temperature, dim=-1)
+    return logp.gather(1, targets[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.9])
+def test_logprobs_equal_forward_pass_under_left_padding(tiny_model, temperature):
+    engine = HFEngine(tiny_model, max_batch_size=8)
+    gen = torch.Generator().manual_seed(int(temperature * 10))
+    # odd, different prompt lengths so rows are left-padded by different amounts
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 5, 13)]
+    params = SamplingParams(temperature=temperature, max_tokens=9, seed=3)
+    results = asyncio.run(engine.generate([GenerateRequest(p, params) for p in prompts]))
+    assert [len(r.completions) for r in results] == [1, 1, 1]
+    for prompt, result in zip(prompts, results, strict=True):
+        c = result.completions[0]
+        assert len(c.token_ids) == len(c.logprobs) == 9 and c.finish_reason == "length"
+        ref = _recomputed_logprobs(tiny_model, prompt, c.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_nucleus_logprobs_hand_computed():
+    # probabilities 0.5, 0.3, 0.2 (T = 1). Mass strictly above each sorted token: 0, 0.5, 0.8.
+    # top_p 0.6 keeps tokens whose mass-above < 0.6 -> {0, 1}; renormalised 0.5/0.8 = 0.625, 0.3/0.8 = 0.375.
+    # top_p 0.45 keeps only token 0 (0.5 already reaches 0.45) -> log 1 = 0.
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log().repeat(3, 1)
+    out = nucleus_logprobs(logits, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([1.0, 0.6, 0.45])).exp()
+    torch.testing.assert_close(out[0], torch.tensor([0.5, 0.3, 0.2]))
+    torch.testing.assert_close(out[1], torch.tensor([0.625, 0.375, 0.0]))
+    torch.testing.assert_close(out[2], torch.tensor([1.0, 0.0, 0.0]))
+    # T = 2 on probabilities (0.8, 0.2): tempered ∝ sqrt -> 0.8944/(0.8944+0.4472) = 2/3, 1/3
+    tempered = nucleus_logprobs(torch.tensor([[0.8, 0.2]]).log(), torch.tensor([2.0]), torch.tensor([1.0])).exp()
+    torch.testing.assert_close(tempered[0], torch.tensor([2 / 3, 1 / 3]))
+
+
+def test_top_p_samples_stay_in_nucleus_and_logprobs_are_renormalised(tiny_model):
+    engine = HFEngine(tiny_model)
+    prompt = [5, 17, 42, 7]
+    params = SamplingParams(temperature=1.3, top_p=0.3, max_tokens=6, seed=11)
+    c = asyncio.run(engine.generate([GenerateRequest(prompt, params)]))[0].completions[0]
+    full = _recomputed_logprobs(tiny_model, prompt, c.token_ids, 1.3)
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        logits = tiny_model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    ref = nucleus_logprobs(logits, torch.full((6,), 1.3), torch.full((6,), 0.3))
+    expected = ref.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+    assert torch.isfinite(expected).all()  # every sampled token lies inside its nucleus
+    torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=2e-5, rtol=1e-5)
+    assert (torch.tensor(c.logprobs) >= full - 1e-6).all()  # renormalising over a subset only raises log-probs
+
+
+def test_greedy_matches_argmax_and_is_deterministic(tiny_model):
+    engine = HFEngine(tiny_model)
+    prompt = [9, 8, 7, 6, 5]
+    params = SamplingParams(temperature=0.0, max_tokens=7)
+    a, b = asyncio.run(engine.generate([GenerateRequest(prompt, params), GenerateRequest(prompt, params)]))
+    assert a.completions[0].token_ids == b.completions[0].token_ids
+    ids = list(prompt)
+    for _ in range(7):  # plain greedy reference without a cache
+        with torch.no_grad():
+            ids.append(int(tiny_model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert a.completions[0].token_ids == ids[len(prompt) :]
+    ref = _recomputed_logprobs(tiny_model, prompt, ids[len(prompt) :], 1.0)
+    torch.testing.assert_close(torch.tensor(a.completions[0].logprobs), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_stop_token_ends_sample_and_is_kept(tiny_model):
+    engine = HFEngine(tiny_model)
+    prompt = [3, 4, 5]
+    free = asyncio.run(engine.generate([GenerateRequest(prompt, SamplingParams(temperature=0, max_tokens=6))]))
+    greedy_ids = free[0].completions[0].token_ids
+    stop = greedy_ids[2]
+    first = greedy_ids.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop,))
+    c = asyncio.run(engine.generate([GenerateRequest(prompt, params)]))[0].completions[0]
+    assert c.token_ids == greedy_ids[: first + 1] and c.finish_reason == "stop"
+    assert len(c.logprobs) == len(c.token_ids)
+
+
+def test_seeds_reproduce_and_n_samples_differ(tiny_model):
+    engine = HFEngine(tiny_model)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=5, n=3)
+    one = asyncio.run(engine.generate([GenerateRequest([1, 2, 3], params)]))[0]
+    # same request inside a bigger batch with other rows: same samples (per-row generators)
+    other = GenerateRequest([4, 4, 4, 4, 4, 4], SamplingParams(max_tokens=3))
+    two = asyncio.run(engine.generate([other, GenerateRequest([1, 2, 3], params)]))[1]
+    assert [c.token_ids for c in one.completions] == [c.token_ids for c in two.completions]
+    assert len({tuple(c.token_ids) for c in one.completions}) > 1
+
+
+def test_concurrent_calls_are_batched(tiny_model):
+    engine = HFEngine(tiny_model, max_batch_size=16, batch_wait_s=0.05)
+    batches = []
+    original = engine.generate_batch
+
+    def counting(rows):
+        batches.append(len(rows))
+        return original(rows)
+
+    engine.generate_batch = counting
+
+    async def main():
+        calls = [engine.generate([GenerateRequest([i + 3, 7], SamplingParams(max_tokens=3, seed=i))]) for i in range(5)]
+        out = await asyncio.gather(*calls)
+        await engine.close()
+        return out
+
+    out = asyncio.run(main())
+    assert batches == [5] and all(len(r[0].completions[0].token_ids) == 3 for r in out)
+
+
+def test_update_weights_changes_samples_and_version(tokenizer, tiny_model):
+    from orchard.train.tiny import tiny_qwen3
+
+    engine = HFEngine(tiny_qwen3(tokenizer, seed=0))
+    request = GenerateRequest([5, 6, 7], SamplingParams(temperature=0, max_tokens=5))
+    before = asyncio.run(engine.generate([request]))[0]
+    other = tiny_qwen3(tokenizer, seed=1)
+    state = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}  # tied: may be left out
+    asyncio.run(engine.update_weights(state))
+    after = asyncio.run(engine.generate([request]))[0]
+    assert (before.weight_version, after.weight_version) == (0, 1)
+    ref = HFEngine(other)
+    assert after.completions[0].token_ids == asyncio.run(ref.generate([request]))[0].completions[0].token_ids
+    with pytest.raises(ValueError, match="does not"):
+        asyncio.run(engine.update_weights({"nope": torch.zeros(1)}))
+    with pytest.raises(ValueError, match="lacks"):
+        asyncio.run(engine.update_weights({"model.norm.weight": torch.ones(64)}))
+
+
+def test_bad_inputs_raise_value_error(tiny_model):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        GenerateRequest([])
+    with pytest.raises(ValueError, match="requests"):
+        asyncio.run(HFEngine(tiny_model).generate("abc"))
+    with pytest.raises(ValueError, match="model"):
+        HFEngine("gpt2")
+    assert asyncio.run(HFEngine(tiny_model).generate([])) == []
