@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from orchard.rollout.engine import Completion, GenerateRequest, GenerateResult, SamplingParams, validate_requests
+from orchard.rollout.engine import (
+    Completion,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    validate_requests,
+)
 
 
 @dataclass
@@ -148,7 +154,9 @@ class HFEngine:
         if isinstance(weights, nn.Module):
             weights = weights.state_dict()
         if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-            raise ValueError(f"weights must be a state dict of tensors or an nn.Module, got {type(weights).__name__}")
+            raise ValueError(
+                f"weights must be a state dict of tensors or an nn.Module, got {type(weights).__name__}"
+            )
         async with self._get_lock():
             await asyncio.to_thread(self._load_state_dict, weights)
             self.weight_version += 1
@@ -303,10 +311,7 @@ class HFEngine:
         for name, param in self.model.named_parameters(remove_duplicate=False):
             by_storage.setdefault(param.data_ptr(), []).append(name)
         tied_to_loaded = {
-            name
-            for names in by_storage.values()
-            if any(n in state_dict for n in names)
-            for name in names
+            name for names in by_storage.values() if any(n in state_dict for n in names) for name in names
         }
         buffers = {name for name, _ in self.model.named_buffers()}
         untied_missing = [k for k in missing if k not in tied_to_loaded and k not in buffers]

@@ -44,7 +44,9 @@ def test_nucleus_logprobs_hand_computed():
     torch.testing.assert_close(out[1], torch.tensor([0.625, 0.375, 0.0]))
     torch.testing.assert_close(out[2], torch.tensor([1.0, 0.0, 0.0]))
     # T = 2 on probabilities (0.8, 0.2): tempered ∝ sqrt -> 0.8944/(0.8944+0.4472) = 2/3, 1/3
-    tempered = nucleus_logprobs(torch.tensor([[0.8, 0.2]]).log(), torch.tensor([2.0]), torch.tensor([1.0])).exp()
+    tempered = nucleus_logprobs(
+        torch.tensor([[0.8, 0.2]]).log(), torch.tensor([2.0]), torch.tensor([1.0])
+    ).exp()
     torch.testing.assert_close(tempered[0], torch.tensor([2 / 3, 1 / 3]))
 
 
@@ -61,7 +63,9 @@ def test_top_p_samples_stay_in_nucleus_and_logprobs_are_renormalised(tiny_model)
     expected = ref.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
     assert torch.isfinite(expected).all()  # every sampled token lies inside its nucleus
     torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=2e-5, rtol=1e-5)
-    assert (torch.tensor(c.logprobs) >= full - 1e-6).all()  # renormalising over a subset only raises log-probs
+    assert (
+        torch.tensor(c.logprobs) >= full - 1e-6
+    ).all()  # renormalising over a subset only raises log-probs
 
 
 def test_greedy_matches_argmax_and_is_deterministic(tiny_model):
@@ -82,7 +86,9 @@ def test_greedy_matches_argmax_and_is_deterministic(tiny_model):
 def test_stop_token_ends_sample_and_is_kept(tiny_model):
     engine = HFEngine(tiny_model)
     prompt = [3, 4, 5]
-    free = asyncio.run(engine.generate([GenerateRequest(prompt, SamplingParams(temperature=0, max_tokens=6))]))
+    free = asyncio.run(
+        engine.generate([GenerateRequest(prompt, SamplingParams(temperature=0, max_tokens=6))])
+    )
     greedy_ids = free[0].completions[0].token_ids
     stop = greedy_ids[2]
     first = greedy_ids.index(stop)
@@ -115,7 +121,10 @@ def test_concurrent_calls_are_batched(tiny_model):
     engine.generate_batch = counting
 
     async def main():
-        calls = [engine.generate([GenerateRequest([i + 3, 7], SamplingParams(max_tokens=3, seed=i))]) for i in range(5)]
+        calls = [
+            engine.generate([GenerateRequest([i + 3, 7], SamplingParams(max_tokens=3, seed=i))])
+            for i in range(5)
+        ]
         out = await asyncio.gather(*calls)
         await engine.close()
         return out
