@@ -1,1 +1,39 @@
-"""orchard.losses."""
+"""orchard.losses: policy, KL, distillation and SFT losses as pure functions over ``[B, T]`` tensors.
+
+Every loss returns ``(loss, metrics)``: a scalar tensor and a dict of detached tensors with namespaced keys,
+and takes ``agg`` (see ``aggregate_loss``) and ``normalizer`` keywords. See ``docs/losses.md``.
+"""
+
+from orchard.losses.aggregate import agg_modes, aggregate_loss, register_agg_mode
+from orchard.losses.distill import js_opd_loss, k2_opd_loss, k3_opd_loss
+from orchard.losses.fused import fused_token_logprobs
+from orchard.losses.kl import kl_kinds, kl_penalty, register_kl_kind
+from orchard.losses.logprobs import token_logprobs
+from orchard.losses.policy import policy_loss
+from orchard.losses.sft import (
+    credit_assigned_sft_mask,
+    credit_runs,
+    interpolate_step_values,
+    sft_loss,
+    td_credit,
+)
+
+__all__ = [
+    "agg_modes",
+    "aggregate_loss",
+    "credit_assigned_sft_mask",
+    "credit_runs",
+    "fused_token_logprobs",
+    "interpolate_step_values",
+    "js_opd_loss",
+    "k2_opd_loss",
+    "k3_opd_loss",
+    "kl_kinds",
+    "kl_penalty",
+    "policy_loss",
+    "register_agg_mode",
+    "register_kl_kind",
+    "sft_loss",
+    "td_credit",
+    "token_logprobs",
+]

@@ -1,0 +1,130 @@
+"""Aggregation of per-token losses into a scalar: the named ``agg`` modes every loss accepts.
+
+Notation: ``x`` is the per-token loss ``[B, T]``, ``m`` the mask ``[B, T]`` (1/True: an action token that
+counts), ``n_i = Σ_t m_it`` the number of counted tokens of row ``i``, and ``Z`` the optional ``normalizer``.
+
+| mode                  | value                                   | default denominator         |
+|-----------------------|-----------------------------------------|-----------------------------|
+| ``token-mean``        | ``Σ_it m x / D``                        | ``D = Σ_it m`` (all tokens) |
+| ``seq-mean-token-mean``| ``Σ_i (Σ_t m x / n_i) / D``            | ``D = #{i : n_i > 0}``      |
+| ``seq-mean-token-sum``| ``Σ_i Σ_t m x / D``                     | ``D = #{i : n_i > 0}``      |
+| ``token-sum-norm``    | ``Σ_it m x / Z``                        | ``Z`` is required           |
+
+``normalizer`` replaces ``D`` in every mode. Given a *global* normaliser (the token count of the whole batch for
+``token-mean``, its number of non-empty sequences for the ``seq-mean`` modes, or any constant such as
+``batch_size × max_len`` for ``token-sum-norm``, as in DAPO and Dr.GRPO), each row's contribution does not depend
+on which micro-batch it lands in, so summing the micro-batch losses gives exactly the whole-batch loss and
+gradient. Without one, each micro-batch normalises by its own count and the sum differs.
+
+Masked positions may hold anything (NaN, ±inf): they are dropped by selection, never multiplied by zero, so
+they change neither the value nor the gradient. A batch with no counted token aggregates to 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from orchard.losses._registry import Registry
+from orchard.losses._validation import (
+    as_bool_mask,
+    check_bt,
+    check_float,
+    check_positive_number,
+    zero_outside,
+)
+
+AggFn = Callable[[Tensor, Tensor, "float | Tensor | None"], Tensor]
+"""An aggregation mode: ``fn(per_token [B, T] with masked positions already zero, mask [B, T] bool,
+normalizer) -> scalar``."""
+
+_AGG_MODES: Registry[AggFn] = Registry("aggregation mode")
+
+
+def register_agg_mode(name: str, fn: AggFn) -> AggFn:
+    """Register a new aggregation mode under ``name`` (``ValueError`` if taken).
+
+    ``fn(per_token, mask, normalizer)`` receives the per-token loss ``[B, T]`` with masked positions already
+    set to 0, the bool mask ``[B, T]``, and the caller's normaliser or ``None``; it returns a scalar tensor.
+    """
+    return _AGG_MODES.register(name, fn)
+
+
+def agg_modes() -> list[str]:
+    """Names of the registered aggregation modes."""
+    return _AGG_MODES.names()
+
+
+def _denominator(default: Tensor, normalizer: float | Tensor | None) -> Tensor | float:
+    return default.clamp(min=1) if normalizer is None else normalizer
+
+
+def _token_mean(x: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
+    return x.sum() / _denominator(mask.sum(), normalizer)
+
+
+def _seq_mean_token_mean(x: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
+    n_B = mask.sum(dim=-1)
+    row_mean_B = x.sum(dim=-1) / n_B.clamp(min=1)
+    return row_mean_B.sum() / _denominator((n_B > 0).sum(), normalizer)
+
+
+def _seq_mean_token_sum(x: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
+    n_B = mask.sum(dim=-1)
+    return x.sum() / _denominator((n_B > 0).sum(), normalizer)
+
+
+def _token_sum_norm(x: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
+    if normalizer is None:
+        raise ValueError("normalizer is required for mode 'token-sum-norm', got None")
+    return x.sum() / normalizer
+
+
+register_agg_mode("token-mean", _token_mean)
+register_agg_mode("seq-mean-token-mean", _seq_mean_token_mean)
+register_agg_mode("seq-mean-token-sum", _seq_mean_token_sum)
+register_agg_mode("token-sum-norm", _token_sum_norm)
+
+
+def aggregate_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """Reduce a per-token loss to a scalar over the counted tokens (formulas in the module docstring).
+
+    Args:
+        per_token: per-token loss. Shape: ``[B, T]``, floating point.
+        mask: 1/True where the token counts. Shape: ``[B, T]``; bool, integer or float (nonzero counts).
+        mode: one of ``agg_modes()``; default ``"token-mean"``.
+        normalizer: a positive constant replacing the mode's denominator (required by ``"token-sum-norm"``);
+            a Python number or a 0-dim tensor (a tensor is not read, so it is not checked for sign).
+
+    Returns:
+        A scalar tensor of ``per_token``'s dtype. 0 when no token counts.
+    """
+    per_token = check_float("per_token", check_bt("per_token", per_token))
+    mask = as_bool_mask("mask", mask, "per_token", per_token)
+    fn = resolve_agg(mode, normalizer, arg="mode")
+    return fn(zero_outside(mask, per_token), mask, normalizer)
+
+
+def resolve_agg(mode: object, normalizer: object, *, arg: str = "agg") -> AggFn:
+    """Check an aggregation mode and normaliser before any work is done; return the mode's function.
+
+    ``arg`` is the name the caller gave the mode argument, so the error names it.
+    """
+    fn = _AGG_MODES.get(mode, arg)
+    if normalizer is not None:
+        check_positive_number("normalizer", normalizer, allow_tensor=True)
+    elif mode == "token-sum-norm":
+        raise ValueError(f"normalizer is required for {arg}='token-sum-norm', got None")
+    return fn
+
+
+def reduce_masked(x: Tensor, mask: Tensor, fn: AggFn, normalizer: float | Tensor | None) -> Tensor:
+    """Aggregate an already validated ``x`` over a bool ``mask`` with a function from ``resolve_agg``."""
+    return fn(zero_outside(mask, x), mask, normalizer)

@@ -1,0 +1,248 @@
+"""Supervised fine-tuning on agent trajectories, and the Orchard paper's credit-assigned SFT masks.
+
+Plain SFT on a trajectory supervises every action token (the model's own turns); observations (tool outputs,
+user turns) are context only. Credit-assigned SFT also learns from *unresolved* trajectories, but only from the
+steps that moved the task forward:
+
+1. A trajectory has ``N`` steps (assistant turns) ``a_0 … a_{N−1}`` and states ``s_0 … s_N``: ``s_t`` is the
+   state before step ``t``, ``s_N`` the state after the last one. A value estimate ``V(s_t)`` (the probability
+   of eventually resolving the task) is available at some keyed states; ``interpolate_step_values`` fills in
+   the rest.
+2. ``td_credit``: the credit of step ``t`` is ``c_t = V(s_{t+1}) − V(s_t)``.
+3. ``credit_runs``: the maximal contiguous runs of steps with ``c_t ≥ ε`` (``ε = 0.05``).
+4. ``credit_assigned_sft_mask``: a resolved trajectory supervises all its action tokens; an unresolved one only
+   the action tokens of the steps inside its runs. Observation tokens are never supervised. The mask removes
+   supervision only: the earlier history stays in the input as context.
+5. ``sft_loss`` on that mask.
+
+Pipeline for one unresolved trajectory::
+
+    values = interpolate_step_values({0: 0.1, 4: 0.6, 9: 0.2}, num_steps=9)   # [10] values of s_0..s_9
+    runs = credit_runs(td_credit(values), eps=0.05)                        # [(0, 4)]
+    mask = credit_assigned_sft_mask(action_mask, step_index, resolved=False, runs=runs)
+    loss, metrics = sft_loss(logprobs, mask)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from orchard.losses._validation import (
+    as_bool_mask,
+    check_bt,
+    check_float,
+    check_real,
+    check_tensor,
+    masked_mean,
+)
+from orchard.losses.aggregate import reduce_masked, resolve_agg
+
+Run = tuple[int, int]
+"""A half-open range ``[start, end)`` of step indices."""
+
+
+def _check_count(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def interpolate_step_values(keyed_values: Mapping[int, float], num_steps: int) -> Tensor:
+    """Values of all states ``s_0 … s_N`` of an ``N``-step trajectory from values at some keyed states.
+
+    Linear interpolation between consecutive keys; before the first key and after the last the nearest keyed
+    value is held (no credit is invented outside the keyed span).
+
+    Args:
+        keyed_values: ``{state index: V(s)}`` with indices in ``[0, num_steps]`` and finite values; at least
+            one entry.
+        num_steps: ``N``, the number of steps (``≥ 0``).
+
+    Returns:
+        ``V(s_0) … V(s_N)``, float64. Shape: ``[N + 1]``.
+    """
+    num_steps = _check_count("num_steps", num_steps, minimum=0)
+    if not isinstance(keyed_values, Mapping) or not keyed_values:
+        raise ValueError(
+            f"keyed_values must be a non-empty mapping of state index to value, got {keyed_values!r}"
+        )
+    keys, values = [], []
+    for key, value in sorted(keyed_values.items()):
+        if isinstance(key, bool) or not isinstance(key, int | np.integer) or not 0 <= key <= num_steps:
+            raise ValueError(f"keyed_values keys must be state indices in [0, {num_steps}], got key {key!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float | np.floating)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"keyed_values values must be finite numbers, got {value!r} at key {key}")
+        keys.append(int(key))
+        values.append(float(value))
+    filled = np.interp(np.arange(num_steps + 1), keys, values)
+    return torch.from_numpy(filled)
+
+
+def td_credit(values: Tensor | Sequence[float]) -> Tensor:
+    """TD credit of each step: ``c_t = V(s_{t+1}) − V(s_t)``.
+
+    Args:
+        values: ``V(s_0) … V(s_N)``. Shape: ``[..., N + 1]`` with ``N + 1 ≥ 1``; finite.
+
+    Returns:
+        Shape: ``[..., N]``, the dtype of ``values`` (float64 for a sequence).
+    """
+    if not isinstance(values, Tensor):
+        values = torch.as_tensor(values, dtype=torch.float64)
+    if values.dim() == 0 or values.shape[-1] == 0 or not values.is_floating_point():
+        raise ValueError(
+            f"values must be a floating tensor of shape [..., N + 1] with N + 1 >= 1, "
+            f"got shape {tuple(values.shape)} dtype {values.dtype}"
+        )
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("values must be finite, got a NaN or an infinity")
+    return values[..., 1:] - values[..., :-1]
+
+
+def credit_runs(credit: Tensor | Sequence[float], eps: float = 0.05) -> list[Run]:
+    """Maximal contiguous runs of steps whose credit is at least ``eps``.
+
+    Args:
+        credit: ``c_0 … c_{N−1}``. Shape: ``[N]``; NaN counts as below ``eps``.
+        eps: the credit threshold ``ε``; default 0.05 (the paper's).
+
+    Returns:
+        Half-open ``(start, end)`` step ranges, in order, disjoint and non-adjacent. E.g. credit
+        ``[0.1, 0.2, 0.0, 0.05]`` with ``eps=0.05`` gives ``[(0, 2), (3, 4)]``.
+    """
+    eps = check_real("eps", eps)
+    credit_t = credit if isinstance(credit, Tensor) else torch.as_tensor(credit, dtype=torch.float64)
+    if credit_t.dim() != 1:
+        raise ValueError(f"credit must have shape [N], got shape {tuple(credit_t.shape)}")
+    above = (credit_t >= eps).tolist()
+    runs: list[Run] = []
+    start = None
+    for t, good in enumerate([*above, False]):
+        if good and start is None:
+            start = t
+        elif not good and start is not None:
+            runs.append((start, t))
+            start = None
+    return runs
+
+
+def _check_runs(name: str, runs: object) -> list[Run]:
+    if not isinstance(runs, Sequence) or isinstance(runs, str):
+        raise ValueError(f"{name} must be a sequence of (start, end) step ranges, got {runs!r}")
+    checked = []
+    for run in runs:
+        ok = (
+            isinstance(run, Sequence)
+            and len(run) == 2
+            and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in run)
+        )
+        if not ok or not 0 <= run[0] < run[1]:
+            raise ValueError(f"{name} must hold (start, end) ranges with 0 <= start < end, got {run!r}")
+        checked.append((int(run[0]), int(run[1])))
+    return checked
+
+
+def credit_assigned_sft_mask(
+    action_mask: Tensor,
+    step_index: Tensor,
+    resolved: bool | Sequence[bool] | Tensor,
+    runs: Sequence[Run] | Sequence[Sequence[Run]],
+) -> Tensor:
+    """Which tokens credit-assigned SFT supervises.
+
+    ``out = action_mask ∧ (resolved ∨ step_index ∈ ⋃ runs)``, per row.
+
+    Args:
+        action_mask: 1/True on tokens the model generated. Shape: ``[T]`` for one trajectory or ``[B, T]``.
+        step_index: the step each token belongs to (``≥ 0``), ``−1`` for tokens of no step (system prompt,
+            task, padding). Integer; shape of ``action_mask``.
+        resolved: whether each trajectory solved its task: a bool for ``[T]`` inputs, ``[B]`` bools for
+            ``[B, T]``. A resolved trajectory supervises every action token, runs or not.
+        runs: half-open ``(start, end)`` step ranges from ``credit_runs``: one list for ``[T]`` inputs, one list
+            per row for ``[B, T]``.
+
+    Returns:
+        Bool mask of ``action_mask``'s shape.
+    """
+    action_mask = check_tensor("action_mask", action_mask)
+    single = action_mask.dim() == 1
+    if not single and action_mask.dim() != 2:
+        raise ValueError(f"action_mask must have shape [T] or [B, T], got shape {tuple(action_mask.shape)}")
+    step_index = check_tensor("step_index", step_index)
+    if step_index.shape != action_mask.shape:
+        raise ValueError(
+            f"step_index must have the shape of action_mask {tuple(action_mask.shape)}, "
+            f"got shape {tuple(step_index.shape)}"
+        )
+    if step_index.is_floating_point() or step_index.is_complex() or step_index.dtype == torch.bool:
+        raise ValueError(f"step_index must be an integer tensor, got dtype {step_index.dtype}")
+    action_BT = as_bool_mask("action_mask", action_mask, "action_mask", action_mask)
+    steps_BT = step_index
+    if single:
+        if not isinstance(resolved, bool | np.bool_) and not (
+            isinstance(resolved, Tensor) and resolved.dim() == 0
+        ):
+            raise ValueError(f"resolved must be a bool for a [T] action_mask, got {resolved!r}")
+        resolved_rows = [bool(resolved)]
+        runs_rows = [_check_runs("runs", runs)]
+        action_BT, steps_BT = action_BT[None], steps_BT[None]
+    else:
+        batch = action_mask.shape[0]
+        resolved_list = resolved.tolist() if isinstance(resolved, Tensor) else resolved
+        if not isinstance(resolved_list, Sequence) or len(resolved_list) != batch:
+            raise ValueError(
+                f"resolved must hold one bool per row ({batch}) for a [B, T] action_mask, got {resolved!r}"
+            )
+        resolved_rows = [bool(r) for r in resolved_list]
+        if not isinstance(runs, Sequence) or len(runs) != batch:
+            raise ValueError(f"runs must hold one list of runs per row ({batch}), got {runs!r}")
+        runs_rows = [_check_runs(f"runs[{i}]", row) for i, row in enumerate(runs)]
+
+    supervised_BT = torch.zeros_like(action_BT)
+    for i, (is_resolved, row_runs) in enumerate(zip(resolved_rows, runs_rows, strict=True)):
+        if is_resolved:
+            supervised_BT[i] = True
+            continue
+        for start, end in row_runs:
+            supervised_BT[i] |= (steps_BT[i] >= start) & (steps_BT[i] < end)
+    out = action_BT & supervised_BT
+    return out[0] if single else out
+
+
+def sft_loss(
+    logprobs: Tensor,
+    mask: Tensor,
+    *,
+    agg: str = "token-mean",
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Negative log-likelihood of the supervised tokens: ``ℓ_t = −log π(y_t)``, reduced with ``agg``.
+
+    Args:
+        logprobs: ``log π(y_t)`` of the target tokens, with grad. Shape: ``[B, T]``.
+        mask: 1/True on supervised tokens (e.g. from ``credit_assigned_sft_mask``). Shape: ``[B, T]``. Masked
+            positions may hold anything (NaN, −inf).
+        agg: aggregation mode; default ``"token-mean"``.
+        normalizer: the aggregation's global normaliser (required for ``"token-sum-norm"``).
+
+    Returns:
+        ``(loss, metrics)`` with ``sft/nll`` (mean NLL over supervised tokens) and ``sft/tokens`` (their
+        count), both detached.
+    """
+    logprobs = check_float("logprobs", check_bt("logprobs", logprobs))
+    mask = as_bool_mask("mask", mask, "logprobs", logprobs)
+    agg_fn = resolve_agg(agg, normalizer)
+    nll = -logprobs  # [B, T]
+    loss = reduce_masked(nll, mask, agg_fn, normalizer)
+    with torch.no_grad():
+        metrics = {"sft/nll": masked_mean(nll, mask), "sft/tokens": mask.sum().to(logprobs.dtype)}
+    return loss, metrics
