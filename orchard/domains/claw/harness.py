@@ -1,0 +1,144 @@
+"""How an agent acts in the Claw world: the two harness conventions, sandbox set-up and verification.
+
+Two harnesses with different conventions, as in the paper:
+
+- **react** (tool calling): the tools travel as OpenAI function schemas; the model answers with native tool calls
+  (``<tool_call>`` blocks in our chat template); results come back as ``tool`` messages; a turn without a tool call
+  ends the episode.
+- **text** (a separate program, `orchard.domains.claw.text_harness`): no tool schemas; the system prompt lists the
+  tools in prose; the model writes one line ``Action: <tool> <json arguments>`` per turn, or ``Final: <summary>`` to
+  finish; results come back as user messages ``Observation: ...``. It talks to the model only through an
+  OpenAI-compatible endpoint (the recording proxy), so the recipe trains a harness it does not control.
+
+Either way a tool call becomes one command in the sandbox: ``python3 -I -S .claw/world.py call <tool> '<json>'``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchard.domains.claw import world
+from orchard.domains.claw.tasks import ClawTask
+from orchard.rewards import claw_task_score
+
+WORLD_SOURCE = Path(world.__file__).read_text()
+PYTHON = "python3"
+"""The interpreter inside the sandbox (any image with a python3 on PATH hosts the world)."""
+
+REACT_SYSTEM = (
+    "You are a personal assistant with tools for mail, calendar, inventory and files. "
+    "Call one tool per turn. When the task is complete, answer with a short summary and no tool call."
+)
+
+TEXT_SYSTEM = (
+    "You are a personal assistant for mail, calendar, inventory and files. Each turn write exactly one line: "
+    "'Action: <tool> <json arguments>', or 'Final: <summary>' when the task is complete.\nTools: "
+    + "; ".join(f"{name} {{{', '.join(params)}}}" for name, (_, params) in world.TOOLS.items())
+)
+
+FINAL_TEXT = "Done."
+
+
+def tool_command(name: str, arguments: dict[str, Any] | str) -> list[str]:
+    """The sandbox argv that runs one tool call (arguments given as a dict or as the model's JSON string)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    payload = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return [PYTHON, "-I", "-S", ".claw/world.py", "call", name, payload]
+
+
+_ACTION = re.compile(r"^\s*Action:\s*([A-Za-z_]\w*)\s*(\{.*\})?\s*$", re.S)
+_FINAL = re.compile(r"^\s*Final:\s*(.*)$", re.S)
+
+
+@dataclass(frozen=True)
+class TextAction:
+    """One parsed turn of the text harness: a tool call, a final answer, or a format error."""
+
+    kind: str
+    """'call', 'final' or 'error'."""
+    name: str = ""
+    arguments: dict[str, Any] | None = None
+    text: str = ""
+    """The final summary, or the error message."""
+
+
+def format_text_action(name: str, arguments: dict[str, Any]) -> str:
+    """The text harness's rendering of a tool call."""
+    return f"Action: {name} {json.dumps(arguments)}"
+
+
+def parse_text_action(text: str) -> TextAction:
+    """Parse one assistant turn of the text harness; malformed output becomes ``kind='error'``, never an exception."""
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    final = _FINAL.match(text)
+    if final:
+        return TextAction("final", text=final.group(1).strip())
+    match = _ACTION.match(text)
+    if not match:
+        return TextAction("error", text="expected 'Action: <tool> <json>' or 'Final: <summary>'")
+    name, raw = match.group(1), match.group(2) or "{}"
+    if name not in world.TOOLS:
+        return TextAction("error", name=name, text=f"unknown tool {name!r}")
+    try:
+        arguments = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return TextAction("error", name=name, text=f"arguments are not JSON: {exc.msg}")
+    if not isinstance(arguments, dict):
+        return TextAction("error", name=name, text="arguments must be a JSON object")
+    return TextAction("call", name=name, arguments=arguments)
+
+
+def setup_files(task: ClawTask) -> dict[str, bytes]:
+    """Workspace files a sandbox needs before the episode: the world program and the task's initial state."""
+    if not isinstance(task, ClawTask):
+        raise ValueError(f"task must be a ClawTask, got {type(task).__name__}")
+    return {".claw/world.py": WORLD_SOURCE.encode(), ".claw/state.json": json.dumps(task.state).encode()}
+
+
+def spec_file(task: ClawTask) -> tuple[str, bytes]:
+    """The verifier's checks, uploaded only after the episode."""
+    return world.SPEC, json.dumps(task.spec).encode()
+
+
+VERIFY_COMMAND = [PYTHON, "-I", "-S", ".claw/world.py", "verify"]
+
+
+@dataclass(frozen=True)
+class ClawScore:
+    """The verifier's verdict on one episode."""
+
+    completion: float
+    robustness: float
+    safety: float
+    score: float
+    passed: bool
+    details: dict[str, Any]
+
+    @property
+    def reward(self) -> float:
+        """The RL reward: +1 when the task passed, -1 otherwise (the paper's outcome reward)."""
+        return 1.0 if self.passed else -1.0
+
+
+def parse_verdict(stdout: str) -> ClawScore:
+    """Turn the in-sandbox verifier's JSON output into a `ClawScore` (via `claw_task_score`, pass >= 0.75)."""
+    try:
+        data = json.loads(stdout.strip().splitlines()[-1])
+        completion, robustness, safety = (float(data[k]) for k in ("completion", "robustness", "safety"))
+    except (IndexError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"stdout is not a verifier verdict: {stdout[:200]!r}") from exc
+    result = claw_task_score(safety=safety, completion=completion, robustness=robustness)
+    score, passed = _score_fields(result)
+    return ClawScore(completion, robustness, safety, score, passed, data)
+
+
+def _score_fields(result: Any) -> tuple[float, bool]:
+    if isinstance(result, tuple):
+        return float(result[0]), bool(result[1])
+    return float(result.score), bool(result.passed)
