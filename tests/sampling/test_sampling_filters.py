@@ -1,0 +1,53 @@
+import numpy as np
+import pytest
+import torch
+
+from orchard.sampling import difficulty_filter, filter_groups
+
+
+def test_filter_groups_hand_computed():
+    r = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.6]])
+    res = filter_groups(r)
+    assert res.kept_indices.tolist() == [1, 3]
+    assert res.keep.tolist() == [False, True, False, True]
+    assert (res.num_kept, res.num_dropped) == (2, 2)
+    # spread of group 3 is 0.1 (up to rounding): eps 0.2 treats it as flat
+    assert filter_groups(r, eps=0.2).kept_indices.tolist() == [1]
+
+
+def test_filter_groups_ragged_and_degenerate():
+    res = filter_groups([[1.0], [0.0, 1.0], [], [2.0, 2.0]])
+    assert res.kept_indices.tolist() == [1] and res.num_dropped == 3
+    empty = filter_groups(np.zeros((0, 4)))
+    assert (empty.num_kept, empty.num_dropped) == (0, 0)
+    with pytest.raises(ValueError, match="rewards_GN"):
+        filter_groups(np.zeros(4))
+    with pytest.raises(ValueError, match="rewards_GN"):
+        filter_groups([[1.0, float("nan")]])
+    with pytest.raises(ValueError, match="eps"):
+        filter_groups([[1.0]], eps=-0.1)
+
+
+def test_difficulty_filter_hand_computed():
+    s = [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    res = difficulty_filter(s)
+    # p = 0, .25, .5, .75, 1 -> keep 0 < p <= .5: tasks 1 and 2 (0.5 is inclusive)
+    np.testing.assert_allclose(res.pass_rate, [0.0, 0.25, 0.5, 0.75, 1.0])
+    assert res.kept_indices.tolist() == [1, 2] and (res.num_kept, res.num_dropped) == (2, 3)
+    # thresholds as kwargs: 0.25 < p <= 1
+    assert difficulty_filter(s, low=0.25, high=1.0).kept_indices.tolist() == [2, 3, 4]
+    # ragged: [1, 0, 0] -> 1/3 kept; [True] -> 1 dropped
+    assert difficulty_filter([[1, 0, 0], [True]]).kept_indices.tolist() == [0]
+
+
+def test_difficulty_filter_bad_inputs():
+    with pytest.raises(ValueError, match="low"):
+        difficulty_filter([[1]], low=0.6, high=0.5)
+    with pytest.raises(ValueError, match="high"):
+        difficulty_filter([[1]], high=1.5)
+    with pytest.raises(ValueError, match=r"successes_TK\[0\]"):
+        difficulty_filter([[2, 0]])
+    with pytest.raises(ValueError, match=r"successes_TK\[1\]"):
+        difficulty_filter([[1], []])
+    with pytest.raises(ValueError, match="successes_TK"):
+        difficulty_filter("abc")
