@@ -1,0 +1,18 @@
+"""Clients of the sandbox service: `SandboxClient` (sync) and `AsyncSandboxClient` (asyncio)."""
+
+from orchard.env.client._common import FileEntry, JobResult, PatchResult, RetryPolicy
+from orchard.env.client.aio import AsyncPtyProcess, AsyncSandbox, AsyncSandboxClient
+from orchard.env.client.sync import PtyProcess, Sandbox, SandboxClient
+
+__all__ = [
+    "AsyncPtyProcess",
+    "AsyncSandbox",
+    "AsyncSandboxClient",
+    "FileEntry",
+    "JobResult",
+    "PatchResult",
+    "PtyProcess",
+    "RetryPolicy",
+    "Sandbox",
+    "SandboxClient",
+]

@@ -1,0 +1,216 @@
+"""What the sync and async clients share: settings, the retry policy, typed results, errors from responses,
+and the registry of sandboxes to delete at interpreter exit."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import threading
+import uuid
+from dataclasses import dataclass, fields
+from typing import Any
+
+import httpx
+
+from orchard.env.errors import SandboxError, ServiceUnavailable, error_for_status
+
+BASE_URL_ENV = "SANDBOX_BASE_URL"
+API_KEY_ENV = "SANDBOX_API_KEY"
+DEFAULT_BASE_URL = "http://localhost:8000"
+RETRY_STATUSES = (502, 503, 504)
+
+
+def resolve_settings(base_url: str | None, api_key: str | None) -> tuple[str, str | None]:
+    """Arguments win over `SANDBOX_BASE_URL` / `SANDBOX_API_KEY`; the URL defaults to Orchard Env's
+    http://localhost:8000."""
+    url = base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must be an http(s) URL, got {url!r}")
+    return url.rstrip("/"), api_key or os.environ.get(API_KEY_ENV) or None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter for connection errors and 502/503/504.
+
+    Attempt k (0-based) waits uniform(c/2, c) with c = min(backoff_max_s, backoff_base_s * 2**k); a 503's
+    `Retry-After` replaces c/2..c with retry_after + uniform(0, 0.25 * retry_after).
+    """
+
+    max_attempts: int = 6
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
+        if not self.backoff_base_s >= 0 or not self.backoff_max_s >= 0:
+            raise ValueError(f"backoff times must be >= 0, got {self.backoff_base_s!r}, {self.backoff_max_s!r}")
+
+    def delay(self, attempt: int, retry_after_s: float | None = None, rng: random.Random | None = None) -> float:
+        rng = rng or random
+        if retry_after_s is not None:
+            return retry_after_s + rng.uniform(0.0, 0.25 * retry_after_s)
+        cap = min(self.backoff_max_s, self.backoff_base_s * 2**attempt)
+        return rng.uniform(cap / 2, cap)
+
+
+def retry_after_of(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def new_idempotency_key() -> str:
+    return uuid.uuid4().hex
+
+
+def error_from_response(response: httpx.Response) -> SandboxError:
+    try:
+        detail: Any = response.json().get("detail")
+    except ValueError:
+        detail = response.text
+    if isinstance(detail, str):
+        message = detail
+    elif isinstance(detail, dict):
+        message = str(detail.get("message") or detail)
+    else:
+        message = str(detail)
+    error = error_for_status(response.status_code, f"{response.status_code}: {message}", detail)
+    if isinstance(error, ServiceUnavailable):
+        error.retry_after_s = retry_after_of(response) or 1.0
+    return error
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """One exec: Orchard Env's job fields plus ours (truncation, timeout, duration).
+
+    `status` is "queued" | "running" | "succeeded" | "failed"; "succeeded" means exit code 0. A job that
+    was running when the orchestrator died is "failed" with `error` starting "lost:" (it was not run again).
+    """
+
+    job_id: str
+    sandbox_id: str = ""
+    command: str = ""
+    status: str = "queued"
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    created_at: float = 0.0
+    started_at: float | None = None
+    completed_at: float | None = None
+    error: str | None = None
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    duration_s: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobResult:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("succeeded", "failed")
+
+    is_complete = done
+
+    @property
+    def ok(self) -> bool:
+        """True when the command ran and exited 0."""
+        return self.status == "succeeded"
+
+    succeeded = ok
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    type: str
+    """"file" or "directory"."""
+    size: int
+    modified: str | None = None
+    path: str | None = None
+    mode: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FileEntry:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "directory"
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    success: bool
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PatchResult:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class _OpenSandboxes:
+    """Sandboxes created with auto_cleanup that are not deleted yet; deleted at interpreter exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, str], str | None] = {}
+        self._registered = False
+
+    def add(self, base_url: str, sandbox_id: str, api_key: str | None) -> None:
+        with self._lock:
+            self._open[(base_url, sandbox_id)] = api_key
+            if not self._registered:
+                atexit.register(self.delete_all)
+                self._registered = True
+
+    def discard(self, base_url: str, sandbox_id: str) -> None:
+        with self._lock:
+            self._open.pop((base_url, sandbox_id), None)
+
+    def snapshot(self) -> list[tuple[str, str, str | None]]:
+        with self._lock:
+            return [(url, sid, key) for (url, sid), key in self._open.items()]
+
+    def delete_all(self) -> None:
+        for base_url, sandbox_id, api_key in self.snapshot():
+            headers = {"Idempotency-Key": new_idempotency_key()}
+            if api_key:
+                headers["X-API-Key"] = api_key
+            try:
+                httpx.delete(f"{base_url}/sandboxes/{sandbox_id}", headers=headers, timeout=10.0)
+            except httpx.HTTPError:
+                pass  # best effort: the service's heartbeat reaper deletes it later
+            self.discard(base_url, sandbox_id)
+
+
+OPEN_SANDBOXES = _OpenSandboxes()
+
+
+def ws_url(base_url: str, sandbox_id: str) -> str:
+    scheme, rest = base_url.split("://", 1)
+    return f"{'wss' if scheme == 'https' else 'ws'}://{rest}/sandboxes/{sandbox_id}/exec/pty"
+
+
+def pty_init_frame(cmd: str | list[str] | None, *, env: dict[str, str] | None, cwd: str | None, rows: int,
+                   cols: int) -> dict[str, Any]:
+    if not isinstance(rows, int) or not isinstance(cols, int) or rows < 1 or cols < 1:
+        raise ValueError(f"rows and cols must be ints >= 1, got rows={rows!r} cols={cols!r}")
+    return {"type": "init", "cmd": cmd, "env": env or {}, "cwd": cwd, "rows": rows, "cols": cols}

@@ -1,0 +1,393 @@
+"""The asyncio client of the sandbox service; the same API as `SandboxClient`, awaited.
+
+    async with AsyncSandboxClient() as client:
+        async with await client.create() as sb:
+            result = await sb.exec("echo hi")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from orchard.env.client._common import (
+    OPEN_SANDBOXES,
+    RETRY_STATUSES,
+    FileEntry,
+    JobResult,
+    PatchResult,
+    RetryPolicy,
+    error_from_response,
+    new_idempotency_key,
+    pty_init_frame,
+    resolve_settings,
+    retry_after_of,
+    ws_url,
+)
+from orchard.env.client.sync import EXEC_GRACE_S
+from orchard.env.errors import NotFoundError, SandboxConnectionError, SandboxError, WaitTimeoutError
+
+
+class AsyncSandboxClient:
+    """Asyncio twin of `SandboxClient` (same arguments, same retries and idempotency keys)."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
+                 retry: RetryPolicy | None = None, auto_cleanup: bool = True,
+                 transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 1024) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        self.base_url, self.api_key = resolve_settings(base_url, api_key)
+        self.timeout = float(timeout)
+        self.retry = retry or RetryPolicy()
+        self.auto_cleanup = auto_cleanup
+        headers = {"X-API-Key": self.api_key} if self.api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout,
+                                       transport=transport,
+                                       limits=httpx.Limits(max_connections=max_connections,
+                                                           max_keepalive_connections=max_connections))
+        self._owned: dict[str, AsyncSandbox] = {}
+
+    async def request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                      timeout: float | None = None) -> Any:
+        """One API call with retries (see `SandboxClient.request`)."""
+        headers = {"Idempotency-Key": new_idempotency_key()} if method in ("POST", "DELETE", "PUT") else {}
+        read_timeout = timeout or self.timeout
+        last: BaseException | None = None
+        for attempt in range(self.retry.max_attempts):
+            final = attempt == self.retry.max_attempts - 1
+            try:
+                response = await self._http.request(method, path, json=json, params=params, headers=headers,
+                                                    timeout=httpx.Timeout(read_timeout, connect=10.0))
+            except httpx.TransportError as exc:
+                last = exc
+                if final:
+                    break
+                await asyncio.sleep(self.retry.delay(attempt))
+                continue
+            if response.status_code in RETRY_STATUSES and not final:
+                await asyncio.sleep(self.retry.delay(attempt, retry_after_of(response)))
+                continue
+            if response.status_code >= 400:
+                raise error_from_response(response)
+            return response.json()
+        raise SandboxConnectionError(f"{method} {path}: no answer after {self.retry.max_attempts} attempts: "
+                                     f"{type(last).__name__}: {last}") from last
+
+    async def health(self) -> dict[str, Any]:
+        return await self.request("GET", "/health")
+
+    async def resources(self) -> dict[str, Any]:
+        return await self.request("GET", "/resources")
+
+    async def list_sandboxes(self) -> list[dict[str, Any]]:
+        return (await self.request("GET", "/sandboxes"))["sandboxes"]
+
+    async def create(self, image: str = "host", *, block_network: bool = True, sandbox_id: str | None = None,
+                     cpu: str | None = None, memory: str | None = None, timeout: int | None = None,
+                     ttl_seconds: float | None = None, heartbeat_timeout: float | None = None,
+                     env: dict[str, str] | None = None, wait_ready: bool = True,
+                     keepalive_s: float | None = None) -> AsyncSandbox:
+        """Create a sandbox; see `SandboxClient.create`. `async with await client.create() as sb:`."""
+        payload: dict[str, Any] = {"image": image, "block_network": block_network}
+        for name, value in (("sandbox_id", sandbox_id), ("cpu", cpu), ("memory", memory), ("timeout", timeout),
+                            ("ttl_seconds", ttl_seconds), ("heartbeat_timeout", heartbeat_timeout), ("env", env)):
+            if value is not None:
+                payload[name] = value
+        info = await self.request("POST", "/sandboxes", json=payload)
+        sandbox = AsyncSandbox(self, info["sandbox_id"], info, owned=True)
+        if wait_ready and not info.get("ready", info.get("status") == "ready"):
+            wait_s = float(timeout or 3600)
+            sandbox.info = await self.request("GET", f"/sandboxes/{sandbox.sandbox_id}/wait",
+                                              params={"timeout": wait_s}, timeout=wait_s + 30)
+        if keepalive_s is not None:
+            sandbox.start_heartbeat(keepalive_s)
+        return sandbox
+
+    create_sandbox = create
+
+    async def sandbox(self, sandbox_id: str) -> AsyncSandbox:
+        return AsyncSandbox(self, sandbox_id, await self.request("GET", f"/sandboxes/{sandbox_id}"), owned=False)
+
+    async def get_job(self, job_id: str) -> JobResult:
+        return JobResult.from_dict(await self.request("GET", f"/jobs/{job_id}"))
+
+    async def wait_job(self, job_id: str, timeout: float = 300.0) -> JobResult:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            job = JobResult.from_dict(await self.request(
+                "GET", f"/jobs/{job_id}/wait", params={"timeout": min(left, 300.0)}, timeout=min(left, 300) + 30))
+            if job.done:
+                return job
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"job {job_id} still {job.status} after {timeout}s", status_code=0)
+
+    def _own(self, sandbox: AsyncSandbox) -> None:
+        self._owned[sandbox.sandbox_id] = sandbox
+        if self.auto_cleanup:
+            OPEN_SANDBOXES.add(self.base_url, sandbox.sandbox_id, self.api_key)
+
+    def _disown(self, sandbox_id: str) -> None:
+        self._owned.pop(sandbox_id, None)
+        OPEN_SANDBOXES.discard(self.base_url, sandbox_id)
+
+    async def aclose(self) -> None:
+        if self.auto_cleanup:
+            results = await asyncio.gather(*(s.delete() for s in list(self._owned.values())),
+                                           return_exceptions=True)
+            del results  # best effort: what failed stays in the at-exit registry
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncSandboxClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AsyncSandbox:
+    """One sandbox; `async with` deletes it on exit (cancellation and Ctrl-C included)."""
+
+    def __init__(self, client: AsyncSandboxClient, sandbox_id: str, info: dict[str, Any], *, owned: bool) -> None:
+        self.client = client
+        self.sandbox_id = sandbox_id
+        self.info = info
+        self.deleted = False
+        self._keepalive: asyncio.Task[None] | None = None
+        if owned:
+            client._own(self)
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/sandboxes/{self.sandbox_id}{suffix}"
+
+    async def refresh(self) -> dict[str, Any]:
+        self.info = await self.client.request("GET", self._path())
+        return self.info
+
+    async def exec(self, command: str | list[str], *, timeout: float | None = None, cwd: str | None = None,
+                   env: dict[str, str] | None = None, login_shell: bool = False, wait: bool = True,
+                   max_output_bytes: int | None = None, stdin: str | None = None) -> JobResult:
+        """See `Sandbox.exec`."""
+        if self.deleted:
+            raise NotFoundError(f"sandbox {self.sandbox_id} was deleted")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        body: dict[str, Any] = {"command": command, "timeout_seconds": timeout, "cwd": cwd, "env": env,
+                                "login_shell": login_shell, "wait": wait}
+        if max_output_bytes is not None:
+            body["max_output_bytes"] = max_output_bytes
+        if stdin is not None:
+            body["stdin"] = stdin
+        exec_s = float(timeout or 300.0)
+        data = await self.client.request("POST", self._path("/exec"), json=body, timeout=exec_s + EXEC_GRACE_S)
+        job = JobResult.from_dict({"sandbox_id": self.sandbox_id, **data})
+        if not wait or job.done:
+            return job
+        return await self.client.wait_job(job.job_id, timeout=exec_s + EXEC_GRACE_S)
+
+    async def get_job(self, job_id: str) -> JobResult:
+        return await self.client.get_job(job_id)
+
+    async def wait_job(self, job_id: str, timeout: float = 300.0) -> JobResult:
+        return await self.client.wait_job(job_id, timeout)
+
+    async def upload(self, remote_path: str, data: bytes | str, *, mode: int | None = None) -> int:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        body: dict[str, Any] = {"path": remote_path, "content": base64.b64encode(raw).decode("ascii")}
+        if mode is not None:
+            body["mode"] = mode
+        return int((await self.client.request("POST", self._path("/files"), json=body))["size"])
+
+    async def upload_file(self, local_path: str | Path, remote_path: str) -> int:
+        path = Path(local_path)
+        return await self.upload(remote_path, path.read_bytes(), mode=path.stat().st_mode & 0o777)
+
+    async def download(self, remote_path: str, *, max_bytes: int | None = None) -> bytes:
+        params: dict[str, Any] = {"path": remote_path}
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
+        data = await self.client.request("GET", self._path("/files"), params=params)
+        return base64.b64decode(data["content"])
+
+    async def download_file(self, remote_path: str, local_path: str | Path) -> int:
+        data = await self.download(remote_path)
+        Path(local_path).write_bytes(data)
+        return len(data)
+
+    async def list_files(self, path: str = "/workspace", *, recursive: bool = False) -> list[FileEntry]:
+        data = await self.client.request("GET", self._path("/files/list"),
+                                         params={"path": path, "recursive": recursive})
+        return [FileEntry.from_dict(f) for f in data["files"]]
+
+    async def apply_patch(self, patch: str, *, timeout: float = 30.0) -> PatchResult:
+        data = await self.client.request("POST", self._path("/apply_patch"),
+                                         json={"patch": patch, "timeout_seconds": timeout}, timeout=timeout + 30)
+        return PatchResult.from_dict(data)
+
+    async def resources(self) -> dict[str, Any]:
+        return await self.client.request("GET", self._path("/resources"))
+
+    async def heartbeat(self) -> None:
+        await self.client.request("POST", self._path("/heartbeat"))
+
+    def start_heartbeat(self, interval_s: float = 60.0) -> None:
+        """Send a heartbeat every `interval_s` seconds from a background task until `stop_heartbeat`/delete."""
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        if self._keepalive is not None and not self._keepalive.done():
+            return
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                with contextlib.suppress(SandboxError):
+                    await self.heartbeat()
+
+        self._keepalive = asyncio.create_task(beat())
+
+    async def stop_heartbeat(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive
+            self._keepalive = None
+
+    async def pty(self, cmd: str | list[str] | None = None, *, env: dict[str, str] | None = None,
+                  cwd: str | None = None, rows: int = 24, cols: int = 80,
+                  connect_timeout: float = 10.0) -> AsyncPtyProcess:
+        return await AsyncPtyProcess.connect(ws_url(self.client.base_url, self.sandbox_id), self.client.api_key,
+                                             pty_init_frame(cmd, env=env, cwd=cwd, rows=rows, cols=cols),
+                                             connect_timeout)
+
+    async def delete(self) -> None:
+        if self.deleted:
+            return
+        await self.stop_heartbeat()
+        with contextlib.suppress(NotFoundError):
+            await self.client.request("DELETE", self._path())
+        self.deleted = True
+        self.client._disown(self.sandbox_id)
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # Shielded so that a cancelled task (Ctrl-C under asyncio.run) still deletes its sandbox.
+        await asyncio.shield(self.delete())
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.sandbox_id!r}, deleted={self.deleted})"
+
+
+class AsyncPtyProcess:
+    """Asyncio twin of `PtyProcess`."""
+
+    def __init__(self) -> None:
+        self._ws: Any = None
+        self._out: asyncio.Queue[bytes] = asyncio.Queue()
+        self._exited = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+        self.returncode: int | None = None
+        self.error: str | None = None
+        self.pid: int | None = None
+
+    @classmethod
+    async def connect(cls, url: str, api_key: str | None, init: dict[str, Any],
+                      connect_timeout: float) -> AsyncPtyProcess:
+        from websockets.asyncio.client import connect
+
+        self = cls()
+        headers = {"X-API-Key": api_key} if api_key else {}
+        self._ws = await connect(url, additional_headers=headers, open_timeout=connect_timeout, max_size=1 << 24)
+        await self._ws.send(json.dumps(init))
+        self._reader = asyncio.create_task(self._read_loop())
+        try:
+            await asyncio.wait_for(self._ready.wait(), connect_timeout)
+        except TimeoutError:
+            self.error = "no ready frame"
+        if self.error:
+            await self.close()
+            raise SandboxError(f"PTY did not start: {self.error}")
+        return self
+
+    async def _read_loop(self) -> None:
+        try:
+            async for message in self._ws:
+                frame = json.loads(message)
+                kind = frame.get("type")
+                if kind == "stdout":
+                    self._out.put_nowait(base64.b64decode(frame.get("data", "")))
+                elif kind == "ready":
+                    self.pid = frame.get("pid")
+                    self._ready.set()
+                elif kind == "exit":
+                    self.returncode = int(frame.get("code", -1))
+                    break
+                elif kind == "error":
+                    self.error = str(frame.get("message"))
+                    break
+        except Exception as exc:
+            self.error = self.error or f"{type(exc).__name__}: {exc}"
+        finally:
+            self._exited.set()
+            self._ready.set()
+            self._out.put_nowait(b"")
+
+    async def write(self, data: bytes | str) -> None:
+        raw = data.encode() if isinstance(data, str) else data
+        await self._ws.send(json.dumps({"type": "stdin", "data": base64.b64encode(raw).decode("ascii")}))
+
+    async def read(self, timeout: float | None = None) -> bytes:
+        try:
+            chunk = await asyncio.wait_for(self._out.get(), timeout)
+        except TimeoutError:
+            raise WaitTimeoutError(f"no PTY output within {timeout}s", status_code=0) from None
+        if not chunk:
+            self._out.put_nowait(b"")
+        return chunk
+
+    async def read_until(self, marker: bytes, timeout: float = 10.0) -> bytes:
+        deadline = time.monotonic() + timeout
+        buffer = b""
+        while marker not in buffer:
+            chunk = await self.read(max(0.0, deadline - time.monotonic()))
+            if not chunk:
+                raise WaitTimeoutError(f"PTY exited before {marker!r}; got {buffer[-200:]!r}", status_code=0)
+            buffer += chunk
+        return buffer
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._ws.send(json.dumps({"type": "resize", "rows": int(rows), "cols": int(cols)}))
+
+    async def kill(self, sig: str = "TERM") -> None:
+        await self._ws.send(json.dumps({"type": "signal", "sig": sig}))
+
+    async def wait(self, timeout: float | None = None) -> int:
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout)
+        except TimeoutError:
+            raise WaitTimeoutError(f"PTY process still running after {timeout}s", status_code=0) from None
+        return self.returncode if self.returncode is not None else -1
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._ws.send(json.dumps({"type": "close"}))
+        with contextlib.suppress(Exception):
+            await self._ws.close()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await self._reader
+
+    async def __aenter__(self) -> AsyncPtyProcess:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

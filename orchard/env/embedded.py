@@ -1,0 +1,263 @@
+"""The embedded sandbox service: LocalBackend + SQLite state + the REST API on loopback, in one process.
+
+    from orchard.env.embedded import serve
+    with serve(tmp_dir) as (url, key):            # in this process, on a background thread
+        ...
+    with serve(tmp_dir, in_process=False) as svc:  # as a child process (svc.process), e.g. to kill it
+        ...
+
+`orchard env serve` runs the same thing in the foreground. Layout under `root_dir`: `state.sqlite3` (the
+orchestrator's store) and `sandboxes/` (the backend's root). Restarting on the same `root_dir` keeps sandboxes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import ipaddress
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchard.env.backends.base import Backend
+
+API_KEY_ENV = "ORCHARD_ENV_API_KEY"
+READY_PREFIX = "ORCHARD_ENV_URL="
+KEY_PREFIX = "ORCHARD_ENV_API_KEY="
+
+
+@dataclass
+class EmbeddedService:
+    """A running service. Unpacks as `(url, api_key)`."""
+
+    url: str
+    api_key: str
+    root_dir: Path
+    process: subprocess.Popen[str] | None = None
+    """The child process when started with `in_process=False`."""
+    output: list[str] = field(default_factory=list)
+    """What the child printed (kept for diagnostics)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((self.url, self.api_key))
+
+
+def make_backend(root_dir: Path, backend: str = "local") -> Backend:
+    """The backend named by `backend`: "local" (LocalBackend under `root_dir/sandboxes`) or "module:factory",
+    a callable taking the sandboxes directory."""
+    sandboxes = Path(root_dir) / "sandboxes"
+    if backend == "local":
+        from orchard.env.backends.local import LocalBackend
+
+        return LocalBackend(sandboxes)
+    module, _, attr = backend.partition(":")
+    if not module or not attr:
+        raise ValueError(f"backend must be 'local' or 'module:factory', got {backend!r}")
+    return getattr(importlib.import_module(module), attr)(sandboxes)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+def _url(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any], log_level: str) -> Any:
+    import uvicorn
+
+    from orchard.env.orchestrator import Orchestrator
+    from orchard.env.server import create_app
+    from orchard.env.store.sqlite import SQLiteStore
+
+    root_dir.mkdir(parents=True, exist_ok=True)
+    orchestrator = Orchestrator(make_backend(root_dir, backend), SQLiteStore(root_dir / "state.sqlite3"), **options)
+    app = create_app(orchestrator, [api_key])
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="websockets-sansio",
+                            timeout_keep_alive=30, backlog=4096, lifespan="on")
+    return uvicorn.Server(config)
+
+
+@contextlib.contextmanager
+def serve(
+    root_dir: str | Path | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    in_process: bool = True,
+    backend: str = "local",
+    log_level: str = "warning",
+    startup_timeout_s: float = 30.0,
+    **orchestrator_options: Any,
+) -> Iterator[EmbeddedService]:
+    """Run the embedded service for the duration of the `with` block.
+
+    Args:
+        root_dir: state and sandboxes live here; None = a temporary directory removed afterwards.
+        host: interface to bind; loopback by default.
+        port: 0 = any free port.
+        api_key: None = a fresh random key.
+        in_process: True = uvicorn on a background thread of this process; False = a child process
+            (`python -m orchard.env.embedded`), stopped with SIGTERM (SIGKILL after 10 s) on exit.
+        backend: "local" or "module:factory" (see `make_backend`).
+        orchestrator_options: keyword arguments of `Orchestrator` (e.g. `heartbeat_timeout_s=60`).
+    """
+    api_key = api_key or secrets.token_urlsafe(24)
+    with contextlib.ExitStack() as stack:
+        if root_dir is None:
+            root_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="orchard-env-"))
+        root = Path(root_dir)
+        if in_process:
+            yield from _serve_thread(root, host, port, api_key, backend, log_level, startup_timeout_s,
+                                     orchestrator_options)
+        else:
+            yield from _serve_child(root, host, port, api_key, backend, log_level, startup_timeout_s,
+                                    orchestrator_options)
+
+
+def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
+                  startup_timeout_s: float, options: dict[str, Any]) -> Iterator[EmbeddedService]:
+    server = _server(root, api_key, backend, options, log_level)
+    sock = _bind(host, port)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="orchard-env-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if failure or not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError(f"the embedded service did not start: {failure[:1] or 'timeout'}")
+        time.sleep(0.01)
+    try:
+        yield EmbeddedService(url=_url(sock, host), api_key=api_key, root_dir=root)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
+                 startup_timeout_s: float, options: dict[str, Any]) -> Iterator[EmbeddedService]:
+    argv = [sys.executable, "-m", "orchard.env.embedded", "--root", str(root), "--host", host, "--port",
+            str(port), "--backend", backend, "--log-level", log_level]
+    for name, value in options.items():
+        argv += ["--option", f"{name}={value}"]
+    env = {**os.environ, API_KEY_ENV: api_key}  # not on the command line: /proc/*/cmdline is world-readable
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    service = EmbeddedService(url="", api_key=api_key, root_dir=root, process=process)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        assert process.stdout is not None
+        while not service.url:
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError("the embedded service exited before it was ready:\n" + "".join(service.output))
+            service.output.append(line)
+            if line.startswith(READY_PREFIX):
+                service.url = line[len(READY_PREFIX):].strip()
+            if time.monotonic() > deadline:
+                raise RuntimeError("the embedded service did not start in time:\n" + "".join(service.output))
+        # Keep draining its output so the child never blocks on a full pipe.
+        threading.Thread(target=lambda: service.output.extend(process.stdout), daemon=True).start()  # type: ignore[arg-type]
+        yield service
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise ValueError(f"--option must be name=value, got {text!r}")
+    value: Any = raw
+    for cast in (int, float):
+        with contextlib.suppress(ValueError):
+            value = cast(raw)
+            break
+    if raw == "None":
+        value = None
+    return name, value
+
+
+def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                backend: str = "local", log_level: str = "warning", **orchestrator_options: Any) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM; first prints `ORCHARD_ENV_URL=...` and
+    `ORCHARD_ENV_API_KEY=...` lines (what `orchard env serve` shows)."""
+    api_key = api_key or secrets.token_urlsafe(24)
+    if not _is_loopback(host):
+        print(f"WARNING: binding {host}, not loopback: anyone who can reach it and holds the key can run "
+              "commands in its sandboxes", file=sys.stderr, flush=True)
+    server = _server(Path(root_dir), api_key, backend, orchestrator_options, log_level)
+    sock = _bind(host, port)
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            print(f"{READY_PREFIX}{_url(sock, host)}", flush=True)
+            print(f"{KEY_PREFIX}{api_key}", flush=True)
+        await task
+
+    asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchard.env.embedded", description=__doc__)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--backend", default="local")
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--option", action="append", default=[], help="Orchestrator keyword, name=value")
+    args = parser.parse_args(argv)
+    options = dict(_parse_option(o) for o in args.option)
+    run_forever(args.root, host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV),
+                backend=args.backend, log_level=args.log_level, **options)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,693 @@
+"""The orchestrator: sandbox lifecycle, the job store, exec scheduling, idempotency, the reaper.
+
+It owns ids, state and queues; a `Backend` owns the sandboxes themselves. The REST API (`orchard.env.server`)
+is a thin layer over this class, so everything here is tested through real HTTP too.
+
+Scheduling. Execs in one sandbox run one at a time, in arrival order (an `asyncio.Lock` per sandbox, as a shell
+session would). Across sandboxes at most `max_concurrent_execs` run at once (a semaphore); the rest wait in
+line. When `max_pending_execs` is set and that many are already waiting, a new exec is refused with 503 and
+`Retry-After` instead of queueing.
+
+Exactly-once. A mutating request that carries an `Idempotency-Key` is recorded with a fingerprint of the request.
+A retry with the same key never runs the operation again: it gets the first answer replayed, or, for an exec
+still in flight, is attached to the same job. The key and the job are written in one transaction, so even a
+retry that races the first request cannot start a second job.
+
+Restart. State lives in the store. On `start()` the orchestrator reconciles it with `backend.list_ids()`: live
+sandboxes are kept, records of sandboxes the backend no longer holds are dropped, sandboxes the store does not
+know are deleted, and jobs that were queued or running when the previous process died are marked `failed` with
+`error` starting with "lost:". A lost job is never re-run: the command may have had side effects, and running
+it twice would break the exactly-once promise. Then the reaper runs once, so what expired while the orchestrator
+was down is deleted straight away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import shlex
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchard.env.backends.base import (
+    Backend,
+    BackendError,
+    CapacityError,
+    ExecRequest,
+    FileInfo,
+    PathEscapeError,
+    PtySession,
+    Resources,
+    SandboxNotFoundError,
+    SandboxSpec,
+)
+from orchard.env.errors import (
+    BadRequestError,
+    ConflictError,
+    IdempotencyKeyReuseError,
+    NotFoundError,
+    PathError,
+    SandboxError,
+    ServerError,
+    ServiceUnavailable,
+    WaitTimeoutError,
+)
+from orchard.env.store.base import JOB_DONE, IdempotencyRecord, JobRecord, SandboxRecord, StateStore
+
+logger = logging.getLogger(__name__)
+
+SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+LOST_JOB_ERROR = "lost: the orchestrator stopped while this job was {status}; it was not run again"
+
+
+@dataclass(frozen=True)
+class CreateParams:
+    """A create request, as the API received it (Orchard Env field names)."""
+
+    image: str = "host"
+    block_network: bool = True
+    sandbox_id: str | None = None
+    cpu: str | None = None
+    memory: str | None = None
+    timeout: int | None = None
+    ttl_seconds: float | None = None
+    heartbeat_timeout: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecParams:
+    command: str | list[str]
+    timeout_seconds: float | None = None
+    cwd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    login_shell: bool = False
+    max_output_bytes: int | None = None
+    stdin: bytes | None = None
+
+
+def parse_cpu(value: str | None) -> float | None:
+    """Kubernetes CPU quantity to cores: "2" -> 2.0, "500m" -> 0.5. None stays None."""
+    if value is None or value == "":
+        return None
+    text = str(value).strip()
+    try:
+        cores = float(text[:-1]) / 1000.0 if text.endswith("m") else float(text)
+    except ValueError:
+        raise BadRequestError(f"cpu must look like '2' or '500m', got {value!r}") from None
+    if not cores > 0:
+        raise BadRequestError(f"cpu must be > 0, got {value!r}")
+    return cores
+
+
+_MEMORY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "K": 10**3, "M": 10**6,
+                 "G": 10**9, "T": 10**12, "": 1}
+
+
+def parse_memory_mb(value: str | None) -> int | None:
+    """Kubernetes memory quantity to MiB, rounded up: "16Gi" -> 16384, "1G" -> 954, "512Mi" -> 512."""
+    if value is None or value == "":
+        return None
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|)\s*", str(value))
+    if not match:
+        raise BadRequestError(f"memory must look like '512Mi' or '2Gi', got {value!r}")
+    n_bytes = float(match.group(1)) * _MEMORY_UNITS[match.group(2)]
+    if n_bytes <= 0:
+        raise BadRequestError(f"memory must be > 0, got {value!r}")
+    return max(1, -(-int(n_bytes) // (1 << 20)))
+
+
+def sandbox_view(record: SandboxRecord, namespace: str) -> dict[str, Any]:
+    """A sandbox as the API shows it (Orchard Env's fields, then ours)."""
+    return {
+        "sandbox_id": record.sandbox_id,
+        "namespace": namespace,
+        "image": record.image,
+        "pod_name": record.sandbox_id,
+        "block_network": record.block_network,
+        "cpu": record.cpu or "",
+        "memory": record.memory or "",
+        "timeout": record.timeout,
+        "created_at": record.created_at,
+        "ready": record.status == "ready",
+        "status": record.status,
+        "status_message": record.status_message,
+        "last_heartbeat": record.last_heartbeat,
+        "heartbeat_timeout": record.heartbeat_timeout,
+        "expires_at": record.expires_at,
+    }
+
+
+def job_view(record: JobRecord) -> dict[str, Any]:
+    return dataclasses.asdict(record)
+
+
+def file_view(info: FileInfo) -> dict[str, Any]:
+    name = info.path.rstrip("/").rsplit("/", 1)[-1] or info.path
+    modified = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(info.mtime))
+    return {
+        "name": name,
+        "path": info.path,
+        "type": "directory" if info.is_dir else "file",
+        "size": int(info.size),
+        "modified": modified,
+        "mode": info.mode,
+    }
+
+
+@contextlib.contextmanager
+def backend_errors(sandbox_id: str) -> Iterator[None]:
+    """Translate a backend's exceptions into API errors (PathEscapeError first: it is also a ValueError)."""
+    try:
+        yield
+    except PathEscapeError as exc:
+        raise PathError(str(exc), detail={"error": "path_escape", "message": str(exc)}) from exc
+    except SandboxNotFoundError as exc:
+        raise NotFoundError(f"Sandbox {sandbox_id} not found") from exc
+    except FileNotFoundError as exc:
+        raise NotFoundError(f"File not found: {exc.filename or exc}") from exc
+    except (IsADirectoryError, NotADirectoryError) as exc:
+        raise BadRequestError(f"{type(exc).__name__}: {exc}") from exc
+    except CapacityError as exc:
+        raise ServiceUnavailable(f"backend at capacity: {exc}") from exc
+    except ValueError as exc:
+        raise BadRequestError(str(exc)) from exc
+    except BackendError as exc:
+        raise ServerError(f"backend error: {exc}") from exc
+
+
+class Orchestrator:
+    """Sandbox lifecycle, exec jobs and idempotency over a `Backend` and a `StateStore`.
+
+    Args:
+        backend: where sandboxes live.
+        store: where state lives (survives restarts when the store does).
+        max_concurrent_execs: execs (and patches) running at once across all sandboxes. Default 64.
+        max_pending_execs: execs allowed to wait for a slot before new ones get 503; None = unbounded.
+        default_exec_timeout_s: an exec's timeout when the request gives none. Default 300 (Orchard Env's).
+        heartbeat_timeout_s: a sandbox with no heartbeat, exec or running job for this long is deleted.
+            Default 600.
+        reap_interval_s: how often the reaper runs. Default 5.
+        job_retention_s: finished jobs are forgotten this long after they end. Default 6 h.
+        idempotency_ttl_s: how long a key is remembered. Default 24 h.
+        max_output_bytes: per-stream output cap of an exec (the request may lower it). Default 1 MiB.
+        retry_after_s: the `Retry-After` sent with a 503. Default 1.
+        clock: epoch-seconds clock (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        store: StateStore,
+        *,
+        max_concurrent_execs: int = 64,
+        max_pending_execs: int | None = None,
+        default_exec_timeout_s: float = 300.0,
+        heartbeat_timeout_s: float = 600.0,
+        reap_interval_s: float = 5.0,
+        job_retention_s: float = 6 * 3600.0,
+        idempotency_ttl_s: float = 24 * 3600.0,
+        max_output_bytes: int = 1 << 20,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not isinstance(max_concurrent_execs, int) or max_concurrent_execs < 1:
+            raise ValueError(f"max_concurrent_execs must be an int >= 1, got {max_concurrent_execs!r}")
+        if max_pending_execs is not None and (not isinstance(max_pending_execs, int) or max_pending_execs < 0):
+            raise ValueError(f"max_pending_execs must be None or an int >= 0, got {max_pending_execs!r}")
+        for name, value in (("default_exec_timeout_s", default_exec_timeout_s),
+                            ("heartbeat_timeout_s", heartbeat_timeout_s), ("reap_interval_s", reap_interval_s),
+                            ("job_retention_s", job_retention_s), ("idempotency_ttl_s", idempotency_ttl_s),
+                            ("retry_after_s", retry_after_s)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not isinstance(max_output_bytes, int) or max_output_bytes < 1:
+            raise ValueError(f"max_output_bytes must be an int >= 1, got {max_output_bytes!r}")
+        self.backend = backend
+        self.store = store
+        self.max_concurrent_execs = max_concurrent_execs
+        self.max_pending_execs = max_pending_execs
+        self.default_exec_timeout_s = float(default_exec_timeout_s)
+        self.heartbeat_timeout_s = float(heartbeat_timeout_s)
+        self.reap_interval_s = float(reap_interval_s)
+        self.job_retention_s = float(job_retention_s)
+        self.idempotency_ttl_s = float(idempotency_ttl_s)
+        self.max_output_bytes = max_output_bytes
+        self.retry_after_s = float(retry_after_s)
+        self.clock = clock
+        self._slots = asyncio.Semaphore(max_concurrent_execs)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._job_done: dict[str, asyncio.Event] = {}
+        self._ready: dict[str, asyncio.Event] = {}
+        self._idem_done: dict[str, asyncio.Event] = {}
+        self._active_jobs: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self.pending_execs = 0
+        self.running_execs = 0
+
+    @property
+    def namespace(self) -> str:
+        return getattr(self.backend, "name", "local")
+
+    # life of the orchestrator itself
+    async def start(self, *, reaper: bool = True) -> None:
+        """Reconcile the store with the backend, reap what expired, and start the periodic reaper."""
+        await self.reconcile()
+        await self.reap_once()
+        if reaper:
+            self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        """Stop the reaper and cancel running jobs (their records stay; the next start marks them lost)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def reconcile(self) -> dict[str, list[str]]:
+        """Make the store agree with the backend after a restart. Returns what it did, by kind."""
+        now = self.clock()
+        report: dict[str, list[str]] = {"lost_jobs": [], "dropped": [], "orphans_deleted": [], "kept": []}
+        for job in await self.store.list_jobs(("queued", "running")):
+            job.error = LOST_JOB_ERROR.format(status=job.status)
+            job.status = "failed"
+            job.completed_at = now
+            await self.store.put_job(job)
+            report["lost_jobs"].append(job.job_id)
+        live = set(await self.backend.list_ids())
+        known = {record.sandbox_id: record for record in await self.store.list_sandboxes()}
+        for sandbox_id, record in known.items():
+            if sandbox_id not in live:
+                await self.store.delete_sandbox(sandbox_id)
+                report["dropped"].append(sandbox_id)
+            elif record.status == "deleting":
+                await self._destroy(sandbox_id)
+                report["dropped"].append(sandbox_id)
+            else:
+                if record.status == "pending":
+                    try:
+                        await self.backend.create(sandbox_id, self._spec(record))
+                        record.status = "ready"
+                    except Exception as exc:
+                        record.status, record.status_message = "failed", f"create failed: {exc}"
+                    await self.store.put_sandbox(record)
+                report["kept"].append(sandbox_id)
+        for sandbox_id in sorted(live - set(known)):
+            with contextlib.suppress(Exception):
+                await self.backend.delete(sandbox_id)
+            report["orphans_deleted"].append(sandbox_id)
+        for claim in await self.store.list_idempotency(pending_only=True):
+            record = await self.store.get_sandbox(claim.resource_id) if claim.resource_id else None
+            if record is not None and record.status == "ready":
+                await self.store.complete_idempotency(claim.key, 200, json.dumps(
+                    sandbox_view(record, self.namespace)))
+            else:
+                await self.store.delete_idempotency(claim.key)
+        logger.info("reconciled: %s", {k: len(v) for k, v in report.items()})
+        return report
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            try:
+                await self.reap_once()
+            except Exception:
+                logger.exception("reaper failed")
+
+    async def reap_once(self) -> list[str]:
+        """Delete expired sandboxes (TTL passed, or idle past their heartbeat timeout with no job running),
+        forget old finished jobs and old idempotency keys. Returns the ids of the sandboxes deleted."""
+        now = self.clock()
+        reaped = []
+        for record in await self.store.list_sandboxes():
+            expired = record.expires_at is not None and now >= record.expires_at
+            idle = (self._active_jobs.get(record.sandbox_id, 0) == 0
+                    and now - record.last_heartbeat >= record.heartbeat_timeout)
+            if (expired or idle) and record.status != "deleting":
+                try:
+                    await self.delete_sandbox(record.sandbox_id)
+                    reaped.append(record.sandbox_id)
+                except SandboxError:
+                    logger.exception("reaping %s failed", record.sandbox_id)
+        await self.store.delete_jobs_completed_before(now - self.job_retention_s)
+        await self.store.delete_idempotency_before(now - self.idempotency_ttl_s)
+        if reaped:
+            logger.info("reaped %d sandbox(es): %s", len(reaped), reaped)
+        return reaped
+
+    # idempotency
+    async def idempotent(
+        self,
+        key: str | None,
+        fingerprint: str,
+        operation: Callable[[], Awaitable[tuple[int, dict[str, Any]]]],
+        *,
+        resource_id: str | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Run `operation` once per key; a repeat gets the first (status, body) back. Errors of the client
+        (4xx) are remembered like successes; server errors are not, so a retry runs the operation again."""
+        if key is None:
+            return await operation()
+        claim = IdempotencyRecord(key=key, fingerprint=fingerprint, created_at=self.clock(),
+                                  resource_id=resource_id)
+        existing = await self.store.claim_idempotency(claim)
+        if existing is not None:
+            return await self._replay(existing, fingerprint)
+        done = self._idem_done[key] = asyncio.Event()
+        try:
+            try:
+                status, body = await operation()
+            except SandboxError as exc:
+                if exc.status_code >= 500:
+                    raise
+                status, body = exc.status_code, {"detail": exc.detail}
+            await self.store.complete_idempotency(key, status, json.dumps(body))
+            return status, body
+        except BaseException:
+            await self.store.delete_idempotency(key)
+            raise
+        finally:
+            done.set()
+            self._idem_done.pop(key, None)
+
+    async def _replay(self, record: IdempotencyRecord, fingerprint: str) -> tuple[int, dict[str, Any]]:
+        if record.fingerprint != fingerprint:
+            raise IdempotencyKeyReuseError(
+                f"Idempotency-Key {record.key!r} was first used with a different request",
+                detail={"error": "idempotency_key_reuse", "key": record.key},
+            )
+        deadline = time.monotonic() + 600.0
+        while record.status_code is None:
+            event = self._idem_done.get(record.key)
+            if event is not None:
+                await event.wait()
+            elif time.monotonic() > deadline:
+                raise ConflictError(f"the request with Idempotency-Key {record.key!r} is still in flight")
+            else:
+                await asyncio.sleep(0.05)
+            fresh = await self.store.get_idempotency(record.key)
+            if fresh is None:  # the first attempt failed with a server error: this retry runs it anew
+                raise ServiceUnavailable("the first attempt of this request failed; retry",
+                                         retry_after_s=self.retry_after_s)
+            record = fresh
+        assert record.response is not None
+        return record.status_code, json.loads(record.response)
+
+    # sandboxes
+    def _spec(self, record: SandboxRecord) -> SandboxSpec:
+        return SandboxSpec(image=record.image, env=dict(record.env), network=not record.block_network,
+                           cpu=parse_cpu(record.cpu), memory_mb=parse_memory_mb(record.memory))
+
+    async def create_sandbox(self, params: CreateParams) -> SandboxRecord:
+        """Create a sandbox and wait until the backend has made it (status "ready").
+
+        Raises:
+            BadRequestError: bad id, image, cpu, memory or timeouts (400).
+            ConflictError: the id exists (409).
+            ServiceUnavailable: the backend is at capacity (503).
+        """
+        sandbox_id = params.sandbox_id or uuid.uuid4().hex[:12]
+        if not SANDBOX_ID_RE.match(sandbox_id):
+            raise BadRequestError(f"sandbox_id must match {SANDBOX_ID_RE.pattern}, got {sandbox_id!r}")
+        if not params.image or not isinstance(params.image, str):
+            raise BadRequestError(f"image must be a non-empty string, got {params.image!r}")
+        for name in ("ttl_seconds", "heartbeat_timeout", "timeout"):
+            value = getattr(params, name)
+            if value is not None and not value > 0:
+                raise BadRequestError(f"{name} must be > 0, got {value!r}")
+        now = self.clock()
+        record = SandboxRecord(
+            sandbox_id=sandbox_id, image=params.image, block_network=params.block_network, cpu=params.cpu,
+            memory=params.memory, timeout=int(params.timeout or 3600), env=dict(params.env), status="pending",
+            created_at=now, last_heartbeat=now,
+            heartbeat_timeout=float(params.heartbeat_timeout or self.heartbeat_timeout_s),
+            expires_at=now + params.ttl_seconds if params.ttl_seconds else None,
+        )
+        spec = self._spec(record)  # validates cpu and memory before anything is stored
+        if not await self.store.insert_sandbox(record):
+            raise ConflictError(f"Sandbox {sandbox_id} already exists")
+        self._ready[sandbox_id] = asyncio.Event()
+        try:
+            with backend_errors(sandbox_id):
+                await self.backend.create(sandbox_id, spec)
+        except BaseException:
+            await self.store.delete_sandbox(sandbox_id)
+            with contextlib.suppress(Exception):
+                await self.backend.delete(sandbox_id)
+            raise
+        finally:
+            self._ready.pop(sandbox_id).set()
+        record.status = "ready"
+        await self.store.put_sandbox(record)
+        return record
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxRecord:
+        record = await self.store.get_sandbox(sandbox_id)
+        if record is None:
+            raise NotFoundError(f"Sandbox {sandbox_id} not found")
+        return record
+
+    async def wait_sandbox(self, sandbox_id: str, timeout: float) -> SandboxRecord:
+        """Block until the sandbox is out of "pending"; `WaitTimeoutError` (408) after `timeout` seconds."""
+        record = await self.get_sandbox(sandbox_id)
+        event = self._ready.get(sandbox_id)
+        if record.status == "pending" and event is not None:
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except TimeoutError:
+                raise WaitTimeoutError(f"Sandbox {sandbox_id} not ready within {timeout}s") from None
+            record = await self.get_sandbox(sandbox_id)
+        return record
+
+    async def _ready_sandbox(self, sandbox_id: str) -> SandboxRecord:
+        record = await self.wait_sandbox(sandbox_id, 600.0)
+        if record.status != "ready":
+            raise ConflictError(f"Sandbox {sandbox_id} is {record.status}, not ready")
+        return record
+
+    async def heartbeat(self, sandbox_id: str) -> SandboxRecord:
+        record = await self.get_sandbox(sandbox_id)
+        record.last_heartbeat = self.clock()
+        await self.store.put_sandbox(record)
+        return record
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        """Delete the sandbox and every process in it; queued execs then fail with "sandbox deleted"."""
+        record = await self.get_sandbox(sandbox_id)
+        record.status = "deleting"
+        await self.store.put_sandbox(record)
+        await self._destroy(sandbox_id)
+
+    async def _destroy(self, sandbox_id: str) -> None:
+        with backend_errors(sandbox_id):
+            try:
+                await self.backend.delete(sandbox_id)
+            except SandboxNotFoundError:
+                pass
+        await self.store.delete_sandbox(sandbox_id)
+        self._locks.pop(sandbox_id, None)
+
+    # execs
+    async def submit_exec(self, sandbox_id: str, params: ExecParams, *, key: str | None = None,
+                          fingerprint: str = "") -> JobRecord:
+        """Queue a command; returns its job (status "queued"). With a `key` already seen, returns the job that
+        key started instead of starting another."""
+        if key is not None:
+            existing = await self.store.get_idempotency(key)
+            if existing is not None:
+                return await self._job_for_claim(existing, fingerprint)
+        timeout = params.timeout_seconds if params.timeout_seconds is not None else self.default_exec_timeout_s
+        if not timeout > 0:
+            raise BadRequestError(f"timeout_seconds must be > 0, got {params.timeout_seconds!r}")
+        if params.max_output_bytes is not None and params.max_output_bytes < 1:
+            raise BadRequestError(f"max_output_bytes must be >= 1, got {params.max_output_bytes!r}")
+        if (isinstance(params.command, list) and not params.command) or params.command == "":
+            raise BadRequestError("command must be a non-empty string or list")
+        record = await self._ready_sandbox(sandbox_id)
+        if self.max_pending_execs is not None and self.pending_execs >= self.max_pending_execs:
+            raise ServiceUnavailable(f"{self.pending_execs} execs are waiting for a slot; retry later",
+                                     retry_after_s=self.retry_after_s)
+        now = self.clock()
+        command = params.command if isinstance(params.command, str) else shlex.join(params.command)
+        job = JobRecord(job_id=str(uuid.uuid4()), sandbox_id=sandbox_id, command=command, created_at=now)
+        claim = None
+        if key is not None:
+            claim = IdempotencyRecord(key=key, fingerprint=fingerprint, created_at=now, resource_id=job.job_id,
+                                      status_code=200, response=json.dumps({"job_id": job.job_id}))
+        existing = await self.store.create_job_idempotent(job, claim)
+        if existing is not None:
+            return await self._job_for_claim(existing, fingerprint)
+        record.last_heartbeat = now
+        await self.store.put_sandbox(record)
+        self._job_done[job.job_id] = asyncio.Event()
+        self._active_jobs[sandbox_id] = self._active_jobs.get(sandbox_id, 0) + 1
+        self.pending_execs += 1
+        task = asyncio.create_task(self._run_job(job, params, float(timeout)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job
+
+    async def _job_for_claim(self, claim: IdempotencyRecord, fingerprint: str) -> JobRecord:
+        if claim.fingerprint != fingerprint:
+            raise IdempotencyKeyReuseError(
+                f"Idempotency-Key {claim.key!r} was first used with a different request",
+                detail={"error": "idempotency_key_reuse", "key": claim.key},
+            )
+        job = await self.store.get_job(claim.resource_id or "")
+        if job is None:
+            raise NotFoundError(f"the job of Idempotency-Key {claim.key!r} has been forgotten")
+        return job
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        lock = self._locks.get(sandbox_id)
+        if lock is None:
+            lock = self._locks[sandbox_id] = asyncio.Lock()
+        return lock
+
+    async def _run_job(self, job: JobRecord, params: ExecParams, timeout: float) -> None:
+        waiting = True
+        try:
+            async with self._lock(job.sandbox_id), self._slots:
+                self.pending_execs -= 1
+                waiting = False
+                if await self.store.get_sandbox(job.sandbox_id) is None:
+                    job.status, job.error, job.completed_at = "failed", "sandbox deleted", self.clock()
+                    await self.store.put_job(job)
+                    return
+                job.status, job.started_at = "running", self.clock()
+                await self.store.put_job(job)
+                self.running_execs += 1
+                try:
+                    await self._exec_into(job, params, timeout)
+                finally:
+                    self.running_execs -= 1
+                job.completed_at = self.clock()
+                await self.store.put_job(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("job %s failed", job.job_id)
+            job.status, job.error, job.completed_at = "failed", f"{type(exc).__name__}: {exc}", self.clock()
+            await self.store.put_job(job)
+        finally:
+            if waiting:
+                self.pending_execs -= 1
+            left = self._active_jobs.get(job.sandbox_id, 1) - 1
+            if left > 0:
+                self._active_jobs[job.sandbox_id] = left
+            else:
+                self._active_jobs.pop(job.sandbox_id, None)
+            event = self._job_done.pop(job.job_id, None)
+            if event is not None:
+                event.set()
+
+    async def _exec_into(self, job: JobRecord, params: ExecParams, timeout: float) -> None:
+        command: str | list[str] = params.command
+        if isinstance(command, str) and not params.login_shell:
+            command = ["bash", "-c", command]  # Orchard Env: bash -c unless login_shell asks for bash -lc
+        cap = min(params.max_output_bytes or self.max_output_bytes, self.max_output_bytes)
+        request = ExecRequest(command=command, cwd=params.cwd, env=dict(params.env), timeout_s=timeout,
+                              stdin=params.stdin, max_output_bytes=cap)
+        try:
+            with backend_errors(job.sandbox_id):
+                result = await self.backend.exec(job.sandbox_id, request)
+        except SandboxError as exc:
+            job.status, job.error = "failed", str(exc)
+            return
+        job.stdout = result.stdout.decode("utf-8", errors="replace")
+        job.stderr = result.stderr.decode("utf-8", errors="replace")
+        job.exit_code = result.exit_code
+        job.stdout_truncated, job.stderr_truncated = result.stdout_truncated, result.stderr_truncated
+        job.timed_out, job.duration_s = result.timed_out, result.duration_s
+        job.status = "succeeded" if result.exit_code == 0 and not result.timed_out else "failed"
+        if result.timed_out:
+            job.error = f"Command timed out after {timeout:g}s"
+
+    async def get_job(self, job_id: str) -> JobRecord:
+        job = await self.store.get_job(job_id)
+        if job is None:
+            raise NotFoundError(f"Job {job_id} not found")
+        return job
+
+    async def wait_job(self, job_id: str, timeout: float) -> JobRecord:
+        """The job once it is done, or as it stands after `timeout` seconds (status "queued"/"running")."""
+        job = await self.get_job(job_id)
+        event = self._job_done.get(job_id)
+        if job.status not in JOB_DONE and event is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), max(0.0, timeout))
+            job = await self.get_job(job_id)
+        return job
+
+    # files, patches, resources, terminals
+    async def apply_patch(self, sandbox_id: str, patch: str, timeout: float = 30.0) -> dict[str, Any]:
+        """`git apply` a unified diff in the workspace, serialised with the sandbox's execs."""
+        if not isinstance(patch, str) or not patch.strip():
+            raise BadRequestError("patch must be a non-empty unified diff")
+        if not timeout > 0:
+            raise BadRequestError(f"timeout_seconds must be > 0, got {timeout!r}")
+        await self._ready_sandbox(sandbox_id)
+        async with self._lock(sandbox_id), self._slots:
+            try:
+                with backend_errors(sandbox_id):
+                    result = await asyncio.wait_for(self.backend.apply_patch(sandbox_id, patch), timeout)
+            except TimeoutError:
+                return {"success": False, "stdout": "", "stderr": "", "exit_code": 124,
+                        "error": f"apply_patch timed out after {timeout:g}s"}
+        return {"success": result.exit_code == 0, "stdout": result.stdout.decode("utf-8", errors="replace"),
+                "stderr": result.stderr.decode("utf-8", errors="replace"), "exit_code": result.exit_code,
+                "error": None}
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> int:
+        await self._ready_sandbox(sandbox_id)
+        with backend_errors(sandbox_id):
+            await self.backend.write_file(sandbox_id, path, data, mode)
+        return len(data)
+
+    async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        await self._ready_sandbox(sandbox_id)
+        with backend_errors(sandbox_id):
+            return await self.backend.read_file(sandbox_id, path, max_bytes)
+
+    async def list_files(self, sandbox_id: str, path: str, recursive: bool = False) -> list[FileInfo]:
+        await self._ready_sandbox(sandbox_id)
+        with backend_errors(sandbox_id):
+            return await self.backend.list_files(sandbox_id, path, recursive)
+
+    async def sandbox_resources(self, sandbox_id: str) -> Resources:
+        await self._ready_sandbox(sandbox_id)
+        with backend_errors(sandbox_id):
+            return await self.backend.resources(sandbox_id)
+
+    async def open_pty(self, sandbox_id: str, command: str | None, cols: int, rows: int) -> PtySession:
+        record = await self._ready_sandbox(sandbox_id)
+        record.last_heartbeat = self.clock()
+        await self.store.put_sandbox(record)
+        with backend_errors(sandbox_id):
+            return await self.backend.open_pty(sandbox_id, command, cols=cols, rows=rows)
+
+    async def summary(self) -> dict[str, Any]:
+        """What `/resources` reports: the service's own load, not a cluster's."""
+        sandboxes = await self.store.list_sandboxes()
+        return {
+            "status": "ok",
+            "backend": self.namespace,
+            "sandboxes": len(sandboxes),
+            "sandboxes_ready": sum(s.status == "ready" for s in sandboxes),
+            "max_concurrent_execs": self.max_concurrent_execs,
+            "running_execs": self.running_execs,
+            "queued_execs": self.pending_execs,
+            "max_pending_execs": self.max_pending_execs,
+        }

@@ -1,0 +1,160 @@
+"""The embedded state store: one SQLite file in WAL mode.
+
+WAL with `synchronous=NORMAL` makes every commit durable against a crash of the orchestrator process (the
+write is in the log before the call returns); only a power loss can drop the last commits. A record is stored as
+JSON beside the few columns queries filter on, so adding a field needs no migration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+from pathlib import Path
+
+from orchard.env.store.base import IdempotencyRecord, JobRecord, SandboxRecord
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (sandbox_id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, status TEXT NOT NULL,
+    completed_at REAL, data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status);
+CREATE TABLE IF NOT EXISTS idempotency (
+    key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, created_at REAL NOT NULL,
+    resource_id TEXT, status_code INTEGER, response TEXT);
+"""
+
+
+def _dump(record: object) -> str:
+    return json.dumps(dataclasses.asdict(record))  # type: ignore[arg-type]
+
+
+class SQLiteStore:
+    """`StateStore` on one SQLite file (or `":memory:"` for a store that dies with the process).
+
+    Args:
+        path: database file; its directory is created. The file survives restarts of the orchestrator.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        if not isinstance(path, (str, Path)) or str(path) == "":
+            raise ValueError(f"path must be a non-empty str or Path, got {path!r}")
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = str(path)
+        # The orchestrator calls the store from its event-loop thread only; isolation_level=None lets us
+        # bracket multi-statement writes with explicit BEGIN IMMEDIATE.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(_SCHEMA)
+
+    # sandboxes
+    async def put_sandbox(self, record: SandboxRecord) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO sandboxes (sandbox_id, data) VALUES (?, ?)", (record.sandbox_id, _dump(record))
+        )
+
+    async def insert_sandbox(self, record: SandboxRecord) -> bool:
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO sandboxes (sandbox_id, data) VALUES (?, ?)", (record.sandbox_id, _dump(record))
+        )
+        return cur.rowcount == 1
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        row = self._db.execute("SELECT data FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)).fetchone()
+        return SandboxRecord(**json.loads(row[0])) if row else None
+
+    async def list_sandboxes(self) -> list[SandboxRecord]:
+        rows = self._db.execute("SELECT data FROM sandboxes ORDER BY sandbox_id").fetchall()
+        return [SandboxRecord(**json.loads(r[0])) for r in rows]
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        self._db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
+
+    # jobs
+    def _put_job(self, record: JobRecord) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO jobs (job_id, sandbox_id, status, completed_at, data) VALUES (?, ?, ?, ?, ?)",
+            (record.job_id, record.sandbox_id, record.status, record.completed_at, _dump(record)),
+        )
+
+    async def put_job(self, record: JobRecord) -> None:
+        self._put_job(record)
+
+    async def get_job(self, job_id: str) -> JobRecord | None:
+        row = self._db.execute("SELECT data FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return JobRecord(**json.loads(row[0])) if row else None
+
+    async def list_jobs(self, statuses: tuple[str, ...] | None = None) -> list[JobRecord]:
+        if statuses is None:
+            rows = self._db.execute("SELECT data FROM jobs").fetchall()
+        else:
+            marks = ",".join("?" * len(statuses))
+            rows = self._db.execute(f"SELECT data FROM jobs WHERE status IN ({marks})", statuses).fetchall()
+        return [JobRecord(**json.loads(r[0])) for r in rows]
+
+    async def delete_jobs_completed_before(self, before: float) -> int:
+        cur = self._db.execute("DELETE FROM jobs WHERE completed_at IS NOT NULL AND completed_at < ?", (before,))
+        return cur.rowcount
+
+    # idempotency
+    def _insert_claim(self, record: IdempotencyRecord) -> bool:
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO idempotency (key, fingerprint, created_at, resource_id, status_code, response)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (record.key, record.fingerprint, record.created_at, record.resource_id, record.status_code,
+             record.response),
+        )
+        return cur.rowcount == 1
+
+    async def claim_idempotency(self, record: IdempotencyRecord) -> IdempotencyRecord | None:
+        if self._insert_claim(record):
+            return None
+        return await self.get_idempotency(record.key)
+
+    async def create_job_idempotent(
+        self, job: JobRecord, claim: IdempotencyRecord | None
+    ) -> IdempotencyRecord | None:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            if claim is not None and not self._insert_claim(claim):
+                self._db.execute("ROLLBACK")
+                return await self.get_idempotency(claim.key)
+            self._put_job(job)
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return None
+
+    async def complete_idempotency(self, key: str, status_code: int, response: str) -> None:
+        self._db.execute(
+            "UPDATE idempotency SET status_code = ?, response = ? WHERE key = ?", (status_code, response, key)
+        )
+
+    async def get_idempotency(self, key: str) -> IdempotencyRecord | None:
+        row = self._db.execute(
+            "SELECT key, fingerprint, created_at, resource_id, status_code, response FROM idempotency"
+            " WHERE key = ?",
+            (key,),
+        ).fetchone()
+        return IdempotencyRecord(*row) if row else None
+
+    async def list_idempotency(self, pending_only: bool = False) -> list[IdempotencyRecord]:
+        where = " WHERE status_code IS NULL" if pending_only else ""
+        rows = self._db.execute(
+            "SELECT key, fingerprint, created_at, resource_id, status_code, response FROM idempotency" + where
+        ).fetchall()
+        return [IdempotencyRecord(*r) for r in rows]
+
+    async def delete_idempotency(self, key: str) -> None:
+        self._db.execute("DELETE FROM idempotency WHERE key = ?", (key,))
+
+    async def delete_idempotency_before(self, before: float) -> int:
+        return self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (before,)).rowcount
+
+    async def close(self) -> None:
+        self._db.close()
