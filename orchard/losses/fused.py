@@ -146,20 +146,23 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         chunk_size: int,
         vocab_chunk_size: int,
         return_entropy: bool,
+        ignore_index: int,
     ):
         inv_temperature = 1.0 / temperature
         lse, label_logit, mean_z = _forward_stats(
             hidden, weight, bias, labels, inv_temperature, chunk_size, vocab_chunk_size, return_entropy
         )
         ctx.save_for_backward(hidden, weight, bias, labels, lse, mean_z)
+        ctx.ignore_index = ignore_index
         ctx.inv_temperature = inv_temperature
         ctx.chunk_size = chunk_size
         ctx.vocab_chunk_size = vocab_chunk_size
         ctx.return_entropy = return_entropy
         ctx.set_materialize_grads(False)
-        logprobs = label_logit - lse  # [N]
+        valid = labels != ignore_index  # [N]
+        logprobs = torch.where(valid, label_logit - lse, 0.0)  # [N]
         if return_entropy:
-            return logprobs, lse - mean_z  # [N], [N]
+            return logprobs, torch.where(valid, lse - mean_z, 0.0)  # [N], [N]
         return logprobs
 
     @staticmethod
@@ -167,10 +170,11 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, lse, mean_z = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         acc = lse.dtype
-        g_lp = None if grad_logprobs is None else grad_logprobs.to(acc)  # [N]
-        g_ent = None if grad_entropy is None else grad_entropy.to(acc)  # [N]
+        valid = labels != ctx.ignore_index  # [N]; ignored rows get no gradient
+        g_lp = None if grad_logprobs is None else torch.where(valid, grad_logprobs.to(acc), 0.0)  # [N]
+        g_ent = None if grad_entropy is None else torch.where(valid, grad_entropy.to(acc), 0.0)  # [N]
         inv_temperature = ctx.inv_temperature
         chunk_size, vocab_chunk_size = ctx.chunk_size, ctx.vocab_chunk_size
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -229,7 +233,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
 
         grad_hidden = None if grad_hidden_acc is None else grad_hidden_acc.to(hidden.dtype)
         grad_bias = None if grad_bias_acc is None else grad_bias_acc.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _check_chunk(name: str, value: object) -> int:
@@ -239,7 +243,7 @@ def _check_chunk(name: str, value: object) -> int:
 
 
 def _validate(
-    hidden: object, weight: object, labels: object, bias: object, temperature: object
+    hidden: object, weight: object, labels: object, bias: object, temperature: object, ignore_index: object
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, float]:
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, Tensor):
@@ -285,10 +289,16 @@ def _validate(
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     # one device sync: an out-of-range label would otherwise gather a wrong column silently
-    if labels.numel() and bool(((labels < 0) | (labels >= weight.shape[0])).any()):
-        bad = labels[(labels < 0) | (labels >= weight.shape[0])][:5].tolist()
-        raise ValueError(f"labels must lie in [0, V) = [0, {weight.shape[0]}), got values such as {bad}")
+    outside = (labels < 0) | (labels >= weight.shape[0])
+    if labels.numel() and bool((outside & (labels != ignore_index)).any()):
+        bad = labels[outside & (labels != ignore_index)][:5].tolist()
+        raise ValueError(
+            f"labels must lie in [0, V) = [0, {weight.shape[0]}) or equal ignore_index={ignore_index}, "
+            f"got values such as {bad}"
+        )
     return hidden, weight, labels, bias, float(temperature)
 
 
@@ -302,6 +312,7 @@ def fused_token_logprobs(
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     return_entropy: bool = False,
     bias: Tensor | None = None,
+    ignore_index: int = -100,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probability of each label (and the entropy) under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -325,6 +336,8 @@ def fused_token_logprobs(
             wants) and more memory.
         return_entropy: also return the entropy ``H`` (its gradient is exact, ``∂H/∂z_j = p_j (E_p[z] − z_j)``).
         bias: optional lm-head bias. Shape: ``(V,)``; dtype of ``weight``.
+        ignore_index: label of rows to skip (padding), as in ``token_logprobs``: their log-prob and entropy
+            are 0 with zero gradient (default −100). Cheaper still is not to pass such rows at all.
 
     Returns:
         ``logprobs`` of shape ``(N,)``, or ``(logprobs, entropy)`` when ``return_entropy``; float32 (float64 for
@@ -332,11 +345,11 @@ def fused_token_logprobs(
 
     Raises:
         ValueError: naming the argument, for wrong shapes, dtypes, devices, a non-positive temperature or
-            chunk size, or a label outside ``[0, V)``.
+            chunk size, or a label outside ``[0, V)`` that is not ``ignore_index``.
     """
-    hidden, weight, labels, bias, temperature = _validate(hidden, weight, labels, bias, temperature)
+    hidden, weight, labels, bias, temperature = _validate(hidden, weight, labels, bias, temperature, ignore_index)
     chunk_size = _check_chunk("chunk_size", chunk_size)
     vocab_chunk_size = _check_chunk("vocab_chunk_size", vocab_chunk_size)
     return _FusedTokenLogprobs.apply(
-        hidden, weight, bias, labels, temperature, chunk_size, vocab_chunk_size, bool(return_entropy)
+        hidden, weight, bias, labels, temperature, chunk_size, vocab_chunk_size, bool(return_entropy), ignore_index
     )
