@@ -1,0 +1,306 @@
+"""Rubric process reward (RPR) for software-engineering trajectories, and a forgiving parser for the judge.
+
+The judge (an LLM) reads a trajectory and scores seven process dimensions. The reward is their weighted mean
+mapped to ``[0, 1]``::
+
+    R = sum_d w_d * (s_d - lo) / (hi - lo) / sum_d w_d
+
+with the paper's weights ``RPR_WEIGHTS`` (they sum to 1) and a judge scale ``[lo, hi]``. **Assumed scale:** the
+judge scores each dimension on ``0..10`` (``scale=(0, 10)``); pass ``scale=`` for a judge prompted otherwise.
+An answer that cannot be scored is reported as such (``scorable=False``, ``reward=None``) so the caller drops
+the sample; it is never turned into a silent 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+import torch
+
+RPR_WEIGHTS: Mapping[str, float] = MappingProxyType(
+    {
+        "fix_quality": 0.15,
+        "self_test_relevance": 0.18,
+        "coverage": 0.12,
+        "rigor": 0.15,
+        "discriminativeness": 0.14,
+        "regression_guard": 0.12,
+        "verification_integrity": 0.14,
+    }
+)
+"""The seven RPR dimensions and their weights (Fix Quality .15, Self-test Relevance .18, Coverage .12, Rigor .15,
+Discriminativeness .14, Regression guard .12, Verification integrity .14; sum 1). Read-only."""
+
+DEFAULT_SCALE: tuple[float, float] = (0.0, 10.0)
+
+_ALIASES = {"rigour": "rigor", "selftest": "self_test_relevance", "regression": "regression_guard"}
+
+
+def _check_scale(scale: object) -> tuple[float, float]:
+    if (
+        not isinstance(scale, (tuple, list))
+        or len(scale) != 2
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scale)
+        or not scale[0] < scale[1]
+    ):
+        raise ValueError(f"scale must be a pair (lo, hi) of finite numbers with lo < hi, got {scale!r}")
+    return float(scale[0]), float(scale[1])
+
+
+def _check_weights(weights: object) -> dict[str, float]:
+    if not isinstance(weights, Mapping) or not weights:
+        raise ValueError(f"weights must be a non-empty mapping of dimension -> weight, got {weights!r}")
+    out = {}
+    for k, v in weights.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"weights must map str -> number, got {k!r}: {v!r}")
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"weights[{k!r}] must be a finite number >= 0, got {v!r}")
+        out[k] = float(v)
+    if sum(out.values()) <= 0:
+        raise ValueError(f"weights must have a positive sum, got {dict(out)}")
+    return out
+
+
+def rubric_reward(
+    scores: Mapping[str, float] | np.ndarray | torch.Tensor,
+    weights: Mapping[str, float] = RPR_WEIGHTS,
+    *,
+    scale: tuple[float, float] = DEFAULT_SCALE,
+) -> float | np.ndarray | torch.Tensor:
+    """Rubric process reward in ``[0, 1]``: ``sum_d w_d (s_d - lo) / (hi - lo) / sum_d w_d``.
+
+    Args:
+        scores: one judge score per dimension, either a mapping ``{dimension: score}`` with exactly the keys of
+            ``weights``, or an array / tensor whose last axis lists the dimensions in ``weights`` order.
+            Shape: ``(..., D)`` with ``D = len(weights)``.
+        weights: dimension -> non-negative weight; default :data:`RPR_WEIGHTS`. Normalised by their sum.
+        scale: the judge's score range ``(lo, hi)``; default ``(0, 10)`` (an assumption, see the module doc).
+
+    Returns:
+        A float for a mapping; an array / tensor of shape ``(...)`` for batched scores (tensors keep their
+        floating dtype).
+    """
+    lo, hi = _check_scale(scale)
+    w = _check_weights(weights)
+    names = list(w)
+    total = sum(w.values())
+    if isinstance(scores, Mapping):
+        missing = [d for d in names if d not in scores]
+        extra = [d for d in scores if d not in w]
+        if missing or extra:
+            raise ValueError(f"scores must have exactly the dimensions {names}; missing {missing}, unknown {extra}")
+        acc = 0.0
+        for d in names:
+            s = scores[d]
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not lo <= s <= hi:
+                raise ValueError(f"scores[{d!r}] must be a number in [{lo}, {hi}], got {s!r}")
+            acc += w[d] * (float(s) - lo) / (hi - lo)
+        return acc / total
+    is_tensor = isinstance(scores, torch.Tensor)
+    s_arr = scores if is_tensor else np.asarray(scores)
+    if (not is_tensor and not np.issubdtype(s_arr.dtype, np.number)) or s_arr.ndim < 1 or s_arr.shape[-1] != len(names):
+        raise ValueError(
+            f"scores must be a mapping or an array of shape (..., {len(names)}), got "
+            f"{getattr(s_arr, 'shape', type(scores).__name__)}"
+        )
+    if is_tensor:
+        s_t = s_arr if s_arr.is_floating_point() else s_arr.float()
+        if not (torch.isfinite(s_t).all() and (s_t >= lo).all() and (s_t <= hi).all()):
+            raise ValueError(f"scores must be finite and in [{lo}, {hi}]")
+        w_D = torch.tensor([w[d] for d in names], dtype=s_t.dtype, device=s_t.device)
+        return ((s_t - lo) / (hi - lo) * w_D).sum(dim=-1) / total  # [...]
+    s_np = s_arr.astype(np.float64)
+    if not (np.isfinite(s_np).all() and (s_np >= lo).all() and (s_np <= hi).all()):
+        raise ValueError(f"scores must be finite and in [{lo}, {hi}]")
+    w_D = np.array([w[d] for d in names])
+    return ((s_np - lo) / (hi - lo) * w_D).sum(axis=-1) / total  # [...]
+
+
+@dataclass(frozen=True)
+class RubricJudgement:
+    """What :func:`parse_rubric_judgement` made of a judge's answer.
+
+    ``scorable`` is False when any dimension is missing, non-numeric or out of range, or when no scores were
+    found at all; then ``reward`` is None and the sample must be dropped, not scored 0.
+    """
+
+    scores: dict[str, float]
+    """Dimension -> score, for every dimension that parsed (in range or not)."""
+    scorable: bool
+    reward: float | None
+    missing: tuple[str, ...] = ()
+    out_of_range: tuple[str, ...] = ()
+    error: str | None = None
+    """Why the answer is unscorable; None when scorable."""
+    extra: dict[str, object] = field(default_factory=dict)
+    """Keys of the judge's JSON that are not dimensions (rationale, comments), kept for logging."""
+
+
+def _canonical(key: str, dims: tuple[str, ...]) -> str | None:
+    squashed = re.sub(r"[^a-z0-9]", "", key.lower())
+    for d in dims:
+        if squashed == d.replace("_", ""):
+            return d
+    alias = _ALIASES.get(squashed)
+    return alias if alias in dims else None
+
+
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_FRACTION = re.compile(rf"^\s*({_NUMBER})\s*(?:/\s*({_NUMBER}))?\s*$")
+
+
+def _number(value: object, lo: float, hi: float) -> float | None:
+    """A score from a JSON value: a number, "7", "7/10" (rescaled to the scale), or {"score": ...}."""
+    if isinstance(value, Mapping):
+        for key in ("score", "value", "rating"):
+            if key in value:
+                return _number(value[key], lo, hi)
+        return None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = _FRACTION.match(value)
+        if not m:
+            return None
+        num = float(m.group(1))
+        if m.group(2) is None:
+            return num
+        den = float(m.group(2))
+        if den <= 0:
+            return None
+        return num if den == hi else lo + num / den * (hi - lo)
+    return None
+
+
+def _json_candidates(text: str) -> list[str]:
+    """Fenced blocks first, then every balanced top-level ``{...}`` span (string-aware), in order."""
+    out = [m.group(1) for m in re.finditer(r"```[A-Za-z0-9_-]*\s*\n?(.*?)```", text, re.DOTALL)]
+    depth, start, in_str, esc = 0, -1, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"' and depth > 0:
+            in_str = True
+        elif ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}" and depth > 0:
+            depth -= 1
+            if depth == 0:
+                out.append(text[start : i + 1])
+    return out
+
+
+def _loads(candidate: str) -> object:
+    for attempt in (candidate, re.sub(r",\s*([}\]])", r"\1", candidate)):
+        try:
+            return json.loads(attempt)
+        except ValueError:
+            continue
+    return None
+
+
+def _dimension_items(obj: object, dims: tuple[str, ...]) -> dict[str, object] | None:
+    """The {dimension: raw value} items of a parsed JSON object, looking one level into "scores"-like keys."""
+    if not isinstance(obj, Mapping):
+        return None
+    found = {c: v for k, v in obj.items() if isinstance(k, str) and (c := _canonical(k, dims))}
+    if found:
+        return found
+    for v in obj.values():
+        if isinstance(v, Mapping):
+            nested = {c: x for k, x in v.items() if isinstance(k, str) and (c := _canonical(k, dims))}
+            if nested:
+                return nested
+    return None
+
+
+def _line_items(text: str, dims: tuple[str, ...]) -> dict[str, object]:
+    """Fallback for prose answers: lines like ``- **Fix Quality**: 7/10``."""
+    found: dict[str, object] = {}
+    pattern = re.compile(rf"^[\s>*#\-\d.)]*([A-Za-z][A-Za-z _\-]*?)[\s*_`]*[:=]\s*[\s*`]*({_NUMBER}(?:\s*/\s*{_NUMBER})?)")
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m and (c := _canonical(m.group(1), dims)) and c not in found:
+            found[c] = m.group(2)
+    return found
+
+
+def parse_rubric_judgement(
+    text: str,
+    *,
+    weights: Mapping[str, float] = RPR_WEIGHTS,
+    scale: tuple[float, float] = DEFAULT_SCALE,
+) -> RubricJudgement:
+    """Read per-dimension scores from a judge's free-form answer; never raises on malformed answers.
+
+    Accepted: JSON (bare, inside a code fence, or embedded in prose; trailing commas tolerated), keys in any case
+    or spacing (``"Self-test Relevance"``, ``"self_test_relevance"``), values as numbers, numeric strings,
+    fractions ``"7/10"`` (a denominator other than ``hi`` is rescaled onto ``scale``) or ``{"score": 7}``,
+    optionally nested one level (``{"scores": {...}}``); or, failing JSON, prose lines ``Fix Quality: 7``.
+    The first candidate that names at least one dimension is used.
+
+    Args:
+        text: the judge's raw answer.
+        weights: the dimensions expected and their weights; default :data:`RPR_WEIGHTS`.
+        scale: the judge's score range; default ``(0, 10)``.
+
+    Returns:
+        :class:`RubricJudgement`; ``scorable=False`` with an ``error`` when a dimension is missing, non-numeric
+        or outside ``scale``, or nothing was found.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    lo, hi = _check_scale(scale)
+    w = _check_weights(weights)
+    dims = tuple(w)
+    items: dict[str, object] | None = None
+    extra: dict[str, object] = {}
+    for cand in _json_candidates(text):
+        obj = _loads(cand)
+        items = _dimension_items(obj, dims)
+        if items:
+            assert isinstance(obj, Mapping)
+            extra = {k: v for k, v in obj.items() if not (isinstance(k, str) and _canonical(k, dims))}
+            break
+    if not items:
+        items = _line_items(text, dims)
+    if not items:
+        return RubricJudgement({}, False, None, missing=dims, error="no rubric scores found in the judge's answer")
+    scores: dict[str, float] = {}
+    bad: list[str] = []
+    for d, raw in items.items():
+        v = _number(raw, lo, hi)
+        if v is None or not math.isfinite(v):
+            bad.append(d)
+        else:
+            scores[d] = v
+    missing = tuple(d for d in dims if d not in items)
+    out_of_range = tuple(d for d, v in scores.items() if not lo <= v <= hi)
+    problems = []
+    if missing:
+        problems.append(f"missing {list(missing)}")
+    if bad:
+        problems.append(f"non-numeric {bad}")
+    if out_of_range:
+        problems.append(f"outside [{lo:g}, {hi:g}]: {list(out_of_range)}")
+    if problems:
+        return RubricJudgement(scores, False, None, missing, out_of_range, "; ".join(problems), extra)
+    reward = rubric_reward(scores, w, scale=(lo, hi))
+    assert isinstance(reward, float)
+    return RubricJudgement(scores, True, reward, (), (), None, extra)
