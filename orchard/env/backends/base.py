@@ -27,6 +27,10 @@ class PathEscapeError(BackendError, ValueError):
     """A file path resolves outside the sandbox (`..`, an absolute path elsewhere, a symlink pointing out)."""
 
 
+class ImageNotFoundError(BackendError, ValueError):
+    """The sandbox spec names an image the backend does not know (the API answers 400)."""
+
+
 class CapacityError(BackendError):
     """The backend cannot take another sandbox right now (the API answers 503 with Retry-After)."""
 
@@ -111,7 +115,13 @@ class PtySession(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     """A place sandboxes live. Every method is safe to call concurrently for different sandboxes; the
-    orchestrator serialises execs within one sandbox."""
+    orchestrator serialises execs within one sandbox.
+
+    Besides the members below, a backend may expose `isolation: str`, a word the service reports on /health
+    (the local backend: "bubblewrap", or "process-group" when it had to fall back; Kubernetes: "pod").
+    It is not part of the protocol so that test doubles need not define it; read it with
+    `getattr(backend, "isolation", "unknown")`.
+    """
 
     name: str
 

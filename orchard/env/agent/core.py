@@ -1,0 +1,163 @@
+"""The exec agent: everything that happens inside one sandbox (commands, files, patches, terminals).
+
+`SandboxAgent` is used in-process by the local backend (one object per sandbox, no extra process) and served
+over HTTP by `orchard.env.agent.server` when the sandbox is a pod of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from orchard.env.agent.files import Workspace
+from orchard.env.agent.isolation import BUBBLEWRAP, Isolation
+from orchard.env.agent.process import ProcessTree, run_captured
+from orchard.env.agent.pty import LocalPty
+from orchard.env.backends.base import ExecRequest, ExecResult, FileInfo, Resources
+
+_GIT_APPLY = ["git", "apply", "--verbose", "--whitespace=nowarn", "-"]
+
+
+def validate_request(request: ExecRequest) -> None:
+    """Raise ValueError naming the field of `request` that is malformed."""
+    cmd = request.command
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise ValueError("command must be a non-empty string or argv list, got an empty string")
+    elif isinstance(cmd, list | tuple):
+        if not cmd or not all(isinstance(a, str) for a in cmd):
+            raise ValueError(f"command as argv must be a non-empty list of strings, got {cmd!r}")
+    else:
+        raise ValueError(f"command must be a string or a list of strings, got {type(cmd).__name__}")
+    if any("\x00" in a for a in ([cmd] if isinstance(cmd, str) else cmd)):
+        raise ValueError("command must not contain NUL bytes")
+    t = request.timeout_s
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+        raise ValueError(f"timeout_s must be a finite number > 0, got {t!r}")
+    m = request.max_output_bytes
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ValueError(f"max_output_bytes must be an int >= 0, got {m!r}")
+    if request.stdin is not None and not isinstance(request.stdin, bytes | bytearray):
+        raise ValueError(f"stdin must be bytes or None, got {type(request.stdin).__name__}")
+    validate_env(request.env, "env")
+
+
+def validate_env(env: dict[str, str], name: str) -> None:
+    """Raise ValueError unless `env` maps valid variable names to strings without NUL bytes."""
+    if not isinstance(env, dict):
+        raise ValueError(f"{name} must be a dict of str to str, got {type(env).__name__}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not k or "=" in k or "\x00" in k:
+            raise ValueError(f"{name} has an invalid variable name {k!r}")
+        if not isinstance(v, str) or "\x00" in v:
+            raise ValueError(f"{name}[{k!r}] must be a string without NUL bytes, got {v!r}")
+
+
+class SandboxAgent:
+    """Runs commands and file operations in one sandbox.
+
+    Args:
+        isolation: how the sandbox's processes are started (bubblewrap or the process-group fallback); it
+            also holds the workspace and the limits.
+        env: variables every command starts with (on top of PATH, HOME, LANG; a request's `env` goes on top).
+        host_isolation: the isolation used for `apply_patch` (`git` from the host's file system, with the
+            same workspace and uid), so an image without git can still take patches. Defaults to `isolation`.
+    """
+
+    def __init__(
+        self, isolation: Isolation, *, env: dict[str, str] | None = None, host_isolation: Isolation | None = None
+    ) -> None:
+        validate_env(env or {}, "env")
+        self.isolation = isolation
+        self.workspace: Workspace = isolation.workspace
+        self.env = dict(env or {})
+        self._patch_isolation = host_isolation or isolation
+        self._live: set[ProcessTree] = set()
+        self._ptys: set[LocalPty] = set()
+
+    # -- commands -----------------------------------------------------------------------------------------
+
+    async def exec(self, request: ExecRequest) -> ExecResult:
+        """Run a command to completion or timeout (rules in `orchard.env.agent.process`).
+
+        A string command runs as `bash -lc <command>`; a list runs as that argv. Relative `cwd` is taken from
+        the workspace; the default is the workspace itself.
+        """
+        validate_request(request)
+        argv = ["bash", "-lc", request.command] if isinstance(request.command, str) else list(request.command)
+        return await self._run(self.isolation, argv, request)
+
+    async def _run(self, isolation: Isolation, argv: list[str], request: ExecRequest) -> ExecResult:
+        cwd = isolation.resolve_cwd(request.cwd)
+        env = {**isolation.base_env(), **self.env, **request.env}
+        launch = isolation.launch(argv, cwd=cwd, env=env, timeout_s=request.timeout_s)
+        try:
+            return await run_captured(
+                launch.argv,
+                tree_factory=launch.tree_factory,
+                stdin=bytes(request.stdin) if request.stdin is not None else None,
+                timeout_s=request.timeout_s,
+                max_output_bytes=request.max_output_bytes,
+                on_start=self._live.add,
+                on_end=self._live.discard,
+                **launch.popen,
+            )
+        finally:
+            launch.close()
+
+    async def apply_patch(self, patch: str, *, timeout_s: float = 60.0) -> ExecResult:
+        """Apply a unified diff with `git apply` in the workspace root; the patch goes to git's stdin.
+
+        git itself refuses paths that leave the work tree or go through a symlink; it runs sandboxed like any
+        command, so even a git bug could not write outside the workspace.
+        """
+        if not isinstance(patch, str):
+            raise ValueError(f"patch must be a string, got {type(patch).__name__}")
+        if not patch.strip():
+            raise ValueError("patch must be a non-empty unified diff, got an empty string")
+        request = ExecRequest(command=_GIT_APPLY, stdin=patch.encode(), timeout_s=timeout_s)
+        return await self._run(self._patch_isolation, list(_GIT_APPLY), request)
+
+    async def open_pty(self, command: str | None = None, cols: int = 80, rows: int = 24) -> LocalPty:
+        """An interactive terminal running `command` under `bash -lc` (default: an interactive bash)."""
+        if command is not None and (not isinstance(command, str) or not command.strip() or "\x00" in command):
+            raise ValueError(f"command must be a non-empty string or None, got {command!r}")
+        argv = ["bash", "-i"] if command is None else ["bash", "-lc", command]
+        env = {**self.isolation.base_env(), "TERM": "xterm-256color", **self.env}
+        launch = self.isolation.launch(
+            argv, cwd=self.isolation.resolve_cwd(None), env=env, timeout_s=None, tty=True
+        )
+        try:
+            pty = await LocalPty.start(launch, cols=cols, rows=rows, on_close=self._ptys.discard)
+        finally:
+            launch.close()
+        self._ptys.add(pty)
+        return pty
+
+    async def kill_all(self) -> None:
+        """End every running command and terminal of the sandbox (used before it is deleted)."""
+        for tree in list(self._live):
+            tree.kill()
+        await asyncio.gather(*(p.close() for p in list(self._ptys)), return_exceptions=True)
+        self._ptys.clear()
+
+    # -- files --------------------------------------------------------------------------------------------
+
+    async def write_file(self, path: str, data: bytes, mode: int | None = None) -> None:
+        await asyncio.to_thread(self.workspace.write_file, path, data, mode)
+
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        return await asyncio.to_thread(self.workspace.read_file, path, max_bytes)
+
+    async def list_files(self, path: str = ".", recursive: bool = False) -> list[FileInfo]:
+        return await asyncio.to_thread(self.workspace.list_files, path, recursive)
+
+    async def resources(self) -> Resources:
+        limits = self.isolation.limits
+        disk = await asyncio.to_thread(self.workspace.disk_usage)
+        return Resources(cpu=limits.cpu, memory_mb=limits.memory_mb, pids=limits.pids, disk_bytes=disk)
+
+    @property
+    def isolated(self) -> bool:
+        """True when commands run under bubblewrap (False: the process-group fallback)."""
+        return self.isolation.mode == BUBBLEWRAP

@@ -1,0 +1,380 @@
+"""How a sandbox's processes are isolated and limited: bubblewrap, or a process-group fallback.
+
+**Bubblewrap** (the default where it works). Every process started for the sandbox runs as
+
+    bwrap --unshare-user --unshare-pid --unshare-net --unshare-ipc --unshare-uts --die-with-parent
+          --new-session --tmpfs / <the image's top-level entries, read-only> --proc /proc --dev /dev
+          --tmpfs /tmp --bind <workspace> <mount> --remount-ro / --chdir <cwd> -- <command>
+
+started as the sandbox's own non-root uid (when the service is root, each sandbox gets a uid of its own, so
+the processes of one sandbox cannot signal or read another's). The new root is a read-only tmpfs with the
+image's top-level directories bound read-only on it (binding "/" itself would leave no place for the
+workspace's mount point), a fresh /proc, /dev and /tmp, the workspace read-write at its mount point, and
+the service's sandbox directory hidden under an empty tmpfs. `--unshare-net` leaves only a loopback device:
+no network unless the sandbox was created with `network=True`. Each command gets its own pid namespace whose
+init is bubblewrap's; killing the outer bubblewrap process kills that init (`--die-with-parent`) and the
+kernel then kills every process in the namespace, however it detached (`setsid`, double fork, `nohup`).
+
+**Limits** are rlimits set in the child before bubblewrap starts, inherited by everything in the sandbox:
+`RLIMIT_NPROC` = pids (+2 for bubblewrap's own two processes; threads count as processes; counted per uid,
+so it is only set when the service is root and each sandbox has a uid of its own), `RLIMIT_AS` = memory_mb per process (address space,
+not resident memory: a whole-sandbox memory cap needs cgroups), `RLIMIT_CPU` = ceil(cpu x timeout) CPU
+seconds per process for an exec (a core limit spread over the command's wall-clock budget; PTY sessions have
+no CPU limit). cgroups are not used: on the machines this was built on only cgroup v1 is mounted and the
+service cannot assume it may create groups; rlimits work for any non-root uid.
+
+**Process-group fallback** (no bubblewrap, or user namespaces disabled). Commands run directly on the host,
+as the sandbox's uid when the service is root, in a new session, with the same rlimits and an environment
+marker `ORCHARD_EXEC_MARK=<random>`. A timeout (or the main process's exit) kills the process group and then
+every process whose environment carries the marker, until none is left, which also ends `setsid` and
+double-forked children. This is weaker isolation: the host file system is visible with the uid's own rights,
+the network is shared, and a process that clears its environment and leaves the group escapes. The backend
+logs a warning when it falls back and reports `isolation = "process-group"`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import resource
+import secrets
+import shutil
+import signal
+import subprocess
+import termios
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import PurePosixPath
+from typing import Any
+
+from orchard.env.agent.files import Workspace
+from orchard.env.agent.process import PidfdProcess, ProcessTree
+
+BUBBLEWRAP = "bubblewrap"
+PROCESS_GROUP = "process-group"
+ISOLATION_MODES = (BUBBLEWRAP, PROCESS_GROUP)
+
+MARK_VAR = "ORCHARD_EXEC_MARK"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_BWRAP_OWN_PROCESSES = 2
+_SPECIAL_TOP = frozenset({"proc", "dev", "tmp"})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of a sandbox; None means unlimited.
+
+    Attributes:
+        pids: processes (and threads) the sandbox may have at once. Default 256.
+        memory_mb: address space per process in MiB (RLIMIT_AS). Default 4096.
+        cpu: CPU cores; an exec may use ceil(cpu x timeout_s) CPU seconds per process. Default None.
+    """
+
+    pids: int | None = 256
+    memory_mb: int | None = 4096
+    cpu: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("pids", "memory_mb"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        c = self.cpu
+        if c is not None and (
+            isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c) or c <= 0
+        ):
+            raise ValueError(f"cpu must be a positive finite number or None, got {c!r}")
+
+
+def probe_bubblewrap(run_as: tuple[int, int] | None = None, bwrap: str | None = None) -> str | None:
+    """Check that bubblewrap can create the namespaces a sandbox needs, as `run_as` (uid, gid).
+
+    Returns:
+        None when it works, otherwise the reason it does not (for the fallback warning).
+    """
+    exe = bwrap or shutil.which("bwrap")
+    if exe is None:
+        return "bwrap is not installed"
+    argv = [exe, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--die-with-parent", "--new-session", "--tmpfs", "/", *_top_level_args("/"), "--proc", "/proc",
+            "--dev", "/dev", "--tmpfs", "/tmp", "--remount-ro", "/", "--", "true"]  # fmt: skip
+    kwargs: dict[str, Any] = {}
+    if run_as is not None and os.geteuid() == 0:
+        kwargs.update(user=run_as[0], group=run_as[1], extra_groups=[])
+    try:
+        r = subprocess.run(argv, capture_output=True, timeout=30, cwd="/", env={"PATH": DEFAULT_PATH}, **kwargs)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"bwrap could not run: {e}"
+    if r.returncode != 0:
+        return f"bwrap failed (exit {r.returncode}): {r.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+@lru_cache(maxsize=64)
+def _top_level_args(rootfs: str) -> tuple[str, ...]:
+    """bwrap arguments that recreate the image's top level read-only on a tmpfs root.
+
+    Computed once per root file system per process: a directory added to the top of an image later is not
+    seen by sandboxes until the service restarts.
+    """
+    args: list[str] = []
+    for name in sorted(os.listdir(rootfs)):
+        if name in _SPECIAL_TOP:
+            continue
+        src = os.path.join(rootfs, name)
+        dst = "/" + name
+        if os.path.islink(src):
+            args += ["--symlink", os.readlink(src), dst]
+        else:
+            args += ["--ro-bind", src, dst]
+    return tuple(args)
+
+
+class BubblewrapTree(PidfdProcess):
+    """Killing the outer bubblewrap kills the namespace's init, and with it every process in the sandbox."""
+
+    def kill(self) -> None:
+        self.kill_main()
+
+    def cleanup(self) -> None:
+        # bubblewrap exits when the command does, and its init dies with it (--die-with-parent).
+        return None
+
+
+class MarkedGroupTree(PidfdProcess):
+    """The process group plus every process whose environment carries this exec's marker."""
+
+    def __init__(self, mark: str, uid: int | None) -> None:
+        super().__init__()
+        self.needle = f"{MARK_VAR}={mark}".encode() + b"\x00"
+        self.uid = uid
+
+    def kill(self) -> None:
+        self.kill_main()
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        if self.pid is not None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        # Killed processes cannot fork any more, so a few rounds reach a fixed point even under a fork bomb.
+        for _ in range(100):
+            found = kill_marked(self.needle, self.uid)
+            if not found:
+                return
+            time.sleep(0.005)
+
+
+def kill_marked(needle: bytes, uid: int | None) -> int:
+    """SIGKILL every live process (of `uid`, if given) whose environment contains `needle`; the count."""
+    n = 0
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if uid is not None and os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                n += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+    return n
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `run_captured` or a PTY needs to start one sandboxed process; `close()` it once started."""
+
+    argv: list[str]
+    popen: dict[str, Any]
+    tree_factory: Callable[[], ProcessTree]
+    fds: tuple[int, ...] = ()
+    """Descriptors passed to the child (the workspace's directory fd), owned by this launch."""
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Isolation:
+    """Turns a command into a sandboxed launch for one sandbox.
+
+    Args:
+        workspace: the sandbox's workspace (its `mount` is where processes see it).
+        mode: BUBBLEWRAP or PROCESS_GROUP.
+        rootfs: host directory used as the sandbox's root file system ("/" = the host's), bubblewrap only.
+        network: share the host's network (bubblewrap only; the fallback always shares it).
+        limits: the sandbox's `Limits`.
+        run_as: (uid, gid) the processes run as; only honoured when the service is root.
+        hide: host directories covered by an empty tmpfs inside the sandbox (e.g. the service's state).
+        bwrap: path of the bwrap executable (default: found on PATH).
+    """
+
+    def __init__(
+        self,
+        workspace: Workspace,
+        *,
+        mode: str = BUBBLEWRAP,
+        rootfs: str = "/",
+        network: bool = False,
+        limits: Limits | None = None,
+        run_as: tuple[int, int] | None = None,
+        hide: tuple[str, ...] = (),
+        bwrap: str | None = None,
+    ) -> None:
+        if mode not in ISOLATION_MODES:
+            raise ValueError(f"mode must be one of {ISOLATION_MODES}, got {mode!r}")
+        if not os.path.isdir(rootfs):
+            raise ValueError(f"rootfs must be an existing directory, got {rootfs!r}")
+        self.workspace = workspace
+        self.mode = mode
+        self.rootfs = os.path.abspath(rootfs)
+        self.network = bool(network)
+        self.limits = limits or Limits()
+        self.run_as = run_as if os.geteuid() == 0 else None
+        self.hide = tuple(h for h in hide if _visible_in_rootfs(h, self.rootfs))
+        self.bwrap = bwrap or shutil.which("bwrap") or "bwrap"
+        self._prefix: list[str] | None = None
+
+    # -- paths --------------------------------------------------------------------------------------------
+
+    def resolve_cwd(self, cwd: str | None) -> str:
+        """The directory a command starts in, as the sandbox sees it.
+
+        None is the workspace mount; a relative path is taken from there. A path inside the workspace must be
+        an existing directory (ValueError otherwise) and may not escape it (PathEscapeError).
+        """
+        mount = self.workspace.mount
+        if cwd is None or cwd == "":
+            return mount
+        if not isinstance(cwd, str) or "\x00" in cwd:
+            raise ValueError(f"cwd must be a string without NUL bytes, got {cwd!r}")
+        p = PurePosixPath(os.path.normpath(cwd if cwd.startswith("/") else f"{mount}/{cwd}"))
+        if p != PurePosixPath(mount) and PurePosixPath(mount) not in p.parents:
+            return str(p)  # elsewhere in the sandbox's own (read-only or scratch) file system
+        rel = self.workspace.relative(str(p))
+        host = os.path.join(self.workspace.root, rel)
+        if not os.path.isdir(host):
+            raise ValueError(f"cwd {cwd!r} is not a directory in the workspace")
+        return mount if rel == "." else f"{mount}/{rel}"
+
+    def host_path(self, sandbox_path: str) -> str:
+        """The host path of a sandbox path (identity outside the workspace)."""
+        mount = PurePosixPath(self.workspace.mount)
+        p = PurePosixPath(sandbox_path)
+        if p == mount:
+            return self.workspace.root
+        if mount in p.parents:
+            return os.path.join(self.workspace.root, str(p.relative_to(mount)))
+        return sandbox_path
+
+    # -- launching ----------------------------------------------------------------------------------------
+
+    def base_env(self) -> dict[str, str]:
+        """Environment every sandboxed process starts from (nothing of the service's own leaks in)."""
+        home = self.workspace.mount if self.mode == BUBBLEWRAP else self.workspace.root
+        return {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "USER": "sandbox"}
+
+    def launch(
+        self, argv: list[str], *, cwd: str, env: dict[str, str], timeout_s: float | None, tty: bool = False
+    ) -> Launch:
+        """A launch of `argv` in the sandbox.
+
+        Args:
+            argv: the command, as it should run inside the sandbox.
+            cwd: sandbox path from `resolve_cwd`.
+            env: the complete environment of the command.
+            timeout_s: the command's time budget (sets the CPU rlimit when `limits.cpu` is set), None for none.
+            tty: the process's stdin is a terminal that should become its controlling terminal.
+        """
+        popen: dict[str, Any] = {"env": dict(env), "start_new_session": True, "close_fds": True}
+        if self.run_as is not None:
+            popen.update(user=self.run_as[0], group=self.run_as[1], extra_groups=[])
+        extra = _BWRAP_OWN_PROCESSES if self.mode == BUBBLEWRAP else 0
+        popen["preexec_fn"] = _limits_preexec(
+            self.limits, timeout_s, extra_pids=extra, ctty=tty, nproc=self.run_as is not None
+        )
+        if self.mode == BUBBLEWRAP:
+            popen["cwd"] = "/"
+            # bubblewrap runs as the sandbox's uid and binds the workspace by path: every directory above it
+            # must be searchable by that uid (the local backend checks this at start).
+            full = [*self._bwrap_prefix(tty), "--bind", self.workspace.root, self.workspace.mount,
+                    "--remount-ro", "/", "--chdir", cwd, "--", *argv]  # fmt: skip
+            return Launch(full, popen, BubblewrapTree)
+        mark = secrets.token_hex(8)
+        popen["env"][MARK_VAR] = mark
+        popen["cwd"] = self.host_path(cwd)
+        uid = self.run_as[0] if self.run_as is not None else None
+        return Launch(list(argv), popen, lambda: MarkedGroupTree(mark, uid))
+
+    def _bwrap_prefix(self, tty: bool) -> list[str]:
+        if self._prefix is None:
+            args = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                    "--hostname", "sandbox", "--die-with-parent"]  # fmt: skip
+            if not self.network:
+                args.append("--unshare-net")
+            args += ["--tmpfs", "/", *_top_level_args(self.rootfs)]
+            for h in self.hide:
+                args += ["--tmpfs", h]
+            args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+            self._prefix = args
+        # A non-terminal command gets its own session so it cannot inject input into the service's terminal
+        # (TIOCSTI); a PTY session keeps the session whose controlling terminal is its PTY.
+        return self._prefix if tty else [*self._prefix, "--new-session"]
+
+
+def _visible_in_rootfs(path: str, rootfs: str) -> bool:
+    """Whether a host directory shows up inside a sandbox built on `rootfs` (and so must be hidden).
+
+    It does when it lies in a bound top-level directory and every directory on the way is traversable by
+    others (the sandbox's uid is neither owner nor group of the service's directories).
+    """
+    if rootfs != "/" or not os.path.isabs(path) or not os.path.isdir(path):
+        return False
+    parts = PurePosixPath(os.path.abspath(path)).parts
+    if len(parts) < 2 or parts[1] in _SPECIAL_TOP:
+        return False
+    for i in range(2, len(parts)):
+        if not os.stat(os.path.join(*parts[:i])).st_mode & 0o001:
+            return False
+    return True
+
+
+def _limits_preexec(
+    limits: Limits, timeout_s: float | None, *, extra_pids: int, ctty: bool, nproc: bool
+) -> Callable[[], None]:
+    """A function run in the child between fork and exec (after the uid change) that applies the rlimits.
+
+    RLIMIT_NPROC is only set when the sandbox has a uid of its own (`nproc`): it counts every process of the
+    uid, so for a service running as an ordinary user it would count the user's other processes too.
+    """
+    rl: list[tuple[int, int]] = []
+    if limits.pids is not None and nproc:
+        rl.append((resource.RLIMIT_NPROC, limits.pids + extra_pids))
+    if limits.memory_mb is not None:
+        rl.append((resource.RLIMIT_AS, limits.memory_mb << 20))
+    if limits.cpu is not None and timeout_s is not None:
+        rl.append((resource.RLIMIT_CPU, max(1, math.ceil(limits.cpu * timeout_s))))
+
+    def preexec() -> None:
+        for which, value in rl:
+            resource.setrlimit(which, (value, value))
+        if ctty:
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    return preexec

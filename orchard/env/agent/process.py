@@ -1,0 +1,212 @@
+"""Run one process to completion or timeout with bounded, capped output capture.
+
+The rules an exec follows, whatever the isolation:
+
+- stdout and stderr are each kept up to `max_output_bytes`; the rest is read and dropped (so a command that
+  prints gigabytes costs CPU, never memory) and the stream's `*_truncated` flag is set.
+- On timeout the whole process tree ends (how is the `ProcessTree`'s business: killing bubblewrap ends the
+  pid namespace; without it, the process group plus every process carrying the exec's marker is killed), the
+  result has `exit_code` 124 and `timed_out` True, and the call returns within the timeout plus a small slack.
+- When the main process exits, the exec returns at once: whatever it left running (background jobs, `setsid`
+  or double-forked daemons) is ended, so no process outlives its exec and none can hold the exec open by
+  keeping stdout or stderr. A command that wants a server must start and use it within one exec (or a PTY).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from orchard.env.backends.base import ExecResult
+
+TIMEOUT_EXIT_CODE = 124
+"""Exit code reported for a timed-out command, as `timeout(1)` does."""
+
+_PIPE_DRAIN_S = 2.0
+"""After the tree is ended, how long to wait for the output pipes to reach EOF before closing them."""
+
+
+class ProcessTree(Protocol):
+    """Knows how to end every process one exec started."""
+
+    def attach(self, pid: int) -> None:
+        """Called once with the main process's pid, right after it was started."""
+        ...
+
+    def kill(self) -> None:
+        """End the whole tree (the main process may or may not have exited)."""
+        ...
+
+    def cleanup(self) -> None:
+        """End whatever the tree left behind after its main process exited."""
+        ...
+
+    def release(self) -> None:
+        """Free what `attach` acquired; the tree is not used afterwards."""
+        ...
+
+
+class PidfdProcess:
+    """Signals the main process through a pidfd, so a recycled pid is never hit."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self._pidfd: int | None = None
+
+    def attach(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:
+            self._pidfd = None
+
+    def kill_main(self) -> None:
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def release(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+class _Capture(asyncio.SubprocessProtocol):
+    """Keeps the first `cap` bytes of stdout and stderr, counts and drops the rest."""
+
+    def __init__(self, cap: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.cap = cap
+        self.data = {1: bytearray(), 2: bytearray()}
+        self.truncated = {1: False, 2: False}
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.drained: asyncio.Future[None] = loop.create_future()
+        self._open = {1, 2}
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        buf = self.data[fd]
+        room = self.cap - len(buf)
+        if room > 0:
+            buf += data[:room]
+        if len(data) > room:
+            self.truncated[fd] = True
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self._open.discard(fd)
+        if not self._open and not self.drained.done():
+            self.drained.set_result(None)
+
+    def process_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+def validate_limits(timeout_s: float, max_output_bytes: int) -> None:
+    """Raise ValueError unless timeout_s is finite and > 0 and max_output_bytes an int >= 0."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s):
+        raise ValueError(f"timeout_s must be a finite number, got {timeout_s!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
+        raise ValueError(f"max_output_bytes must be an int >= 0, got {max_output_bytes!r}")
+
+
+async def run_captured(
+    argv: list[str],
+    *,
+    tree_factory: Callable[[], ProcessTree],
+    stdin: bytes | None = None,
+    timeout_s: float = 600.0,
+    max_output_bytes: int = 1 << 20,
+    on_start: Callable[[ProcessTree], None] | None = None,
+    on_end: Callable[[ProcessTree], None] | None = None,
+    **popen_kwargs: Any,
+) -> ExecResult:
+    """Run `argv` and capture its output under the rules of this module.
+
+    Args:
+        argv: program and arguments (argv[0] is looked up on PATH of `popen_kwargs["env"]`).
+        tree_factory: makes the `ProcessTree` that ends this run's processes.
+        stdin: bytes fed to the process's stdin, then closed; None gives it /dev/null.
+        timeout_s: wall-clock limit in seconds (> 0).
+        max_output_bytes: cap per stream in bytes (>= 0).
+        on_start, on_end: called with the tree once the process runs / after it is gone (the caller's
+            registry of live processes, so a sandbox delete can end them).
+        popen_kwargs: passed to `subprocess.Popen` (env, cwd, user, preexec_fn, start_new_session, ...).
+
+    Returns:
+        ExecResult; exit_code is the process's status, -N if killed by signal N, 124 on timeout, 127 if the
+        program could not be started.
+    """
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}")
+    validate_limits(timeout_s, max_output_bytes)
+    loop = asyncio.get_running_loop()
+    start = time.monotonic()
+    capture = _Capture(max_output_bytes, loop)
+    tree = tree_factory()
+    try:
+        transport, _ = await loop.subprocess_exec(
+            lambda: capture,
+            *argv,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            **popen_kwargs,
+        )
+    except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+        return ExecResult(
+            exit_code=127,
+            stdout=b"",
+            stderr=f"cannot run {argv[0]!r}: {e.strerror}\n".encode(),
+            duration_s=time.monotonic() - start,
+        )
+    pid = transport.get_pid()
+    tree.attach(pid)
+    if on_start is not None:
+        on_start(tree)
+    timed_out = False
+    try:
+        if stdin is not None:
+            pipe = transport.get_pipe_transport(0)
+            if pipe is not None:
+                pipe.write(stdin)
+                pipe.write_eof()
+        done, _ = await asyncio.wait({capture.exited}, timeout=timeout_s)
+        if not done:
+            timed_out = True
+            tree.kill()
+            await capture.exited
+        tree.cleanup()
+        try:
+            await asyncio.wait_for(asyncio.shield(capture.drained), _PIPE_DRAIN_S)
+        except TimeoutError:
+            pass  # a process we could not see holds a pipe; stop listening rather than wait for it
+    except BaseException:
+        # Cancelled (client gone, service stopping): never leave the tree running.
+        if not capture.exited.done():
+            tree.kill()
+        tree.cleanup()
+        raise
+    finally:
+        transport.close()
+        tree.release()
+        if on_end is not None:
+            on_end(tree)
+    code = transport.get_returncode()
+    return ExecResult(
+        exit_code=TIMEOUT_EXIT_CODE if timed_out else (code if code is not None else -signal.SIGKILL),
+        stdout=bytes(capture.data[1]),
+        stderr=bytes(capture.data[2]),
+        stdout_truncated=capture.truncated[1],
+        stderr_truncated=capture.truncated[2],
+        timed_out=timed_out,
+        duration_s=time.monotonic() - start,
+    )

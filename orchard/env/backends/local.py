@@ -1,0 +1,362 @@
+"""The embedded sandbox backend: one workspace directory per sandbox, commands isolated with bubblewrap.
+
+Layout under `root_dir` (kept across restarts, so a restarted orchestrator finds its sandboxes with `list_ids`):
+
+    root_dir/                      mode 0711, the service's
+      <sandbox id>/                mode 0711
+        meta.json                  mode 0600: the spec, the sandbox's uid, creation time (written last)
+        workspace/                 mode 0700, owned by the sandbox's uid: `/workspace` inside the sandbox
+
+A sandbox is only listed once its `meta.json` exists; `delete` first renames the directory to a hidden
+`.trash-*` name, so a sandbox is either fully there or gone, even if the service dies half-way.
+
+When the service runs as root, each sandbox gets a uid (and gid) of its own from `uid_range`; its processes
+run as that uid, its files belong to it, and the pids limit counts per sandbox. Commands and the isolation
+are described in `orchard.env.agent.isolation`; this module only keeps the books. Creating a sandbox costs a
+few file-system operations (no process is started), so thousands can be created per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import PurePosixPath
+from typing import Any
+
+from orchard.env.agent.core import SandboxAgent, validate_env
+from orchard.env.agent.files import Workspace
+from orchard.env.agent.isolation import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, probe_bubblewrap
+from orchard.env.agent.pty import LocalPty
+from orchard.env.backends.base import (
+    BackendError,
+    CapacityError,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    Resources,
+    SandboxNotFoundError,
+    SandboxSpec,
+)
+from orchard.env.backends.images import HOST_IMAGE, ImageRegistry
+
+logger = logging.getLogger(__name__)
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_META = "meta.json"
+_WORKSPACE = "workspace"
+DEFAULT_UID_RANGE = (200_000, 65_536)
+"""(first uid, count): the uids given to sandboxes when the service runs as root."""
+
+
+def _check_id(sandbox_id: str) -> None:
+    if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
+        raise ValueError(
+            f"sandbox_id must match {_ID_RE.pattern} (letters, digits, '_', '.', '-'), got {sandbox_id!r}"
+        )
+
+
+def _check_workdir(workdir: str) -> None:
+    if not isinstance(workdir, str) or not workdir.startswith("/") or "\x00" in workdir:
+        raise ValueError(f"workdir must be an absolute path, got {workdir!r}")
+    p = PurePosixPath(os.path.normpath(workdir))
+    if p == PurePosixPath("/") or p.parts[1] in ("proc", "dev"):
+        raise ValueError(f"workdir must not be '/', /proc or /dev, got {workdir!r}")
+
+
+def _check_traversable(root_dir: str) -> None:
+    """Sandbox uids must be able to walk down to their workspaces (bubblewrap binds them by path)."""
+    parts = PurePosixPath(root_dir).parts
+    for i in range(2, len(parts)):
+        d = os.path.join(*parts[:i])
+        if not os.stat(d).st_mode & 0o001:
+            raise ValueError(
+                f"root_dir {root_dir!r} is not reachable by the sandboxes' uids: {d!r} is not searchable by "
+                f"others (chmod o+x {d!r}, or put root_dir elsewhere, e.g. under /var/lib or /tmp)"
+            )
+
+
+class LocalBackend:
+    """Sandboxes as workspace directories under `root_dir`, isolated with bubblewrap where it works.
+
+    Args:
+        root_dir: where sandboxes live (created if missing, made mode 0711). When the service runs as root,
+            every directory above it must be searchable by others (o+x): sandboxes run as their own uids and
+            bubblewrap reaches the workspace by path. A home directory (mode 0700) is not; /var/lib/... or a
+            directory from `tempfile.mkdtemp()` is.
+        images: an `ImageRegistry`, or a mapping name -> rootfs directory ("host" is always available).
+        limits: default limits for a spec that leaves them None (default `Limits()`: 256 pids, 4096 MiB of
+            address space per process, no CPU limit).
+        use_bwrap: True requires bubblewrap (BackendError if it cannot create namespaces here), False uses
+            the process-group fallback, None (default) probes and falls back with a logged warning.
+        uid_range: (first, count) of the uids given to sandboxes when running as root.
+        max_sandboxes: `create` raises CapacityError beyond this many sandboxes (None: no limit).
+
+    Attributes:
+        isolation: "bubblewrap" or "process-group" (report it on /health).
+        isolation_warning: why the fallback was taken (None under bubblewrap).
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike[str],
+        *,
+        images: ImageRegistry | Mapping[str, str | os.PathLike[str]] | None = None,
+        limits: Limits | None = None,
+        use_bwrap: bool | None = None,
+        uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
+        max_sandboxes: int | None = None,
+    ) -> None:
+        if not isinstance(root_dir, str | os.PathLike):
+            raise ValueError(f"root_dir must be a path, got {type(root_dir).__name__}")
+        if images is None:
+            images = ImageRegistry()
+        elif not isinstance(images, ImageRegistry):
+            images = ImageRegistry(images)
+        if limits is not None and not isinstance(limits, Limits):
+            raise ValueError(f"limits must be a Limits or None, got {type(limits).__name__}")
+        if use_bwrap not in (None, True, False):
+            raise ValueError(f"use_bwrap must be True, False or None, got {use_bwrap!r}")
+        first, count = uid_range
+        if not (isinstance(first, int) and isinstance(count, int) and first >= 1000 and count >= 1):
+            raise ValueError(f"uid_range must be (first >= 1000, count >= 1), got {uid_range!r}")
+        if max_sandboxes is not None and (not isinstance(max_sandboxes, int) or max_sandboxes < 1):
+            raise ValueError(f"max_sandboxes must be a positive int or None, got {max_sandboxes!r}")
+        self.root_dir = os.path.abspath(os.fspath(root_dir))
+        os.makedirs(self.root_dir, exist_ok=True)
+        os.chmod(self.root_dir, 0o711)
+        self.is_root = os.geteuid() == 0
+        if self.is_root:
+            _check_traversable(self.root_dir)
+        self.images = images
+        self.default_limits = limits or Limits()
+        self.uid_range = (first, count)
+        self.max_sandboxes = max_sandboxes
+        self._agents: dict[str, SandboxAgent] = {}
+        self._uids: dict[str, int] | None = None
+        self._next_uid = 0
+        self.isolation, self.isolation_warning = self._choose_isolation(use_bwrap)
+        self._sweep_trash()
+
+    # -- set-up ------------------------------------------------------------------------------------------
+
+    def _choose_isolation(self, use_bwrap: bool | None) -> tuple[str, str | None]:
+        if use_bwrap is False:
+            reason = "bubblewrap disabled by configuration (use_bwrap=False)"
+        else:
+            probe_as = (self.uid_range[0], self.uid_range[0]) if self.is_root else None
+            reason = probe_bubblewrap(probe_as)
+            if reason is None:
+                return BUBBLEWRAP, None
+            if use_bwrap is True:
+                raise BackendError(f"bubblewrap was required but does not work here: {reason}")
+        logger.warning(
+            "SANDBOXES ARE NOT ISOLATED: %s. Commands run on the host in process groups (no pid, mount or "
+            "network namespace; host file system and network visible with the sandbox uid's rights).",
+            reason,
+        )
+        return PROCESS_GROUP, reason
+
+    def _sweep_trash(self) -> None:
+        for entry in os.scandir(self.root_dir):
+            if entry.name.startswith(".trash-"):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    def health(self) -> dict[str, Any]:
+        """What /health should report about the backend."""
+        return {
+            "backend": self.name,
+            "isolation": self.isolation,
+            "isolation_warning": self.isolation_warning,
+            "per_sandbox_uid": self.is_root,
+            "limits": asdict(self.default_limits),
+            "images": self.images.names(),
+        }
+
+    # -- bookkeeping -------------------------------------------------------------------------------------
+
+    def _dir(self, sandbox_id: str) -> str:
+        return os.path.join(self.root_dir, sandbox_id)
+
+    def _load_uids(self) -> dict[str, int]:
+        if self._uids is None:
+            self._uids = {}
+            for sid in self._scan_ids():
+                meta = self._read_meta(sid)
+                if meta is not None and meta.get("uid") is not None:
+                    self._uids[sid] = int(meta["uid"])
+        return self._uids
+
+    def _allocate_uid(self, sandbox_id: str) -> int:
+        used = set(self._load_uids().values())
+        first, count = self.uid_range
+        for _ in range(count):
+            uid = first + self._next_uid
+            self._next_uid = (self._next_uid + 1) % count
+            if uid not in used:
+                self._uids[sandbox_id] = uid  # type: ignore[index]
+                return uid
+        raise CapacityError(f"all {count} sandbox uids from {first} are in use")
+
+    def _scan_ids(self) -> list[str]:
+        out = []
+        for entry in os.scandir(self.root_dir):
+            if not entry.name.startswith(".") and os.path.exists(os.path.join(entry.path, _META)):
+                out.append(entry.name)
+        return sorted(out)
+
+    def _read_meta(self, sandbox_id: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(self._dir(sandbox_id), _META)) as f:
+                return json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError) as e:
+            raise BackendError(f"sandbox {sandbox_id!r} has unreadable metadata: {e}") from e
+
+    def _limits_for(self, spec: SandboxSpec) -> Limits:
+        d = self.default_limits
+        return Limits(
+            pids=d.pids if spec.pids is None else spec.pids,
+            memory_mb=d.memory_mb if spec.memory_mb is None else spec.memory_mb,
+            cpu=d.cpu if spec.cpu is None else spec.cpu,
+        )
+
+    def _agent(self, sandbox_id: str) -> SandboxAgent:
+        _check_id(sandbox_id)
+        agent = self._agents.get(sandbox_id)
+        if agent is not None:
+            return agent
+        meta = self._read_meta(sandbox_id)
+        if meta is None:
+            raise SandboxNotFoundError(f"no sandbox {sandbox_id!r}")
+        spec = SandboxSpec(**meta["spec"])
+        uid = meta.get("uid")
+        run_as = (uid, uid) if uid is not None and self.is_root else None
+        ws = Workspace(
+            os.path.join(self._dir(sandbox_id), _WORKSPACE),
+            mount=os.path.normpath(spec.workdir),
+            uid=run_as[0] if run_as else None,
+            gid=run_as[1] if run_as else None,
+        )
+        image = self.images.resolve(spec.image)
+        common = dict(
+            mode=self.isolation,
+            network=spec.network,
+            limits=self._limits_for(spec),
+            run_as=run_as,
+            hide=(self.root_dir,),
+        )
+        iso = Isolation(ws, rootfs=image.rootfs, **common)  # type: ignore[arg-type]
+        host_iso = None if image.rootfs == "/" else Isolation(ws, rootfs="/", **common)  # type: ignore[arg-type]
+        agent = SandboxAgent(iso, env=spec.env, host_isolation=host_iso)
+        self._agents[sandbox_id] = agent
+        return agent
+
+    # -- the Backend protocol ----------------------------------------------------------------------------
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        """Make the workspace and write the metadata; idempotent for an existing id (its spec is kept)."""
+        _check_id(sandbox_id)
+        if not isinstance(spec, SandboxSpec):
+            raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}")
+        validate_env(spec.env, "spec.env")
+        _check_workdir(spec.workdir)
+        self._limits_for(spec)  # validates cpu / memory_mb / pids
+        image = self.images.resolve(spec.image)
+        if spec.image != HOST_IMAGE and self.isolation != BUBBLEWRAP:
+            logger.warning("image %r cannot be used without bubblewrap; commands see the host", spec.image)
+        top = PurePosixPath(os.path.normpath(spec.workdir)).parts[1]
+        if image.rootfs != "/" and os.path.lexists(os.path.join(image.rootfs, top)):
+            if not os.path.isdir(os.path.join(image.rootfs, spec.workdir.lstrip("/"))):
+                raise ValueError(f"workdir {spec.workdir!r} cannot be mounted in image {spec.image!r}")
+        d = self._dir(sandbox_id)
+        if os.path.exists(os.path.join(d, _META)):
+            return
+        uids = self._load_uids()
+        if self.max_sandboxes is not None and len(self._scan_ids()) >= self.max_sandboxes:
+            raise CapacityError(f"the backend already holds {self.max_sandboxes} sandboxes")
+        try:
+            os.mkdir(d, 0o711)
+        except FileExistsError:
+            if os.path.exists(os.path.join(d, _META)):
+                return
+            # left over by a create that died half-way
+        uid = self._allocate_uid(sandbox_id) if self.is_root else None
+        try:
+            ws = os.path.join(d, _WORKSPACE)
+            os.makedirs(ws, 0o700, exist_ok=True)
+            if uid is not None:
+                os.chown(ws, uid, uid)
+            meta = {"id": sandbox_id, "spec": asdict(spec), "uid": uid, "created": time.time()}
+            tmp = os.path.join(d, f".{_META}.{secrets.token_hex(4)}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(meta, f)
+            os.replace(tmp, os.path.join(d, _META))
+        except BaseException:
+            uids.pop(sandbox_id, None)
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+
+    async def delete(self, sandbox_id: str) -> None:
+        """End every process of the sandbox and remove its directory. Idempotent."""
+        _check_id(sandbox_id)
+        agent = self._agents.pop(sandbox_id, None)
+        if agent is not None:
+            await agent.kill_all()
+        d = self._dir(sandbox_id)
+        trash = os.path.join(self.root_dir, f".trash-{sandbox_id}-{secrets.token_hex(4)}")
+        try:
+            os.rename(d, trash)
+        except FileNotFoundError:
+            return
+        finally:
+            if self._uids is not None:
+                self._uids.pop(sandbox_id, None)
+        await asyncio.to_thread(shutil.rmtree, trash, True)
+
+    async def exists(self, sandbox_id: str) -> bool:
+        _check_id(sandbox_id)
+        return os.path.exists(os.path.join(self._dir(sandbox_id), _META))
+
+    async def list_ids(self) -> list[str]:
+        return self._scan_ids()
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        return await self._agent(sandbox_id).exec(request)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> None:
+        await self._agent(sandbox_id).write_file(path, data, mode)
+
+    async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        return await self._agent(sandbox_id).read_file(path, max_bytes)
+
+    async def list_files(self, sandbox_id: str, path: str = ".", recursive: bool = False) -> list[FileInfo]:
+        return await self._agent(sandbox_id).list_files(path, recursive)
+
+    async def apply_patch(self, sandbox_id: str, patch: str) -> ExecResult:
+        return await self._agent(sandbox_id).apply_patch(patch)
+
+    async def resources(self, sandbox_id: str) -> Resources:
+        return await self._agent(sandbox_id).resources()
+
+    async def open_pty(
+        self, sandbox_id: str, command: str | None = None, cols: int = 80, rows: int = 24
+    ) -> LocalPty:
+        return await self._agent(sandbox_id).open_pty(command, cols, rows)
+
+    async def close(self) -> None:
+        """End the processes this backend started (running commands, terminals); workspaces stay."""
+        agents = list(self._agents.values())
+        self._agents.clear()
+        await asyncio.gather(*(a.kill_all() for a in agents), return_exceptions=True)
