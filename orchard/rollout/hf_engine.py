@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,10 +112,8 @@ class HFEngine:
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._queue: asyncio.Queue[_Row] | None = None
-        self._worker: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock: asyncio.Lock | None = None
+        self._workers: dict[asyncio.AbstractEventLoop, tuple[asyncio.Queue[_Row], asyncio.Task[None]]] = {}
+        self._model_lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -146,7 +145,7 @@ class HFEngine:
         return results
 
     async def update_weights(self, weights: Any) -> None:
-        """Load new weights (a state dict or a module with the same parameter names) after in-flight batches end.
+        """Load new weights (a state dict or a module with the same parameter names) once the running batch ends.
 
         Missing keys are allowed only for parameters tied to a loaded one (e.g. ``lm_head.weight`` tied to the
         embeddings); unexpected keys are an error. Increments ``weight_version``.
@@ -157,41 +156,34 @@ class HFEngine:
             raise ValueError(
                 f"weights must be a state dict of tensors or an nn.Module, got {type(weights).__name__}"
             )
-        async with self._get_lock():
-            await asyncio.to_thread(self._load_state_dict, weights)
-            self.weight_version += 1
+        await asyncio.to_thread(self._load_state_dict, weights)
 
     async def close(self) -> None:
-        if self._worker is not None and not self._worker.done():
-            self._worker.cancel()
+        """Stop this event loop's batching worker (others stop with their loops). Idempotent."""
+        entry = self._workers.pop(asyncio.get_running_loop(), None)
+        if entry is not None and not entry[1].done():
+            entry[1].cancel()
             try:
-                await self._worker
-            except (asyncio.CancelledError, RuntimeError):
+                await entry[1]
+            except asyncio.CancelledError:
                 pass
-        self._worker = None
-        self._queue = None
 
     # ---- batching ----------------------------------------------------------------------------------------------
 
-    def _get_lock(self) -> asyncio.Lock:
-        loop = asyncio.get_running_loop()
-        if self._lock is None or self._loop is not loop:
-            self._ensure_worker()
-        assert self._lock is not None
-        return self._lock
-
     def _ensure_worker(self) -> asyncio.Queue[_Row]:
+        # One queue and worker per event loop (a server thread and the caller's loop may share the engine); the
+        # model itself is guarded by a thread lock, so batches of different loops run one after another.
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._worker is None or self._worker.done():
-            # A new event loop (e.g. a second asyncio.run) gets its own queue, lock and worker.
-            self._loop = loop
-            self._queue = asyncio.Queue()
-            self._lock = asyncio.Lock()
-            self._worker = loop.create_task(self._work(self._queue, self._lock))
-        assert self._queue is not None
-        return self._queue
+        entry = self._workers.get(loop)
+        if entry is None or entry[1].done():
+            for other in [lp for lp in self._workers if lp.is_closed()]:
+                del self._workers[other]
+            queue: asyncio.Queue[_Row] = asyncio.Queue()
+            entry = (queue, loop.create_task(self._work(queue)))
+            self._workers[loop] = entry
+        return entry[0]
 
-    async def _work(self, queue: asyncio.Queue[_Row], lock: asyncio.Lock) -> None:
+    async def _work(self, queue: asyncio.Queue[_Row]) -> None:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await queue.get()]
@@ -210,18 +202,20 @@ class HFEngine:
             batch = [row for row in batch if not row.future.done()]  # drop rows whose caller gave up
             if not batch:
                 continue
-            async with lock:
-                version = self.weight_version
-                try:
-                    completions = await asyncio.to_thread(self.generate_batch, batch)
-                except Exception as exc:  # the callers see the failure; the worker keeps serving
-                    for row in batch:
-                        if not row.future.done():
-                            row.future.set_exception(exc)
-                    continue
+            try:
+                completions, version = await asyncio.to_thread(self._locked_batch, batch)
+            except Exception as exc:  # the callers see the failure; the worker keeps serving
+                for row in batch:
+                    if not row.future.done():
+                        row.future.set_exception(exc)
+                continue
             for row, completion in zip(batch, completions, strict=True):
                 if not row.future.done():
                     row.future.set_result((completion, version))
+
+    def _locked_batch(self, batch: list[_Row]) -> tuple[list[Completion], int]:
+        with self._model_lock:
+            return self.generate_batch(batch), self.weight_version
 
     # ---- the sampling loop --------------------------------------------------------------------------------------
 
@@ -317,4 +311,6 @@ class HFEngine:
         untied_missing = [k for k in missing if k not in tied_to_loaded and k not in buffers]
         if untied_missing:
             raise ValueError(f"weights lacks parameters of the model: {sorted(untied_missing)[:5]}")
-        self.model.load_state_dict(state_dict, strict=False)
+        with self._model_lock:
+            self.model.load_state_dict(state_dict, strict=False)
+            self.weight_version += 1
