@@ -182,8 +182,9 @@ def _number(value: object, lo: float, hi: float) -> float | None:
 
 
 def _json_candidates(text: str) -> list[str]:
-    """Fenced blocks first, then every balanced top-level ``{...}`` span (string-aware), in order."""
-    out = [m.group(1) for m in re.finditer(r"```[A-Za-z0-9_-]*\s*\n?(.*?)```", text, re.DOTALL)]
+    """The whole text, fenced blocks, then every balanced top-level ``{...}`` span (string-aware), in order."""
+    out = [text.strip()]
+    out += [m.group(1) for m in re.finditer(r"```[A-Za-z0-9_-]*\s*\n?(.*?)```", text, re.DOTALL)]
     depth, start, in_str, esc = 0, -1, False, False
     for i, ch in enumerate(text):
         if in_str:
@@ -215,18 +216,28 @@ def _loads(candidate: str) -> object:
     return None
 
 
-def _dimension_items(obj: object, dims: tuple[str, ...]) -> dict[str, object] | None:
-    """The {dimension: raw value} items of a parsed JSON object, looking one level into "scores"-like keys."""
-    if not isinstance(obj, Mapping):
-        return None
-    found = {c: v for k, v in obj.items() if isinstance(k, str) and (c := _canonical(k, dims))}
-    if found:
-        return found
-    for v in obj.values():
-        if isinstance(v, Mapping):
-            nested = {c: x for k, x in v.items() if isinstance(k, str) and (c := _canonical(k, dims))}
-            if nested:
-                return nested
+_NAME_KEYS = ("dimension", "name", "criterion", "aspect")
+
+
+def _dimension_items(obj: object, dims: tuple[str, ...], depth: int = 0) -> dict[str, object] | None:
+    """The {dimension: raw value} items of parsed JSON: ``{dim: score}``, a list of ``{"dimension": d, "score": s}``
+    records, or either of those one level down (``{"scores": {...}}``)."""
+    found: dict[str, object] = {}
+    if isinstance(obj, Mapping):
+        found = {c: v for k, v in obj.items() if isinstance(k, str) and (c := _canonical(k, dims))}
+    elif isinstance(obj, list):
+        for rec in obj:
+            if isinstance(rec, Mapping):
+                name = next((rec[k] for k in _NAME_KEYS if isinstance(rec.get(k), str)), None)
+                if name is not None and (c := _canonical(name, dims)) and c not in found:
+                    found[c] = rec
+    if found or depth > 0:
+        return found or None
+    children = obj.values() if isinstance(obj, Mapping) else []
+    for child in children:
+        nested = _dimension_items(child, dims, depth + 1)
+        if nested:
+            return nested
     return None
 
 
@@ -251,8 +262,9 @@ def parse_rubric_judgement(
 
     Accepted: JSON (bare, inside a code fence, or embedded in prose; trailing commas tolerated), keys in any case
     or spacing (``"Self-test Relevance"``, ``"self_test_relevance"``), values as numbers, numeric strings,
-    fractions ``"7/10"`` (a denominator other than ``hi`` is rescaled onto ``scale``) or ``{"score": 7}``,
-    optionally nested one level (``{"scores": {...}}``); or, failing JSON, prose lines ``Fix Quality: 7``.
+    fractions ``"7/10"`` (a denominator other than ``hi`` is rescaled onto ``scale``) or ``{"score": 7}``;
+    a list of records ``[{"dimension": "Rigor", "score": 7}, ...]``; either nested one level
+    (``{"scores": {...}}``); or, failing JSON, prose lines ``Fix Quality: 7``.
     The first candidate that names at least one dimension is used.
 
     Args:
@@ -275,8 +287,8 @@ def parse_rubric_judgement(
         obj = _loads(cand)
         items = _dimension_items(obj, dims)
         if items:
-            assert isinstance(obj, Mapping)
-            extra = {k: v for k, v in obj.items() if not (isinstance(k, str) and _canonical(k, dims))}
+            if isinstance(obj, Mapping):
+                extra = {k: v for k, v in obj.items() if not (isinstance(k, str) and _canonical(k, dims))}
             break
     if not items:
         items = _line_items(text, dims)

@@ -91,6 +91,8 @@ def fence(obj, lang="json"):
         json.dumps({k: {"score": v, "reason": "x"} for k, v in SCORES.items()}),
         json.dumps(SCORES)[:-1] + ",}",  # trailing comma
         "\n".join(f"- **{k.replace('_', ' ').title()}**: {v}/10" for k, v in SCORES.items()),
+        json.dumps([{"dimension": k.replace("_", " "), "score": v, "why": "-"} for k, v in SCORES.items()]),
+        fence({"evaluation": [{"name": k, "score": str(v)} for k, v in SCORES.items()]}),
         "Scores:\n" + "\n".join(f"{k.replace('_', '-')} = {v}" for k, v in SCORES.items()) + "\nDone.",
     ],
 )
