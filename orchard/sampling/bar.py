@@ -22,8 +22,9 @@ With the paper's defaults (``n=8, n_max=16, stride=16, rho in [0.375, 0.625]``) 
 positives out of 8 and the whole budget is one stride; smaller strides let easy-to-balance tasks stop early.
 
 Budget: ``n_max`` is the most rollouts *requested* from the source for one task. A request for ``k`` spends
-``k`` even when the source returns fewer (rollouts it dropped for environment errors), so a source that keeps
-failing cannot loop forever; a source returning more than ``k`` is an error.
+``k`` even when the source returns fewer (rollouts it dropped for environment errors) or the ``valid`` key
+function discards some, so a source that keeps failing cannot loop forever; a source returning more than ``k``
+is an error.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class BARResult(Generic[R]):
     num_positive: int
     """Positives in the selection."""
     generated: int
-    """Rollouts received from the source (the pool size)."""
+    """Rollouts accepted into the pool (received minus discarded)."""
     requested: int
     """Budget spent: rollouts requested, <= n_max."""
     strides: int
@@ -141,6 +142,8 @@ class BARResult(Generic[R]):
     """True when an iterator source ran dry before the budget was spent."""
     pool_positive: list[bool] = field(default_factory=list)
     """Outcome of every pool member, as BAR read it."""
+    discarded: list[R] = field(default_factory=list)
+    """Rollouts the ``valid`` key function rejected (environment failures): not in the pool, budget spent."""
 
     @property
     def kept(self) -> bool:
@@ -241,17 +244,20 @@ class _BARRun(Generic[R]):
         positive: Callable[[R], bool] | None,
         terminated: Callable[[R], bool] | None,
         length: Callable[[R], float] | None,
+        valid: Callable[[R], bool] | None = None,
     ) -> None:
         if not isinstance(config, BARConfig):
             raise ValueError(f"config must be a BARConfig, got {type(config).__name__}")
-        for arg, fn in (("positive", positive), ("terminated", terminated), ("length", length)):
+        for arg, fn in (("positive", positive), ("terminated", terminated), ("length", length), ("valid", valid)):
             if fn is not None and not callable(fn):
                 raise ValueError(f"{arg} must be a callable key function or None, got {type(fn).__name__}")
         self.config = config
         self._positive = positive or _default_positive
         self._terminated = terminated or _default_terminated
         self._length = length or _default_length
+        self._valid = valid
         self.pool: list[R] = []
+        self.discarded: list[R] = []
         self.pos: list[bool] = []
         self.term: list[bool] = []
         self.len: list[float] = []
@@ -287,6 +293,9 @@ class _BARRun(Generic[R]):
         self.requested += asked
         self.strides += 1
         for rollout in items:
+            if self._valid is not None and not self._valid(rollout):
+                self.discarded.append(rollout)
+                continue
             p, t, ln = self._extract(rollout, len(self.pool))
             self.pool.append(rollout)
             self.pos.append(p)
@@ -313,6 +322,7 @@ class _BARRun(Generic[R]):
             strides=self.strides,
             exhausted=self.exhausted,
             pool_positive=list(self.pos),
+            discarded=list(self.discarded),
         )
 
 
@@ -349,6 +359,7 @@ def bar_select(
     positive: Callable[[R], bool] | None = None,
     terminated: Callable[[R], bool] | None = None,
     length: Callable[[R], float] | None = None,
+    valid: Callable[[R], bool] | None = None,
 ) -> BARResult[R]:
     """Run Balanced Adaptive Rollout for one task with a synchronous source (see the module docstring).
 
@@ -360,11 +371,13 @@ def bar_select(
         positive: key function, rollout -> outcome; default reads ``success``, else ``reward > 0``.
         terminated: key function, rollout -> ended normally; default reads ``terminated``.
         length: key function, rollout -> length (shorter preferred); default reads ``length``.
+        valid: optional key function, rollout -> usable. A rollout it rejects (its sandbox died, the judge
+            failed) goes to ``result.discarded``, never into the pool: an environment failure is not a negative.
 
     Returns:
         :class:`BARResult` with the selection (exactly ``config.n`` or none), the pool, the reason and counts.
     """
-    run: _BARRun[R] = _BARRun(config, positive, terminated, length)
+    run: _BARRun[R] = _BARRun(config, positive, terminated, length, valid)
     if callable(source):
         if inspect.iscoroutinefunction(source):
             raise ValueError("source is a coroutine function; use abar_select for async sources")
@@ -396,6 +409,7 @@ async def abar_select(
     positive: Callable[[R], bool] | None = None,
     terminated: Callable[[R], bool] | None = None,
     length: Callable[[R], float] | None = None,
+    valid: Callable[[R], bool] | None = None,
 ) -> BARResult[R]:
     """Async Balanced Adaptive Rollout: same decisions as :func:`bar_select` for the same stream.
 
@@ -403,7 +417,7 @@ async def abar_select(
     an async iterable / async generator of rollouts pulled ``k`` at a time, or any synchronous source that
     :func:`bar_select` accepts. Other arguments and the result as in :func:`bar_select`.
     """
-    run: _BARRun[R] = _BARRun(config, positive, terminated, length)
+    run: _BARRun[R] = _BARRun(config, positive, terminated, length, valid)
     if callable(source):
         while k := run.next_request():
             res = source(k)

@@ -140,6 +140,20 @@ def test_dropped_rollouts_still_spend_budget_and_insufficient_pool():
     assert res.reason is BARReason.INSUFFICIENT and res.selected == [] and res.requested == 16
 
 
+def test_valid_key_discards_environment_failures():
+    # 16 rollouts: 4 successes, 8 failures, 4 sandbox crashes (reward 0 but env_error). Counting the crashes as
+    # negatives would look like 4/16; discarding them leaves P=4, Q=8 -> k in [3, 4] -> balanced with 4.
+    pool = [{"reward": 1.0, "terminated": True, "length": 5, "env_error": False} for _ in range(4)]
+    pool += [{"reward": 0.0, "terminated": True, "length": 5, "env_error": False} for _ in range(8)]
+    pool += [{"reward": 0.0, "terminated": False, "length": 1, "env_error": True} for _ in range(4)]
+    res = bar_select(pool, valid=lambda r: not r["env_error"])
+    assert res.reason is BARReason.BALANCED and res.num_positive == 4
+    assert len(res.discarded) == 4 and res.generated == 12 and res.requested == 16
+    assert all(not r["env_error"] for r in res.selected)
+    with pytest.raises(ValueError, match="valid"):
+        bar_select(pool, valid="yes")
+
+
 def test_iterator_source_and_exhaustion():
     stream = iter(scripted([1, 0, 1, 0, 1]))
     res = bar_select(stream, BARConfig(n=4, n_max=16, stride=2, rho_min=0.25, rho_max=0.75))
