@@ -1,0 +1,176 @@
+"""Log-probs (and entropy) of a causal LM's action tokens without running the lm head on anything else.
+
+An agent trajectory is mostly observation: tool output, file contents, the prompt. Only the action tokens (what
+the policy sampled) need a log-prob, and the lm head over a 150k vocabulary is the single most expensive
+matmul of the step. This helper runs the backbone over the whole sequence, keeps the hidden states at the
+positions that predict an action token, and scores only those with ``orchard.losses.fused_token_logprobs``,
+so neither ``[B, T, V]`` logits nor the observation tokens' logits are ever built.
+
+ZeRO-3: the backbone's parameters are gathered by DeepSpeed's module hooks, but the lm-head weight is read
+here directly, outside ``lm_head.forward``. Two ways make it whole:
+
+- Call this helper inside the forward of the module handed to ``deepspeed.initialize`` (a small wrapper whose
+  ``forward`` calls ``action_logprobs(self.lm, ...)``). During an engine forward DeepSpeed detects a
+  partitioned parameter read from another module, gathers it and registers it as an external parameter of the
+  running module, so it is gathered again for the backward. This covers tied heads too, where the weight is
+  the input embedding that the backbone has just released.
+- Outside an engine forward (for example scoring under ``torch.no_grad()``), wrap the call in
+  ``with deepspeed.zero.GatheredParameters(list(model.get_output_embeddings().parameters()),
+  modifier_rank=None):`` (and keep any ``backward`` inside that block). With a tied head the embedding module
+  may partition the shared weight again when its own forward ends; there, prefer the first way.
+
+A weight that is still partitioned (an empty placeholder) is refused with a ``ValueError`` rather than scored.
+Neither path is exercised by the test suite, which has no multi-process ZeRO-3 run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from orchard.losses.fused import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, fused_token_logprobs
+
+__all__ = ["action_logprobs"]
+
+# Config fields of HF models whose logits are not plain ``hidden @ W.T + b``; the fused path would be wrong.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    get_decoder = getattr(model, "get_decoder", None)
+    backbone = get_decoder() if callable(get_decoder) else None
+    if backbone is None or backbone is model:
+        backbone = getattr(model, "model", None)
+    if not isinstance(backbone, nn.Module):
+        raise ValueError(
+            f"model must be an HF causal LM with a backbone (model.get_decoder() or model.model), "
+            f"got {type(model).__name__}"
+        )
+    return backbone
+
+
+def _lm_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError(
+            f"model must expose its lm head via get_output_embeddings() with a .weight, got {type(head).__name__}"
+        )
+    status = getattr(weight, "ds_status", None)
+    if weight.dim() != 2 or weight.numel() == 0 or (status is not None and status.name != "AVAILABLE"):
+        raise ValueError(
+            f"model's lm-head weight is partitioned (shape {tuple(weight.shape)}, ds_status {status}); under "
+            "ZeRO-3 call action_logprobs inside the engine's forward, or gather it with "
+            "deepspeed.zero.GatheredParameters(..., modifier_rank=None) around the call and the backward"
+        )
+    return weight, getattr(head, "bias", None)
+
+
+def _check_plain_linear_head(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    for field in _LOGIT_TRANSFORMS:
+        value = getattr(config, field, None)
+        if value is not None and value != 1.0:
+            raise ValueError(
+                f"model's config sets {field}={value!r}: its logits are not hidden @ W.T + b, "
+                "which is all the fused path computes"
+            )
+
+
+def action_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    action_mask: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token log-probs of the action tokens of a batch, computed only at the action positions.
+
+    For every ``(b, t)`` with ``action_mask[b, t]``, with ``h[b, t − 1]`` the backbone's final hidden state
+    one position earlier (token ``t`` is predicted from the prefix up to ``t − 1``):
+
+        logp[b, t] = log softmax((h[b, t − 1] @ W.T + bias) / temperature)[input_ids[b, t]]
+        entropy[b, t] = entropy of that same distribution
+
+    and 0 everywhere else. Equal to ``log_softmax(model(input_ids, attention_mask=...).logits / τ)`` shifted and
+    gathered, but the lm head never sees a non-action position. ``W`` is
+    ``model.get_output_embeddings().weight`` (tied to the input embedding or not); its bias is used if present.
+
+    Args:
+        model: an HF causal LM (``Qwen3ForCausalLM`` and the like): ``get_decoder()`` or ``.model`` returns the
+            backbone (its output's ``last_hidden_state`` is already final-normed) and
+            ``get_output_embeddings()`` the lm head.
+        input_ids: Shape: ``(B, T)``; integer token ids.
+        action_mask: Shape: ``(B, T)``; true (nonzero) where the token is an action the policy sampled. Must be
+            false at ``t = 0`` (nothing precedes it) and wherever ``attention_mask`` is 0.
+        attention_mask: Shape: ``(B, T)``; 1 for real tokens, 0 for padding; passed to the backbone.
+        temperature: the sampling temperature, so the log-probs match the engine's (default 1.0).
+        return_entropy: also return the entropy at each action position.
+        chunk_size, vocab_chunk_size: block sizes of ``fused_token_logprobs`` (defaults 1024 and 8192).
+
+    Returns:
+        ``logprobs`` of shape ``(B, T)`` in float32, or ``(logprobs, entropy)``; 0 at non-action positions.
+        Differentiable with respect to the model's parameters.
+
+    Raises:
+        ValueError: naming the argument, for mismatched shapes, a non-integer ``input_ids``, an action at
+            ``t = 0`` or on a padding token, a model without backbone or lm head, a partitioned (ZeRO-3) head
+            weight, or a model whose logits are not a plain linear head (soft-capping, logit scaling).
+    """
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if not isinstance(action_mask, Tensor) or action_mask.shape != input_ids.shape:
+        shape = tuple(action_mask.shape) if isinstance(action_mask, Tensor) else type(action_mask).__name__
+        raise ValueError(f"action_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    action = action_mask if action_mask.dtype == torch.bool else action_mask != 0  # [B, T]
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}"
+            )
+        if bool((action & (attention_mask == 0)).any()):
+            raise ValueError("action_mask must be false wherever attention_mask is 0 (a padding token is no action)")
+    if input_ids.shape[1] and bool(action[:, 0].any()):
+        raise ValueError("action_mask must be false at t = 0: the first token has no position to be predicted from")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module (an HF causal LM), got {type(model).__name__}")
+    backbone = _backbone(model)
+    _check_plain_linear_head(model)
+
+    batch, seq = input_ids.shape
+    if seq == 0:
+        empty = torch.zeros(batch, 0, device=input_ids.device)
+        return (empty, empty.clone()) if return_entropy else empty
+
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
+    weight, bias = _lm_head(model)  # read after the backbone ran: a ZeRO-3 engine gathers it on access
+    targets = action[:, 1:]  # [B, T − 1]: position t − 1 predicts token t
+    hidden_sel = hidden[:, :-1][targets]  # [M, H], M = number of action tokens
+    labels_sel = input_ids[:, 1:][targets]  # [M]
+    result = fused_token_logprobs(
+        hidden_sel.to(weight.dtype),
+        weight,
+        labels_sel,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        return_entropy=return_entropy,
+        bias=bias,
+    )
+    values = result if isinstance(result, tuple) else (result,)
+    place = torch.zeros_like(action)
+    place[:, 1:] = targets  # [B, T]: where each selected value goes back
+    scattered = tuple(
+        torch.zeros(batch, seq, dtype=v.dtype, device=v.device).masked_scatter(place, v) for v in values
+    )  # each [B, T]
+    return scattered if return_entropy else scattered[0]
