@@ -203,6 +203,8 @@ def balanced_subset(
         The count of positives is the feasible one nearest ``config.target_positives`` (ties: fewer positives);
         within each side, members are ranked by (truncated, length, arrival).
     """
+    if not isinstance(config, BARConfig):
+        raise ValueError(f"config must be a BARConfig, got {type(config).__name__}")
     m = len(positive)
     if len(terminated) != m or len(length) != m:
         raise ValueError(

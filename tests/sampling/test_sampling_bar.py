@@ -199,6 +199,10 @@ def test_bad_sources_and_rollouts_name_the_argument():
         bar_select([], config={"n": 8})
     with pytest.raises(ValueError, match="positive"):
         bar_select([], positive=3)
+    with pytest.raises(ValueError, match="terminated"):
+        balanced_subset([True, False], [True], [1, 2])
+    with pytest.raises(ValueError, match="config"):
+        balanced_subset([True], [True], [1], config=None)
 
 
 def test_balanced_subset_against_brute_force():
