@@ -1,0 +1,301 @@
+"""The recording proxy: an OpenAI-compatible endpoint in front of any engine or server that records every call.
+
+Point any harness that speaks the OpenAI API at the proxy (``base_url=http://proxy/v1``, or
+``http://proxy/sessions/{id}/v1``). Each call is forwarded upstream with token ids and log-probs switched on,
+recorded under its session, and answered as the upstream answered (minus the log-probs the client did not ask for).
+The calls of one session then become training samples: per call and choice, the prompt ids (context, masked) then
+the sampled ids (actions, supervised, with their sampling log-probs) — so a harness we did not write can be trained.
+
+Session key, first that applies: the path prefix ``/sessions/{id}/v1/...``; the header ``X-Session-Id``; the
+request's ``user`` field; else ``"default"``.
+
+Upstream: a base URL of an OpenAI-compatible server that returns token ids (our ``orchard serve-model``, or vLLM
+with ``return_token_ids``), or an in-process `Engine` plus tokenizer (served by `build_app` through an ASGI
+transport, no socket). Streaming is not supported (400).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from orchard.data import RenderedSample, RenderReport
+from orchard.rollout.engine import Engine
+from orchard.rollout.server import build_app
+
+SESSION_HEADER = "X-Session-Id"
+DEFAULT_SESSION = "default"
+
+
+@dataclass
+class RecordedChoice:
+    """One sampled answer of a call: ids, log-probs (aligned), finish reason."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class CallRecord:
+    """One forwarded call.
+
+    Fields:
+        session_id: the session it was recorded under.
+        endpoint: ``chat.completions`` or ``completions``.
+        request: the request body as the client sent it.
+        response: the upstream's response body (with token ids and log-probs).
+        prompt_ids: the prompt token ids the upstream sampled from (one list per prompt of a completions batch).
+        choices: the sampled answers, in the response's choice order.
+        started_at: wall-clock time the call arrived (``time.time()``).
+        duration_s: time to the upstream's answer.
+    """
+
+    session_id: str
+    endpoint: str
+    request: dict[str, Any]
+    response: dict[str, Any]
+    prompt_ids: list[list[int]]
+    choices: list[RecordedChoice]
+    started_at: float
+    duration_s: float
+    n_per_prompt: int = 1
+
+
+def _choice_token_ids(choice: Mapping[str, Any]) -> list[int] | None:
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return [int(t) for t in ids]
+    logprobs = choice.get("logprobs") or {}
+    labels = (
+        [e.get("token") for e in logprobs.get("content") or []]
+        if "content" in logprobs
+        else logprobs.get("tokens")
+    )
+    if labels and all(isinstance(t, str) and t.startswith("token_id:") for t in labels):
+        return [int(t.removeprefix("token_id:")) for t in labels]
+    return None
+
+
+def _choice_logprobs(choice: Mapping[str, Any]) -> list[float] | None:
+    logprobs = choice.get("logprobs")
+    if not logprobs:
+        return None
+    if logprobs.get("content") is not None:
+        return [float(e["logprob"]) for e in logprobs["content"]]
+    if logprobs.get("token_logprobs") is not None:
+        return [float(x) for x in logprobs["token_logprobs"]]
+    return None
+
+
+class RecordingProxy:
+    """Args:
+    upstream: base URL of an OpenAI-compatible server (``http://host:port``, without ``/v1``), or an `Engine`.
+    tokenizer: needed with an `Engine` upstream; with a URL it is used to turn ``token_id:N`` labels back into
+        text for clients that asked for log-probs but not for ids.
+    timeout_s: per upstream call. Default 600.
+    """
+
+    def __init__(self, upstream: str | Engine, tokenizer: Any = None, *, timeout_s: float = 600.0) -> None:
+        if isinstance(upstream, str):
+            if not upstream.startswith(("http://", "https://")):
+                raise ValueError(f"upstream must be an http(s) URL or an Engine, got {upstream!r}")
+            self._client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s)
+        elif hasattr(upstream, "generate"):
+            if tokenizer is None:
+                raise ValueError("tokenizer is required when upstream is an Engine")
+            inner = build_app(upstream, tokenizer)
+            self._client = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=inner), base_url="http://engine", timeout=timeout_s
+            )
+        else:
+            raise ValueError(f"upstream must be an http(s) URL or an Engine, got {type(upstream).__name__}")
+        self.tokenizer = tokenizer
+        self._records: dict[str, list[CallRecord]] = {}
+        self._lock = threading.Lock()
+        self.app = self._build_app()
+
+    # ---- records -----------------------------------------------------------------------------------------------
+
+    def sessions(self) -> list[str]:
+        """Ids of the sessions with at least one recorded call, in first-seen order."""
+        with self._lock:
+            return list(self._records)
+
+    def calls(self, session_id: str) -> list[CallRecord]:
+        """The recorded calls of one session, in arrival order (empty for an unknown session)."""
+        with self._lock:
+            return list(self._records.get(session_id, []))
+
+    def pop_session(self, session_id: str) -> list[CallRecord]:
+        """Remove and return a session's calls (so a long-running proxy does not grow without bound)."""
+        with self._lock:
+            return self._records.pop(session_id, [])
+
+    def samples(self, session_id: str) -> list[RenderedSample]:
+        """The session's calls as training samples, one per call and choice, in order.
+
+        Sample of call ``k``, choice ``c``: ``input_ids = prompt_ids + token_ids`` (shape ``[P + S]``),
+        ``action_mask`` False on the prompt and True on the sampled ids, ``turn_index`` ``k`` on actions and -1
+        elsewhere, ``old_logprobs`` the sampling log-probs on actions (0 elsewhere), ``logprob_mask`` = actions
+        whose log-prob was returned. This equals `orchard.data.render_turns` of the same conversation.
+        """
+        out = []
+        for k, record in enumerate(self.calls(session_id)):
+            for c, choice in enumerate(record.choices):
+                prompt = record.prompt_ids[min(c // record.n_per_prompt, len(record.prompt_ids) - 1)]
+                n_prompt, n_out = len(prompt), len(choice.token_ids)
+                known = len(choice.logprobs) == n_out
+                out.append(
+                    RenderedSample(
+                        input_ids=torch.tensor(prompt + choice.token_ids, dtype=torch.long),
+                        action_mask=torch.tensor([False] * n_prompt + [True] * n_out),
+                        turn_index=torch.tensor([-1] * n_prompt + [k] * n_out, dtype=torch.long),
+                        old_logprobs=torch.tensor(
+                            [0.0] * n_prompt + (choice.logprobs if known else [0.0] * n_out),
+                            dtype=torch.float32,
+                        ),
+                        logprob_mask=torch.tensor([False] * n_prompt + [known] * n_out),
+                        report=RenderReport(full_length=n_prompt + n_out),
+                    )
+                )
+        return out
+
+    # ---- the app ----------------------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="orchard recording proxy")
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        @app.get("/sessions/{session_id}/v1/models")
+        async def models(session_id: str | None = None) -> Response:
+            r = await self._client.get("/v1/models")
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+        @app.post("/v1/{endpoint:path}")
+        async def forward(endpoint: str, request: Request) -> Response:
+            return await self._forward(endpoint, request, None)
+
+        @app.post("/sessions/{session_id}/v1/{endpoint:path}")
+        async def forward_session(session_id: str, endpoint: str, request: Request) -> Response:
+            return await self._forward(endpoint, request, session_id)
+
+        return app
+
+    async def _forward(self, endpoint: str, request: Request, path_session: str | None) -> Response:
+        kind = {"chat/completions": "chat.completions", "completions": "completions"}.get(endpoint)
+        if kind is None:
+            return JSONResponse({"error": {"message": f"unknown endpoint /v1/{endpoint}"}}, status_code=404)
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse(
+                {"error": {"message": "body is not JSON", "type": "invalid_request_error"}}, 400
+            )
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "body must be a JSON object"}}, status_code=400)
+        if body.get("stream"):
+            return JSONResponse(
+                {"error": {"message": "stream is not supported by the recording proxy", "param": "stream"}},
+                400,
+            )
+        user = body.get("user") if isinstance(body.get("user"), str) else None
+        session = path_session or request.headers.get(SESSION_HEADER) or user or DEFAULT_SESSION
+        upstream_body = copy.deepcopy(body)
+        upstream_body["return_token_ids"] = True
+        upstream_body["return_tokens_as_token_ids"] = True
+        if kind == "chat.completions":
+            upstream_body["logprobs"] = True
+        elif upstream_body.get("logprobs") is None:
+            upstream_body["logprobs"] = 0
+        started, t0 = time.time(), time.perf_counter()
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            r = await self._client.post(f"/v1/{endpoint}", json=upstream_body, headers=headers)
+        except httpx.HTTPError as exc:
+            return JSONResponse(
+                {"error": {"message": f"upstream failed: {exc}", "type": "upstream_error"}}, 502
+            )
+        duration = time.perf_counter() - t0
+        if r.status_code != 200:
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        data = r.json()
+        self._record(session, kind, body, data, started, duration)
+        return JSONResponse(self._client_view(body, data, kind))
+
+    def _record(
+        self,
+        session: str,
+        kind: str,
+        body: dict[str, Any],
+        data: dict[str, Any],
+        started: float,
+        duration: float,
+    ) -> None:
+        choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+        recorded = []
+        for choice in choices:
+            ids = _choice_token_ids(choice) or []
+            lps = _choice_logprobs(choice) or []
+            recorded.append(RecordedChoice(ids, lps, str(choice.get("finish_reason"))))
+        if kind == "chat.completions":
+            prompts = (
+                [list(data.get("prompt_token_ids") or choices[0].get("prompt_token_ids") or [])]
+                if choices
+                else []
+            )
+            per_prompt = max(1, len(choices))
+        else:
+            prompts = [list(choice.get("prompt_token_ids") or []) for choice in choices]  # one per choice
+            per_prompt = 1
+        record = CallRecord(
+            session, kind, body, data, prompts or [[]], recorded, started, duration, per_prompt
+        )
+        with self._lock:
+            self._records.setdefault(session, []).append(record)
+
+    def _client_view(self, body: dict[str, Any], data: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The response as the client asked for it: log-probs only when requested, token labels as text unless
+        ``return_tokens_as_token_ids`` was requested (token ids fields stay: extra fields are harmless)."""
+        out = copy.deepcopy(data)
+        wants_logprobs = (
+            bool(body.get("logprobs")) if kind == "chat.completions" else body.get("logprobs") is not None
+        )
+        wants_id_labels = bool(body.get("return_tokens_as_token_ids"))
+        for choice in out.get("choices") or []:
+            if not wants_logprobs:
+                choice["logprobs"] = None
+            elif not wants_id_labels and self.tokenizer is not None and choice.get("logprobs"):
+                self._relabel(choice["logprobs"])
+        return out
+
+    def _relabel(self, logprobs: dict[str, Any]) -> None:
+        def text(label: Any) -> Any:
+            if isinstance(label, str) and label.startswith("token_id:"):
+                return self.tokenizer.decode(
+                    [int(label.removeprefix("token_id:"))], skip_special_tokens=False
+                )
+            return label
+
+        for entry in logprobs.get("content") or []:
+            entry["token"] = text(entry.get("token"))
+        if logprobs.get("tokens") is not None:
+            logprobs["tokens"] = [text(t) for t in logprobs["tokens"]]
+        if logprobs.get("top_logprobs") is not None:
+            logprobs["top_logprobs"] = [{text(k): v for k, v in d.items()} for d in logprobs["top_logprobs"]]
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
