@@ -73,6 +73,9 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this; without it a response's head and body can sit 40 ms apart
+    # (Nagle on our side against the client's delayed ACK) on every request.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(4096)
     sock.setblocking(False)
@@ -99,7 +102,12 @@ def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any],
     from orchard.env.store.sqlite import SQLiteStore
 
     root_dir.mkdir(parents=True, exist_ok=True)
-    orchestrator = Orchestrator(make_backend(root_dir, backend), SQLiteStore(root_dir / "state.sqlite3"), **options)
+    # Sandboxes run as their own uids and reach their workspaces by path, so the root must be searchable
+    # (not listable); the state file (it holds sandboxes' env) stays the service's alone.
+    os.chmod(root_dir, 0o711)
+    state = root_dir / "state.sqlite3"
+    os.close(os.open(state, os.O_CREAT | os.O_WRONLY, 0o600))
+    orchestrator = Orchestrator(make_backend(root_dir, backend), SQLiteStore(state), **options)
     app = create_app(orchestrator, [api_key])
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="websockets-sansio",
                             timeout_keep_alive=30, backlog=4096, lifespan="on")

@@ -346,7 +346,8 @@ class PtyProcess:
         from websockets.sync.client import connect
 
         headers = {"X-API-Key": api_key} if api_key else {}
-        self._ws = connect(url, additional_headers=headers, open_timeout=connect_timeout, max_size=1 << 24)
+        self._ws = connect(url, additional_headers=headers, open_timeout=connect_timeout, max_size=1 << 24,
+                           legacy=True)  # a long-lived handle, closed by close(), not a with-block
         self._ws.send(json.dumps(init))
         self._out: queue.Queue[bytes] = queue.Queue()
         self._exited = threading.Event()
