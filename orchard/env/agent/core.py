@@ -65,7 +65,11 @@ class SandboxAgent:
     """
 
     def __init__(
-        self, isolation: Isolation, *, env: dict[str, str] | None = None, host_isolation: Isolation | None = None
+        self,
+        isolation: Isolation,
+        *,
+        env: dict[str, str] | None = None,
+        host_isolation: Isolation | None = None,
     ) -> None:
         validate_env(env or {}, "env")
         self.isolation = isolation

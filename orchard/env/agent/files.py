@@ -165,10 +165,14 @@ class Workspace:
         dfd = self._open_dir(parts[:-1])
         try:
             try:
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+                fd = os.open(
+                    parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+                )
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise PathEscapeError(f"{path!r} became a symlink while being opened") from e
+                if e.errno == errno.ENXIO:  # a FIFO without reader, a socket
+                    raise ValueError(f"{path!r} is not a regular file") from e
                 raise
         finally:
             os.close(dfd)
@@ -219,6 +223,8 @@ class Workspace:
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise PathEscapeError(f"{path!r} became a symlink while being opened") from e
+                if e.errno == errno.ENXIO:  # a FIFO without reader, a socket
+                    raise ValueError(f"{path!r} is not a regular file") from e
                 raise
         finally:
             os.close(dfd)

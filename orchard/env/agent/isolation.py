@@ -35,6 +35,7 @@ logs a warning when it falls back and reports `isolation = "process-group"`.
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import resource
@@ -51,7 +52,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from orchard.env.agent.files import Workspace
-from orchard.env.agent.process import PidfdProcess, ProcessTree
+from orchard.env.agent.process import PidfdProcess, ProcessTree, wait_pidfd
 
 BUBBLEWRAP = "bubblewrap"
 PROCESS_GROUP = "process-group"
@@ -105,7 +106,9 @@ def probe_bubblewrap(run_as: tuple[int, int] | None = None, bwrap: str | None = 
     if run_as is not None and os.geteuid() == 0:
         kwargs.update(user=run_as[0], group=run_as[1], extra_groups=[])
     try:
-        r = subprocess.run(argv, capture_output=True, timeout=30, cwd="/", env={"PATH": DEFAULT_PATH}, **kwargs)
+        r = subprocess.run(
+            argv, capture_output=True, timeout=30, cwd="/", env={"PATH": DEFAULT_PATH}, **kwargs
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return f"bwrap could not run: {e}"
     if r.returncode != 0:
@@ -134,14 +137,51 @@ def _top_level_args(rootfs: str) -> tuple[str, ...]:
 
 
 class BubblewrapTree(PidfdProcess):
-    """Killing the outer bubblewrap kills the namespace's init, and with it every process in the sandbox."""
+    """Killing the outer bubblewrap kills the namespace's init, and with it every process in the sandbox.
+
+    bubblewrap exits when the command does, and its init dies with it (--die-with-parent); the kernel then
+    kills the rest of the namespace. `settle` waits for the init to be gone, which only happens once every
+    other process of the namespace has been reaped: bubblewrap reports the init's pid on `--info-fd`.
+    """
+
+    def __init__(self, info_fd: int) -> None:
+        super().__init__()
+        self._info_fd = info_fd
 
     def kill(self) -> None:
         self.kill_main()
 
     def cleanup(self) -> None:
-        # bubblewrap exits when the command does, and its init dies with it (--die-with-parent).
         return None
+
+    def _init_pid(self) -> int | None:
+        try:
+            raw = os.read(self._info_fd, 4096)
+        except OSError:
+            return None
+        try:
+            return int(json.loads(raw)["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    async def settle(self, timeout_s: float) -> None:
+        pid = self._init_pid()
+        if pid is None:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return  # already gone
+        try:
+            await wait_pidfd(pidfd, timeout_s)
+        finally:
+            os.close(pidfd)
+
+    def release(self) -> None:
+        super().release()
+        if self._info_fd >= 0:
+            os.close(self._info_fd)
+            self._info_fd = -1
 
 
 class MarkedGroupTree(PidfdProcess):
@@ -155,6 +195,9 @@ class MarkedGroupTree(PidfdProcess):
     def kill(self) -> None:
         self.kill_main()
         self.cleanup()
+
+    async def settle(self, timeout_s: float) -> None:
+        return None
 
     def cleanup(self) -> None:
         if self.pid is not None:
@@ -256,18 +299,22 @@ class Isolation:
     def resolve_cwd(self, cwd: str | None) -> str:
         """The directory a command starts in, as the sandbox sees it.
 
-        None is the workspace mount; a relative path is taken from there. A path inside the workspace must be
-        an existing directory (ValueError otherwise) and may not escape it (PathEscapeError).
+        None is the workspace mount; a relative path is taken from there and may not leave it
+        (PathEscapeError). A path inside the workspace must be an existing directory (ValueError otherwise);
+        an absolute path elsewhere (e.g. /tmp) is passed through.
         """
         mount = self.workspace.mount
         if cwd is None or cwd == "":
             return mount
         if not isinstance(cwd, str) or "\x00" in cwd:
             raise ValueError(f"cwd must be a string without NUL bytes, got {cwd!r}")
-        p = PurePosixPath(os.path.normpath(cwd if cwd.startswith("/") else f"{mount}/{cwd}"))
-        if p != PurePosixPath(mount) and PurePosixPath(mount) not in p.parents:
-            return str(p)  # elsewhere in the sandbox's own (read-only or scratch) file system
-        rel = self.workspace.relative(str(p))
+        if not cwd.startswith("/"):
+            rel = self.workspace.relative(cwd)  # a relative cwd must stay in the workspace
+        else:
+            p = PurePosixPath(os.path.normpath(cwd))
+            if p != PurePosixPath(mount) and PurePosixPath(mount) not in p.parents:
+                return str(p)  # elsewhere in the sandbox's own (read-only or scratch) file system
+            rel = self.workspace.relative(str(p))
         host = os.path.join(self.workspace.root, rel)
         if not os.path.isdir(host):
             raise ValueError(f"cwd {cwd!r} is not a directory in the workspace")
@@ -313,9 +360,12 @@ class Isolation:
             popen["cwd"] = "/"
             # bubblewrap runs as the sandbox's uid and binds the workspace by path: every directory above it
             # must be searchable by that uid (the local backend checks this at start).
-            full = [*self._bwrap_prefix(tty), "--bind", self.workspace.root, self.workspace.mount,
+            info_r, info_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            popen["pass_fds"] = (info_w,)
+            full = [*self._bwrap_prefix(tty), "--info-fd", str(info_w),
+                    "--bind", self.workspace.root, self.workspace.mount,
                     "--remount-ro", "/", "--chdir", cwd, "--", *argv]  # fmt: skip
-            return Launch(full, popen, BubblewrapTree)
+            return Launch(full, popen, lambda: BubblewrapTree(info_r), (info_w,))
         mark = secrets.token_hex(8)
         popen["env"][MARK_VAR] = mark
         popen["cwd"] = self.host_path(cwd)
@@ -349,10 +399,7 @@ def _visible_in_rootfs(path: str, rootfs: str) -> bool:
     parts = PurePosixPath(os.path.abspath(path)).parts
     if len(parts) < 2 or parts[1] in _SPECIAL_TOP:
         return False
-    for i in range(2, len(parts)):
-        if not os.stat(os.path.join(*parts[:i])).st_mode & 0o001:
-            return False
-    return True
+    return all(os.stat(os.path.join(*parts[:i])).st_mode & 0o001 for i in range(2, len(parts)))
 
 
 def _limits_preexec(

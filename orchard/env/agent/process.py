@@ -47,6 +47,11 @@ class ProcessTree(Protocol):
         """End whatever the tree left behind after its main process exited."""
         ...
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) until the ended processes are really gone, so that their slots in the
+        pids limit are free again when the next command starts."""
+        ...
+
     def release(self) -> None:
         """Free what `attach` acquired; the tree is not used afterwards."""
         ...
@@ -73,10 +78,27 @@ class PidfdProcess:
             except ProcessLookupError:
                 pass
 
+    async def settle(self, timeout_s: float) -> None:
+        return None
+
     def release(self) -> None:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+async def wait_pidfd(pidfd: int, timeout_s: float) -> bool:
+    """Wait until the process behind `pidfd` has exited (the fd turns readable); False on timeout."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await asyncio.wait_for(done, timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
 
 
 class _Capture(asyncio.SubprocessProtocol):
@@ -185,6 +207,7 @@ async def run_captured(
             tree.kill()
             await capture.exited
         tree.cleanup()
+        await tree.settle(_PIPE_DRAIN_S)
         try:
             await asyncio.wait_for(asyncio.shield(capture.drained), _PIPE_DRAIN_S)
         except TimeoutError:

@@ -65,6 +65,7 @@ class LocalPty:
         """Start `launch` on a new terminal of `cols` x `rows` characters; `on_close(session)` runs on close."""
         _check_size(cols, rows)
         master, slave = os.openpty()
+        tree = launch.tree_factory()
         try:
             _set_size(slave, cols, rows)
             popen: dict[str, Any] = dict(launch.popen)
@@ -74,10 +75,10 @@ class LocalPty:
         except BaseException:
             os.close(master)
             os.close(slave)
+            tree.release()
             raise
         os.close(slave)
         os.set_blocking(master, False)
-        tree = launch.tree_factory()
         tree.attach(proc.pid)
         return cls(master, proc, tree, on_close)
 
@@ -158,6 +159,7 @@ class LocalPty:
         self._pause_reading()
         await self._proc.wait()
         self._tree.cleanup()
+        await self._tree.settle(2.0)
         self._tree.release()
         os.close(self._master)
         if not self._eof:

@@ -276,9 +276,12 @@ class LocalBackend:
         if spec.image != HOST_IMAGE and self.isolation != BUBBLEWRAP:
             logger.warning("image %r cannot be used without bubblewrap; commands see the host", spec.image)
         top = PurePosixPath(os.path.normpath(spec.workdir)).parts[1]
-        if image.rootfs != "/" and os.path.lexists(os.path.join(image.rootfs, top)):
-            if not os.path.isdir(os.path.join(image.rootfs, spec.workdir.lstrip("/"))):
-                raise ValueError(f"workdir {spec.workdir!r} cannot be mounted in image {spec.image!r}")
+        if (
+            image.rootfs != "/"
+            and os.path.lexists(os.path.join(image.rootfs, top))
+            and not os.path.isdir(os.path.join(image.rootfs, spec.workdir.lstrip("/")))
+        ):
+            raise ValueError(f"workdir {spec.workdir!r} cannot be mounted in image {spec.image!r}")
         d = self._dir(sandbox_id)
         if os.path.exists(os.path.join(d, _META)):
             return

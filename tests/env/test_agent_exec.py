@@ -1,0 +1,388 @@
+"""The exec agent with real child processes: basics, adversarial timeouts, output caps, PTYs, isolation.
+
+Every exec test runs under bubblewrap (skipped where it cannot create namespaces) and under the process-group
+fallback. After each adversarial command, /proc is scanned for the command's marker: nothing may remain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from orchard.env.agent import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, SandboxAgent, Workspace
+from orchard.env.agent.isolation import probe_bubblewrap
+from orchard.env.backends.base import ExecRequest, PathEscapeError
+
+IS_ROOT = os.geteuid() == 0
+TEST_UID = 201_357
+RUN_AS = (TEST_UID, TEST_UID) if IS_ROOT else None
+BWRAP_PROBLEM = probe_bubblewrap(RUN_AS)
+SLACK_S = 1.5
+"""How much later than its timeout an exec may return (process start, kill, teardown on a loaded machine)."""
+
+MODES = [
+    pytest.param(BUBBLEWRAP, marks=pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"{BWRAP_PROBLEM}")),
+    PROCESS_GROUP,
+]
+needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-sandbox uids and RLIMIT_NPROC need root")
+
+
+@pytest.fixture
+def workspace_dir():
+    # tempfile (not tmp_path): the sandbox's uid must be able to reach the workspace, and pytest's base
+    # temporary directory is private to root.
+    base = tempfile.mkdtemp(prefix="orchard-agent-")
+    os.chmod(base, 0o711)
+    ws = os.path.join(base, "ws")
+    os.mkdir(ws, 0o700)
+    if IS_ROOT:
+        os.chown(ws, TEST_UID, TEST_UID)
+    yield ws
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def make_agent(
+    ws: str, mode: str, *, limits: Limits | None = None, network: bool = False, **kw
+) -> SandboxAgent:
+    workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
+    iso = Isolation(workspace, mode=mode, limits=limits, network=network, run_as=RUN_AS, **kw)
+    return SandboxAgent(iso, env={"AGENT_VAR": "from-agent"})
+
+
+def marker() -> str:
+    """A number no other process uses, for `sleep <marker>` and the /proc scan."""
+    return f"{900_000 + secrets.randbelow(99_999)}.{secrets.randbelow(10**6):06d}"
+
+
+def procs_with(text: str) -> list[tuple[int, str]]:
+    """Live (non-zombie) processes whose command line contains `text`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\x00", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            out.append((int(entry), cmd))
+    return out
+
+
+def procs_of_uid(uid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+# -- basics ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_exec_basics(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode)
+    r = await agent.exec(ExecRequest("echo out; echo err >&2; exit 3"))
+    assert (r.exit_code, r.stdout, r.stderr, r.timed_out) == (3, b"out\n", b"err\n", False)
+    assert not r.stdout_truncated and not r.stderr_truncated and r.duration_s > 0
+
+    # cwd relative to the workspace, env layering (request over agent over base), stdin
+    await agent.exec(ExecRequest("mkdir -p sub/dir"))
+    r = await agent.exec(
+        ExecRequest("pwd; echo $AGENT_VAR $REQ_VAR; cat", cwd="sub/dir", env={"REQ_VAR": "r"}, stdin=b"fed")
+    )
+    lines = r.stdout.decode().splitlines()
+    assert lines[0].endswith("/sub/dir") and lines[1:] == ["from-agent r", "fed"], r
+    r = await agent.exec(ExecRequest("echo $AGENT_VAR", env={"AGENT_VAR": "override"}))
+    assert r.stdout == b"override\n"
+
+    # argv is not interpreted by a shell; a string is
+    r = await agent.exec(ExecRequest(["printf", "%s|", "a b", "$HOME", "*"]))
+    assert r.stdout == b"a b|$HOME|*|"
+    r = await agent.exec(ExecRequest('printf "%s|" "$(( 6 * 7 ))"'))
+    assert r.stdout == b"42|"
+
+    # nothing of the service's environment leaks in
+    os.environ["ORCHARD_TEST_SECRET"] = "leak"
+    try:
+        r = await agent.exec(ExecRequest(["env"]))
+    finally:
+        del os.environ["ORCHARD_TEST_SECRET"]
+    assert b"ORCHARD_TEST_SECRET" not in r.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_exec_errors(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode)
+    r = await agent.exec(ExecRequest(["no-such-program-xyz"]))
+    assert r.exit_code != 0 and b"no-such-program-xyz" in r.stderr
+    r = await agent.exec(ExecRequest("kill -9 $$"))
+    # a signal death: -9 from the process itself, 128 + 9 = 137 when bubblewrap relays it (as a shell does)
+    assert r.exit_code == (137 if mode == BUBBLEWRAP else -9)
+    with pytest.raises(ValueError, match="cwd"):
+        await agent.exec(ExecRequest("true", cwd="missing-dir"))
+    with pytest.raises(PathEscapeError):
+        await agent.exec(ExecRequest("true", cwd="../.."))
+    with pytest.raises(ValueError, match="timeout_s"):
+        await agent.exec(ExecRequest("true", timeout_s=0))
+    with pytest.raises(ValueError, match="command"):
+        await agent.exec(ExecRequest([]))
+    with pytest.raises(ValueError, match="env"):
+        await agent.exec(ExecRequest("true", env={"A=B": "x"}))
+    with pytest.raises(ValueError, match="max_output_bytes"):
+        await agent.exec(ExecRequest("true", max_output_bytes=-1))
+
+
+# -- timeouts and leftovers -----------------------------------------------------------------------------
+
+ADVERSARIAL = {
+    "background": "sleep {m} & sleep {m}",
+    "setsid": "setsid sleep {m} & sleep {m}",
+    "double_fork": "( ( sleep {m} & ) & ) ; sleep {m}",
+    "nohup": "nohup sleep {m} >/dev/null 2>&1 & sleep {m}",
+    "holds_stdout": "( trap '' HUP TERM; exec sleep {m} ) & sleep {m}",
+    "python_daemon": (
+        "python3 -c 'import os,time\nif os.fork()==0:\n os.setsid()\n if os.fork()==0:\n  "
+        'os.execvp("sleep",["sleep","{m}"])\ntime.sleep(1000)\' {m}'
+    ),
+}
+
+
+async def assert_no_leftovers(m: str) -> None:
+    # The exec returned only after its processes were killed; allow the kernel a moment to reap.
+    deadline = time.monotonic() + 2.0
+    while procs_with(m) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert procs_with(m) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+async def test_timeout_ends_the_whole_tree(workspace_dir, mode, name):
+    agent = make_agent(workspace_dir, mode)
+    m = marker()
+    t0 = time.monotonic()
+    r = await agent.exec(ExecRequest(ADVERSARIAL[name].format(m=m), timeout_s=0.8))
+    elapsed = time.monotonic() - t0
+    assert r.timed_out and r.exit_code == 124, r
+    assert elapsed < 0.8 + SLACK_S, elapsed
+    await assert_no_leftovers(m)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "command",
+    ["sleep {m} & echo done", "setsid sleep {m} & echo done", "( ( sleep {m} & ) & ); echo done"],
+    ids=["background", "setsid", "double_fork"],
+)
+async def test_main_exit_returns_promptly_and_ends_background_children(workspace_dir, mode, command):
+    """The background child keeps stdout open, but the exec returns when the main process exits."""
+    agent = make_agent(workspace_dir, mode)
+    m = marker()
+    t0 = time.monotonic()
+    r = await agent.exec(ExecRequest(command.format(m=m), timeout_s=30))
+    assert (r.exit_code, r.stdout, r.timed_out) == (0, b"done\n", False)
+    assert time.monotonic() - t0 < SLACK_S + 1.0
+    await assert_no_leftovers(m)
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+async def test_fork_bomb_is_bounded_by_pids_and_fully_ended(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode, limits=Limits(pids=24, memory_mb=512))
+    t0 = time.monotonic()
+    r = await agent.exec(ExecRequest("bomb() { bomb | bomb & }; bomb; sleep 100", timeout_s=1.5))
+    assert r.timed_out and time.monotonic() - t0 < 1.5 + SLACK_S + 1.0
+    deadline = time.monotonic() + 3
+    while procs_of_uid(TEST_UID) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert procs_of_uid(TEST_UID) == []
+    # the limit held (forks failed) and the sandbox is usable right after
+    r = await agent.exec(ExecRequest("echo alive"))
+    assert (r.exit_code, r.stdout) == (0, b"alive\n")
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_output_is_capped_per_stream(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode)
+    cap = 100_000
+    r = await agent.exec(ExecRequest("head -c 5000000 /dev/zero; echo tail >&2", max_output_bytes=cap))
+    assert r.exit_code == 0 and r.stdout == b"\x00" * cap and r.stdout_truncated
+    assert r.stderr == b"tail\n" and not r.stderr_truncated
+    r = await agent.exec(ExecRequest("printf 12345", max_output_bytes=5))  # exactly at the cap
+    assert r.stdout == b"12345" and not r.stdout_truncated
+    r = await agent.exec(ExecRequest("printf 123456", max_output_bytes=5))
+    assert r.stdout == b"12345" and r.stdout_truncated
+    r = await agent.exec(ExecRequest("cat /dev/zero", timeout_s=0.5, max_output_bytes=cap))
+    assert r.timed_out and r.exit_code == 124 and len(r.stdout) == cap and r.stdout_truncated
+    big = os.urandom(3_000_000)
+    r = await agent.exec(ExecRequest(["cat"], stdin=big, max_output_bytes=len(big)))
+    assert r.stdout == big and not r.stdout_truncated
+
+
+@pytest.mark.slow
+async def test_huge_output_keeps_memory_bounded(workspace_dir):
+    """512 MiB through the capture in a fresh interpreter: its peak RSS stays far below the output size."""
+    code = (
+        "import asyncio, resource, sys\n"
+        "from orchard.env.agent import Isolation, SandboxAgent, Workspace\n"
+        "from orchard.env.backends.base import ExecRequest\n"
+        f"agent = SandboxAgent(Isolation(Workspace({workspace_dir!r}), mode='process-group'))\n"
+        "r = asyncio.run(agent.exec(ExecRequest('head -c 536870912 /dev/zero', max_output_bytes=1 << 20)))\n"
+        "assert r.exit_code == 0 and r.stdout_truncated and len(r.stdout) == 1 << 20, r.exit_code\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    peak_mib = int(out.stdout.strip()) / 1024
+    assert peak_mib < 200, peak_mib  # the output was 512 MiB; the capture keeps 1 MiB plus 256 KiB reads
+
+
+# -- PTY ------------------------------------------------------------------------------------------------
+
+
+async def read_until(pty, needle: bytes, timeout_s: float = 10.0) -> bytes:
+    buf = b""
+    it = pty.read().__aiter__()
+    deadline = time.monotonic() + timeout_s
+    while needle not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"{needle!r} not seen in {buf!r}")
+        try:
+            buf += await asyncio.wait_for(it.__anext__(), left)
+        except StopAsyncIteration:
+            break
+    return buf
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_pty_echo_resize_close(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode)
+    pty = await agent.open_pty(cols=80, rows=24)
+    try:
+        await pty.write(b"stty size; echo $((6*7))x\n")
+        out = await read_until(pty, b"42x")
+        assert b"24 80" in out
+        await pty.resize(cols=132, rows=50)
+        await pty.write(b"stty size\n")
+        assert b"50 132" in await read_until(pty, b"50 132")
+        with pytest.raises(ValueError, match="cols"):
+            await pty.resize(cols=0, rows=10)
+        m = marker()
+        await pty.write(f"setsid sleep {m} &\n".encode())
+        await asyncio.sleep(0.3)
+    finally:
+        await pty.close()
+    await assert_no_leftovers(m)
+    await pty.close()  # idempotent
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_pty_command_runs_to_eof(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode)
+    pty = await agent.open_pty("printf 'hello from pty'; exit 3")
+    chunks = [c async for c in pty.read()]
+    assert b"hello from pty" in b"".join(chunks)
+    assert await pty.wait() in (3,)
+    await pty.close()
+
+
+# -- isolation (bubblewrap) -----------------------------------------------------------------------------
+
+
+@needs_bwrap
+async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir):
+    agent = make_agent(workspace_dir, BUBBLEWRAP, hide=(os.path.dirname(workspace_dir),))
+    r = await agent.exec(ExecRequest("id -u; id -g"))
+    uid, gid = (int(x) for x in r.stdout.split())
+    assert uid != 0 and gid != 0
+    if IS_ROOT:
+        assert (uid, gid) == (TEST_UID, TEST_UID)
+    r = await agent.exec(ExecRequest("touch /usr/orchard-x; echo x > /etc/orchard-x"))
+    assert r.exit_code != 0 and r.stderr.count(b"Read-only file system") == 2, r
+    r = await agent.exec(ExecRequest("echo data > made.txt && mkdir d && echo ok > /tmp/t && cat /tmp/t"))
+    assert r.exit_code == 0 and r.stdout == b"ok\n", r
+    st = os.stat(os.path.join(workspace_dir, "made.txt"))
+    assert st.st_uid == (TEST_UID if IS_ROOT else os.geteuid())
+    # a fresh /tmp: a file the host has in /tmp is not there; the service's directory is hidden
+    r = await agent.exec(ExecRequest(["ls", "-a", os.path.dirname(workspace_dir)]))
+    assert r.stdout.split() in ([], [b".", b".."]), r
+    # its own pid namespace: only bubblewrap's init, bash and ps
+    r = await agent.exec(ExecRequest("ls /proc | grep -c '^[0-9]'"))
+    assert int(r.stdout) <= 4, r
+
+
+@needs_bwrap
+async def test_no_network_unless_asked(workspace_dir):
+    accepted: list[int] = []
+
+    async def on_conn(reader, writer):
+        accepted.append(1)
+        writer.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    probe = f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected"
+    try:
+        r = await make_agent(workspace_dir, BUBBLEWRAP).exec(ExecRequest(probe, timeout_s=10))
+        assert r.exit_code != 0 and b"connected" not in r.stdout, r
+        assert accepted == []
+        r = await make_agent(workspace_dir, BUBBLEWRAP, network=True).exec(ExecRequest(probe, timeout_s=10))
+        assert r.exit_code == 0 and r.stdout == b"connected\n", r
+        await asyncio.sleep(0.1)
+        assert accepted == [1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@needs_bwrap
+async def test_memory_limit(workspace_dir):
+    agent = make_agent(workspace_dir, BUBBLEWRAP, limits=Limits(memory_mb=256))
+    r = await agent.exec(ExecRequest(["python3", "-c", "b = bytearray(600 << 20); print('allocated')"]))
+    assert r.exit_code != 0 and b"MemoryError" in r.stderr, r
+    r = await agent.exec(ExecRequest(["python3", "-c", "b = bytearray(50 << 20); print('allocated')"]))
+    assert r.stdout == b"allocated\n", r
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_apply_patch_and_malicious_paths(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode)
+    await agent.write_file("src/a.py", b"x = 1\n")
+    good = "--- a/src/a.py\n+++ b/src/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+    r = await agent.apply_patch(good)
+    assert r.exit_code == 0, r
+    assert await agent.read_file("src/a.py") == b"x = 2\n"
+    target = os.path.join(os.path.dirname(workspace_dir), "escaped.txt")
+    evil = "--- /dev/null\n+++ b/../escaped.txt\n@@ -0,0 +1 @@\n+pwned\n"
+    r = await agent.apply_patch(evil)
+    assert r.exit_code != 0 and not os.path.exists(target), r
+    shell = "--- /dev/null\n+++ b/$(touch pwned).txt\n@@ -0,0 +1 @@\n+x\n"
+    await agent.apply_patch(shell)  # a file with that odd name may appear; no command may run
+    assert not os.path.exists(os.path.join(workspace_dir, "pwned"))
+    with pytest.raises(ValueError, match="patch"):
+        await agent.apply_patch("  ")
