@@ -103,24 +103,23 @@ def rubric_reward(
                 raise ValueError(f"scores[{d!r}] must be a number in [{lo}, {hi}], got {s!r}")
             acc += w[d] * (float(s) - lo) / (hi - lo)
         return acc / total
-    is_tensor = isinstance(scores, torch.Tensor)
-    s_arr = scores if is_tensor else np.asarray(scores)
-    if (not is_tensor and not np.issubdtype(s_arr.dtype, np.number)) or s_arr.ndim < 1 or s_arr.shape[-1] != len(names):
-        raise ValueError(
-            f"scores must be a mapping or an array of shape (..., {len(names)}), got "
-            f"{getattr(s_arr, 'shape', type(scores).__name__)}"
-        )
-    if is_tensor:
-        s_t = s_arr if s_arr.is_floating_point() else s_arr.float()
+    shape_error = f"scores must be a mapping or an array of shape (..., {len(names)})"
+    if isinstance(scores, torch.Tensor):
+        if scores.dim() < 1 or scores.shape[-1] != len(names):
+            raise ValueError(f"{shape_error}, got shape {tuple(scores.shape)}")
+        s_t = scores if scores.is_floating_point() else scores.float()
         if not (torch.isfinite(s_t).all() and (s_t >= lo).all() and (s_t <= hi).all()):
             raise ValueError(f"scores must be finite and in [{lo}, {hi}]")
         w_D = torch.tensor([w[d] for d in names], dtype=s_t.dtype, device=s_t.device)
         return ((s_t - lo) / (hi - lo) * w_D).sum(dim=-1) / total  # [...]
+    s_arr = np.asarray(scores)
+    if not np.issubdtype(s_arr.dtype, np.number) or s_arr.ndim < 1 or s_arr.shape[-1] != len(names):
+        raise ValueError(f"{shape_error}, got {type(scores).__name__} of shape {s_arr.shape}")
     s_np = s_arr.astype(np.float64)
     if not (np.isfinite(s_np).all() and (s_np >= lo).all() and (s_np <= hi).all()):
         raise ValueError(f"scores must be finite and in [{lo}, {hi}]")
-    w_D = np.array([w[d] for d in names])
-    return ((s_np - lo) / (hi - lo) * w_D).sum(axis=-1) / total  # [...]
+    w_np = np.array([w[d] for d in names])
+    return ((s_np - lo) / (hi - lo) * w_np).sum(axis=-1) / total  # [...]
 
 
 @dataclass(frozen=True)
