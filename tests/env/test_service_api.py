@@ -11,7 +11,6 @@ import uuid
 import httpx
 import pytest
 from fastapi.routing import APIRoute, APIWebSocketRoute
-from service_helpers import backend_spec
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -27,7 +26,7 @@ PUBLIC = {"/", "/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/r
 @pytest.fixture(scope="module")
 def service():
     # root_dir=None: a fresh temporary directory whose parents sandbox uids can traverse (pytest's cannot)
-    with serve(backend=backend_spec(), max_concurrent_execs=8) as svc:
+    with serve(max_concurrent_execs=8) as svc:
         yield svc
 
 
