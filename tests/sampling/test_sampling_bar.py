@@ -251,9 +251,15 @@ def configs(draw):
     return BARConfig(n=n, n_max=n_max, stride=stride, rho_min=rho_min, rho_max=rho_max)
 
 
+# None = a success rate drawn from the seed in [0.05, 0.95]; hypothesis' own floats favour 0 and 1, which
+# only exercise "no_signal".
+success_rates = st.sampled_from([None, 0.0, None, 1.0, None, None, None, None])
+
+
 def random_source(seed, p, drop):
     """A seeded source: Bernoulli(p) outcomes, random termination and length, each rollout dropped w.p. drop."""
     rng = random.Random(seed)
+    p = rng.uniform(0.05, 0.95) if p is None else p
     uid = itertools.count()
 
     def source(k):
@@ -308,7 +314,7 @@ def check_invariants(res, cfg, asked):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs(), seed=st.integers(0, 2**31), p=st.floats(0.0, 1.0), drop=st.sampled_from([0.0, 0.0, 0.2]))
+@given(cfg=configs(), seed=st.integers(0, 2**31), p=success_rates, drop=st.sampled_from([0.0, 0.0, 0.2]))
 def test_bar_properties(cfg, seed, p, drop):
     src = random_source(seed, p, drop)
     asked = []
@@ -342,9 +348,10 @@ def test_bar_properties(cfg, seed, p, drop):
 
 
 @settings(max_examples=60, deadline=None)
-@given(cfg=configs(), seed=st.integers(0, 2**31), p=st.floats(0.0, 1.0), length=st.integers(0, 60))
+@given(cfg=configs(), seed=st.integers(0, 2**31), p=success_rates, length=st.integers(0, 60))
 def test_async_generator_matches_iterator(cfg, seed, p, length):
     rng = random.Random(seed)
+    p = rng.uniform(0.05, 0.95) if p is None else p
     stream = [Roll(float(rng.random() < p), rng.random() < 0.5, rng.randint(1, 9), i) for i in range(length)]
 
     async def agen():
