@@ -1,0 +1,203 @@
+"""The training objective: a declarative weighted sum of orchard losses over a rendered batch.
+
+An objective is a list of ``LossTerm(name, weight, kwargs)``; YAML writes it as::
+
+    objective:
+      - {name: policy, weight: 1.0, kwargs: {eps_low: 0.2, eps_high: 0.28}}
+      - {name: js_opd, weight: 0.1, kwargs: {lam: 0.5}}
+
+Each registered term reads the per-token log-probs ``[B, T]`` of the current model and named batch tensors, and
+calls an ``orchard.losses`` function with ``agg="token-sum-norm"`` and a *global* ``normalizer``: the number of
+tokens its mask counts in the whole global batch (all micro-batches, all ranks). Summing micro-batch losses then
+gives the whole-batch token mean exactly, so the gradient does not depend on how the batch is split.
+
+| term | loss | batch keys it reads (besides ``action_mask``) | mask |
+|---|---|---|---|
+| ``sft`` | ``sft_loss`` (inputs masked: only assistant tokens) | — | ``action_mask`` |
+| ``credit_sft`` | ``sft_loss`` on the credit-assigned mask | ``sft_mask`` (from ``credit_assigned_sft_mask``) | ``sft_mask`` |
+| ``policy`` | ``policy_loss`` (GRPO/PPO, clip 0.2 / 0.28) | ``old_logprobs``, ``advantages`` | ``action_mask`` |
+| ``k2_opd`` / ``k3_opd`` / ``js_opd`` | on-policy distillation | ``teacher_logprobs`` | ``action_mask`` |
+| ``kl`` | ``kl_penalty`` to a reference, token mean | ``ref_logprobs`` (kwarg ``kind``, default ``k3+``) | ``action_mask`` |
+
+Metrics of a term keep the loss's own keys (``clip/low_frac``); ``loss/<term>`` is the term's unweighted value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["LossTerm", "TermSpec", "loss_term_names", "objective_loss", "register_loss_term", "term_mask_key"]
+
+
+@dataclass
+class LossTerm:
+    """One weighted term of the objective."""
+
+    name: str
+    """Registered term name: sft, credit_sft, policy, k2_opd, k3_opd, js_opd, kl (see ``loss_term_names()``)."""
+    weight: float = 1.0
+    """Coefficient of this term in the summed loss."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the loss function (e.g. eps_low, eps_high for policy; lam for js_opd)."""
+
+
+TermFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
+
+
+@dataclass(frozen=True)
+class TermSpec:
+    """How a term is computed: ``fn(logprobs, batch, normalizer, **kwargs) -> (loss, metrics)``."""
+
+    fn: TermFn
+    mask_key: str
+    needs: tuple[str, ...]
+
+
+_TERMS: dict[str, TermSpec] = {}
+
+
+def register_loss_term(name: str, fn: TermFn, *, mask_key: str = "action_mask", needs: tuple[str, ...] = ()) -> None:
+    """Add a term to the registry (``ValueError`` if ``name`` is taken).
+
+    ``fn(logprobs [B, T], batch, normalizer, **kwargs)`` must aggregate with ``agg="token-sum-norm"`` and the
+    given ``normalizer`` (the global count of ``batch[mask_key]``) for micro-batch invariance.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if name in _TERMS:
+        raise ValueError(f"name {name!r} is already a registered loss term")
+    _TERMS[name] = TermSpec(fn=fn, mask_key=mask_key, needs=(mask_key, *needs))
+
+
+def loss_term_names() -> list[str]:
+    """Names of the registered loss terms."""
+    return sorted(_TERMS)
+
+
+def _spec(name: str) -> TermSpec:
+    if name not in _TERMS:
+        raise ValueError(f"loss term name {name!r} is not registered; valid: {', '.join(loss_term_names())}")
+    return _TERMS[name]
+
+
+def term_mask_key(name: str) -> str:
+    """The batch key of the mask whose global token count normalises term ``name``."""
+    return _spec(name).mask_key
+
+
+def check_objective(objective: list[LossTerm], batch_keys: set[str] | None = None) -> None:
+    """Validate an objective (names, weights) and, given the batch's keys, that every term finds its inputs."""
+    if not isinstance(objective, list) or not objective:
+        raise ValueError(f"objective must be a non-empty list of LossTerm, got {objective!r}")
+    for i, term in enumerate(objective):
+        if not isinstance(term, LossTerm):
+            raise ValueError(f"objective[{i}] must be a LossTerm, got {type(term).__name__}")
+        spec = _spec(term.name)
+        if not isinstance(term.weight, (int, float)) or not torch.isfinite(torch.tensor(float(term.weight))):
+            raise ValueError(f"objective[{i}].weight must be a finite number, got {term.weight!r}")
+        if batch_keys is not None:
+            missing = [k for k in spec.needs if k not in batch_keys]
+            if missing:
+                raise ValueError(
+                    f"objective[{i}] ({term.name!r}) needs batch key {missing[0]!r}; batch has {sorted(batch_keys)}"
+                )
+
+
+def objective_loss(
+    objective: list[LossTerm],
+    logprobs: Tensor,
+    batch: Mapping[str, Tensor],
+    normalizers: Mapping[str, float],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``Σ_k w_k · loss_k`` on one micro-batch, each term normalised by ``normalizers[term mask key]``.
+
+    Args:
+        objective: the terms.
+        logprobs: per-token log-probs of the trained model, aligned with ``input_ids``. Shape: ``[B, T]``.
+        batch: the micro-batch tensors (``[B, T]``; ``advantages`` may be ``[B]``).
+        normalizers: global token count per mask key (> 0).
+
+    Returns:
+        ``(loss, metrics)``; metrics hold ``loss/<term>`` and each loss's own detached metrics.
+    """
+    loss, metrics, _ = objective_loss_with_sources(objective, logprobs, batch, normalizers)
+    return loss, metrics
+
+
+def objective_loss_with_sources(
+    objective: list[LossTerm],
+    logprobs: Tensor,
+    batch: Mapping[str, Tensor],
+    normalizers: Mapping[str, float],
+) -> tuple[Tensor, dict[str, Tensor], dict[str, str]]:
+    """``objective_loss`` plus, for every metric key, the mask key of the term that produced it (so a trainer
+    can weight a per-micro-batch mean by the right token count when it combines micro-batches)."""
+    check_objective(objective, set(batch))
+    total = logprobs.new_zeros(())
+    metrics: dict[str, Tensor] = {}
+    sources: dict[str, str] = {}
+    for term in objective:
+        spec = _spec(term.name)
+        loss, term_metrics = spec.fn(logprobs, batch, normalizers[spec.mask_key], **term.kwargs)
+        total = total + float(term.weight) * loss
+        metrics[f"loss/{term.name}"] = loss.detach()
+        sources[f"loss/{term.name}"] = spec.mask_key
+        for key, value in term_metrics.items():
+            name = key if key not in metrics else f"{term.name}/{key}"
+            metrics[name] = value
+            sources[name] = spec.mask_key
+    return total, metrics, sources
+
+
+def _sft(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kw: Any) -> tuple[Tensor, dict]:
+    from orchard.losses import sft_loss
+
+    return sft_loss(logprobs, batch["action_mask"], agg="token-sum-norm", normalizer=normalizer, **kw)
+
+
+def _credit_sft(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kw: Any) -> tuple[Tensor, dict]:
+    from orchard.losses import sft_loss
+
+    return sft_loss(logprobs, batch["sft_mask"], agg="token-sum-norm", normalizer=normalizer, **kw)
+
+
+def _policy(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kw: Any) -> tuple[Tensor, dict]:
+    from orchard.losses import policy_loss
+
+    return policy_loss(
+        logprobs, batch["old_logprobs"], batch["advantages"], batch["action_mask"],
+        agg="token-sum-norm", normalizer=normalizer, **kw,
+    )
+
+
+def _opd(loss_name: str) -> TermFn:
+    def term(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kw: Any) -> tuple[Tensor, dict]:
+        import orchard.losses
+
+        fn = getattr(orchard.losses, loss_name)
+        return fn(logprobs, batch["teacher_logprobs"], batch["action_mask"], agg="token-sum-norm",
+                  normalizer=normalizer, **kw)
+
+    return term
+
+
+def _kl(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, *, kind: str = "k3+") -> tuple[Tensor, dict]:
+    from orchard.losses import aggregate_loss, kl_penalty
+
+    mask = batch["action_mask"]
+    per_token = kl_penalty(logprobs, batch["ref_logprobs"], kind, mask=mask)  # [B, T]
+    return aggregate_loss(per_token, mask, "token-sum-norm", normalizer=normalizer), {}
+
+
+register_loss_term("sft", _sft)
+register_loss_term("credit_sft", _credit_sft, mask_key="sft_mask")
+register_loss_term("policy", _policy, needs=("old_logprobs", "advantages"))
+register_loss_term("k2_opd", _opd("k2_opd_loss"), needs=("teacher_logprobs",))
+register_loss_term("k3_opd", _opd("k3_opd_loss"), needs=("teacher_logprobs",))
+register_loss_term("js_opd", _opd("js_opd_loss"), needs=("teacher_logprobs",))
+register_loss_term("kl", _kl, needs=("ref_logprobs",))

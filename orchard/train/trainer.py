@@ -1,0 +1,419 @@
+"""The training step and loop: objective over micro-batches, global normaliser, engine, checkpoints, metrics.
+
+One optimizer step on a global batch of ``B`` rendered sequences (``[B, T]`` tensors from ``orchard.data``)::
+
+    Z_k   = Σ over the whole global batch of term k's mask          (global normaliser, one per mask key)
+    rank r takes rows [r·B/W, (r+1)·B/W)                            (padded with all-masked rows to a multiple of W)
+    for each micro-batch m of ``micro_batch_size`` rows (right padding trimmed):
+        logp  = logprob_fn(model, m)                                # [b, t]
+        loss  = W · Σ_k w_k · loss_k(logp, m; agg="token-sum-norm", normalizer=Z_k)
+        backward(loss)                                              # gradients accumulate
+    clip to ``grad_clip`` → AdamW → cosine schedule
+
+Because every micro-batch divides by the same ``Z_k``, the accumulated gradient is the gradient of the whole-batch
+token mean, whatever ``micro_batch_size`` and world size ``W`` are (the factor ``W`` undoes DeepSpeed's average
+over ranks). Paper defaults (set them in the recipe's YAML): SFT lr 1e-5 → 1e-6, RL lr 1e-6 → 1e-7, global batch
+128, policy clip 0.2 / 0.28, gradient clip 1.0.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from orchard.train import checkpoint as ckpt
+from orchard.train.engine import DeepSpeedTrainEngine, PlainEngine, TrainEngine, ds_config, load_ds_config
+from orchard.train.metrics import MultiLogger, build_loggers
+from orchard.train.objective import LossTerm, check_objective, objective_loss_with_sources, term_mask_key
+from orchard.train.schedule import cosine_schedule
+
+__all__ = ["DataCursor", "OptimConfig", "TrainConfig", "Trainer", "forward_logprobs", "split_batch"]
+
+LogprobFn = Callable[[nn.Module, Mapping[str, Tensor]], Tensor]
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, cosine schedule with warm-up, gradient clipping."""
+
+    lr: float = 1e-5
+    """Peak learning rate (paper: SFT 1e-5, RL 1e-6)."""
+    min_lr: float = 1e-6
+    """Floor the cosine decays to by the last step (paper: SFT 1e-6, RL 1e-7)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; null disables clipping."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything the trainer needs; recipes embed it and fill it from YAML plus key=value overrides."""
+
+    total_steps: int = 1
+    """Optimizer steps of the run (the cosine schedule spans them)."""
+    global_batch_size: int = 128
+    """Sequences per optimizer step over all ranks (paper: 128)."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one rank; does not change the gradient."""
+    seed: int = 0
+    """Seed of python, numpy and torch generators and of the data order."""
+    engine: Literal["plain", "deepspeed"] = "plain"
+    """plain: one process, plain torch. deepspeed: ZeRO over all ranks of the launcher."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (2 or 3) when engine=deepspeed."""
+    deepspeed_config: str | None = None
+    """Path of a DeepSpeed JSON to use instead of the shipped zero{2,3}.json (batch, clip, bf16 are overwritten)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype: float32 on CPU, bfloat16 on GPU (DeepSpeed bf16 mode)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    objective: list[LossTerm] = field(default_factory=lambda: [LossTerm("sft")])
+    """Weighted loss terms: list of {name, weight, kwargs}; see orchard.train.objective."""
+    output_dir: str = "runs/train"
+    """Where metrics.jsonl, checkpoints and logger files go."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only when save_checkpoint is called)."""
+    keep_checkpoints: int = 2
+    """How many step checkpoints to keep on disk."""
+    resume: bool = True
+    """Continue from output_dir's latest checkpoint when one exists."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Metric sinks: jsonl (always on), tensorboard, wandb, progress."""
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "global_batch_size", "micro_batch_size", "keep_checkpoints"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+        if self.zero_stage not in (2, 3):
+            raise ValueError(f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
+        check_objective(self.objective)
+
+
+class DataCursor:
+    """A deterministic pass over ``num_samples`` indices, reshuffled each epoch from ``seed + epoch``.
+
+    The state is ``{"epoch", "position"}``; restoring it continues the exact same order.
+    """
+
+    def __init__(self, num_samples: int, *, seed: int, shuffle: bool = True) -> None:
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=gen).tolist()
+
+    def next_indices(self, n: int) -> list[int]:
+        """The next ``n`` indices, crossing into the next epoch when this one runs out."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        out: list[int] = []
+        while len(out) < n:
+            order = self._order(self.epoch)
+            take = order[self.position : self.position + n - len(out)]
+            out.extend(take)
+            self.position += len(take)
+            if self.position >= self.num_samples:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if state.get("num_samples") != self.num_samples:
+            raise ValueError(f"state is for {state.get('num_samples')} samples, this cursor has {self.num_samples}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def forward_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """Log-probs ``[B, T]`` of ``input_ids`` under ``model``: ``out[b, t] = log p(x_t | x_<t)``; column 0 is 0."""
+    from orchard.losses import token_logprobs
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+    logprobs = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:])  # [B, T-1]
+    return torch.nn.functional.pad(logprobs, (1, 0))  # [B, T]
+
+
+def split_batch(batch: Mapping[str, Tensor], rows: slice, *, trim: bool = True) -> dict[str, Tensor]:
+    """The ``rows`` of every tensor whose first dim is the batch, right padding trimmed to the longest row."""
+    B, T = batch["input_ids"].shape
+    out = {k: v[rows] if v.dim() >= 1 and v.shape[0] == B else v for k, v in batch.items()}
+    if trim and "attention_mask" in out and out["attention_mask"].numel():
+        length = int(out["attention_mask"].sum(dim=-1).max().clamp(min=1))
+        out = {k: v[:, :length] if v.dim() >= 2 and v.shape[1] == T else v for k, v in out.items()}
+    return out
+
+
+def _pad_rows(batch: Mapping[str, Tensor], multiple: int, mask_keys: set[str]) -> dict[str, Tensor]:
+    """Append copies of row 0 with every mask zeroed, so the row count is a multiple of ``multiple``."""
+    B = batch["input_ids"].shape[0]
+    extra = (-B) % multiple
+    if extra == 0:
+        return dict(batch)
+    out = {}
+    for key, value in batch.items():
+        if value.dim() >= 1 and value.shape[0] == B:
+            filler = value[:1].expand(extra, *value.shape[1:]).clone()
+            if key in mask_keys:
+                filler.zero_()
+            out[key] = torch.cat([value, filler])
+        else:
+            out[key] = value
+    return out
+
+
+class Trainer:
+    """Runs optimizer steps on a model with the configured engine, objective, checkpoints and loggers.
+
+    Args:
+        model: a causal LM (e.g. from ``load_causal_lm``), already in the configured dtype.
+        cfg: the train config.
+        logprob_fn: ``fn(model, micro_batch) -> [B, T]`` log-probs; default ``forward_logprobs`` (fused lm-head
+            log-probs at action positions).
+        on_weights: called after every optimizer step with ``(step, state_dict)`` — the complete weights on CPU
+            (gathered under ZeRO-3), e.g. to load them into a rollout engine. Called on rank 0 only.
+        log_config: written to W&B as the run config.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        *,
+        logprob_fn: LogprobFn | None = None,
+        on_weights: Callable[[int, dict[str, Tensor]], None] | None = None,
+        log_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(cfg, TrainConfig):
+            raise ValueError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.logprob_fn = logprob_fn or forward_logprobs
+        self.on_weights = on_weights
+        self.out_dir = Path(cfg.output_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.step = 0
+        self.cursor: DataCursor | None = None
+        self.extra_state: dict[str, Any] = {}
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        o = cfg.optim
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas, eps=o.eps)
+        scheduler = cosine_schedule(
+            optimizer, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=cfg.total_steps
+        )
+        model.train()
+        self.engine: TrainEngine
+        if cfg.engine == "plain":
+            self.engine = PlainEngine(model, optimizer, scheduler, grad_clip=o.grad_clip)
+        else:
+            from orchard.train.engine import init_distributed
+
+            _, world = init_distributed()
+            if cfg.deepspeed_config is not None:
+                import json
+
+                base = json.loads(Path(cfg.deepspeed_config).read_text())
+            else:
+                base = load_ds_config(cfg.zero_stage)
+            config = ds_config(base, micro_batch_size=cfg.micro_batch_size, world_size=world,
+                               grad_clip=o.grad_clip, bf16=cfg.dtype == "bfloat16")
+            self.engine = DeepSpeedTrainEngine(model, optimizer, scheduler, config)
+        self.is_main = self.engine.rank == 0
+        resumed = cfg.resume and ckpt.latest_checkpoint(self.ckpt_dir) is not None
+        if resumed:
+            self._load(ckpt.latest_checkpoint(self.ckpt_dir))  # type: ignore[arg-type]
+        self.logger = (
+            build_loggers(cfg.loggers, self.out_dir, total_steps=cfg.total_steps,
+                          resume_step=self.step if resumed else None, config=log_config)
+            if self.is_main
+            else MultiLogger([])
+        )
+
+    @property
+    def module(self) -> nn.Module:
+        """The trained model (under ZeRO-3 its parameters are partitioned; use ``full_state_dict``)."""
+        return self.engine.module
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Complete weights on CPU by parameter name (gathered under ZeRO-3; every rank must call it)."""
+        return dict(self.engine.named_full_parameters())
+
+    def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
+        """One optimizer step on a global batch (identical on every rank); returns and logs its metrics."""
+        metrics = self._step(batch)
+        self.step += 1
+        self.logger.log(metrics, self.step)
+        if self.on_weights is not None:
+            weights = self.full_state_dict()
+            if self.is_main:
+                self.on_weights(self.step, weights)
+        if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def fit(
+        self,
+        samples: Sequence[Any],
+        collate: Callable[[list[Any]], Mapping[str, Tensor]],
+        *,
+        shuffle: bool = True,
+    ) -> list[dict[str, float]]:
+        """Train until ``cfg.total_steps`` on batches of ``global_batch_size`` samples drawn by a ``DataCursor``.
+
+        ``collate(list_of_samples)`` must return the batch dict (``orchard.data.collate``). The cursor is part
+        of every checkpoint, so a resumed run continues with the next unseen batch.
+        """
+        cursor = DataCursor(len(samples), seed=self.cfg.seed, shuffle=shuffle)
+        if self.cursor is not None:
+            cursor.load_state_dict(self.cursor.state_dict())
+        self.cursor = cursor
+        history = []
+        while self.step < self.cfg.total_steps:
+            indices = cursor.next_indices(self.cfg.global_batch_size)
+            history.append(self.train_step(collate([samples[i] for i in indices])))
+        return history
+
+    def save_checkpoint(self) -> Path:
+        """Save engine, RNG, cursor and ``extra_state`` for the current step; returns the directory."""
+        directory = ckpt.step_dir(self.ckpt_dir, self.step)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.engine.save(directory)
+        torch.save(ckpt.get_rng_state(), directory / f"rng_rank{self.engine.rank}.pt")
+        self._barrier()
+        if self.is_main:
+            state = {"step": self.step, "cursor": self.cursor.state_dict() if self.cursor else None,
+                     "extra": self.extra_state}
+            ckpt.write_trainer_state(directory, state)
+            ckpt.mark_latest(self.ckpt_dir, self.step)
+            ckpt.prune_checkpoints(self.ckpt_dir, self.cfg.keep_checkpoints)
+        self._barrier()
+        return directory
+
+    def close(self) -> None:
+        """Close the loggers."""
+        self.logger.close()
+
+    def _barrier(self) -> None:
+        if self.engine.world_size > 1:
+            torch.distributed.barrier()
+
+    def _load(self, directory: Path) -> None:
+        self.engine.load(directory)
+        ckpt.set_rng_state(torch.load(directory / f"rng_rank{self.engine.rank}.pt", weights_only=False))
+        state = ckpt.read_trainer_state(directory)
+        self.step = int(state["step"])
+        self.extra_state = dict(state.get("extra") or {})
+        if state.get("cursor"):
+            self.cursor = DataCursor(int(state["cursor"]["num_samples"]), seed=self.cfg.seed)
+            self.cursor.load_state_dict(state["cursor"])
+
+    def accumulate_gradients(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
+        """Forward and backward every micro-batch of this rank's shard of ``batch``; no optimizer step.
+
+        Returns the batch's loss metrics combined over micro-batches and ranks: ``loss/*`` add up (each
+        micro-batch's share is already divided by the global normaliser); keys ending in ``max`` / ``min`` take
+        the max / min; ``*tokens`` counts add up; every other metric is a mean weighted by the tokens of the
+        mask its term reads.
+        """
+        objective = self.cfg.objective
+        check_objective(objective, set(batch))
+        if "attention_mask" not in batch:
+            raise ValueError(f"batch must hold 'attention_mask'; keys: {sorted(batch)}")
+        mask_keys = {term_mask_key(t.name) for t in objective} | {"action_mask"}
+        normalizers = {k: max(1.0, float(batch[k].sum())) for k in mask_keys}
+        world, rank = self.engine.world_size, self.engine.rank
+        padded = _pad_rows(batch, world, mask_keys)
+        per_rank = padded["input_ids"].shape[0] // world
+        shard = split_batch(padded, slice(rank * per_rank, (rank + 1) * per_rank), trim=False)
+        mb = self.cfg.micro_batch_size
+        bounds = [(i, min(i + mb, per_rank)) for i in range(0, per_rank, mb)]
+        sums: dict[str, Tensor] = {}
+        weights: dict[str, Tensor] = {}
+        one = torch.ones((), dtype=torch.float64)
+        for j, (lo, hi) in enumerate(bounds):
+            micro = split_batch(shard, slice(lo, hi))
+            self.engine.begin_micro_batch()
+            logprobs = self.logprob_fn(self.engine.forward_model(), micro)
+            loss, metrics, sources = objective_loss_with_sources(objective, logprobs, micro, normalizers)
+            self.engine.backward(loss * world, is_last_micro_batch=j == len(bounds) - 1)
+            metrics["loss/total"] = loss.detach()
+            for key, value in metrics.items():
+                value = value.detach().to(torch.float64).reshape(())
+                if key.startswith("loss/"):
+                    # Already divided by the global normaliser: micro-batch and rank values add up to the
+                    # whole-batch loss (the 1/world weight per rank sums to 1 over ranks).
+                    sums[key] = sums.get(key, 0) + value
+                    weights[key] = one / world
+                elif key.endswith(("max", "min")):
+                    op = torch.maximum if key.endswith("max") else torch.minimum
+                    sums[key] = op(sums[key], value) if key in sums else value
+                    weights[key] = one
+                elif key.endswith("tokens"):
+                    sums[key] = sums.get(key, 0) + value
+                    weights[key] = one / world
+                else:
+                    n = micro[sources[key]].sum().to(torch.float64)
+                    sums[key] = sums.get(key, 0) + value * n
+                    weights[key] = weights.get(key, 0) + n
+        return self._reduce(sums, weights)
+
+    def _step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
+        start = time.perf_counter()
+        lr = self.engine.lr()
+        out = self.accumulate_gradients(batch)
+        out["grad_norm"] = self.engine.step()
+        out["lr"] = lr
+        out["tokens/action"] = float(batch["action_mask"].sum())
+        out["tokens/total"] = float(batch["attention_mask"].sum())
+        out["batch/sequences"] = float(batch["input_ids"].shape[0])
+        elapsed = time.perf_counter() - start
+        out["perf/step_time_s"] = elapsed
+        out["perf/tokens_per_s"] = out["tokens/total"] / max(elapsed, 1e-9)
+        return out
+
+    def _reduce(self, sums: dict[str, Tensor], weights: dict[str, Tensor]) -> dict[str, float]:
+        keys = sorted(sums)
+        if self.engine.world_size > 1 and keys:
+            add = [k for k in keys if not k.endswith(("max", "min"))]
+            vec = torch.stack([sums[k] for k in add] + [torch.as_tensor(weights[k]) for k in add])
+            torch.distributed.all_reduce(vec)
+            for i, k in enumerate(add):
+                sums[k], weights[k] = vec[i], vec[len(add) + i]
+            for k in keys:
+                if k.endswith(("max", "min")):
+                    op = torch.distributed.ReduceOp.MAX if k.endswith("max") else torch.distributed.ReduceOp.MIN
+                    t = sums[k].clone()
+                    torch.distributed.all_reduce(t, op=op)
+                    sums[k] = t
+        out = {}
+        for k in keys:
+            w = float(weights[k])
+            out[k] = float(sums[k]) / w if w > 0 else 0.0
+        return out
