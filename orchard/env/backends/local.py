@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _META = "meta.json"
 _WORKSPACE = "workspace"
+_PATCH_MOUNT = "/.orchard-workspace"
 DEFAULT_UID_RANGE = (200_000, 65_536)
 """(first uid, count): the uids given to sandboxes when the service runs as root."""
 
@@ -257,7 +258,12 @@ class LocalBackend:
             hide=(self.root_dir,),
         )
         iso = Isolation(ws, rootfs=image.rootfs, **common)  # type: ignore[arg-type]
-        host_iso = None if image.rootfs == "/" else Isolation(ws, rootfs="/", **common)  # type: ignore[arg-type]
+        host_iso = None
+        if image.rootfs != "/":
+            # git comes from the host for images without it; the workspace is mounted where the host's
+            # top level has nothing (the image's workdir may lie in a host directory, e.g. /work/app).
+            patch_ws = Workspace(ws.root, mount=_PATCH_MOUNT, uid=ws.uid, gid=ws.gid)
+            host_iso = Isolation(patch_ws, rootfs="/", **common)  # type: ignore[arg-type]
         agent = SandboxAgent(iso, env=spec.env, host_isolation=host_iso)
         self._agents[sandbox_id] = agent
         return agent
@@ -277,7 +283,7 @@ class LocalBackend:
             logger.warning("image %r cannot be used without bubblewrap; commands see the host", spec.image)
         top = PurePosixPath(os.path.normpath(spec.workdir)).parts[1]
         if (
-            image.rootfs != "/"
+            top != "tmp"
             and os.path.lexists(os.path.join(image.rootfs, top))
             and not os.path.isdir(os.path.join(image.rootfs, spec.workdir.lstrip("/")))
         ):

@@ -1,0 +1,247 @@
+"""The local backend: lifecycle, restart, images, per-sandbox uids, delete ending processes, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from orchard.env.agent.isolation import BUBBLEWRAP, PROCESS_GROUP, Limits, probe_bubblewrap
+from orchard.env.backends.base import (
+    Backend,
+    ExecRequest,
+    ImageNotFoundError,
+    PathEscapeError,
+    SandboxNotFoundError,
+    SandboxSpec,
+)
+from orchard.env.backends.images import ImageRegistry
+from orchard.env.backends.local import DEFAULT_UID_RANGE, LocalBackend
+
+IS_ROOT = os.geteuid() == 0
+BWRAP_PROBLEM = probe_bubblewrap((DEFAULT_UID_RANGE[0],) * 2 if IS_ROOT else None)
+needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-sandbox uids need root")
+MODES = [
+    pytest.param(True, marks=needs_bwrap, id="bubblewrap"),
+    pytest.param(False, id="process-group"),
+]
+
+
+@pytest.fixture
+def root_dir():
+    # Under the system temp directory (world-searchable), as the sandbox uids must reach their workspaces.
+    d = tempfile.mkdtemp(prefix="orchard-local-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def sleepers(text: str) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                with open(f"/proc/{e}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        out.append(int(e))
+            except OSError:
+                pass
+    return out
+
+
+def make_rootfs(path: str) -> None:
+    """A minimal image: the host's `sh` with the libraries `ldd` lists, and a marker file."""
+    sh = os.path.realpath(shutil.which("sh") or "/bin/sh")
+    files = [sh]
+    for line in subprocess.run(["ldd", sh], capture_output=True, text=True, check=True).stdout.splitlines():
+        m = re.search(r"(/\S+)", line.split("=>")[-1])
+        if m:
+            files.append(m.group(1))
+    for f in files:
+        dst = os.path.join(path, f.lstrip("/"))
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(f, dst)
+    os.makedirs(os.path.join(path, "bin"), exist_ok=True)
+    if not os.path.exists(os.path.join(path, "bin", "sh")):
+        shutil.copy2(sh, os.path.join(path, "bin", "sh"))
+    with open(os.path.join(path, "marker"), "w") as f:
+        f.write("inside-the-image\n")
+    os.chmod(path, 0o755)
+
+
+def test_is_a_backend_and_reports_isolation(root_dir, caplog):
+    b = LocalBackend(root_dir)
+    assert isinstance(b, Backend)
+    expected = BUBBLEWRAP if BWRAP_PROBLEM is None else PROCESS_GROUP
+    assert b.isolation == expected and b.health()["isolation"] == expected
+    with caplog.at_level(logging.WARNING):
+        fb = LocalBackend(root_dir, use_bwrap=False)
+    assert fb.isolation == PROCESS_GROUP and fb.isolation_warning
+    assert "NOT ISOLATED" in caplog.text
+
+
+def test_constructor_validation(root_dir):
+    with pytest.raises(ValueError, match="use_bwrap"):
+        LocalBackend(root_dir, use_bwrap="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="uid_range"):
+        LocalBackend(root_dir, uid_range=(0, 10))
+    with pytest.raises(ValueError, match="max_sandboxes"):
+        LocalBackend(root_dir, max_sandboxes=0)
+    if IS_ROOT:
+        private = tempfile.mkdtemp()  # mode 0700
+        try:
+            with pytest.raises(ValueError, match="not searchable"):
+                LocalBackend(os.path.join(private, "sandboxes"))
+        finally:
+            shutil.rmtree(private)
+
+
+@pytest.mark.parametrize("use_bwrap", MODES)
+async def test_lifecycle_files_and_restart(root_dir, use_bwrap):
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    spec = SandboxSpec(env={"SPEC_VAR": "spec"})
+    await b.create("sb-1", spec)
+    await b.create("sb-1", spec)  # idempotent
+    await b.create("sb-2", SandboxSpec())
+    assert await b.list_ids() == ["sb-1", "sb-2"] and await b.exists("sb-1")
+
+    await b.write_file("sb-1", "dir/hello.txt", b"hello")
+    r = await b.exec("sb-1", ExecRequest('cat dir/hello.txt; echo " $SPEC_VAR"; echo made > out.txt'))
+    assert (r.exit_code, r.stdout) == (0, b"hello spec\n"), r
+    assert await b.read_file("sb-1", "out.txt") == b"made\n"
+    assert [f.path for f in await b.list_files("sb-1", ".", recursive=True)] == [
+        "dir",
+        "dir/hello.txt",
+        "out.txt",
+    ]
+    with pytest.raises(PathEscapeError):
+        await b.read_file("sb-1", "../sb-2/workspace/x")
+    res = await b.resources("sb-1")
+    assert res.pids == 256 and res.memory_mb == 4096 and res.disk_bytes > 0
+    await b.close()
+
+    # a restarted service finds its sandboxes and their files
+    b2 = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    assert await b2.list_ids() == ["sb-1", "sb-2"]
+    r = await b2.exec("sb-1", ExecRequest(["cat", "out.txt"]))
+    assert r.stdout == b"made\n"
+    await b2.delete("sb-1")
+    await b2.delete("sb-1")  # idempotent
+    assert await b2.list_ids() == ["sb-2"] and not await b2.exists("sb-1")
+    assert not any(n.startswith(".trash") for n in os.listdir(root_dir))
+    with pytest.raises(SandboxNotFoundError):
+        await b2.exec("sb-1", ExecRequest("true"))
+    with pytest.raises(SandboxNotFoundError):
+        await b2.read_file("nope", "x")
+
+
+async def test_create_validation(root_dir):
+    b = LocalBackend(root_dir)
+    for bad in ["", "../x", "a/b", ".hidden", "x" * 200]:
+        with pytest.raises(ValueError, match="sandbox_id"):
+            await b.create(bad, SandboxSpec())
+    with pytest.raises(ImageNotFoundError, match="known images: host"):
+        await b.create("s", SandboxSpec(image="python:3.11"))
+    with pytest.raises(ValueError, match="workdir"):
+        await b.create("s", SandboxSpec(workdir="relative"))
+    with pytest.raises(ValueError, match="pids"):
+        await b.create("s", SandboxSpec(pids=0))
+    with pytest.raises(ValueError, match="env"):
+        await b.create("s", SandboxSpec(env={"A": 1}))  # type: ignore[dict-item]
+    assert await b.list_ids() == []
+    fallback = LocalBackend(root_dir, images=ImageRegistry(fallback="host"))
+    await fallback.create("s", SandboxSpec(image="python:3.11"))
+    r = await fallback.exec("s", ExecRequest("echo ok"))
+    assert r.stdout == b"ok\n"
+
+
+@needs_bwrap
+async def test_custom_image_and_workdir(root_dir):
+    images_dir = tempfile.mkdtemp(prefix="orchard-images-")
+    try:
+        os.chmod(images_dir, 0o755)
+        make_rootfs(os.path.join(images_dir, "tiny:1"))
+        b = LocalBackend(root_dir, images=ImageRegistry(images_dir=images_dir))
+        assert "tiny:1" in b.images.names()
+        await b.create("img", SandboxSpec(image="tiny:1", workdir="/work/app"))
+        probe = "read l < /marker; echo $l; pwd; [ -e /usr/bin/git ] || echo no-git"
+        r = await b.exec("img", ExecRequest(["/bin/sh", "-c", probe]))
+        assert (r.exit_code, r.stdout) == (0, b"inside-the-image\n/work/app\nno-git\n"), r
+        # git is not in the image: patches are applied with the host's git on the same workspace
+        await b.write_file("img", "a.txt", b"1\n")
+        r = await b.apply_patch("img", "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-1\n+2\n")
+        assert r.exit_code == 0 and await b.read_file("img", "/work/app/a.txt") == b"2\n", r
+    finally:
+        shutil.rmtree(images_dir)
+
+
+@needs_root
+@pytest.mark.parametrize("use_bwrap", MODES)
+async def test_sandboxes_have_their_own_uids_and_cannot_see_each_other(root_dir, use_bwrap):
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    await b.create("a", SandboxSpec())
+    await b.create("b", SandboxSpec())
+    await b.write_file("b", "secret.txt", b"b's")
+    ua = (await b.exec("a", ExecRequest(["id", "-u"]))).stdout
+    ub = (await b.exec("b", ExecRequest(["id", "-u"]))).stdout
+    assert ua != ub and int(ua) >= DEFAULT_UID_RANGE[0]
+    assert os.stat(os.path.join(root_dir, "b", "workspace", "secret.txt")).st_uid == int(ub)
+    other = os.path.join(root_dir, "b", "workspace", "secret.txt")
+    r = await b.exec("a", ExecRequest(["cat", other]))
+    assert r.exit_code != 0 and b"b's" not in r.stdout
+    # uids survive a restart and are not handed out twice
+    b2 = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    await b2.create("c", SandboxSpec())
+    uc = (await b2.exec("c", ExecRequest(["id", "-u"]))).stdout
+    assert uc not in (ua, ub)
+    assert (await b2.exec("a", ExecRequest(["id", "-u"]))).stdout == ua
+
+
+@pytest.mark.parametrize("use_bwrap", MODES)
+async def test_delete_ends_running_commands_and_terminals(root_dir, use_bwrap):
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    await b.create("busy", SandboxSpec())
+    m = f"{987_000 + os.getpid() % 1000}.{int(time.time() * 1000) % 10**6:06d}"
+    task = asyncio.create_task(b.exec("busy", ExecRequest(f"setsid sleep {m} & sleep {m}", timeout_s=60)))
+    pty = await b.open_pty("busy", f"sleep {m}")
+    await asyncio.sleep(0.5)
+    assert sleepers(m)
+    t0 = time.monotonic()
+    await b.delete("busy")
+    r = await asyncio.wait_for(task, 10)
+    assert time.monotonic() - t0 < 5 and r.exit_code != 0
+    deadline = time.monotonic() + 2
+    while sleepers(m) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert sleepers(m) == []
+
+    async def drain() -> bytes:
+        return b"".join([c async for c in pty.read()])
+
+    await asyncio.wait_for(drain(), 5)  # the terminal's output ends: its processes are gone
+    assert not await b.exists("busy")
+
+
+@pytest.mark.parametrize("use_bwrap", MODES)
+async def test_concurrent_sandboxes(root_dir, use_bwrap):
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap, limits=Limits(pids=64))
+    n = 12
+    await asyncio.gather(*(b.create(f"c{i}", SandboxSpec()) for i in range(n)))
+
+    async def work(i: int) -> bytes:
+        await b.write_file(f"c{i}", "n.txt", str(i).encode())
+        r1 = await b.exec(f"c{i}", ExecRequest("cat n.txt"))
+        r2 = await b.exec(f"c{i}", ExecRequest(["sh", "-c", "expr $(cat n.txt) \\* 2"]))
+        return r1.stdout + b"," + r2.stdout
+
+    out = await asyncio.gather(*(work(i) for i in range(n)))
+    assert out == [f"{i},{2 * i}\n".encode() for i in range(n)]
+    await asyncio.gather(*(b.delete(f"c{i}") for i in range(n)))
+    assert await b.list_ids() == []
