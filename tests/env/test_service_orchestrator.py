@@ -1,0 +1,178 @@
+"""The orchestrator without HTTP: the reaper on a fake clock, the concurrency cap, idempotent submits, the
+SQLite store, quantity parsing. The backend is the real LocalBackend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from orchard.env.backends.local import LocalBackend
+from orchard.env.errors import BadRequestError, ConflictError, IdempotencyKeyReuseError
+from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator, parse_cpu, parse_memory_mb
+from orchard.env.store import IdempotencyRecord, JobRecord, SandboxRecord, SQLiteStore
+
+
+class Clock:
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def root():
+    path = tempfile.mkdtemp(prefix="orchard-env-orch-")
+    os.chmod(path, 0o711)  # sandbox uids walk through it to their workspaces
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def orch(root):
+    clock = Clock()
+    o = Orchestrator(LocalBackend(f"{root}/sandboxes"), SQLiteStore(f"{root}/state.sqlite3"), clock=clock,
+                     heartbeat_timeout_s=5.0, max_concurrent_execs=2)
+    o.test_clock = clock
+    await o.start(reaper=False)
+    yield o
+    await o.close()
+    for record in await o.store.list_sandboxes():
+        await o.backend.delete(record.sandbox_id)
+
+
+@pytest.mark.parametrize(("text", "cores"), [("2", 2.0), ("500m", 0.5), ("1.5", 1.5), ("2000m", 2.0), (None, None)])
+def test_parse_cpu(text, cores):
+    assert parse_cpu(text) == cores
+
+
+@pytest.mark.parametrize(("text", "mib"), [
+    ("16Gi", 16 * 1024),          # 16 * 2**30 / 2**20
+    ("512Mi", 512),
+    ("1G", 954),                  # 10**9 / 2**20 = 953.67 -> rounded up
+    ("1536Ki", 2),                # 1.5 MiB -> 2
+    ("1048576", 1),               # bytes
+    (None, None),
+])
+def test_parse_memory_mb(text, mib):
+    assert parse_memory_mb(text) == mib
+
+
+@pytest.mark.parametrize("bad", ["", "x", "-1", "0"])
+def test_parse_rejects(bad):
+    if bad == "":
+        assert parse_cpu(bad) is None and parse_memory_mb(bad) is None
+        return
+    with pytest.raises(BadRequestError):
+        parse_cpu(bad)
+    with pytest.raises(BadRequestError):
+        parse_memory_mb(bad + "Mi")
+
+
+def test_constructor_validates():
+    with pytest.raises(ValueError, match="max_concurrent_execs"):
+        Orchestrator(object(), SQLiteStore(":memory:"), max_concurrent_execs=0)
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        Orchestrator(object(), SQLiteStore(":memory:"), heartbeat_timeout_s=-1)
+
+
+async def test_reaper_ttl_idle_and_running_jobs(orch):
+    clock = orch.test_clock
+    await orch.create_sandbox(CreateParams(sandbox_id="ttl", ttl_seconds=10, heartbeat_timeout=100))
+    await orch.create_sandbox(CreateParams(sandbox_id="idle"))            # heartbeat timeout 5 (server default)
+    await orch.create_sandbox(CreateParams(sandbox_id="beating"))
+    await orch.create_sandbox(CreateParams(sandbox_id="busy"))
+    clock.now += 4
+    await orch.heartbeat("beating")                                        # last beat at 1004
+    job = await orch.submit_exec("busy", ExecParams(command="sleep 1"))    # activity at 1004, job runs ~1 s
+    clock.now += 2                                                         # 1006: idle silent for 6 s > 5
+    assert await orch.reap_once() == ["idle"]
+    clock.now += 4.5                                                       # 1010.5: ttl (1010) passed
+    reaped = await orch.reap_once()
+    assert "ttl" in reaped and "beating" in reaped                         # beating: silent 6.5 s
+    assert "busy" not in reaped                                            # silent too, but a job runs
+    assert (await orch.wait_job(job.job_id, 30)).status == "succeeded"
+    assert await orch.reap_once() == ["busy"]                              # idle once the job ended
+    assert await orch.store.list_sandboxes() == []
+    assert await orch.backend.list_ids() == []
+
+
+async def test_concurrency_cap_is_reached_and_never_passed(orch):
+    for i in range(4):
+        await orch.create_sandbox(CreateParams(sandbox_id=f"s{i}"))
+    start = time.monotonic()
+    jobs = [await orch.submit_exec(f"s{i % 4}", ExecParams(command="sleep 0.2")) for i in range(8)]
+    peak = 0
+
+    async def all_done() -> bool:
+        statuses = [(await orch.get_job(j.job_id)).status for j in jobs]
+        return all(s in ("succeeded", "failed") for s in statuses)
+
+    while not await all_done():
+        peak = max(peak, orch.running_execs)
+        assert orch.running_execs <= 2
+        await asyncio.sleep(0.01)
+    assert peak == 2
+    # 8 jobs of 0.2 s, at most 2 at a time: at least 4 rounds, 0.8 s
+    assert time.monotonic() - start >= 0.8
+    assert [(await orch.get_job(j.job_id)).status for j in jobs] == ["succeeded"] * 8
+
+
+async def test_concurrent_submits_with_one_key_start_one_job(orch):
+    await orch.create_sandbox(CreateParams(sandbox_id="idem"))
+    params = ExecParams(command="echo x >> ran.txt")
+    jobs = await asyncio.gather(*(orch.submit_exec("idem", params, key="k1", fingerprint="f") for _ in range(5)))
+    assert len({j.job_id for j in jobs}) == 1
+    await orch.wait_job(jobs[0].job_id, 30)
+    assert await orch.read_file("idem", "ran.txt") == b"x\n"
+    with pytest.raises(IdempotencyKeyReuseError):
+        await orch.submit_exec("idem", params, key="k1", fingerprint="other")
+
+
+async def test_idempotent_replays_client_errors_but_not_server_errors(orch):
+    calls = []
+
+    async def conflict():
+        calls.append(1)
+        raise ConflictError("taken")
+
+    assert await orch.idempotent("a", "f", conflict) == (409, {"detail": "taken"})
+    assert await orch.idempotent("a", "f", conflict) == (409, {"detail": "taken"})
+    assert len(calls) == 1
+
+    async def crash():
+        calls.append(2)
+        raise RuntimeError("boom")
+
+    for _ in range(2):  # not remembered: each retry runs again
+        with pytest.raises(RuntimeError):
+            await orch.idempotent("b", "f", crash)
+    assert calls == [1, 2, 2]
+
+
+async def test_sqlite_store_survives_reopen_and_claims_atomically(root):
+    path = f"{root}/s.sqlite3"
+    store = SQLiteStore(path)
+    await store.put_sandbox(SandboxRecord(sandbox_id="a", image="host", env={"K": "v"}, created_at=1.0))
+    claim = IdempotencyRecord(key="k", fingerprint="f", created_at=2.0, resource_id="j1", status_code=200,
+                              response="{}")
+    assert await store.create_job_idempotent(JobRecord(job_id="j1", sandbox_id="a", command="c"), claim) is None
+    dup = IdempotencyRecord(key="k", fingerprint="f", created_at=3.0, resource_id="j2")
+    assert (await store.create_job_idempotent(JobRecord(job_id="j2", sandbox_id="a", command="c"), dup)
+            ).resource_id == "j1"
+    assert await store.get_job("j2") is None  # the losing job was never written
+    assert await store.insert_sandbox(SandboxRecord(sandbox_id="a", image="other")) is False
+    await store.close()
+    reopened = SQLiteStore(path)
+    assert (await reopened.get_sandbox("a")).env == {"K": "v"}
+    assert (await reopened.get_job("j1")).command == "c"
+    assert (await reopened.claim_idempotency(dup)).resource_id == "j1"
+    assert await reopened.delete_idempotency_before(2.5) == 1
+    await reopened.close()
+    with pytest.raises(ValueError, match="path"):
+        SQLiteStore("")
