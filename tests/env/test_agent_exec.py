@@ -387,3 +387,28 @@ async def test_apply_patch_and_malicious_paths(workspace_dir, mode):
     assert not os.path.exists(os.path.join(workspace_dir, "pwned"))
     with pytest.raises(ValueError, match="patch"):
         await agent.apply_patch("  ")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_under_uvloop(workspace_dir, mode):
+    """uvicorn runs the service on uvloop when it is installed; its subprocess support differs."""
+    uvloop = pytest.importorskip("uvloop")
+    m = marker()
+
+    async def scenario() -> None:
+        agent = make_agent(workspace_dir, mode)
+        r = await agent.exec(ExecRequest("echo $((1 + 2)); id -u", stdin=b"x"))
+        assert r.exit_code == 0 and r.stdout.split()[0] == b"3", r
+        if IS_ROOT:
+            assert int(r.stdout.split()[1]) == TEST_UID
+        r = await agent.exec(ExecRequest(f"setsid sleep {m} & sleep {m}", timeout_s=0.8))
+        assert r.timed_out and r.exit_code == 124
+        pty = await agent.open_pty()
+        try:
+            await pty.write(b"echo $((3 * 5))q\n")
+            await read_until(pty, b"15q")
+        finally:
+            await pty.close()
+        await assert_no_leftovers(m)
+
+    uvloop.run(scenario())

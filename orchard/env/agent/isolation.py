@@ -349,12 +349,12 @@ class Isolation:
             timeout_s: the command's time budget (sets the CPU rlimit when `limits.cpu` is set), None for none.
             tty: the process's stdin is a terminal that should become its controlling terminal.
         """
-        popen: dict[str, Any] = {"env": dict(env), "start_new_session": True, "close_fds": True}
-        if self.run_as is not None:
-            popen.update(user=self.run_as[0], group=self.run_as[1], extra_groups=[])
+        # The uid switch happens in the preexec function rather than through Popen's user=/group=, which
+        # uvloop (the event loop uvicorn picks when installed) does not accept.
+        popen: dict[str, Any] = {"env": dict(env), "start_new_session": True}
         extra = _BWRAP_OWN_PROCESSES if self.mode == BUBBLEWRAP else 0
-        popen["preexec_fn"] = _limits_preexec(
-            self.limits, timeout_s, extra_pids=extra, ctty=tty, nproc=self.run_as is not None
+        popen["preexec_fn"] = _child_preexec(
+            self.limits, timeout_s, extra_pids=extra, ctty=tty, run_as=self.run_as
         )
         if self.mode == BUBBLEWRAP:
             popen["cwd"] = "/"
@@ -402,16 +402,22 @@ def _visible_in_rootfs(path: str, rootfs: str) -> bool:
     return all(os.stat(os.path.join(*parts[:i])).st_mode & 0o001 for i in range(2, len(parts)))
 
 
-def _limits_preexec(
-    limits: Limits, timeout_s: float | None, *, extra_pids: int, ctty: bool, nproc: bool
+def _child_preexec(
+    limits: Limits,
+    timeout_s: float | None,
+    *,
+    extra_pids: int,
+    ctty: bool,
+    run_as: tuple[int, int] | None,
 ) -> Callable[[], None]:
-    """A function run in the child between fork and exec (after the uid change) that applies the rlimits.
+    """A function run in the child between fork and exec: drop to `run_as`, apply the rlimits, and take
+    stdin as controlling terminal if `ctty`.
 
-    RLIMIT_NPROC is only set when the sandbox has a uid of its own (`nproc`): it counts every process of the
-    uid, so for a service running as an ordinary user it would count the user's other processes too.
+    RLIMIT_NPROC is only set when the sandbox has a uid of its own (`run_as`): it counts every process of
+    the uid, so for a service running as an ordinary user it would count the user's other processes too.
     """
     rl: list[tuple[int, int]] = []
-    if limits.pids is not None and nproc:
+    if limits.pids is not None and run_as is not None:
         rl.append((resource.RLIMIT_NPROC, limits.pids + extra_pids))
     if limits.memory_mb is not None:
         rl.append((resource.RLIMIT_AS, limits.memory_mb << 20))
@@ -419,6 +425,10 @@ def _limits_preexec(
         rl.append((resource.RLIMIT_CPU, max(1, math.ceil(limits.cpu * timeout_s))))
 
     def preexec() -> None:
+        if run_as is not None:
+            os.setgroups([])
+            os.setgid(run_as[1])
+            os.setuid(run_as[0])
         for which, value in rl:
             resource.setrlimit(which, (value, value))
         if ctty:

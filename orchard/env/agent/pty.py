@@ -12,12 +12,13 @@ import asyncio
 import fcntl
 import os
 import struct
+import subprocess
 import termios
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from orchard.env.agent.isolation import Launch
-from orchard.env.agent.process import ProcessTree
+from orchard.env.agent.process import ProcessTree, wait_pidfd
 
 _QUEUE_CHUNKS = 64
 _READ_SIZE = 65536
@@ -39,12 +40,16 @@ class LocalPty:
     def __init__(
         self,
         master: int,
-        proc: asyncio.subprocess.Process,
+        proc: subprocess.Popen[bytes],
         tree: ProcessTree,
         on_close: Callable[[LocalPty], None] | None = None,
     ) -> None:
         self._on_close = on_close
         self._master = master
+        try:
+            self._pidfd: int | None = os.pidfd_open(proc.pid)
+        except OSError:
+            self._pidfd = None
         self._proc = proc
         self._tree = tree
         self._loop = asyncio.get_running_loop()
@@ -69,9 +74,9 @@ class LocalPty:
         try:
             _set_size(slave, cols, rows)
             popen: dict[str, Any] = dict(launch.popen)
-            proc = await asyncio.create_subprocess_exec(
-                *launch.argv, stdin=slave, stdout=slave, stderr=slave, **popen
-            )
+            # subprocess.Popen, not the event loop's subprocess support: uvloop runs preexec_fn before it
+            # makes the child a session leader with the terminal on stdin, too early to take the terminal.
+            proc = subprocess.Popen(launch.argv, stdin=slave, stdout=slave, stderr=slave, **popen)
         except BaseException:
             os.close(master)
             os.close(slave)
@@ -157,11 +162,14 @@ class LocalPty:
         self._closed = True
         self._tree.kill()
         self._pause_reading()
-        await self._proc.wait()
+        await self.wait()
         self._tree.cleanup()
         await self._tree.settle(2.0)
         self._tree.release()
         os.close(self._master)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
         if not self._eof:
             self._eof = True
             self._queue.put_nowait(None)
@@ -169,5 +177,10 @@ class LocalPty:
             self._on_close(self)
 
     async def wait(self) -> int:
-        """The exit status of the terminal's main process."""
-        return await self._proc.wait()
+        """The exit status of the terminal's main process, once it has exited."""
+        while self._proc.poll() is None:
+            if self._pidfd is not None:
+                await wait_pidfd(self._pidfd, 1.0)
+            else:
+                await asyncio.sleep(0.05)
+        return self._proc.returncode
