@@ -1,0 +1,242 @@
+"""Real rollouts: the agent loop against the embedded sandbox service (real sandboxes, real execs)."""
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+
+from orchard.data import render_trajectory
+from orchard.env import AsyncSandboxClient, RetryPolicy
+from orchard.env.embedded import serve
+from orchard.rollout.agent_loop import AgentLoop
+from orchard.rollout.engine import SamplingParams
+from orchard.rollout.harness import ShellHarness
+from orchard.rollout.hf_engine import HFEngine
+from orchard.rollout.scripted import ScriptedEngine
+
+FAST = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
+
+
+@pytest.fixture(scope="module")
+def service():
+    with serve() as svc:  # a temporary root the sandboxes' uids can reach
+        yield svc
+
+
+def exec_call(command):
+    return f'<tool_call>\n{{"name": "exec", "arguments": {json.dumps({"command": command})}}}\n</tool_call>'
+
+
+class RecordingEngine:
+    """Wraps an engine and keeps every prompt it was asked to continue."""
+
+    def __init__(self, inner):
+        self.inner, self.prompts = inner, []
+
+    async def generate(self, requests):
+        self.prompts.extend(list(r.prompt_ids) for r in requests)
+        return await self.inner.generate(requests)
+
+    async def update_weights(self, weights):
+        await self.inner.update_weights(weights)
+
+    async def close(self):
+        await self.inner.close()
+
+
+def run_loop(service, engine, harness, tokenizer, tasks, group_size=1, client_kwargs=None, **kwargs):
+    async def main():
+        async with AsyncSandboxClient(
+            service.url, service.api_key, retry=FAST, **(client_kwargs or {})
+        ) as client:
+            loop = AgentLoop(
+                engine, client, harness, tokenizer, progress=False, start_jitter_s=0.0, seed=0, **kwargs
+            )
+            return await loop.run_many(tasks, group_size=group_size)
+
+    return asyncio.run(main())
+
+
+def assert_no_drift(traj, prompts, tokenizer):
+    """Each turn's prompt is exactly the trainer's rendering up to that turn's first action token."""
+    sample = render_trajectory(traj, tokenizer)
+    assert sample.report.ok, sample.report
+    assistants = [m for m in traj.messages if m.role == "assistant"]
+    assert len(prompts) == len(assistants)
+    for k, (prompt, message) in enumerate(zip(prompts, assistants, strict=True)):
+        start = int((sample.turn_index == k).nonzero()[0])
+        assert sample.input_ids[:start].tolist() == prompt
+        assert sample.input_ids[start : start + len(message.token_ids)].tolist() == message.token_ids
+        assert sample.old_logprobs[start : start + len(message.token_ids)].tolist() == pytest.approx(
+            message.logprobs
+        )
+
+
+def test_scripted_rollout_acts_in_a_real_sandbox(service, tokenizer):
+    engine = RecordingEngine(
+        ScriptedEngine(
+            tokenizer,
+            ["Writing.\n" + exec_call("echo hi > hello.txt"), exec_call("cat hello.txt a.txt"), "Done."],
+        )
+    )
+    task = {
+        "id": "t1",
+        "prompt": "Write hi to hello.txt.",
+        "files": {"a.txt": "from setup\n"},
+        "check": "grep -qx hi hello.txt",
+    }
+    (traj,) = run_loop(service, engine, ShellHarness(), tokenizer, [task])
+    assert (
+        traj.termination_reason == "done" and traj.reward == 1.0 and traj.reward_components == {"check": 1.0}
+    )
+    assert (traj.task_id, traj.group_id) == ("t1", "t1")
+    roles = [m.role for m in traj.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert traj.messages[5].content == "exit code: 0\nstdout:\nhi\nfrom setup\n"  # the sandbox really ran it
+    assert (
+        traj.metadata["format_errors"] == 0
+        and traj.metadata["steps"] == 3
+        and traj.metadata["tool_calls"] == 2
+    )
+    assert_no_drift(traj, engine.prompts, tokenizer)
+
+
+def test_malformed_calls_are_counted_and_end_the_rollout(service, tokenizer):
+    bad = [
+        '<tool_call>\n{"name": "exec", "arguments": {"command": "ls"\n</tool_call>',  # invalid JSON
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # unknown tool
+        '<tool_call>\n{"name": "exec", "arguments": {"cmd": "ls"}}\n</tool_call>',  # unusable arguments
+    ]
+    engine = RecordingEngine(ScriptedEngine(tokenizer, [bad[0], exec_call("true"), *bad]))
+    (traj,) = run_loop(service, engine, ShellHarness(), tokenizer, [{"prompt": "go", "check": "true"}])
+    # turn 1 errs, turn 2 is fine (resets the streak), turns 3-5 err three times in a row -> format_error
+    assert traj.termination_reason == "format_error"
+    assert traj.metadata["format_errors"] == 4 and traj.metadata["steps"] == 5
+    errors = [m.content for m in traj.messages if m.role == "tool" and m.content.startswith("Error")]
+    assert len(errors) == 4 and "invalid JSON" in errors[0] and "invalid JSON" in errors[1]
+    assert "unknown tool 'rm_rf'" in errors[2] and "non-empty string 'command'" in errors[3]
+    assert traj.reward == 1.0  # still scored: a format error is the policy's failure, not the environment's
+    assert_no_drift(traj, engine.prompts, tokenizer)
+
+
+def test_budgets(service, tokenizer):
+    always = ScriptedEngine(tokenizer, lambda prompt: exec_call("true"))
+    (traj,) = run_loop(service, always, ShellHarness(max_steps=2), tokenizer, [{"prompt": "go"}])
+    assert traj.termination_reason == "step_budget" and traj.metadata["steps"] == 2 and traj.reward is None
+    slow = ScriptedEngine(tokenizer, lambda prompt: exec_call("true"), delay_s=0.3)
+    (traj,) = run_loop(service, slow, ShellHarness(), tokenizer, [{"prompt": "go"}], max_time_s=0.8)
+    assert traj.termination_reason == "time_budget" and 1 <= traj.metadata["steps"] <= 3
+    # a turn cut by max_tokens: the template's end-of-turn token is context, and the prompt stays exact
+    engine = RecordingEngine(ScriptedEngine(tokenizer, ["x" * 40, "ok"]))
+    (traj,) = run_loop(
+        service, engine, ShellHarness(), tokenizer, [{"prompt": "go"}], sampling=SamplingParams(max_tokens=3)
+    )
+    assert traj.metadata["cut_turns"] >= 1
+    assert_no_drift(traj, engine.prompts, tokenizer)
+
+
+def test_environment_failures_mark_env_error(service, tokenizer, tmp_path):
+    # 1. the service is unreachable: creation fails after retries
+    async def unreachable():
+        async with AsyncSandboxClient("http://127.0.0.1:9", "k", retry=FAST) as client:
+            loop = AgentLoop(
+                ScriptedEngine(tokenizer, ["Done."]),
+                client,
+                ShellHarness(),
+                tokenizer,
+                progress=False,
+                env_retries=1,
+                retry_backoff_s=0.0,
+            )
+            return await loop.run({"id": "u", "prompt": "go", "check": "true"})
+
+    traj = asyncio.run(unreachable())
+    assert traj.termination_reason == "env_error" and traj.is_env_error and traj.reward is None
+    assert traj.metadata["error"].startswith("create:")
+
+    # 2. the sandbox dies mid-rollout (deleted behind the loop's back): the next exec fails -> env_error, unscored
+    async def main():
+        async with AsyncSandboxClient(service.url, service.api_key, retry=FAST) as client:
+
+            class Killer(ScriptedEngine):
+                """A scripted "model" that deletes every sandbox before answering with a tool call."""
+
+                async def generate(self, requests):
+                    for info in await client.list_sandboxes():
+                        await (await client.sandbox(info["sandbox_id"])).delete()
+                    return await super().generate(requests)
+
+            loop = AgentLoop(
+                Killer(tokenizer, [exec_call("ls")]), client, ShellHarness(), tokenizer, progress=False
+            )
+            return await loop.run({"prompt": "go", "check": "true"})
+
+    traj = asyncio.run(main())
+    assert traj.termination_reason == "env_error" and traj.reward is None
+    assert traj.metadata["error"].startswith("tool exec:")
+
+    # 3. a failing set-up command is an environment failure too
+    (traj,) = run_loop(
+        service,
+        ScriptedEngine(tokenizer, ["Done."]),
+        ShellHarness(),
+        tokenizer,
+        [{"prompt": "go", "setup": "exit 3"}],
+    )
+    assert traj.termination_reason == "env_error" and "setup" in traj.metadata["error"]
+
+    # 4. an engine that keeps failing is an infrastructure failure: env_error after retries, never scored
+    class Broken(ScriptedEngine):
+        calls = 0
+
+        async def generate(self, requests):
+            Broken.calls += 1
+            raise RuntimeError("CUDA error: out of memory")
+
+    (traj,) = run_loop(
+        service,
+        Broken(tokenizer, []),
+        ShellHarness(),
+        tokenizer,
+        [{"prompt": "go", "check": "true"}],
+        model_retries=2,
+        retry_backoff_s=0.0,
+    )
+    assert (
+        traj.termination_reason == "env_error"
+        and traj.metadata["error"].startswith("model:")
+        and Broken.calls == 3
+    )
+
+
+def test_tiny_model_rollouts_run_concurrently(service, tokenizer, tiny_model):
+    engine = RecordingEngine(HFEngine(tiny_model, max_batch_size=8))
+    tasks = [{"id": f"t{i}", "prompt": f"Task {i}: list the files.", "check": "true"} for i in range(3)]
+    trajs = run_loop(
+        service,
+        engine,
+        ShellHarness(max_steps=2),
+        tokenizer,
+        tasks,
+        group_size=2,
+        sampling=SamplingParams(temperature=1.0, max_tokens=12, seed=None),
+        concurrency=4,
+    )
+    assert [t.group_id for t in trajs] == ["t0", "t0", "t1", "t1", "t2", "t2"]
+    for traj in trajs:
+        assert traj.termination_reason in ("done", "step_budget", "format_error")
+        assert traj.has_token_ids and traj.reward == 1.0
+        for m in traj.messages:
+            if m.role == "assistant":
+                assert len(m.logprobs) == len(m.token_ids) and all(
+                    math.isfinite(x) and x <= 0 for x in m.logprobs
+                )
+        sample = render_trajectory(traj, tokenizer)
+        # every prompt the engine saw for this trajectory is a prefix of its rendering (no drift)
+        ids = sample.input_ids.tolist()
+        starts = [int((sample.turn_index == k).nonzero()[0]) for k in range(traj.num_steps)]
+        for start in starts:
+            assert ids[:start] in engine.prompts
+    assert torch.tensor([len(p) for p in engine.prompts]).min() > 0
