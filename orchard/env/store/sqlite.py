@@ -7,7 +7,6 @@ JSON beside the few columns queries filter on, so adding a field needs no migrat
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sqlite3
 from pathlib import Path
@@ -27,7 +26,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
 
 
 def _dump(record: object) -> str:
-    return json.dumps(dataclasses.asdict(record))  # type: ignore[arg-type]
+    return json.dumps(vars(record))  # records hold only JSON scalars and flat str dicts
 
 
 class SQLiteStore:
