@@ -137,7 +137,7 @@ def policy_loss(
         check_positive_number("tis_threshold", tis_threshold)
 
     logp = zero_outside(mask, logprobs)
-    old = zero_outside(mask, old_logprobs.detach())
+    old = zero_outside(mask, old_logprobs.detach().to(logprobs.dtype))
     adv = zero_outside(mask, advantages_BT.detach().to(logprobs.dtype))
 
     token_log_ratio = (logp - old).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)  # [B, T]
@@ -155,7 +155,7 @@ def policy_loss(
 
     metrics: dict[str, Tensor] = {}
     if rollout_logprobs is not None:
-        log_w = old - zero_outside(mask, rollout_logprobs.detach())  # [B, T]
+        log_w = old - zero_outside(mask, rollout_logprobs.detach().to(logprobs.dtype))  # [B, T]
         if ratio_level == "sequence":
             log_w = _row_mean(log_w, mask)[:, None].expand_as(log_w)  # [B] -> [B, T]
         w = log_w.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND).exp()
