@@ -33,6 +33,8 @@ MODES = [
     PROCESS_GROUP,
 ]
 needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
+WRAPPERS = pytest.mark.parametrize("wrappers", [True, False], ids=["setpriv", "preexec"])
+"""Start sandboxed processes through setpriv/prlimit exec wrappers, or a Python preexec function."""
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-sandbox uids and RLIMIT_NPROC need root")
 
 
@@ -99,8 +101,9 @@ def procs_of_uid(uid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_exec_basics(workspace_dir, mode):
-    agent = make_agent(workspace_dir, mode)
+@WRAPPERS
+async def test_exec_basics(workspace_dir, mode, wrappers):
+    agent = make_agent(workspace_dir, mode, use_exec_wrappers=wrappers)
     r = await agent.exec(ExecRequest("echo out; echo err >&2; exit 3"))
     assert (r.exit_code, r.stdout, r.stderr, r.timed_out) == (3, b"out\n", b"err\n", False)
     assert not r.stdout_truncated and not r.stderr_truncated and r.duration_s > 0
@@ -208,8 +211,9 @@ async def test_main_exit_returns_promptly_and_ends_background_children(workspace
 @needs_root
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-async def test_fork_bomb_is_bounded_by_pids_and_fully_ended(workspace_dir, mode):
-    agent = make_agent(workspace_dir, mode, limits=Limits(pids=24, memory_mb=512))
+@WRAPPERS
+async def test_fork_bomb_is_bounded_by_pids_and_fully_ended(workspace_dir, mode, wrappers):
+    agent = make_agent(workspace_dir, mode, limits=Limits(pids=24, memory_mb=512), use_exec_wrappers=wrappers)
     t0 = time.monotonic()
     r = await agent.exec(ExecRequest("bomb() { bomb | bomb & }; bomb; sleep 100", timeout_s=1.5))
     assert r.timed_out and time.monotonic() - t0 < 1.5 + SLACK_S + 1.0
@@ -362,8 +366,9 @@ async def test_no_network_unless_asked(workspace_dir):
 
 
 @needs_bwrap
-async def test_memory_limit(workspace_dir):
-    agent = make_agent(workspace_dir, BUBBLEWRAP, limits=Limits(memory_mb=256))
+@WRAPPERS
+async def test_memory_limit(workspace_dir, wrappers):
+    agent = make_agent(workspace_dir, BUBBLEWRAP, limits=Limits(memory_mb=256), use_exec_wrappers=wrappers)
     r = await agent.exec(ExecRequest(["python3", "-c", "b = bytearray(600 << 20); print('allocated')"]))
     assert r.exit_code != 0 and b"MemoryError" in r.stderr, r
     r = await agent.exec(ExecRequest(["python3", "-c", "b = bytearray(50 << 20); print('allocated')"]))
@@ -390,13 +395,14 @@ async def test_apply_patch_and_malicious_paths(workspace_dir, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_under_uvloop(workspace_dir, mode):
+@WRAPPERS
+def test_under_uvloop(workspace_dir, mode, wrappers):
     """uvicorn runs the service on uvloop when it is installed; its subprocess support differs."""
     uvloop = pytest.importorskip("uvloop")
     m = marker()
 
     async def scenario() -> None:
-        agent = make_agent(workspace_dir, mode)
+        agent = make_agent(workspace_dir, mode, use_exec_wrappers=wrappers)
         r = await agent.exec(ExecRequest("echo $((1 + 2)); id -u", stdin=b"x"))
         assert r.exit_code == 0 and r.stdout.split()[0] == b"3", r
         if IS_ROOT:

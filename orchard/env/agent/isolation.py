@@ -266,6 +266,8 @@ class Isolation:
         run_as: (uid, gid) the processes run as; only honoured when the service is root.
         hide: host directories covered by an empty tmpfs inside the sandbox (e.g. the service's state).
         bwrap: path of the bwrap executable (default: found on PATH).
+        use_exec_wrappers: switch uid and set rlimits with the host's `setpriv` and `prlimit` (util-linux)
+            when both exist, else (or when False, and always for a PTY) in a Python preexec function.
     """
 
     def __init__(
@@ -279,6 +281,7 @@ class Isolation:
         run_as: tuple[int, int] | None = None,
         hide: tuple[str, ...] = (),
         bwrap: str | None = None,
+        use_exec_wrappers: bool = True,
     ) -> None:
         if mode not in ISOLATION_MODES:
             raise ValueError(f"mode must be one of {ISOLATION_MODES}, got {mode!r}")
@@ -293,6 +296,8 @@ class Isolation:
         self.hide = tuple(h for h in hide if _visible_in_rootfs(h, self.rootfs))
         self.bwrap = bwrap or shutil.which("bwrap") or "bwrap"
         self._prefix: list[str] | None = None
+        tools = (shutil.which("setpriv"), shutil.which("prlimit")) if use_exec_wrappers else (None, None)
+        self._tools: tuple[str, str] | None = tools if None not in tools else None  # type: ignore[assignment]
 
     # -- paths --------------------------------------------------------------------------------------------
 
@@ -349,20 +354,31 @@ class Isolation:
             timeout_s: the command's time budget (sets the CPU rlimit when `limits.cpu` is set), None for none.
             tty: the process's stdin is a terminal that should become its controlling terminal.
         """
-        # The uid switch happens in the preexec function rather than through Popen's user=/group=, which
-        # uvloop (the event loop uvicorn picks when installed) does not accept.
         popen: dict[str, Any] = {"env": dict(env), "start_new_session": True}
         extra = _BWRAP_OWN_PROCESSES if self.mode == BUBBLEWRAP else 0
-        popen["preexec_fn"] = _child_preexec(
-            self.limits, timeout_s, extra_pids=extra, ctty=tty, run_as=self.run_as
-        )
+        rlimits = _rlimits(self.limits, timeout_s, extra_pids=extra, per_uid=self.run_as is not None)
+        wrap: list[str] = []
+        if tty or self._tools is None:
+            # The uid switch happens here rather than through Popen's user=/group=, which uvloop (the event
+            # loop uvicorn picks when installed) does not accept.
+            popen["preexec_fn"] = _child_preexec(rlimits, ctty=tty, run_as=self.run_as)
+        else:
+            # setpriv and prlimit from util-linux do the same work as exec wrappers: without a Python
+            # preexec function the child can be started with vfork, several milliseconds cheaper per
+            # command in a large service process.
+            setpriv, prlimit = self._tools
+            if self.run_as is not None:
+                uid, gid = self.run_as
+                wrap += [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+            if rlimits:
+                wrap += [prlimit, *(f"--{_PRLIMIT_NAMES[w]}={v}" for w, v in rlimits), "--"]
         if self.mode == BUBBLEWRAP:
             popen["cwd"] = "/"
             # bubblewrap runs as the sandbox's uid and binds the workspace by path: every directory above it
             # must be searchable by that uid (the local backend checks this at start).
             info_r, info_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             popen["pass_fds"] = (info_w,)
-            full = [*self._bwrap_prefix(tty), "--info-fd", str(info_w),
+            full = [*wrap, *self._bwrap_prefix(tty), "--info-fd", str(info_w),
                     "--bind", self.workspace.root, self.workspace.mount,
                     "--remount-ro", "/", "--chdir", cwd, "--", *argv]  # fmt: skip
             return Launch(full, popen, lambda: BubblewrapTree(info_r), (info_w,))
@@ -370,7 +386,7 @@ class Isolation:
         popen["env"][MARK_VAR] = mark
         popen["cwd"] = self.host_path(cwd)
         uid = self.run_as[0] if self.run_as is not None else None
-        return Launch(list(argv), popen, lambda: MarkedGroupTree(mark, uid))
+        return Launch([*wrap, *argv], popen, lambda: MarkedGroupTree(mark, uid))
 
     def _bwrap_prefix(self, tty: bool) -> list[str]:
         if self._prefix is None:
@@ -402,34 +418,39 @@ def _visible_in_rootfs(path: str, rootfs: str) -> bool:
     return all(os.stat(os.path.join(*parts[:i])).st_mode & 0o001 for i in range(2, len(parts)))
 
 
-def _child_preexec(
-    limits: Limits,
-    timeout_s: float | None,
-    *,
-    extra_pids: int,
-    ctty: bool,
-    run_as: tuple[int, int] | None,
-) -> Callable[[], None]:
-    """A function run in the child between fork and exec: drop to `run_as`, apply the rlimits, and take
-    stdin as controlling terminal if `ctty`.
+_PRLIMIT_NAMES = {resource.RLIMIT_NPROC: "nproc", resource.RLIMIT_AS: "as", resource.RLIMIT_CPU: "cpu"}
 
-    RLIMIT_NPROC is only set when the sandbox has a uid of its own (`run_as`): it counts every process of
+
+def _rlimits(
+    limits: Limits, timeout_s: float | None, *, extra_pids: int, per_uid: bool
+) -> list[tuple[int, int]]:
+    """The (resource, value) pairs a sandboxed process gets, soft = hard.
+
+    RLIMIT_NPROC is only set when the sandbox has a uid of its own (`per_uid`): it counts every process of
     the uid, so for a service running as an ordinary user it would count the user's other processes too.
     """
     rl: list[tuple[int, int]] = []
-    if limits.pids is not None and run_as is not None:
+    if limits.pids is not None and per_uid:
         rl.append((resource.RLIMIT_NPROC, limits.pids + extra_pids))
     if limits.memory_mb is not None:
         rl.append((resource.RLIMIT_AS, limits.memory_mb << 20))
     if limits.cpu is not None and timeout_s is not None:
         rl.append((resource.RLIMIT_CPU, max(1, math.ceil(limits.cpu * timeout_s))))
+    return rl
+
+
+def _child_preexec(
+    rlimits: list[tuple[int, int]], *, ctty: bool, run_as: tuple[int, int] | None
+) -> Callable[[], None]:
+    """A function run in the child between fork and exec: drop to `run_as`, apply the rlimits, and take
+    stdin as controlling terminal if `ctty`."""
 
     def preexec() -> None:
         if run_as is not None:
             os.setgroups([])
             os.setgid(run_as[1])
             os.setuid(run_as[0])
-        for which, value in rl:
+        for which, value in rlimits:
             resource.setrlimit(which, (value, value))
         if ctty:
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
