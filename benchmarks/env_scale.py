@@ -1,0 +1,105 @@
+"""How many sandboxes can the embedded service take at once?
+
+N tasks start together; each creates a sandbox, runs `--commands` commands in it one after another, and
+deletes it, through `AsyncSandboxClient` against the embedded service (LocalBackend + SQLite) running as a
+child process on loopback. Reported: success rate (a task succeeds when every call returned and every
+command exited 0), wall time from the first create to the last delete, and p50/p90/max of create, exec and
+delete latencies. Orchard Env reports 1,000 sandboxes in 26 s at 100 % on 8 nodes x 32 vCPU; our target is
+1,000 at 100 % in <= 20 s on 2 cores.
+
+    python benchmarks/env_scale.py                         # N = 1000, 4 commands each
+    python benchmarks/env_scale.py --n 200 --max-concurrent-execs 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from env_latency import machine, percentiles
+
+
+async def one_task(client, i: int, commands: int, lat: dict[str, list[float]]) -> bool:
+    start = time.perf_counter()
+    sb = await client.create()
+    lat["create"].append(time.perf_counter() - start)
+    ok = True
+    try:
+        for k in range(commands):
+            start = time.perf_counter()
+            result = await sb.exec(f"echo task{i}-cmd{k}")
+            lat["exec"].append(time.perf_counter() - start)
+            ok &= result.ok and result.stdout == f"task{i}-cmd{k}\n"
+    finally:
+        start = time.perf_counter()
+        await sb.delete()
+        lat["delete"].append(time.perf_counter() - start)
+    return ok
+
+
+async def run(url: str, key: str, n: int, commands: int) -> tuple[int, float, dict[str, list[float]], list[str]]:
+    from orchard.env import AsyncSandboxClient
+    from orchard.env.client import RetryPolicy
+
+    lat: dict[str, list[float]] = {"create": [], "exec": [], "delete": []}
+    async with AsyncSandboxClient(url, key, timeout=600, max_connections=n,
+                                  retry=RetryPolicy(max_attempts=8, backoff_base_s=0.5)) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_task(client, i, commands, lat) for i in range(n)),
+                                       return_exceptions=True)
+        wall = time.perf_counter() - start
+    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+    return sum(r is True for r in results), wall, lat, errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1000, help="concurrent sandboxes")
+    parser.add_argument("--commands", type=int, default=4, help="commands per sandbox")
+    parser.add_argument("--max-concurrent-execs", type=int, default=64)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.n < 1 or args.commands < 0:
+        raise SystemExit(f"--n must be >= 1 and --commands >= 0, got {args.n}, {args.commands}")
+
+    from orchard.env.embedded import serve
+
+    root = tempfile.mkdtemp(prefix="orchard-env-scale-")
+    os.chmod(root, 0o711)
+    try:
+        with serve(root, in_process=False, max_concurrent_execs=args.max_concurrent_execs) as (url, key):
+            ok, wall, lat, errors = asyncio.run(run(url, key, args.n, args.commands))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    info = machine()
+    print(f"# env_scale: {args.n} sandboxes at once, {args.commands} commands each, "
+          f"max_concurrent_execs {args.max_concurrent_execs}")
+    print(f"# machine: {info['machine']}; python {info['python']}; commit {info['commit']}")
+    print(f"success {ok}/{args.n} ({100.0 * ok / args.n:.1f} %), wall {wall:.2f} s, "
+          f"{args.n * args.commands / wall:.1f} execs/s")
+    print(f"{'op':<7} {'count':>6} {'p50 s':>8} {'p90 s':>8} {'max s':>8}")
+    rows = {}
+    for op, samples in lat.items():
+        if samples:
+            rows[op] = percentiles(samples)
+            print(f"{op:<7} {len(samples):6d} {rows[op]['p50']:8.3f} {rows[op]['p90']:8.3f} {max(samples):8.3f}")
+    met = ok == args.n and wall <= 20.0
+    print(f"target (1,000 at 100 % in <= 20 s on 2 cores): {'met' if met and args.n >= 1000 else 'not met'}; "
+          "Orchard Env: 1,000 in 26 s at 100 % on 8 x 32 vCPU")
+    for error in errors[:5]:
+        print("error:", error)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"n": args.n, "ok": ok, "wall_s": wall, **info, **rows}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
