@@ -15,6 +15,11 @@ index ``i``) let ``P_k = template(messages[:i], add_generation_prompt=True)`` (t
 ``messages[:k]`` is a prefix of that of ``messages[:k+1]``). A break is detected and reported; :func:`render_turns`
 renders such trajectories as one sample per assistant turn instead.
 
+Rendering every prefix is quadratic in the number of turns. The default path takes each turn's deltas from a
+window (the leading system messages, then the conversation from the previous assistant turn on), which is linear,
+and checks the joined pieces against one full rendering; a template whose output is not local (or not
+prefix-consistent) fails that check and is rendered the exact, quadratic way.
+
 A sampled turn that did not end with the end-of-turn token (cut by ``max_tokens``) is compared without it and the
 template's end-of-turn token is kept as context, not as an action.
 """
@@ -184,6 +189,10 @@ def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any) -> No
 
 
 def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], gen: bool) -> str:
+    if not messages:  # chat templates refuse an empty conversation
+        if gen:
+            raise ValueError("traj.messages must not start with an assistant message: it has no prompt to render")
+        return ""
     text = tokenizer.apply_chat_template(
         messages, tools=tools or None, tokenize=False, add_generation_prompt=gen
     )
@@ -283,6 +292,74 @@ def _splice_turn(
         out.context(rendered[-1:])
 
 
+_Segment = tuple[Literal["context", "action"], int, str]
+"""A piece of the rendered text: its kind, the index of the message it belongs to, the text."""
+
+
+def _segments_exact(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    eot_text: str,
+    report: RenderReport,
+) -> list[_Segment]:
+    """Cut ``template(messages)`` into context and action text by rendering every prefix (quadratic, exact)."""
+    segments: list[_Segment] = []
+    prev = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _template(tokenizer, messages[:i], tools, gen=True)
+        segments.append(("context", i, _suffix(prev, prompt, i, report)))
+        full = _template(tokenizer, messages[: i + 1], tools, gen=False)
+        action, tail = _split_action_text(_suffix(prompt, full, i, report), eot_text)
+        segments += [("action", i, action), ("context", i, tail)]
+        prev = full
+    if messages:
+        final = _template(tokenizer, messages, tools, gen=False)
+        segments.append(("context", len(messages), _suffix(prev, final, len(messages), report)))
+    return segments
+
+
+def _segments_windowed(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], eot_text: str
+) -> list[_Segment] | None:
+    """The segments of :func:`_segments_exact` in linear time, or None when this shortcut does not apply.
+
+    Each turn's deltas are taken from a window: the leading system messages, then the conversation from the
+    previous assistant turn on. For templates whose rendering of a turn depends only on nearby messages (ours,
+    and most) the deltas are the same; the joined segments are checked against one full rendering, and any
+    difference (or a prefix break inside a window) sends the caller to the exact path.
+    """
+    n_head = 0
+    while n_head < len(messages) and messages[n_head]["role"] == "system":
+        n_head += 1
+    head = messages[:n_head]
+    segments: list[_Segment] = []
+    base, prev = "", None
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        context = head + messages[prev:i] if prev is not None else messages[:i]
+        prompt = _template(tokenizer, context, tools, gen=True)
+        full = _template(tokenizer, [*context, message], tools, gen=False)
+        if not (prompt.startswith(base) and full.startswith(prompt)):
+            return None
+        action, tail = _split_action_text(full[len(prompt) :], eot_text)
+        segments += [("context", i, prompt[len(base) :]), ("action", i, action), ("context", i, tail)]
+        base, prev = _template(tokenizer, [*head, message], tools, gen=False), i
+    if messages:
+        rest = _template(
+            tokenizer, head + messages[prev:] if prev is not None else messages, tools, gen=False
+        )
+        if not rest.startswith(base):
+            return None
+        segments.append(("context", len(messages), rest[len(base) :]))
+    if "".join(text for _, _, text in segments) != _template(tokenizer, messages, tools, gen=False):
+        return None
+    return segments
+
+
 def render_trajectory(
     traj: Trajectory,
     tokenizer: Any,
@@ -313,25 +390,20 @@ def render_trajectory(
     _check_args(traj, tokenizer, max_len, on_mismatch)
     eot_text, eot_id = _eot_token(tokenizer, eot_token)
     messages = traj.openai_messages()
-    tools = traj.tools
     report = RenderReport()
+    segments = _segments_windowed(tokenizer, messages, traj.tools, eot_text)
+    if segments is None:
+        segments = _segments_exact(tokenizer, messages, traj.tools, eot_text, report)
     out = _Builder()
-    prev = ""
     turn = -1
-    for i, message in enumerate(traj.messages):
-        if message.role != "assistant":
-            continue
-        turn += 1
-        prompt = _template(tokenizer, messages[:i], tools, gen=True)
-        out.context(_encode(tokenizer, _suffix(prev, prompt, i, report)))
-        full = _template(tokenizer, messages[: i + 1], tools, gen=False)
-        action_text, tail = _split_action_text(_suffix(prompt, full, i, report), eot_text)
-        _splice_turn(out, tokenizer, message, turn, i, action_text, eot_id, on_mismatch, report, close=True)
-        out.context(_encode(tokenizer, tail))
-        prev = full
-    if traj.messages:
-        final = _template(tokenizer, messages, tools, gen=False)
-        out.context(_encode(tokenizer, _suffix(prev, final, len(messages), report)))
+    for kind, i, text in segments:
+        if kind == "context":
+            out.context(_encode(tokenizer, text))
+        else:
+            turn += 1
+            _splice_turn(
+                out, tokenizer, traj.messages[i], turn, i, text, eot_id, on_mismatch, report, close=True
+            )
     if not report.ok:
         if on_mismatch == "drop":
             return None

@@ -16,6 +16,7 @@ from orchard.data import (
     render_trajectory,
     render_turns,
 )
+from orchard.data.render import _segments_exact, _segments_windowed
 
 TOOLS = [
     {
@@ -512,3 +513,50 @@ def test_render_and_collate_reject_bad_inputs(tokenizer):
         collate([s], 0, advantages=[float("nan")])
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         collate([s], 0, pad_to_multiple_of=0)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=conversations(), with_tools=st.booleans())
+def test_windowed_segments_equal_exact_segments(tokenizer, msgs, with_tools):
+    # The linear-time path (windows from the previous assistant turn) against the quadratic reference that
+    # renders every prefix.
+    traj = Trajectory(messages=msgs, tools=TOOLS if with_tools else [])
+    messages, report = traj.openai_messages(), RenderReport()
+    exact = _segments_exact(tokenizer, messages, traj.tools, "<|im_end|>", report)
+    assert report.ok
+    assert _segments_windowed(tokenizer, messages, traj.tools, "<|im_end|>") == exact
+
+
+# Prefix-consistent but not local: every turn is numbered, so windows (which restart the count) disagree with
+# the full rendering and rendering must fall back to the exact path.
+NUMBERED_TEMPLATE = (
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + ' ' + loop.index|string + '\\n' -}}"
+    "{{- m.content -}}{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' -}}"
+    "{%- endif -%}"
+)
+
+
+def test_non_local_template_falls_back_to_exact(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = NUMBERED_TEMPLATE
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "bye"},
+    ]
+    traj = Trajectory(messages=msgs)
+    messages = traj.openai_messages()
+    assert _segments_windowed(tok, messages, [], "<|im_end|>") is None
+    s = render_trajectory(traj, tok)
+    assert s.report.ok
+    assert s.input_ids.tolist() == encode(tok, template_text(tok, traj))
+    assert [tok.decode(s.input_ids[s.turn_index == k]) for k in (0, 1)] == ["one<|im_end|>", "two<|im_end|>"]
+
+
+def test_assistant_first_is_rejected(tokenizer):
+    with pytest.raises(ValueError, match="must not start with an assistant message"):
+        render_trajectory(Trajectory(messages=[{"role": "assistant", "content": "hi"}]), tokenizer)
