@@ -124,6 +124,15 @@ async def test_exec_basics(workspace_dir, mode, wrappers):
     r = await agent.exec(ExecRequest('printf "%s|" "$(( 6 * 7 ))"'))
     assert r.stdout == b"42|"
 
+    # a PATH the caller sets survives the login shell's /etc/profile (argv commands get it as is)
+    r = await agent.exec(
+        ExecRequest("echo $PATH; env | grep -c ORCHARD_USER_PATH", env={"PATH": "/opt/x/bin"})
+    )
+    path, leaked = r.stdout.decode().split()
+    assert path.startswith("/opt/x/bin:") and "/usr/bin" in path and leaked == "0", r
+    r = await agent.exec(ExecRequest(["sh", "-c", "echo $PATH"], env={"PATH": "/opt/x/bin:/usr/bin:/bin"}))
+    assert r.stdout == b"/opt/x/bin:/usr/bin:/bin\n"
+
     # nothing of the service's environment leaks in
     os.environ["ORCHARD_TEST_SECRET"] = "leak"
     try:

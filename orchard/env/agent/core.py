@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 from orchard.env.agent.files import Workspace
 from orchard.env.agent.isolation import BUBBLEWRAP, Isolation
@@ -15,6 +16,7 @@ from orchard.env.agent.process import ProcessTree, run_captured
 from orchard.env.agent.pty import LocalPty
 from orchard.env.backends.base import ExecRequest, ExecResult, FileInfo, Resources
 
+_USER_PATH = "ORCHARD_USER_PATH"
 _GIT_APPLY = ["git", "apply", "--verbose", "--whitespace=nowarn", "-"]
 
 
@@ -85,11 +87,21 @@ class SandboxAgent:
         """Run a command to completion or timeout (rules in `orchard.env.agent.process`).
 
         A string command runs as `bash -lc <command>`; a list runs as that argv. Relative `cwd` is taken from
-        the workspace; the default is the workspace itself.
+        the workspace; the default is the workspace itself. A login shell reads /etc/profile, which on
+        Debian-like images resets PATH for non-root users; a PATH set in the sandbox's or the request's env is
+        therefore put back in front of the profile's after it ran.
         """
         validate_request(request)
-        argv = ["bash", "-lc", request.command] if isinstance(request.command, str) else list(request.command)
-        return await self._run(self.isolation, argv, request)
+        if isinstance(request.command, list | tuple):
+            return await self._run(self.isolation, list(request.command), request)
+        command = request.command
+        if "PATH" in request.env or "PATH" in self.env:
+            command = f'PATH="${_USER_PATH}${{PATH:+:$PATH}}"; unset {_USER_PATH}; {command}'
+            path = request.env.get("PATH", self.env.get("PATH", ""))
+            # bash itself is found on the default PATH; the caller's PATH applies once the profile ran
+            env = {**request.env, "PATH": self.isolation.base_env()["PATH"], _USER_PATH: path}
+            request = replace(request, env=env)
+        return await self._run(self.isolation, ["bash", "-lc", command], request)
 
     async def _run(self, isolation: Isolation, argv: list[str], request: ExecRequest) -> ExecResult:
         cwd = isolation.resolve_cwd(request.cwd)
