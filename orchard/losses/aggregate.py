@@ -10,11 +10,11 @@ counts), ``n_i = Σ_t m_it`` the number of counted tokens of row ``i``, and ``Z`
 | ``seq-mean-token-sum``| ``Σ_i Σ_t m x / D``                     | ``D = #{i : n_i > 0}``      |
 | ``token-sum-norm``    | ``Σ_it m x / Z``                        | ``Z`` is required           |
 
-``normalizer`` replaces ``D`` in every mode. Given a *global* normaliser (the token count of the whole batch for
-``token-mean``, its number of non-empty sequences for the ``seq-mean`` modes, or any constant such as
-``batch_size × max_len`` for ``token-sum-norm``, as in DAPO and Dr.GRPO), each row's contribution does not depend
-on which micro-batch it lands in, so summing the micro-batch losses gives exactly the whole-batch loss and
-gradient. Without one, each micro-batch normalises by its own count and the sum differs.
+``normalizer`` replaces ``D`` in every mode. Given a *global* normaliser (the token count of the whole batch
+for ``token-mean``, its number of non-empty sequences for the ``seq-mean`` modes, or any constant such as
+``batch_size × max_len`` for ``token-sum-norm``, as in DAPO and Dr.GRPO), each row's contribution does not
+depend on which micro-batch it lands in, so summing the micro-batch losses gives exactly the whole-batch loss
+and gradient. Without one, each micro-batch normalises by its own count and the sum differs.
 
 Masked positions may hold anything (NaN, ±inf): they are dropped by selection, never multiplied by zero, so
 they change neither the value nor the gradient. A batch with no counted token aggregates to 0.

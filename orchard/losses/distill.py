@@ -5,11 +5,11 @@ log-probs (with grad) and the teacher's (detached here: no gradient ever reaches
 ``[B, T]``. Notation: ``δ = log π(y) − log π_T(y)``, ``ρ = π_T(y) / π(y) = exp(−δ)``, ``sg`` = stop-gradient,
 ``M = λπ + (1 − λ)π_T``.
 
-| loss          | per-token loss ``ℓ``                     | per-sample gradient       | ``E_{y~π}[∇ℓ]``              |
-|---------------|------------------------------------------|---------------------------|-------------------------------|
-| ``k2_opd_loss``| ``½ δ²``                                | ``δ ∇ log π``             | ``∇ KL(π ‖ π_T)``            |
-| ``k3_opd_loss``| ``K3 · π / sg(π)``, ``K3 = ρ − 1 − log ρ``| ``δ ∇ log π``            | ``∇ KL(π ‖ π_T)``            |
-| ``js_opd_loss``| ``sg(log(π / M)) · log π``              | ``log(π/M) ∇ log π``      | ``(1/λ) ∇ JS_λ(π, π_T)``     |
+| loss            | per-token loss ``ℓ``                     | per-sample ``∇ℓ``    | ``E_{y~π}[∇ℓ]``        |
+|-----------------|------------------------------------------|----------------------|------------------------|
+| ``k2_opd_loss`` | ``½ δ²``                                 | ``δ ∇ log π``        | ``∇ KL(π ‖ π_T)``      |
+| ``k3_opd_loss`` | ``K3 · π/sg(π)``, ``K3 = ρ − 1 − log ρ`` | ``δ ∇ log π``        | ``∇ KL(π ‖ π_T)``      |
+| ``js_opd_loss`` | ``sg(log(π/M)) · log π``                 | ``log(π/M) ∇ log π`` | ``∇ JS_λ(π, π_T) / λ`` |
 
 Why (expectations over ``y ~ π`` with the sampling distribution held fixed, as when a sampled loss is
 differentiated; ``Σ_y π ∇ log π = ∇ Σ_y π = 0``):
@@ -18,20 +18,20 @@ differentiated; ``Σ_y π ∇ log π = ∇ Σ_y π = 0``):
   gradient is ``δ ∇ log π``, so K2 estimates the reverse-KL gradient although its *value* ``½ δ²`` is not an
   unbiased estimate of the KL.
 * K3's value is unbiased for the same divergence, ``E_π[ρ − 1 − log ρ] = 1 − 1 + KL(π ‖ π_T)``, but its plain
-  gradient ``∇K3 = (1 − ρ) ∇ log π`` has expectation ``−Σ π_T ∇ log π = ∇ KL(π_T ‖ π)``: the *forward* KL, because
-  it drops the score-function term of ``∇ E_π[K3]``. Multiplying by ``π / sg(π)`` (value 1, gradient ``∇ log π``)
-  restores it: ``∇ℓ = (1 − ρ + K3) ∇ log π = δ ∇ log π``, the reverse-KL gradient, with no ``ρ`` left in it —
-  the "stabilized" K3. We compute that gradient in this closed form rather than letting autograd add
-  ``−ρ`` and ``+ρ`` (which cancel catastrophically when ``ρ`` is large); the value stays ``K3``.
+  gradient ``∇K3 = (1 − ρ) ∇ log π`` has expectation ``−Σ π_T ∇ log π = ∇ KL(π_T ‖ π)``: the *forward* KL,
+  because it drops the score-function term of ``∇ E_π[K3]``. Multiplying by ``π / sg(π)`` (value 1, gradient
+  ``∇ log π``) restores it: ``∇ℓ = (1 − ρ + K3) ∇ log π = δ ∇ log π``, the reverse-KL gradient, with no
+  ``ρ`` left in it — the "stabilized" K3. We compute that gradient in this closed form rather than letting
+  autograd add ``−ρ`` and ``+ρ`` (which cancel catastrophically when ``ρ`` is large); the value stays ``K3``.
 * JS: with ``JS_λ(π, π_T) = λ KL(π ‖ M) + (1 − λ) KL(π_T ‖ M)``,
   ``∇ JS_λ = λ Σ ∇π log(π / M) + λ Σ ∇π − λ Σ ∇π (λπ + (1 − λ)π_T) / M = λ E_π[log(π / M) ∇ log π]``,
   so the surrogate's expected gradient is ``∇ JS_λ / λ`` (twice the JS gradient at the default ``λ = 0.5``).
-  JS is bounded (``≤ log 2`` at ``λ = 0.5``) and its per-token weight ``log(π / M) ≤ log(1/λ)`` is bounded above,
-  which keeps the update tame where the teacher gives the student's token near-zero probability. The value of
-  the surrogate is not a divergence; the metric ``opd/js`` is an unbiased estimate of ``JS_λ``.
+  JS is bounded (``≤ log 2`` at ``λ = 0.5``) and its per-token weight ``log(π / M) ≤ log(1/λ)`` is bounded
+  above, which keeps the update tame where the teacher gives the student's token near-zero probability. The
+  value of the surrogate is not a divergence; the metric ``opd/js`` is an unbiased estimate of ``JS_λ``.
 
-Adding distillation to a GRPO outcome loss (the teacher's log-probs of the student's sampled tokens come from a
-forward pass of the teacher on the rollout; they must not require grad, and are detached here regardless)::
+Adding distillation to a GRPO outcome loss (the teacher's log-probs of the student's sampled tokens come from
+a forward pass of the teacher on the rollout; they must not require grad, and are detached here regardless)::
 
     pg_loss, pg_metrics = policy_loss(logprobs, old_logprobs, advantages, mask)
     opd_loss, opd_metrics = js_opd_loss(logprobs, teacher_logprobs, mask)  # same mask, same agg
@@ -133,7 +133,7 @@ def k3_opd_loss(
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Stabilized K3 on-policy distillation: ``ℓ_t = K3 · π / sg(π)``, ``K3 = ρ − 1 − log ρ``, ``ρ = π_T / π``.
+    """Stabilized K3 on-policy distillation: ``ℓ_t = K3 · π/sg(π)``, ``K3 = ρ − 1 − log ρ``, ``ρ = π_T/π``.
 
     Value: ``K3`` (unbiased for ``KL(π ‖ π_T)``). Gradient: ``(log π − log π_T) ∇ log π``, computed in that
     closed form (equal to autograd's on the literal product, without its cancellation); its expectation under
@@ -154,7 +154,7 @@ def js_opd_loss(
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Jensen-Shannon on-policy distillation surrogate: ``ℓ_t = sg(log(π / M)) · log π``, ``M = λπ + (1−λ)π_T``.
+    """Jensen-Shannon on-policy distillation surrogate: ``ℓ_t = sg(log(π/M)) · log π``, ``M = λπ + (1−λ)π_T``.
 
     Expected gradient under ``y ~ π``: ``∇ JS_λ(π, π_T) / λ`` with
     ``JS_λ = λ KL(π ‖ M) + (1 − λ) KL(π_T ‖ M)`` (see the module docstring).

@@ -3,12 +3,12 @@
 Notation: ``y ~ π`` is a sampled token, ``δ = log π(y) − log π_ref(y)`` and ``ρ = π_ref(y) / π(y) = exp(−δ)``.
 Schulman's estimators of ``KL(π ‖ π_ref) = E_π[δ]`` ("Approximating KL divergence", 2020):
 
-| kind   | value                  | unbiased value? | expected gradient when used as a loss (``E_π[∇ value]``) |
-|--------|------------------------|-----------------|-----------------------------------------------------------|
-| ``k1`` | ``δ``                  | yes             | ``E_π[∇ log π] = 0``: no gradient signal in expectation   |
-| ``k2`` | ``½ δ²``               | no              | ``E_π[δ ∇ log π] = ∇ KL(π ‖ π_ref)`` (reverse KL)         |
-| ``k3`` | ``ρ − 1 − log ρ``      | yes, and ≥ 0    | ``E_π[(1 − ρ) ∇ log π] = ∇ KL(π_ref ‖ π)`` (forward KL)   |
-| ``k3+``| value of k3, gradient of k2 (straight-through) | yes | ``∇ KL(π ‖ π_ref)``                         |
+| kind    | value                       | unbiased? | ``E_π[∇ value]`` when used as a loss                  |
+|---------|-----------------------------|-----------|-------------------------------------------------------|
+| ``k1``  | ``δ``                       | yes       | ``E_π[∇ log π] = 0``: no signal in expectation        |
+| ``k2``  | ``½ δ²``                    | no        | ``E_π[δ ∇ log π] = ∇ KL(π ‖ π_ref)`` (reverse)        |
+| ``k3``  | ``ρ − 1 − log ρ``           | yes, ≥ 0  | ``E_π[(1 − ρ) ∇ log π] = ∇ KL(π_ref ‖ π)`` (forward)  |
+| ``k3+`` | k3's value, k2's gradient   | yes, ≥ 0  | ``∇ KL(π ‖ π_ref)`` (straight-through)                |
 
 (The expectations treat the sampling distribution as fixed, which is how a penalty added to a loss is
 differentiated.) ``k3+`` is what one usually wants from a KL penalty in the loss: a low-variance, unbiased,

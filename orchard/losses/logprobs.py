@@ -6,7 +6,7 @@ token; a plain ``log_softmax(logits.float())`` materialises it (and autograd kee
 forward pass upcasts ``chunk_size`` tokens at a time and keeps only the per-token results; the backward pass
 recomputes each chunk's softmax and writes the gradient straight into a tensor of the logits' dtype:
 
-    ``∂ log p(y) / ∂z_v = 1[v = y] − p_v``,   ``∂H / ∂z_v = −p_v (z_v − Σ_u p_u z_u)``,   ``∂z / ∂logits = 1/τ``.
+    ``∂ log p(y)/∂z_v = 1[v = y] − p_v``,  ``∂H/∂z_v = −p_v (z_v − Σ_u p_u z_u)``,  ``∂z/∂logits = 1/τ``.
 
 Peak extra memory is one float32 ``[chunk_size, V]`` block (a few of them, transiently) instead of ``[N, V]``.
 This is the exact reference path; ``orchard.losses.fused`` fuses it with the lm-head matmul.
@@ -105,7 +105,7 @@ def token_logprobs(
             Labels must already be aligned with the logits (shift by one for next-token prediction).
         labels: token ids in ``[0, V)``, or ``ignore_index``. Integer; shape ``[...]`` (``logits`` without V).
         temperature: ``τ > 0``; the sampling temperature, so the log-probs match the engine's; default 1.0.
-        chunk_size: tokens upcast at a time; default 4096. It bounds the float32 working set, never the result.
+        chunk_size: tokens upcast at a time; default 4096. It bounds the float32 working set, not the result.
         return_entropy: also return the entropy of ``softmax(logits / τ)`` at each position.
         ignore_index: label of positions to skip (padding); their log-prob (and entropy) is 0 with zero
             gradient; default −100.

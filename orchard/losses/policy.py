@@ -2,23 +2,24 @@
 
 Notation (per token ``t`` of sequence ``i``; all ``[B, T]`` unless marked):
     ``r = π(y_t) / π_old(y_t) = exp(log π − log π_old)``   importance ratio against the sampling policy
-    ``A``                                                    advantage, ``[B]`` broadcast over tokens or ``[B, T]``
+    ``A``                                              advantage, ``[B]`` broadcast over tokens or ``[B, T]``
     ``ℓ = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))``     clipped surrogate (PPO, Schulman et al. 2017)
 
 Variants:
-    * Asymmetric clipping ``ε_low = 0.2``, ``ε_high = 0.28`` ("clip-higher", DAPO; the Orchard paper's defaults).
-    * Dual clip (Ye et al. 2020): for ``A < 0``, ``ℓ = min(ℓ, −A·c)`` with a constant ``c > 1``, so a token whose
-      ratio exploded cannot dominate the update.
+    * Asymmetric clipping ``ε_low = 0.2``, ``ε_high = 0.28`` ("clip-higher", DAPO; the Orchard paper's
+      defaults).
+    * Dual clip (Ye et al. 2020): for ``A < 0``, ``ℓ = min(ℓ, −A·c)`` with a constant ``c > 1``, so a token
+      whose ratio exploded cannot dominate the update.
     * Rollout/trainer mismatch: the engine that sampled (vLLM, ...) and the trainer disagree slightly on
-      ``π_old``. With ``rollout_logprobs`` the loss is weighted per token by ``w = π_old / π_rollout`` (detached):
-      ``is_mode="truncate"`` uses ``min(w, C)`` (truncated IS), ``is_mode="mask"`` uses ``w · 1[w ≤ C]`` (tokens
-      past the threshold drop out), with ``C = tis_threshold``.
+      ``π_old``. With ``rollout_logprobs`` the loss is weighted per token by ``w = π_old / π_rollout``
+      (detached): ``is_mode="truncate"`` uses ``min(w, C)`` (truncated IS), ``is_mode="mask"`` uses
+      ``w · 1[w ≤ C]`` (tokens past the threshold drop out), with ``C = tis_threshold``.
     * ``ratio_level="sequence"`` (GSPO, Zheng et al. 2025): every token of sequence ``i`` uses the
       length-normalised sequence ratio ``s_i = exp(mean_t(log π − log π_old))``, in its token form
       ``s_i · π(y_t) / sg(π(y_t))`` (value ``s_i``, gradient ``s_i ∇ log π(y_t)``); clipping acts on ``s_i``.
-      With ``agg="seq-mean-token-mean"`` and ``[B]`` advantages this is exactly GSPO's objective. The IS weight
-      is then also taken per sequence, as ``exp(mean_t log w)``. GSPO's paper uses much smaller clip ranges
-      (``ε ≈ 3e-4 / 4e-4``); pass them explicitly.
+      With ``agg="seq-mean-token-mean"`` and ``[B]`` advantages this is exactly GSPO's objective. The IS
+      weight is then also taken per sequence, as ``exp(mean_t log w)``. GSPO's paper uses much smaller clip
+      ranges (``ε ≈ 3e-4 / 4e-4``); pass them explicitly.
 
 The log-ratio is clamped to ``[−20, 20]`` before ``exp`` as an overflow guard; it never binds for ratios in
 ``[2e-9, 4.8e8]``.
@@ -105,11 +106,13 @@ def policy_loss(
 
     Returns:
         ``(loss, metrics)``: the scalar loss, and detached scalars, each a mean over counted tokens:
-        ``clip/low_frac`` (``A < 0`` and ``r < 1 − ε_low``: clipped from below), ``clip/high_frac`` (``A > 0`` and
-        ``r > 1 + ε_high``), ``clip/dual_frac`` (``A < 0`` and ``r > c``; 0 without dual clip), ``kl/approx``
-        (k3 estimate of ``KL(π_old ‖ π)`` from the token ratios: ``mean(r − 1 − log r)``), ``ratio/mean``, ``ratio/max``,
-        ``ratio/min`` (of the ratio that is clipped: ``s_i`` for GSPO; 1 when no token counts); with ``rollout_logprobs`` also ``is/weight_mean`` (of the weight
-        applied), ``is/weight_max`` (raw ``w``) and ``is/clipped_frac`` (tokens where ``w > C``).
+        ``clip/low_frac`` (``A < 0`` and ``r < 1 − ε_low``: clipped from below), ``clip/high_frac``
+        (``A > 0`` and ``r > 1 + ε_high``), ``clip/dual_frac`` (``A < 0`` and ``r > c``; 0 without dual
+        clip), ``kl/approx`` (k3 estimate of ``KL(π_old ‖ π)`` from the token ratios:
+        ``mean(r − 1 − log r)``), ``ratio/mean``, ``ratio/max``, ``ratio/min`` (of the ratio that is clipped:
+        ``s_i`` for GSPO; 1 when no token counts);
+        with ``rollout_logprobs`` also ``is/weight_mean`` (of the weight applied), ``is/weight_max``
+        (raw ``w``) and ``is/clipped_frac`` (tokens where ``w > C``).
     """
     logprobs = check_float("logprobs", check_bt("logprobs", logprobs))
     old_logprobs = check_float(

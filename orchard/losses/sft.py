@@ -1,8 +1,8 @@
 """Supervised fine-tuning on agent trajectories, and the Orchard paper's credit-assigned SFT masks.
 
 Plain SFT on a trajectory supervises every action token (the model's own turns); observations (tool outputs,
-user turns) are context only. Credit-assigned SFT also learns from *unresolved* trajectories, but only from the
-steps that moved the task forward:
+user turns) are context only. Credit-assigned SFT also learns from *unresolved* trajectories, but only from
+the steps that moved the task forward:
 
 1. A trajectory has ``N`` steps (assistant turns) ``a_0 … a_{N−1}`` and states ``s_0 … s_N``: ``s_t`` is the
    state before step ``t``, ``s_N`` the state after the last one. A value estimate ``V(s_t)`` (the probability
@@ -10,9 +10,9 @@ steps that moved the task forward:
    the rest.
 2. ``td_credit``: the credit of step ``t`` is ``c_t = V(s_{t+1}) − V(s_t)``.
 3. ``credit_runs``: the maximal contiguous runs of steps with ``c_t ≥ ε`` (``ε = 0.05``).
-4. ``credit_assigned_sft_mask``: a resolved trajectory supervises all its action tokens; an unresolved one only
-   the action tokens of the steps inside its runs. Observation tokens are never supervised. The mask removes
-   supervision only: the earlier history stays in the input as context.
+4. ``credit_assigned_sft_mask``: a resolved trajectory supervises all its action tokens; an unresolved one
+   only the action tokens of the steps inside its runs. Observation tokens are never supervised. The mask
+   removes supervision only: the earlier history stays in the input as context.
 5. ``sft_loss`` on that mask.
 
 Pipeline for one unresolved trajectory::
@@ -167,8 +167,8 @@ def credit_assigned_sft_mask(
             task, padding). Integer; shape of ``action_mask``.
         resolved: whether each trajectory solved its task: a bool for ``[T]`` inputs, ``[B]`` bools for
             ``[B, T]``. A resolved trajectory supervises every action token, runs or not.
-        runs: half-open ``(start, end)`` step ranges from ``credit_runs``: one list for ``[T]`` inputs, one list
-            per row for ``[B, T]``.
+        runs: half-open ``(start, end)`` step ranges from ``credit_runs``: one list for ``[T]`` inputs, one
+            list per row for ``[B, T]``.
 
     Returns:
         Bool mask of ``action_mask``'s shape.

@@ -1,4 +1,4 @@
-"""aggregate_loss: hand-computed modes, a plain reference, masked garbage, micro-batch invariance, registry."""
+"""aggregate_loss: hand-computed modes, a reference, masked garbage, micro-batch invariance, registry."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""token_logprobs: exactness against log_softmax, gradients, entropy, ignored labels and the memory property."""
+"""token_logprobs: exact against log_softmax, gradients, entropy, ignored labels, the memory property."""
 
 import math
 

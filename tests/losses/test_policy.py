@@ -80,7 +80,7 @@ def test_hand_computed_importance_weights(is_mode, expected, weight_mean):
 
 
 def test_hand_computed_gspo():
-    # row 0 log-ratios [ln 2, 0] -> s = exp(ln2 / 2) = 1.41421 > 1.28 with A = +1: clipped, loss -1.28, no grad
+    # row 0 log-ratios [ln 2, 0] -> s = exp(ln2 / 2) = 1.41421 > 1.28, A = +1: clipped, loss -1.28, no grad
     # row 1 log-ratios [0.1, -0.1] -> s = 1, A = +1: loss -1 per token, grad -A s = -1 on each token
     logp = torch.tensor([[LN(2.0), 0.0], [0.1, -0.1]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(2, 2, dtype=torch.float64)
