@@ -318,3 +318,22 @@ def test_orchard_env_client_request_shapes(service, tmp_path):
         assert http.get("/resources").json()["status"] == "ok"
         assert http.get("/health").json() == {"status": "healthy"}
         assert http.delete(f"/sandboxes/{sid}").json() == {"status": "deleted", "sandbox_id": sid}
+
+
+def test_cli_serve_prints_url_and_key_and_serves(tmp_path):
+    import subprocess
+    import sys
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="orchard-env-cli-")
+    proc = subprocess.Popen([sys.executable, "-m", "orchard", "env", "serve", "--port", "0", "--root", root,
+                             "--api-key", "cli-key"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        url = next(x for x in lines if x.startswith("ORCHARD_ENV_URL=")).strip().split("=", 1)[1]
+        assert "ORCHARD_ENV_API_KEY=cli-key\n" in lines and url.startswith("http://127.0.0.1:")
+        assert httpx.get(url + "/health").json() == {"status": "healthy"}
+        assert httpx.get(url + "/resources", headers={"X-API-Key": "cli-key"}).json()["backend"] == "local"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) in (0, -15)  # uvicorn re-raises SIGTERM after a graceful shutdown
