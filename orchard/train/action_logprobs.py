@@ -111,7 +111,7 @@ def action_logprobs(
         attention_mask: Shape: ``(B, T)``; 1 for real tokens, 0 for padding; passed to the backbone.
         temperature: the sampling temperature, so the log-probs match the engine's (default 1.0).
         return_entropy: also return the entropy at each action position.
-        chunk_size, vocab_chunk_size: block sizes of ``fused_token_logprobs`` (defaults 1024 and 8192).
+        chunk_size, vocab_chunk_size: block sizes of ``fused_token_logprobs`` (defaults 1024 and 4096).
 
     Returns:
         ``logprobs`` of shape ``(B, T)`` in float32, or ``(logprobs, entropy)``; 0 at non-action positions.
