@@ -9,8 +9,9 @@ Chat format (one turn)::
 
 An assistant turn renders its tool calls after its content, each as
 ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``; a string ``arguments`` is emitted as given, a dict
-as JSON. Tool results are turns of role ``tool``. ``tools=`` are listed (one JSON schema per line) in the system
-turn, after the first system message's content. ``add_generation_prompt`` appends ``<|im_start|>assistant\n``.
+as JSON. Tool results are turns of role ``tool``. ``tools=`` are listed in the system turn, after the first system
+message's content, one compact signature per line (``- name(param: type, optional?: type): description``) rather
+than their JSON schemas, so a tiny model's context is not spent on schema boilerplate. ``add_generation_prompt`` appends ``<|im_start|>assistant\n``.
 The rendering of ``messages[:k]`` is a prefix of the rendering of ``messages[:k+1]``, so a trajectory can be
 rendered turn by turn and spliced with the sampled token ids. The end-of-turn token the model samples is
 ``<|im_end|>`` (the tokenizer's eos); the newline after it belongs to the template, not to the model.
@@ -38,7 +39,18 @@ CHAT_TEMPLATE = (
     "{%- set ns.start = 1 -%}"
     "{%- endif -%}"
     "{{- '# Tools\\n' -}}"
-    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}{%- endfor -%}"
+    "{%- for tool in tools -%}"
+    "{%- set fn = tool.function if tool.function is defined else tool -%}"
+    "{{- '- ' + fn.name + '(' -}}"
+    "{%- if fn.parameters is defined and fn.parameters.properties is defined -%}"
+    "{%- set required = fn.parameters.required if fn.parameters.required is defined else [] -%}"
+    "{%- for pname, prop in fn.parameters.properties.items() -%}"
+    "{{- (', ' if not loop.first else '') + pname + ('' if pname in required else '?') + ': ' + "
+    "(prop.type if prop.type is defined else 'any') -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- ')' + (': ' + fn.description if fn.description else '') + '\\n' -}}"
+    "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages[ns.start:] -%}"

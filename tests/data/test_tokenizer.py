@@ -34,7 +34,8 @@ def tok():
 
 def test_template_renders_turns_and_tool_calls(tok):
     text = tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
-    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n{\"type\": \"function\"")
+    # Tools render as compact signatures; a parameter not listed as required is marked optional with "?".
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n- exec(command?: string)\n<|im_end|>\n")
     assert '<|im_start|>assistant\n<tool_call>\n{"name": "exec", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>\n' in text
     # A string `arguments` is emitted verbatim, a dict as JSON; both read the same.
     assert 'Let me look\n<tool_call>\n{"name": "exec", "arguments": {"command": "cat a.txt"}}\n</tool_call>\n<tool_call>' in text

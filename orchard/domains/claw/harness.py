@@ -134,11 +134,4 @@ def parse_verdict(stdout: str) -> ClawScore:
     except (IndexError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
         raise ValueError(f"stdout is not a verifier verdict: {stdout[:200]!r}") from exc
     result = claw_task_score(safety=safety, completion=completion, robustness=robustness)
-    score, passed = _score_fields(result)
-    return ClawScore(completion, robustness, safety, score, passed, data)
-
-
-def _score_fields(result: Any) -> tuple[float, bool]:
-    if isinstance(result, tuple):
-        return float(result[0]), bool(result[1])
-    return float(result.score), bool(result.passed)
+    return ClawScore(completion, robustness, safety, float(result.score), bool(result.passed), data)
