@@ -114,7 +114,10 @@ def _to_columns(items: list[Trajectory]) -> dict[str, list[Any]]:
         cols["termination_reason"].append(d["termination_reason"])
         cols["num_steps"].append(t.num_steps)
         for name in _JSON_COLUMNS:
-            cols[name].append(json.dumps(d[name], ensure_ascii=False, allow_nan=False))
+            try:
+                cols[name].append(json.dumps(d[name], ensure_ascii=False, allow_nan=False))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"trajectory field {name!r} is not JSON-serialisable: {exc}") from exc
     return cols
 
 

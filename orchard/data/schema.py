@@ -385,7 +385,12 @@ class Trajectory:
 
     def to_json(self) -> str:
         """One line of JSON (no NaN: rewards and log-probs are finite by construction)."""
-        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False)
+        try:
+            return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"trajectory is not JSON-serialisable (tools and metadata must be JSON-native): {exc}"
+            ) from exc
 
     @classmethod
     def from_json(cls, text: str) -> Trajectory:

@@ -122,6 +122,8 @@ def test_io_validation(tmp_path):
         read_jsonl(3)
     with pytest.raises(ValueError, match=r"datasets\.Dataset"):
         from_hf_dataset([{"messages": "[]"}])
+    with pytest.raises(ValueError, match="'metadata' is not JSON-serialisable"):
+        write_parquet([Trajectory(metadata={"s": {1, 2}})], tmp_path / "x.parquet")
     bad = datasets.Dataset.from_dict({"messages": ["[]"]})
     with pytest.raises(ValueError, match="missing trajectory columns"):
         from_hf_dataset(bad)

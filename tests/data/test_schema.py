@@ -154,3 +154,11 @@ def test_from_dict_rejects_unknown_keys_and_bad_shapes():
         Trajectory.from_json(b"{}")
     # Missing optional keys take their defaults.
     assert Trajectory.from_dict({}) == Trajectory()
+
+
+def test_non_json_metadata_is_a_value_error():
+    traj = Trajectory(metadata={"when": object()})
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        traj.to_json()
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        Trajectory(metadata={"x": float("nan")}).to_json()
