@@ -1,1 +1,55 @@
-"""orchard.rollout."""
+"""orchard.rollout: inference engines, the OpenAI-compatible server, the recording proxy, the agent loop (layer 4).
+
+Names load lazily (``orchard --help`` imports this package's CLI and must stay fast):
+
+- engines: `Engine`, `SamplingParams`, `GenerateRequest`, `GenerateResult`, `Completion`, `HFEngine`,
+  `VLLMEngine` (GPU extra), `OpenAIEngine`, `ScriptedEngine`
+- serving: `build_app`, `serve_in_thread`, `RecordingProxy`, `CallRecord`
+- acting: `AgentLoop`, `PromptBuilder`, `Harness`, `Observation`, `InvalidToolCall`, `EnvironmentFailure`,
+  `ShellHarness`, `parse_tool_calls`, `ParsedOutput`
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Engine": "engine",
+    "SamplingParams": "engine",
+    "GenerateRequest": "engine",
+    "GenerateResult": "engine",
+    "Completion": "engine",
+    "HFEngine": "hf_engine",
+    "VLLMEngine": "vllm_engine",
+    "OpenAIEngine": "openai_engine",
+    "ScriptedEngine": "scripted",
+    "build_app": "server",
+    "serve_in_thread": "server",
+    "RecordingProxy": "proxy",
+    "CallRecord": "proxy",
+    "AgentLoop": "agent_loop",
+    "PromptBuilder": "agent_loop",
+    "Harness": "harness",
+    "Observation": "harness",
+    "InvalidToolCall": "harness",
+    "EnvironmentFailure": "harness",
+    "ShellHarness": "harness",
+    "parse_tool_calls": "tool_calls",
+    "ParsedOutput": "tool_calls",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'orchard.rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"orchard.rollout.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

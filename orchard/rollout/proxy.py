@@ -9,6 +9,9 @@ the sampled ids (actions, supervised, with their sampling log-probs) — so a ha
 Session key, first that applies: the path prefix ``/sessions/{id}/v1/...``; the header ``X-Session-Id``; the
 request's ``user`` field; else ``"default"``.
 
+Out of process (``orchard serve-proxy``): ``GET /sessions`` lists sessions, ``GET /sessions/{id}/calls`` returns a
+session's `CallRecord`s as JSON, ``DELETE /sessions/{id}`` drops them.
+
 Upstream: a base URL of an OpenAI-compatible server that returns token ids (our ``orchard serve-model``, or vLLM
 with ``return_token_ids``), or an in-process `Engine` plus tokenizer (served by `build_app` through an ASGI
 transport, no socket). Streaming is not supported (400).
@@ -20,7 +23,7 @@ import copy
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -184,6 +187,18 @@ class RecordingProxy:
         async def models(session_id: str | None = None) -> Response:
             r = await self._client.get("/v1/models")
             return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+        @app.get("/sessions")
+        async def list_sessions() -> dict[str, Any]:
+            return {"sessions": self.sessions()}
+
+        @app.get("/sessions/{session_id}/calls")
+        async def session_calls(session_id: str) -> dict[str, Any]:
+            return {"session_id": session_id, "calls": [asdict(c) for c in self.calls(session_id)]}
+
+        @app.delete("/sessions/{session_id}")
+        async def drop_session(session_id: str) -> dict[str, Any]:
+            return {"session_id": session_id, "calls": len(self.pop_session(session_id))}
 
         @app.post("/v1/{endpoint:path}")
         async def forward(endpoint: str, request: Request) -> Response:

@@ -84,3 +84,13 @@ def test_double_encoded_arguments_and_plain_text():
     assert (plain.content, plain.tool_calls, plain.errors) == ("just an answer\n", [], [])
     with pytest.raises(ValueError, match="text"):
         parse_tool_calls(None)
+
+
+def test_public_names_resolve_lazily():
+    import orchard.rollout as rollout
+
+    for name in rollout.__all__:
+        if name != "VLLMEngine":  # resolves too; constructing it needs vLLM
+            assert getattr(rollout, name).__name__ == name
+    with pytest.raises(AttributeError):
+        rollout.NoSuchThing  # noqa: B018

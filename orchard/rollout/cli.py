@@ -1,0 +1,144 @@
+"""`orchard serve-model` (an OpenAI-compatible server over the HF engine) and `orchard serve-proxy` (the recording
+proxy in front of any OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+from typing import Any
+
+READY_PREFIX = "ORCHARD_MODEL_URL="
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``serve-model`` and ``serve-proxy`` to the top-level ``orchard`` parser."""
+    serve = subparsers.add_parser(
+        "serve-model",
+        help="serve a HF model (or 'tiny') behind an OpenAI-compatible API with token ids and log-probs",
+        description="Serves /v1/chat/completions (tools, tool_calls, logprobs, token ids as vLLM), "
+        f"/v1/completions, /v1/models, /health. Prints {READY_PREFIX}http://host:port once it listens.",
+    )
+    serve.add_argument("--model", required=True, help="a HF model directory, or 'tiny' (random tiny Qwen3)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    serve.add_argument("--model-name", default=None, help="the id /v1/models lists (default: --model)")
+    serve.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0 (default: cpu)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--max-batch-size", type=int, default=32, help="rows per forward batch")
+    serve.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of chat requests")
+    serve.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    serve.add_argument(
+        "--allow-weight-updates",
+        action="store_true",
+        help="serve POST /update_weights {path} (reads checkpoints from this machine)",
+    )
+    serve.add_argument("--log-level", default="warning")
+    serve.set_defaults(func=_serve_model)
+
+    proxy = subparsers.add_parser(
+        "serve-proxy",
+        help="record every call to an OpenAI-compatible server, by session, for training",
+        description="Forwards /v1/... (and /sessions/{id}/v1/...) to --upstream with token ids and log-probs on; "
+        "GET /sessions/{id}/calls returns what a session recorded. "
+        f"Prints {READY_PREFIX}http://host:port once it listens.",
+    )
+    proxy.add_argument("--upstream", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8001)
+    proxy.add_argument("--log-level", default="warning")
+    proxy.set_defaults(func=_serve_proxy)
+
+
+def tiny_model_and_tokenizer(seed: int = 0) -> tuple[Any, Any]:
+    """A random tiny Qwen3 (hidden 64, 2 layers) with the offline chat tokenizer: for smoke tests and demos."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from orchard.data.tokenizer import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    return model.float().eval(), tokenizer
+
+
+def load_model_and_tokenizer(name: str, *, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
+    """``tiny``, or a local HF model directory (nothing is downloaded: ``local_files_only``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "tiny":
+        model, tokenizer = tiny_model_and_tokenizer()
+        return model.to(device=device, dtype=getattr(torch, dtype)), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_app(app: Any, host: str, port: int, log_level: str = "warning") -> None:
+    """Serve ``app`` in the foreground; prints ``ORCHARD_MODEL_URL=...`` once it listens."""
+    import uvicorn
+
+    sock = _bind(host, port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            bound = sock.getsockname()[1]
+            print(f"{READY_PREFIX}http://{f'[{host}]' if ':' in host else host}:{bound}", flush=True)
+        await task
+
+    asyncio.run(main())
+
+
+def _serve_model(args: argparse.Namespace) -> int:
+    from orchard.rollout.hf_engine import HFEngine
+    from orchard.rollout.server import build_app
+
+    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
+    engine = HFEngine(
+        model, pad_token_id=tokenizer.pad_token_id, max_batch_size=args.max_batch_size, seed=args.seed
+    )
+    app = build_app(
+        engine,
+        tokenizer,
+        model_name=args.model_name or args.model,
+        default_max_tokens=args.max_tokens,
+        allow_weight_updates=args.allow_weight_updates,
+    )
+    run_app(app, args.host, args.port, args.log_level)
+    return 0
+
+
+def _serve_proxy(args: argparse.Namespace) -> int:
+    from orchard.rollout.proxy import RecordingProxy
+
+    run_app(RecordingProxy(args.upstream).app, args.host, args.port, args.log_level)
+    return 0
