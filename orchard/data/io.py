@@ -29,7 +29,7 @@ import gzip
 import json
 import os
 from collections.abc import Iterable, Iterator
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,7 +67,7 @@ def _check_trajs(trajs: Any) -> list[Trajectory]:
 
 def _open(path: str, mode: str) -> IO[str]:
     if path.endswith(".gz"):
-        return gzip.open(path, mode + "t", encoding="utf-8")
+        return cast(IO[str], gzip.open(path, mode + "t", encoding="utf-8"))
     return open(path, mode, encoding="utf-8")
 
 
