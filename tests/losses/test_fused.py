@@ -364,3 +364,28 @@ def test_bad_input_raises_value_error_naming_the_argument(kwargs, needle):
     with pytest.raises(ValueError) as info:
         fused_token_logprobs(*positional, **args)
     assert needle in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by benchmarks/gpu_check.sh)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_reference_without_a_full_logits_allocation(dtype):
+    n, v, h = 1000, 20_011, 64
+    leaves, labels = make_inputs(n, v, h, dtype, seed=12, bias=True, scale=2.0)
+    cuda_leaves = [t.detach().cuda().requires_grad_() for t in leaves]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp, ent = fused_token_logprobs(cuda_leaves[0], cuda_leaves[1], labels.cuda(), bias=cuda_leaves[2],
+                                     temperature=0.9, chunk_size=256, vocab_chunk_size=2048, return_entropy=True)
+    got = torch.autograd.grad((logp - 0.5 * ent).sum(), cuda_leaves)
+    torch.cuda.synchronize()
+    # the full float32 logits would be n × v × 4 B = 80 MB; blocks are 256 × 2048 × 4 B = 2 MB
+    assert torch.cuda.max_memory_allocated() - base < n * v * 4 // 4
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_logp, ref_ent = reference(ref_leaves[0], ref_leaves[1], labels, bias=ref_leaves[2], temperature=0.9)
+    want = torch.autograd.grad((ref_logp - 0.5 * ref_ent).sum(), ref_leaves)
+    atol = FORWARD_ATOL[dtype]
+    torch.testing.assert_close(logp.double().cpu(), ref_logp, atol=atol, rtol=0)
+    torch.testing.assert_close(ent.double().cpu(), ref_ent, atol=atol, rtol=0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double().cpu(), w, atol=GRAD_RTOL[dtype] * w.abs().max().item(), rtol=0)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU checks for a lent accelerator machine (one CUDA GPU, no network). Run from the repository root:
+#
+#     OUT=/path/for/results bash benchmarks/gpu_check.sh
+#
+# Everything it prints is also written under $OUT (default: a fresh temporary directory). Each section is
+# independent and appends its own files; a failing section does not stop the next one.
+#
+# Environment:
+#   OUT          where results go
+#   PYTHON       interpreter (default: .venv/bin/python if present, else python)
+#   WHEELS_DIR   wheels carried to the machine, installed offline if present (default: shared/wheels);
+#                torch wheels are never installed from there (the machine's torch stays as it is)
+#   HBM_GBPS     memory bandwidth for the floors (default 4800, H200 SXM spec sheet)
+#   PEAK_TFLOPS  dense bf16 matmul peak for the floors (default 989, H200 SXM spec sheet)
+
+set -uo pipefail
+
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
+WHEELS_DIR="${WHEELS_DIR:-shared/wheels}"
+HBM_GBPS="${HBM_GBPS:-4800}"
+PEAK_TFLOPS="${PEAK_TFLOPS:-989}"
+status=0
+
+echo "# gpu_check: results under $OUT"
+{ nvidia-smi || true; "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
+    2>&1 | tee "$OUT/machine.txt"
+git rev-parse HEAD 2>/dev/null | tee "$OUT/commit.txt"
+
+# --- carried wheels (e.g. liger-kernel, trl); offline, never torch -----------------------------------------
+if compgen -G "$WHEELS_DIR/*.whl" > /dev/null; then
+    mapfile -t wheels < <(ls "$WHEELS_DIR"/*.whl | grep -v -E '/torch-[0-9]')
+    if ((${#wheels[@]})); then
+        "$PYTHON" -m pip install --no-index --no-deps "${wheels[@]}" 2>&1 | tee "$OUT/wheels.txt" || true
+    fi
+fi
+
+# === section: log-probs without the logits (issue 4) ========================================================
+# 1. the fused path's tests, including the cuda ones that CPU CI skips
+"$PYTHON" -m pytest tests/losses/test_fused.py tests/train/test_action_logprobs.py -q -p no:cacheprovider \
+    2>&1 | tee "$OUT/logprobs_tests.txt"
+((PIPESTATUS[0] == 0)) || status=1
+
+# 2. the benchmark at the issue's GPU size, N = 65,536, H = 4096, bf16, and N = 16,384 where the naive path
+#    still fits, so there is a ratio to it; Liger-Kernel's fused linear cross-entropy runs beside ours when
+#    its wheel was carried. The floors it prints:
+#      bandwidth floor = V·H·2 B (the bf16 weight) × ceil(N / chunk_size) token chunks × 3 passes / HBM_GBPS
+#      compute floor   = 4 matmuls × 2·N·H·V FLOP / PEAK_TFLOPS
+#    and the fused time is to be judged against the larger of the two.
+"$PYTHON" benchmarks/logprobs.py --device cuda --dtype bfloat16 --n 16384 65536 --hidden 4096 \
+    --chunk-size 8192 --vocab-chunk-size 8192 --repeats 3 --hbm-gbps "$HBM_GBPS" --peak-tflops "$PEAK_TFLOPS" \
+    --json "$OUT/logprobs_cuda.json" 2>&1 | tee "$OUT/logprobs_cuda.txt"
+((PIPESTATUS[0] == 0)) || status=1
+# === end of section: log-probs (issue 4) ====================================================================
+
+exit "$status"
