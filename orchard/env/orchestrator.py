@@ -266,7 +266,8 @@ class Orchestrator:
             self._reaper = asyncio.create_task(self._reap_forever())
 
     async def close(self) -> None:
-        """Stop the reaper and cancel running jobs (their records stay; the next start marks them lost)."""
+        """Stop the reaper, cancel running jobs (their records stay; the next start marks them lost), and close
+        the backend and the store. Sandboxes are left as they are: a restart finds them."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -275,6 +276,8 @@ class Orchestrator:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.backend.close()
+        await self.store.close()
 
     async def reconcile(self) -> dict[str, list[str]]:
         """Make the store agree with the backend after a restart. Returns what it did, by kind."""
@@ -534,7 +537,7 @@ class Orchestrator:
         self._job_done[job.job_id] = asyncio.Event()
         self._active_jobs[sandbox_id] = self._active_jobs.get(sandbox_id, 0) + 1
         self.pending_execs += 1
-        task = asyncio.create_task(self._run_job(job, params, float(timeout)))
+        task = asyncio.create_task(self._run_job(job, params, float(timeout), record.created_at))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return job
@@ -556,13 +559,15 @@ class Orchestrator:
             lock = self._locks[sandbox_id] = asyncio.Lock()
         return lock
 
-    async def _run_job(self, job: JobRecord, params: ExecParams, timeout: float) -> None:
+    async def _run_job(self, job: JobRecord, params: ExecParams, timeout: float, incarnation: float) -> None:
         waiting = True
         try:
             async with self._lock(job.sandbox_id), self._slots:
                 self.pending_execs -= 1
                 waiting = False
-                if await self.store.get_sandbox(job.sandbox_id) is None:
+                current = await self.store.get_sandbox(job.sandbox_id)
+                # Deleted while the job queued (perhaps re-created under the same id): never run it there.
+                if current is None or current.created_at != incarnation or current.status != "ready":
                     job.status, job.error, job.completed_at = "failed", "sandbox deleted", self.clock()
                     await self.store.put_job(job)
                     return

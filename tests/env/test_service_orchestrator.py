@@ -41,9 +41,9 @@ async def orch(root):
     o.test_clock = clock
     await o.start(reaper=False)
     yield o
-    await o.close()
     for record in await o.store.list_sandboxes():
         await o.backend.delete(record.sandbox_id)
+    await o.close()
 
 
 @pytest.mark.parametrize(("text", "cores"), [("2", 2.0), ("500m", 0.5), ("1.5", 1.5), ("2000m", 2.0), (None, None)])
@@ -176,3 +176,17 @@ async def test_sqlite_store_survives_reopen_and_claims_atomically(root):
     await reopened.close()
     with pytest.raises(ValueError, match="path"):
         SQLiteStore("")
+
+
+async def test_queued_exec_of_a_deleted_sandbox_never_runs_in_its_successor(orch):
+    await orch.create_sandbox(CreateParams(sandbox_id="x"))
+    first = await orch.submit_exec("x", ExecParams(command="sleep 0.5"))
+    second = await orch.submit_exec("x", ExecParams(command="touch ran"))  # queued behind the first
+    await asyncio.sleep(0.1)
+    await orch.delete_sandbox("x")
+    orch.test_clock.now += 1
+    await orch.create_sandbox(CreateParams(sandbox_id="x"))  # a new sandbox under the same id
+    assert (await orch.wait_job(first.job_id, 30)).status == "failed"
+    job = await orch.wait_job(second.job_id, 30)
+    assert job.status == "failed" and job.error == "sandbox deleted"
+    assert [f.path for f in await orch.list_files("x", ".")] == []
