@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import resource
 import secrets
 import shutil
 import time
@@ -70,6 +71,15 @@ def _check_workdir(workdir: str) -> None:
     p = PurePosixPath(os.path.normpath(workdir))
     if p == PurePosixPath("/") or p.parts[1] in ("proc", "dev"):
         raise ValueError(f"workdir must not be '/', /proc or /dev, got {workdir!r}")
+
+
+def _raise_open_files_limit(want: int = 65536) -> None:
+    """Each running command holds about five descriptors (pipes, pidfds); 200 concurrent commands would
+    exhaust the common soft limit of 1024, so raise it toward the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _check_traversable(root_dir: str) -> None:
@@ -147,6 +157,7 @@ class LocalBackend:
         self._next_uid = 0
         self.isolation, self.isolation_warning = self._choose_isolation(use_bwrap)
         self._sweep_trash()
+        _raise_open_files_limit()
 
     # -- set-up ------------------------------------------------------------------------------------------
 
