@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchard.data import Message, ToolCall, Trajectory
 from orchard.domains.claw import world
 from orchard.domains.claw.tasks import ClawTask
 from orchard.rewards import claw_task_score
+from orchard.rollout.harness import EnvironmentFailure, InvalidToolCall, Observation
 
 WORLD_SOURCE = Path(world.__file__).read_text()
 PYTHON = "python3"
@@ -121,6 +123,12 @@ class ClawScore:
     details: dict[str, Any]
 
     @property
+    def components(self) -> dict[str, float]:
+        """The named parts of the verdict, as floats (the trajectory's ``reward_components``)."""
+        return {"completion": self.completion, "robustness": self.robustness, "safety": self.safety,
+                "score": self.score, "passed": float(self.passed)}
+
+    @property
     def reward(self) -> float:
         """The RL reward: +1 when the task passed, -1 otherwise (the paper's outcome reward)."""
         return 1.0 if self.passed else -1.0
@@ -135,3 +143,75 @@ def parse_verdict(stdout: str) -> ClawScore:
         raise ValueError(f"stdout is not a verifier verdict: {stdout[:200]!r}") from exc
     result = claw_task_score(safety=safety, completion=completion, robustness=robustness)
     return ClawScore(completion, robustness, safety, float(result.score), bool(result.passed), data)
+
+
+class ClawReactHarness:
+    """The ReAct tool-calling harness of the Claw domain (an `orchard.rollout.harness.Harness`).
+
+    Tasks are `ClawTask`s. Set-up uploads the world program and the task's state; each tool call runs
+    ``world.py call`` in the sandbox; evaluation uploads the checks, runs the in-sandbox verifier and returns the
+    outcome reward (+1 passed / -1 not) with the verifier's components.
+
+    Args:
+        max_steps: assistant turns per episode. Default 6 (the longest plan has 3 calls plus the final answer).
+        exec_timeout_s: timeout of each command in the sandbox. Default 30.
+    """
+
+    def __init__(self, *, max_steps: int = 6, exec_timeout_s: float = 30.0) -> None:
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+        if not exec_timeout_s > 0:
+            raise ValueError(f"exec_timeout_s must be > 0, got {exec_timeout_s!r}")
+        self.max_steps = max_steps
+        self.exec_timeout_s = float(exec_timeout_s)
+        self._tools = world.tool_schemas()
+
+    def system_prompt(self, task: ClawTask) -> str:
+        return REACT_SYSTEM
+
+    def tools(self, task: ClawTask) -> list[dict[str, Any]]:
+        return self._tools
+
+    def sandbox_spec(self, task: ClawTask) -> dict[str, Any]:
+        return {"image": "host"}
+
+    async def setup(self, sandbox: Any, task: ClawTask) -> list[Message]:
+        await prepare_sandbox(sandbox, task, timeout=self.exec_timeout_s)
+        return [Message("user", task.prompt)]
+
+    async def act(self, sandbox: Any, call: ToolCall, task: ClawTask) -> Observation:
+        arguments, error = call.parse_arguments()
+        if call.name not in world.TOOLS:
+            raise InvalidToolCall(f"unknown tool {call.name!r}")
+        if arguments is None:
+            raise InvalidToolCall(f"arguments of {call.name} are not a JSON object: {error}")
+        return Observation(await run_tool(sandbox, call.name, arguments, timeout=self.exec_timeout_s))
+
+    async def evaluate(self, sandbox: Any, task: ClawTask, trajectory: Trajectory) -> tuple[float, dict[str, float]]:
+        verdict = await verify_sandbox(sandbox, task, timeout=self.exec_timeout_s)
+        return verdict.reward, verdict.components
+
+
+async def prepare_sandbox(sandbox: Any, task: ClawTask, *, timeout: float = 30.0) -> None:
+    """Upload the world program and the task's initial state into a fresh sandbox."""
+    for path, data in setup_files(task).items():
+        await sandbox.upload(path, data)
+
+
+async def run_tool(sandbox: Any, name: str, arguments: dict[str, Any], *, timeout: float = 30.0) -> str:
+    """Run one tool call in the sandbox and return its observation; a broken world program is an environment
+    failure, a refused call is an observation (``error: ...``) the policy must handle."""
+    result = await sandbox.exec(tool_command(name, arguments), timeout=timeout)
+    if result.exit_code != 0:
+        raise EnvironmentFailure(f"world.py failed (exit {result.exit_code}): {result.stderr[-300:]}")
+    return result.stdout.rstrip("\n")
+
+
+async def verify_sandbox(sandbox: Any, task: ClawTask, *, timeout: float = 30.0) -> ClawScore:
+    """Upload the task's checks and run the verifier in the sandbox."""
+    path, data = spec_file(task)
+    await sandbox.upload(path, data)
+    result = await sandbox.exec(VERIFY_COMMAND, timeout=timeout)
+    if result.exit_code != 0:
+        raise EnvironmentFailure(f"verifier failed (exit {result.exit_code}): {result.stderr[-300:]}")
+    return parse_verdict(result.stdout)

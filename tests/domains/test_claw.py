@@ -1,0 +1,126 @@
+"""The Claw domain: world semantics, task generation, verification, and the scripted teacher solving every
+template through the real embedded sandbox service."""
+
+import asyncio
+import copy
+import json
+
+import pytest
+
+from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.claw import world
+from orchard.domains.claw.harness import (
+    ClawReactHarness,
+    format_text_action,
+    parse_text_action,
+    parse_verdict,
+)
+from orchard.domains.claw.tasks import TEMPLATES, make_task, split_tasks
+from orchard.domains.claw.teacher import TeacherEngine
+from orchard.env import AsyncSandboxClient, RetryPolicy
+from orchard.env.embedded import serve
+from orchard.rollout.agent_loop import AgentLoop
+
+
+def play(task, calls):
+    """Apply calls in-process; return the verifier's scores."""
+    state, log = copy.deepcopy(task.state), []
+    for name, args in calls:
+        try:
+            world.apply_tool(state, name, args)
+            log.append({"ok": True})
+        except world.ToolError:
+            log.append({"ok": False})
+    return world.score(state, task.spec["initial"], task.spec, log)
+
+
+def test_every_plan_solves_its_task_cleanly():
+    for task in split_tasks("train", 8) + split_tasks("heldout", 8):
+        assert play(task, task.plan) == {
+            "completion": 1.0, "robustness": 1.0, "safety": 1.0,
+            "failed_calls": 0, "collateral": 0, "calls": len(task.plan)}, task.id
+
+
+def test_partial_failed_and_unsafe_episodes_score_lower():
+    task = make_task("order_flow", 3)
+    # Only the first of two checks: completion 1/2; the mail is missing.
+    assert play(task, task.plan[:2])["completion"] == 0.5
+    # A failed call costs half of robustness: (0 + 1) / 2.
+    assert play(task, [("read_file", {"path": "nope"}), *task.plan])["robustness"] == 0.5
+    protected = next(t for t in split_tasks("train", 40, templates=("set_stock",)) if t.state["protected"])
+    kind, ident = protected.state["protected"][0]
+    if kind == "item":
+        touch = ("update_item", {"name": ident, "qty": 1})
+    else:
+        touch = ("update_event", {"id": ident, "date": "2026-12-30", "time": "09:00"})
+    scores = play(protected, [*protected.plan, touch])
+    assert scores["safety"] == 0.0 and scores["completion"] == 1.0
+    # claw_task_score: safety x (0.8 x 1 + 0.2 x 0.5) = 0 -> not passed.
+    assert not parse_verdict(json.dumps(scores)).passed
+
+
+def test_tools_refuse_bad_calls_with_observations():
+    task = make_task("set_stock", 0)
+    state = copy.deepcopy(task.state)
+    for name, args, message in [
+        ("fly", {}, "unknown tool"),
+        ("update_item", {"name": "x"}, "takes name, qty"),
+        ("update_item", {"name": "zzz", "qty": 1}, "no item"),
+        ("update_item", {"name": next(iter(state["items"])), "qty": "3"}, "qty must be an integer"),
+        ("read_mail", {"id": "m99"}, "no id"),
+    ]:
+        with pytest.raises(world.ToolError, match=message):
+            world.apply_tool(state, name, args)
+    assert state == task.state
+
+
+def test_tasks_are_deterministic_and_splits_disjoint():
+    assert make_task("reschedule", 5).state == make_task("reschedule", 5).state
+    train = split_tasks("train", 30)
+    heldout = split_tasks("heldout", 30)
+    assert len(train) == len(heldout) == 30 * len(TEMPLATES)
+    assert not {t.id for t in train} & {t.id for t in heldout}
+    assert {t.level for t in train} == {1, 2, 3}
+    assert {t.kind for t in train} == {"blank", "file", "mail"}
+    assert any(t.state["protected"] for t in train)
+    only_train = split_tasks("train", 2, heldout_templates=("reschedule",))
+    assert "reschedule" not in {t.template for t in only_train}
+    with pytest.raises(ValueError, match="split"):
+        split_tasks("test", 1)
+    with pytest.raises(ValueError, match="template"):
+        make_task("nope", 1)
+
+
+def test_text_actions_round_trip_and_malformed_output_is_an_error():
+    text = format_text_action("send_mail", {"to": "a@b.test", "subject": "s", "body": "x"})
+    parsed = parse_text_action(text)
+    assert (parsed.kind, parsed.name, parsed.arguments) == ("call", "send_mail", {"to": "a@b.test", "subject": "s", "body": "x"})
+    assert parse_text_action("Final: all done").kind == "final"
+    assert parse_text_action("Action: list_mail").arguments == {}
+    for bad in ("hello", "Action: fly {}", 'Action: read_mail {"id": }', "Action: read_mail [1]"):
+        assert parse_text_action(bad).kind == "error", bad
+
+
+@pytest.fixture(scope="module")
+def service():
+    with serve() as svc:
+        yield svc
+
+
+def test_teacher_solves_one_task_per_template_in_real_sandboxes(service):
+    tasks = [make_task(t, 7) for t in TEMPLATES]
+    tokenizer = build_chat_tokenizer()
+
+    async def main():
+        retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
+        async with AsyncSandboxClient(service.url, service.api_key, retry=retry) as client:
+            loop = AgentLoop(TeacherEngine(tokenizer, tasks), client, ClawReactHarness(), tokenizer,
+                             progress=False, start_jitter_s=0.0, concurrency=4)
+            return await loop.run_many(tasks)
+
+    trajectories = asyncio.run(main())
+    for task, traj in zip(tasks, trajectories, strict=True):
+        assert traj.termination_reason == "done", (task.id, traj.metadata)
+        assert traj.reward == 1.0, (task.id, traj.reward_components)
+        assert traj.reward_components["safety"] == 1.0
+        assert traj.num_tool_calls == len(task.plan)
