@@ -148,13 +148,32 @@ class DataCursor:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def forward_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
-    """Log-probs ``[B, T]`` of ``input_ids`` under ``model``: ``out[b, t] = log p(x_t | x_<t)``; column 0 is 0."""
-    from orchard.losses import token_logprobs
+class LogprobModel(nn.Module):
+    """The module an engine trains: wraps a causal LM ``lm`` so that one forward returns action log-probs.
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
-    logprobs = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:])  # [B, T-1]
-    return torch.nn.functional.pad(logprobs, (1, 0))  # [B, T]
+    ``forward(input_ids, scored_mask, attention_mask)`` runs ``action_logprobs`` (fused lm-head log-probs at the
+    scored positions, 0 elsewhere; ``[B, T]``). Running it inside the engine's forward is what lets ZeRO-3 gather
+    the lm-head weight, which the fused path reads outside ``lm_head.forward`` (see ``action_logprobs``).
+    Parameter names are the LM's with an ``lm.`` prefix; ``Trainer.full_state_dict`` strips it.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: Tensor, scored_mask: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        from orchard.train.action_logprobs import action_logprobs
+
+        out = action_logprobs(self.lm, input_ids, scored_mask, attention_mask=attention_mask)
+        assert isinstance(out, Tensor)
+        return out
+
+
+def forward_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """The default log-prob function: ``model`` is the engine's ``LogprobModel`` (or the engine around it);
+    scores every token that ``batch["scored_mask"]`` marks (the union of the objective's masks)."""
+    return model(input_ids=batch["input_ids"], scored_mask=batch["scored_mask"],
+                 attention_mask=batch["attention_mask"])
 
 
 def split_batch(batch: Mapping[str, Tensor], rows: slice, *, trim: bool = True) -> dict[str, Tensor]:
@@ -191,8 +210,10 @@ class Trainer:
     Args:
         model: a causal LM (e.g. from ``load_causal_lm``), already in the configured dtype.
         cfg: the train config.
-        logprob_fn: ``fn(model, micro_batch) -> [B, T]`` log-probs; default ``forward_logprobs`` (fused lm-head
-            log-probs at action positions).
+        logprob_fn: ``fn(module, micro_batch) -> [B, T]`` log-probs, where ``module`` is the engine's forward
+            callable around a ``LogprobModel`` (its ``.lm`` is the causal LM) and ``micro_batch`` holds
+            ``scored_mask``, the union of the objective's masks; default ``forward_logprobs`` (fused lm-head
+            log-probs at the scored positions).
         on_weights: called after every optimizer step with ``(step, state_dict)`` — the complete weights on CPU
             (gathered under ZeRO-3), e.g. to load them into a rollout engine. Called on rank 0 only.
         log_config: written to W&B as the run config.
@@ -229,9 +250,10 @@ class Trainer:
             optimizer, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=cfg.total_steps
         )
         model.train()
+        wrapped = LogprobModel(model)
         self.engine: TrainEngine
         if cfg.engine == "plain":
-            self.engine = PlainEngine(model, optimizer, scheduler, grad_clip=o.grad_clip)
+            self.engine = PlainEngine(wrapped, optimizer, scheduler, grad_clip=o.grad_clip)
         else:
             from orchard.train.engine import init_distributed
 
@@ -244,7 +266,7 @@ class Trainer:
                 base = load_ds_config(cfg.zero_stage)
             config = ds_config(base, micro_batch_size=cfg.micro_batch_size, world_size=world,
                                grad_clip=o.grad_clip, bf16=cfg.dtype == "bfloat16")
-            self.engine = DeepSpeedTrainEngine(model, optimizer, scheduler, config)
+            self.engine = DeepSpeedTrainEngine(wrapped, optimizer, scheduler, config)
         self.is_main = self.engine.rank == 0
         resumed = cfg.resume and ckpt.latest_checkpoint(self.ckpt_dir) is not None
         if resumed:
@@ -257,13 +279,14 @@ class Trainer:
         )
 
     @property
-    def module(self) -> nn.Module:
-        """The trained model (under ZeRO-3 its parameters are partitioned; use ``full_state_dict``)."""
-        return self.engine.module
+    def model(self) -> nn.Module:
+        """The trained causal LM (under ZeRO-3 its parameters are partitioned; use ``full_state_dict``)."""
+        return self.engine.module.lm  # type: ignore[return-value]
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Complete weights on CPU by parameter name (gathered under ZeRO-3; every rank must call it)."""
-        return dict(self.engine.named_full_parameters())
+        """Complete weights on CPU under the causal LM's parameter names (gathered under ZeRO-3; every rank
+        must call it). Tied weights appear once, under their first name, as ``named_parameters`` lists them."""
+        return {name.removeprefix("lm."): p for name, p in self.engine.named_full_parameters()}
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
         """One optimizer step on a global batch (identical on every rank); returns and logs its metrics."""
@@ -348,6 +371,11 @@ class Trainer:
             raise ValueError(f"batch must hold 'attention_mask'; keys: {sorted(batch)}")
         mask_keys = {term_mask_key(t.name) for t in objective} | {"action_mask"}
         normalizers = {k: max(1.0, float(batch[k].sum())) for k in mask_keys}
+        scored = torch.zeros_like(batch["action_mask"], dtype=torch.bool)
+        for k in mask_keys:
+            scored |= batch[k].bool()
+        batch = {**batch, "scored_mask": scored}
+        mask_keys = mask_keys | {"scored_mask"}
         world, rank = self.engine.world_size, self.engine.rank
         padded = _pad_rows(batch, world, mask_keys)
         per_rank = padded["input_ids"].shape[0] // world
