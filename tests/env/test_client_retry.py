@@ -52,7 +52,11 @@ class DroppingProxy:
             threading.Thread(target=self._relay, args=(client,), daemon=True).start()
 
     def _relay(self, client: socket.socket) -> None:
-        upstream = socket.create_connection(self.target)
+        try:
+            upstream = socket.create_connection(self.target)
+        except OSError:
+            client.close()
+            return
         drop_answer = threading.Event()
 
         def upward() -> None:
@@ -102,6 +106,31 @@ def test_dropped_connection_after_exec_was_accepted_runs_it_exactly_once(service
             assert proxy.dropped == 1  # the first answer was lost on the way back
             assert result.ok and result.stdout == "1\n"
             assert sb.download("side_effects.txt") == b"count-me\n"  # one line: the command ran once
+    finally:
+        proxy.close()
+
+
+def test_dropped_create_and_delete_answers_do_not_double(service):
+    proxy = DroppingProxy(service.url, trigger=b"drop-me", drops=1)
+    try:
+        with SandboxClient(proxy.url, service.api_key, retry=FAST) as client:
+            before = {s["sandbox_id"] for s in client.list_sandboxes()}
+            sb = client.create(env={"MARK": "drop-me"})  # the answer is lost; the retry gets the same sandbox
+            assert proxy.dropped == 1
+            after = {s["sandbox_id"] for s in client.list_sandboxes()}
+            assert after - before == {sb.sandbox_id}  # one sandbox, not two
+            assert sb.exec("echo $MARK").stdout == "drop-me\n"
+            proxy.trigger, proxy.drops_left = b"DELETE", 1
+            path = f"/sandboxes/{sb.sandbox_id}"
+            keyed = {"X-API-Key": service.api_key, "Idempotency-Key": "delete-" + sb.sandbox_id}
+            with pytest.raises(httpx.TransportError):
+                httpx.delete(proxy.url + path, headers=keyed)  # deleted, but the answer is lost
+            assert proxy.dropped == 2
+            retried = httpx.delete(service.url + path, headers=keyed)  # same key: the first answer again
+            assert retried.status_code == 200 and retried.json() == {"status": "deleted", "sandbox_id": sb.sandbox_id}
+            fresh = httpx.delete(service.url + path, headers={"X-API-Key": service.api_key})
+            assert fresh.status_code == 404  # without the key it is a new request, and the sandbox is gone
+            sb.deleted = True
     finally:
         proxy.close()
 
