@@ -219,12 +219,10 @@ class HFEngine:
 
     # ---- the sampling loop --------------------------------------------------------------------------------------
 
-    def _row_generator(self, row: _Row, device: torch.device) -> torch.Generator:
-        if row.params.seed is not None:
-            return torch.Generator(device=device).manual_seed(row.params.seed + row.sample_index)
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self._seed)
-        return self._generator
+    @staticmethod
+    def _row_generator(row: _Row, device: torch.device) -> torch.Generator:
+        assert row.params.seed is not None
+        return torch.Generator(device=device).manual_seed(row.params.seed + row.sample_index)
 
     @torch.no_grad()
     def generate_batch(self, rows: Sequence[_Row]) -> list[Completion]:
@@ -240,8 +238,9 @@ class HFEngine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
         temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
         top_p_B = torch.tensor([r.params.top_p for r in rows], device=device)
-        greedy = [r.params.temperature == 0 for r in rows]
-        generators = [self._row_generator(r, device) for r in rows]
+        greedy_B = torch.tensor([r.params.temperature == 0 for r in rows], device=device)
+        seeded = [b for b, r in enumerate(rows) if r.params.seed is not None and r.params.temperature > 0]
+        generators = {b: self._row_generator(rows[b], device) for b in seeded}
         max_tokens = [r.params.max_tokens for r in rows]
         stops = [set(r.params.stop_token_ids) for r in rows]
         out_ids: list[list[int]] = [[] for _ in rows]
@@ -261,14 +260,7 @@ class HFEngine:
                 **kwargs,
             ).logits[:, -1, :]  # [B, V]
             logp_BV = nucleus_logprobs(logits, temperature_B, top_p_B)
-            next_B = torch.empty(batch, dtype=torch.long, device=device)
-            for b in range(batch):
-                if finish[b] is not None:
-                    next_B[b] = self.pad_token_id
-                elif greedy[b]:
-                    next_B[b] = logp_BV[b].argmax()
-                else:
-                    next_B[b] = torch.multinomial(logp_BV[b].exp(), 1, generator=generators[b])[0]
+            next_B = self._sample(logp_BV, greedy_B, seeded, generators, finish)
             picked_B = logp_BV.gather(1, next_B[:, None])[:, 0].tolist()
             next_list = next_B.tolist()
             for b in range(batch):
@@ -289,6 +281,35 @@ class HFEngine:
             Completion(token_ids=ids, logprobs=lps, finish_reason=reason)  # type: ignore[arg-type]
             for ids, lps, reason in zip(out_ids, out_logprobs, finish, strict=True)
         ]
+
+    def _sample(
+        self,
+        logp_BV: torch.Tensor,
+        greedy_B: torch.Tensor,
+        seeded: list[int],
+        generators: dict[int, torch.Generator],
+        finish: list[str | None],
+    ) -> torch.Tensor:
+        """Next token per row: argmax for greedy rows, one batched draw from the engine's generator for unseeded
+        rows, a draw from its own generator for each seeded row; finished rows get the pad id."""
+        device = logp_BV.device
+        next_B = logp_BV.argmax(dim=-1)  # [B]
+        seeded_set = set(seeded)
+        shared = [
+            b for b in range(len(finish)) if not greedy_B[b] and b not in seeded_set and finish[b] is None
+        ]
+        if shared:
+            if self._generator is None or self._generator.device != device:
+                self._generator = torch.Generator(device=device).manual_seed(self._seed)
+            idx = torch.tensor(shared, device=device)
+            next_B[idx] = torch.multinomial(logp_BV[idx].exp(), 1, generator=self._generator)[:, 0]
+        for b in seeded:
+            if finish[b] is None:
+                next_B[b] = torch.multinomial(logp_BV[b].exp(), 1, generator=generators[b])[0]
+        done = [b for b in range(len(finish)) if finish[b] is not None]
+        if done:
+            next_B[torch.tensor(done, device=device)] = self.pad_token_id
+        return next_B
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -1,0 +1,234 @@
+"""How fast does the rollout layer generate and act?
+
+1. Generation: tokens per second of `HFEngine` (our sampling loop over the KV cache, log-probs included) against
+   plain ``model.generate(do_sample=True)`` (no scores) on the same batch, same model, same number of new tokens
+   (no stop token, so every row generates exactly ``--new-tokens``). Model: a random Qwen3 from a config
+   (hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192), float32 on CPU or bf16 on GPU. Baseline: HF.
+2. Acting: agent-loop rollouts per minute against the embedded sandbox service (LocalBackend, bubblewrap), with
+   a scripted policy (three ``exec`` turns and an answer: the loop's and the sandboxes' cost alone) and with the
+   tiny model above as the policy (``--steps`` turns of up to 24 tokens), ``--rollouts`` rollouts,
+   ``--concurrency`` at a time.
+
+    python benchmarks/rollout.py                           # CPU, 1 thread, batch 1 and 16, 64 new tokens
+    python benchmarks/rollout.py --device cuda --batch 1 16 64 --new-tokens 128
+    python benchmarks/rollout.py --skip-rollouts           # generation only (e.g. on a GPU box without bwrap)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from env_latency import machine
+
+
+def bench_model(device: str, dtype: torch.dtype):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, float]:
+    from orchard.rollout.engine import GenerateRequest, SamplingParams
+    from orchard.rollout.hf_engine import HFEngine
+
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, 8192, (batch, prompt_len), generator=gen)
+    engine = HFEngine(model, max_batch_size=batch, batch_wait_s=0.0)
+    requests = [
+        GenerateRequest(p.tolist(), SamplingParams(temperature=1.0, max_tokens=new_tokens)) for p in prompts
+    ]
+
+    def ours() -> int:
+        results = asyncio.run(engine.generate(requests))
+        return sum(len(r.completions[0].token_ids) for r in results)
+
+    def plain() -> int:
+        ids = prompts.to(device)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return int((out.shape[1] - prompt_len) * batch)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times: dict[str, list[float]] = {"hf_generate": [], "hf_engine": []}
+    tokens = {}
+    plain(), ours()  # warm-up
+    for _ in range(repeats):
+        for name, fn in (("hf_generate", plain), ("hf_engine", ours)):
+            sync()
+            t0 = time.perf_counter()
+            tokens[name] = fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    assert tokens["hf_generate"] == tokens["hf_engine"] == batch * new_tokens, tokens
+    return {name: tokens[name] / statistics.median(ts) for name, ts in times.items()}
+
+
+def exec_call(command: str) -> str:
+    return f'<tool_call>\n{{"name": "exec", "arguments": {json.dumps({"command": command})}}}\n</tool_call>'
+
+
+async def time_rollouts(
+    policy: str, rollouts: int, concurrency: int, steps: int, threads_model
+) -> dict[str, float]:
+    from orchard.data.tokenizer import build_chat_tokenizer
+    from orchard.env import AsyncSandboxClient
+    from orchard.env.embedded import serve
+    from orchard.rollout.agent_loop import AgentLoop
+    from orchard.rollout.engine import SamplingParams
+    from orchard.rollout.harness import ShellHarness
+    from orchard.rollout.hf_engine import HFEngine
+    from orchard.rollout.scripted import ScriptedEngine
+
+    tokenizer = build_chat_tokenizer()
+    if policy == "scripted":
+
+        def script(prompt: str) -> str:
+            turn = prompt.count("<|im_start|>tool")
+            commands = ["ls -la", "echo hello > out.txt", "cat out.txt"]
+            return exec_call(commands[turn]) if turn < len(commands) else "Done."
+
+        engine = ScriptedEngine(tokenizer, script)
+        harness = ShellHarness(max_steps=4)
+        sampling = SamplingParams(max_tokens=256)
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            tie_word_embeddings=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(0)
+        engine = HFEngine(Qwen3ForCausalLM(config).to(threads_model).eval(), max_batch_size=concurrency)
+        harness = ShellHarness(max_steps=steps)
+        sampling = SamplingParams(temperature=1.0, max_tokens=24)
+    tasks = [
+        {"id": f"t{i}", "prompt": f"Task {i}: make out.txt say hello.", "check": "test -s out.txt"}
+        for i in range(rollouts)
+    ]
+    with serve() as (url, key):
+        async with AsyncSandboxClient(url, key) as client:
+            loop = AgentLoop(
+                engine,
+                client,
+                harness,
+                tokenizer,
+                sampling=sampling,
+                concurrency=concurrency,
+                start_jitter_s=0.0,
+                progress=False,
+                seed=0,
+            )
+            t0 = time.perf_counter()
+            trajs = await loop.run_many(tasks)
+            wall = time.perf_counter() - t0
+    reasons: dict[str, int] = {}
+    for t in trajs:
+        reasons[t.termination_reason] = reasons.get(t.termination_reason, 0) + 1
+    steps_total = sum(t.metadata["steps"] for t in trajs)
+    return {
+        "rollouts": len(trajs),
+        "wall_s": wall,
+        "per_min": 60 * len(trajs) / wall,
+        "steps": steps_total,
+        "env_errors": reasons.get("env_error", 0),
+        "reasons": reasons,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rollouts", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="step budget of the tiny-model rollouts")
+    parser.add_argument("--skip-rollouts", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    info = machine()
+    print(
+        f"machine: {json.dumps(info)}  torch {torch.__version__}  threads {args.threads}  device {args.device}"
+    )
+
+    model = bench_model(args.device, dtype)
+    print(
+        f"\n## generation: new tokens/s, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+        f"{str(dtype).removeprefix('torch.')}, median of {args.repeats}"
+    )
+    print("| batch | hf_generate tok/s | hf_engine tok/s | engine / generate |")
+    print("|---:|---:|---:|---:|")
+    for batch in args.batch:
+        r = time_generation(model, batch, args.prompt_len, args.new_tokens, args.repeats)
+        print(
+            f"| {batch} | {r['hf_generate']:.0f} | {r['hf_engine']:.0f} | {r['hf_engine'] / r['hf_generate']:.2f} |"
+        )
+    if args.skip_rollouts:
+        return 0
+    print(f"\n## agent loop: {args.rollouts} rollouts, concurrency {args.concurrency}, embedded sandboxes")
+    print("| policy | rollouts | steps | wall s | rollouts/min | env errors | terminations |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for policy in ("scripted", "tiny-hf"):
+        r = asyncio.run(time_rollouts(policy, args.rollouts, args.concurrency, args.steps, args.device))
+        print(
+            f"| {policy} | {r['rollouts']} | {r['steps']} | {r['wall_s']:.1f} | {r['per_min']:.0f} | "
+            f"{r['env_errors']} | {json.dumps(r['reasons'])} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
