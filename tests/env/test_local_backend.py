@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -245,3 +246,37 @@ async def test_concurrent_sandboxes(root_dir, use_bwrap):
     assert out == [f"{i},{2 * i}\n".encode() for i in range(n)]
     await asyncio.gather(*(b.delete(f"c{i}") for i in range(n)))
     assert await b.list_ids() == []
+
+
+@pytest.mark.parametrize("use_bwrap", MODES)
+async def test_commands_of_a_killed_service_do_not_survive_it(root_dir, use_bwrap):
+    """SIGKILL the service mid-command: under bubblewrap the sandbox dies with it (--die-with-parent); in
+    the fallback, the next service on the same root_dir ends what was left."""
+    m = f"{975_000 + os.getpid() % 1000}.{int(time.time() * 1000) % 10**6:06d}"
+    script = (
+        "import asyncio, sys\n"
+        "from orchard.env.backends.local import LocalBackend\n"
+        "from orchard.env.backends.base import ExecRequest, SandboxSpec\n"
+        "async def main():\n"
+        f"    b = LocalBackend({root_dir!r}, use_bwrap={use_bwrap!r})\n"
+        "    await b.create('victim', SandboxSpec())\n"
+        "    task = asyncio.create_task(b.exec('victim', ExecRequest("
+        f"'setsid sleep {m} & sleep {m}', timeout_s=60)))\n"
+        "    await asyncio.sleep(0.5)\n"
+        "    print('running', flush=True)\n"
+        "    await task\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"running\n", proc.stderr.read()  # type: ignore[union-attr]
+        assert len(sleepers(m)) >= 2
+    finally:
+        proc.kill()
+        proc.wait()
+    if not use_bwrap:
+        LocalBackend(root_dir, use_bwrap=False)  # the restarted service
+    deadline = time.monotonic() + 3
+    while sleepers(m) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert sleepers(m) == []

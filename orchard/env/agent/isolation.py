@@ -189,7 +189,7 @@ class MarkedGroupTree(PidfdProcess):
 
     def __init__(self, mark: str, uid: int | None) -> None:
         super().__init__()
-        self.needle = f"{MARK_VAR}={mark}".encode() + b"\x00"
+        self.needle = f"\x00{MARK_VAR}={mark}\x00".encode()
         self.uid = uid
 
     def kill(self) -> None:
@@ -213,6 +213,11 @@ class MarkedGroupTree(PidfdProcess):
             time.sleep(0.005)
 
 
+def marker_needle(prefix: str) -> bytes:
+    """What the environment of every process launched with `mark_prefix=prefix` contains."""
+    return f"\x00{MARK_VAR}={prefix}".encode()
+
+
 def kill_marked(needle: bytes, uid: int | None) -> int:
     """SIGKILL every live process (of `uid`, if given) whose environment contains `needle`; the count."""
     n = 0
@@ -227,7 +232,7 @@ def kill_marked(needle: bytes, uid: int | None) -> int:
                 env = f.read()
         except OSError:
             continue
-        if needle in env:
+        if needle in b"\x00" + env:
             try:
                 os.kill(int(entry), signal.SIGKILL)
                 n += 1
@@ -266,6 +271,8 @@ class Isolation:
         run_as: (uid, gid) the processes run as; only honoured when the service is root.
         hide: host directories covered by an empty tmpfs inside the sandbox (e.g. the service's state).
         bwrap: path of the bwrap executable (default: found on PATH).
+        mark_prefix: starts the fallback's environment marker, so that a restarted service can find the
+            processes its predecessor left (`kill_marked(marker_needle(prefix), None)`).
         use_exec_wrappers: switch uid and set rlimits with the host's `setpriv` and `prlimit` (util-linux)
             when both exist, else (or when False, and always for a PTY) in a Python preexec function.
     """
@@ -282,6 +289,7 @@ class Isolation:
         hide: tuple[str, ...] = (),
         bwrap: str | None = None,
         use_exec_wrappers: bool = True,
+        mark_prefix: str = "",
     ) -> None:
         if mode not in ISOLATION_MODES:
             raise ValueError(f"mode must be one of {ISOLATION_MODES}, got {mode!r}")
@@ -294,6 +302,9 @@ class Isolation:
         self.limits = limits or Limits()
         self.run_as = run_as if os.geteuid() == 0 else None
         self.hide = tuple(h for h in hide if _visible_in_rootfs(h, self.rootfs))
+        if not isinstance(mark_prefix, str) or not all(c.isalnum() or c in "-_" for c in mark_prefix):
+            raise ValueError(f"mark_prefix must be letters, digits, '-' or '_', got {mark_prefix!r}")
+        self.mark_prefix = mark_prefix
         self.bwrap = bwrap or shutil.which("bwrap") or "bwrap"
         self._prefix: list[str] | None = None
         tools = (shutil.which("setpriv"), shutil.which("prlimit")) if use_exec_wrappers else (None, None)
@@ -382,7 +393,7 @@ class Isolation:
                     "--bind", self.workspace.root, self.workspace.mount,
                     "--remount-ro", "/", "--chdir", cwd, "--", *argv]  # fmt: skip
             return Launch(full, popen, lambda: BubblewrapTree(info_r), (info_w,))
-        mark = secrets.token_hex(8)
+        mark = self.mark_prefix + secrets.token_hex(8)
         popen["env"][MARK_VAR] = mark
         popen["cwd"] = self.host_path(cwd)
         uid = self.run_as[0] if self.run_as is not None else None

@@ -19,6 +19,7 @@ few file-system operations (no process is started), so thousands can be created 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -34,7 +35,15 @@ from typing import Any
 
 from orchard.env.agent.core import SandboxAgent, validate_env
 from orchard.env.agent.files import Workspace
-from orchard.env.agent.isolation import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, probe_bubblewrap
+from orchard.env.agent.isolation import (
+    BUBBLEWRAP,
+    PROCESS_GROUP,
+    Isolation,
+    Limits,
+    kill_marked,
+    marker_needle,
+    probe_bubblewrap,
+)
 from orchard.env.agent.pty import LocalPty
 from orchard.env.backends.base import (
     BackendError,
@@ -158,6 +167,12 @@ class LocalBackend:
         self.isolation, self.isolation_warning = self._choose_isolation(use_bwrap)
         self._sweep_trash()
         _raise_open_files_limit()
+        # Without bubblewrap nothing ties a command to the service's life: end what a killed predecessor on
+        # this root_dir left running. (Under bubblewrap, --die-with-parent already did.)
+        self._mark_prefix = hashlib.sha256(self.root_dir.encode()).hexdigest()[:12] + "-"
+        orphans = kill_marked(marker_needle(self._mark_prefix), None)
+        if orphans:
+            logger.warning("ended %d processes left by a previous service on %s", orphans, self.root_dir)
 
     # -- set-up ------------------------------------------------------------------------------------------
 
@@ -262,6 +277,7 @@ class LocalBackend:
         )
         image = self.images.resolve(spec.image)
         common = dict(
+            mark_prefix=self._mark_prefix,
             mode=self.isolation,
             network=spec.network,
             limits=self._limits_for(spec),
