@@ -280,3 +280,24 @@ async def test_commands_of_a_killed_service_do_not_survive_it(root_dir, use_bwra
     while sleepers(m) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert sleepers(m) == []
+
+
+@pytest.mark.parametrize("use_bwrap", MODES)
+async def test_home_persists_outside_the_workspace(root_dir, use_bwrap):
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    await b.create("h", SandboxSpec())
+    r = await b.exec("h", ExecRequest('echo remembered > "$HOME/note"; echo $HOME'))
+    assert r.exit_code == 0, r
+    r = await b.exec("h", ExecRequest('cat "$HOME/note"'))
+    assert r.stdout == b"remembered\n"
+    assert await b.list_files("h", ".") == []  # nothing landed in the workspace
+    if use_bwrap:
+        # a named user with a git identity: a fresh repo can commit and stash; the host's /home is hidden
+        r = await b.exec(
+            "h",
+            ExecRequest(
+                "whoami; ls /home; git init -q r && cd r && echo 1 > f && git add f && git commit -qm one"
+                " && echo 2 > f && git stash -q && cat f && git log --format=%an"
+            ),
+        )
+        assert (r.exit_code, r.stdout) == (0, b"sandbox\nsandbox\n1\norchard sandbox\n"), r

@@ -271,6 +271,11 @@ class Isolation:
         run_as: (uid, gid) the processes run as; only honoured when the service is root.
         hide: host directories covered by an empty tmpfs inside the sandbox (e.g. the service's state).
         bwrap: path of the bwrap executable (default: found on PATH).
+        home: a host directory holding the sandbox's home `sandbox/`, bound read-write at /home (so HOME is
+            /home/sandbox, kept across commands and outside the workspace, and the host's /home is hidden);
+            None makes the workspace the home.
+        ro_files: (host file, sandbox path) pairs bound read-only over the image (e.g. an /etc/passwd that
+            names the sandbox's uid); bubblewrap only.
         mark_prefix: starts the fallback's environment marker, so that a restarted service can find the
             processes its predecessor left (`kill_marked(marker_needle(prefix), None)`).
         use_exec_wrappers: switch uid and set rlimits with the host's `setpriv` and `prlimit` (util-linux)
@@ -290,6 +295,8 @@ class Isolation:
         bwrap: str | None = None,
         use_exec_wrappers: bool = True,
         mark_prefix: str = "",
+        home: str | None = None,
+        ro_files: tuple[tuple[str, str], ...] = (),
     ) -> None:
         if mode not in ISOLATION_MODES:
             raise ValueError(f"mode must be one of {ISOLATION_MODES}, got {mode!r}")
@@ -305,6 +312,13 @@ class Isolation:
         if not isinstance(mark_prefix, str) or not all(c.isalnum() or c in "-_" for c in mark_prefix):
             raise ValueError(f"mark_prefix must be letters, digits, '-' or '_', got {mark_prefix!r}")
         self.mark_prefix = mark_prefix
+        if home is not None and not os.path.isdir(os.path.join(home, "sandbox")):
+            raise ValueError(f"home must be a directory holding 'sandbox/', got {home!r}")
+        self.home = home
+        for src, dst in ro_files:
+            if not os.path.isfile(src) or not dst.startswith("/"):
+                raise ValueError(f"ro_files needs (existing file, absolute path) pairs, got {(src, dst)!r}")
+        self.ro_files = tuple(ro_files)
         self.bwrap = bwrap or shutil.which("bwrap") or "bwrap"
         self._prefix: list[str] | None = None
         tools = (shutil.which("setpriv"), shutil.which("prlimit")) if use_exec_wrappers else (None, None)
@@ -350,7 +364,10 @@ class Isolation:
 
     def base_env(self) -> dict[str, str]:
         """Environment every sandboxed process starts from (nothing of the service's own leaks in)."""
-        home = self.workspace.mount if self.mode == BUBBLEWRAP else self.workspace.root
+        if self.home is None:
+            home = self.workspace.mount if self.mode == BUBBLEWRAP else self.workspace.root
+        else:
+            home = "/home/sandbox" if self.mode == BUBBLEWRAP else os.path.join(self.home, "sandbox")
         return {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "USER": "sandbox"}
 
     def launch(
@@ -408,6 +425,10 @@ class Isolation:
             args += ["--tmpfs", "/", *_top_level_args(self.rootfs)]
             for h in self.hide:
                 args += ["--tmpfs", h]
+            if self.home is not None:
+                args += ["--bind", self.home, "/home"]
+            for src, dst in self.ro_files:
+                args += ["--ro-bind", src, dst]
             args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
             self._prefix = args
         # A non-terminal command gets its own session so it cannot inject input into the service's terminal

@@ -6,6 +6,8 @@ Layout under `root_dir` (kept across restarts, so a restarted orchestrator finds
       <sandbox id>/                mode 0711
         meta.json                  mode 0600: the spec, the sandbox's uid, creation time (written last)
         workspace/                 mode 0700, owned by the sandbox's uid: `/workspace` inside the sandbox
+        home/sandbox/              mode 0700, owned by the sandbox's uid: HOME (/home/sandbox inside)
+        etc/passwd, etc/group      the image's, plus a "sandbox" entry for the uid (bound read-only)
 
 A sandbox is only listed once its `meta.json` exists; `delete` first renames the directory to a hidden
 `.trash-*` name, so a sandbox is either fully there or gone, even if the service dies half-way.
@@ -62,6 +64,12 @@ logger = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _META = "meta.json"
 _WORKSPACE = "workspace"
+_HOME = "home"
+_ETC = "etc"
+_GITCONFIG = """[user]
+\tname = orchard sandbox
+\temail = sandbox@orchard.invalid
+"""
 _PATCH_MOUNT = "/.orchard-workspace"
 DEFAULT_UID_RANGE = (200_000, 65_536)
 """(first uid, count): the uids given to sandboxes when the service runs as root."""
@@ -80,6 +88,48 @@ def _check_workdir(workdir: str) -> None:
     p = PurePosixPath(os.path.normpath(workdir))
     if p == PurePosixPath("/") or p.parts[1] in ("proc", "dev"):
         raise ValueError(f"workdir must not be '/', /proc or /dev, got {workdir!r}")
+
+
+def _user_files(d: str, uid: int, gid: int, rootfs: str) -> tuple[tuple[str, str], ...]:
+    """Make the sandbox's home (`d/home/sandbox`, with a default git identity so `git commit` and
+    `git stash` work) and an /etc/passwd and /etc/group that name its uid "sandbox" (tools that look the
+    user up, such as git and whoami, fail without). Returns the (host file, sandbox path) pairs to bind."""
+    home = os.path.join(d, _HOME, "sandbox")
+    if not os.path.isdir(home):
+        os.makedirs(home, 0o700)
+        with open(os.path.join(home, ".gitconfig"), "w") as f:
+            f.write(_GITCONFIG)
+        if os.geteuid() == 0:
+            os.chown(home, uid, gid)
+            os.chown(os.path.join(home, ".gitconfig"), uid, gid)
+    image_etc = os.path.join(rootfs, "etc")
+    out = []
+    for name, line, key in (
+        ("passwd", f"sandbox:x:{uid}:{gid}:orchard sandbox:/home/sandbox:/bin/bash", 2),
+        ("group", f"sandbox:x:{gid}:", 2),
+    ):
+        src = os.path.join(image_etc, name)
+        if os.path.isdir(image_etc) and not os.path.isfile(src):
+            continue  # no mount point for it in the read-only image
+        dst = os.path.join(d, _ETC, name)
+        if not os.path.exists(dst):
+            os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
+            try:
+                with open(src) as f:
+                    lines = f.read().splitlines()
+            except OSError:
+                lines = ["root:x:0:0:root:/root:/bin/sh"] if name == "passwd" else ["root:x:0:"]
+            own = str(uid if name == "passwd" else gid)
+            lines = [
+                x for x in lines if x.split(":")[0] != "sandbox" and x.split(":")[key : key + 1] != [own]
+            ]
+            tmp = f"{dst}.{secrets.token_hex(4)}"
+            with open(tmp, "w") as f:
+                f.write("\n".join([*lines, line]) + "\n")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, dst)
+        out.append((dst, f"/etc/{name}"))
+    return tuple(out)
 
 
 def _raise_open_files_limit(want: int = 65536) -> None:
@@ -276,7 +326,11 @@ class LocalBackend:
             gid=run_as[1] if run_as else None,
         )
         image = self.images.resolve(spec.image)
+        d = self._dir(sandbox_id)
+        uid_gid = run_as or (os.getuid(), os.getgid())
+        ro_files = _user_files(d, uid_gid[0], uid_gid[1], image.rootfs)
         common = dict(
+            home=os.path.join(d, _HOME),
             mark_prefix=self._mark_prefix,
             mode=self.isolation,
             network=spec.network,
@@ -284,7 +338,7 @@ class LocalBackend:
             run_as=run_as,
             hide=(self.root_dir,),
         )
-        iso = Isolation(ws, rootfs=image.rootfs, **common)  # type: ignore[arg-type]
+        iso = Isolation(ws, rootfs=image.rootfs, ro_files=ro_files, **common)  # type: ignore[arg-type]
         host_iso = None
         if image.rootfs != "/":
             # git comes from the host for images without it; the workspace is mounted where the host's
@@ -333,6 +387,8 @@ class LocalBackend:
             os.makedirs(ws, 0o700, exist_ok=True)
             if uid is not None:
                 os.chown(ws, uid, uid)
+            uid_gid = (uid, uid) if uid is not None else (os.getuid(), os.getgid())
+            _user_files(d, uid_gid[0], uid_gid[1], image.rootfs)
             meta = {"id": sandbox_id, "spec": asdict(spec), "uid": uid, "created": time.time()}
             tmp = os.path.join(d, f".{_META}.{secrets.token_hex(4)}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
