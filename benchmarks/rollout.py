@@ -6,8 +6,8 @@
    (hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192), float32 on CPU or bf16 on GPU. Baseline: HF.
 2. Acting: agent-loop rollouts per minute against the embedded sandbox service (LocalBackend, bubblewrap), with
    a scripted policy (three ``exec`` turns and an answer: the loop's and the sandboxes' cost alone) and with the
-   tiny model above as the policy (``--steps`` turns of up to 24 tokens), ``--rollouts`` rollouts,
-   ``--concurrency`` at a time.
+   tiny model above as the policy (``--steps`` turns of up to 24 tokens; a random model rarely emits a tool
+   call, so most of its rollouts answer once and end), ``--rollouts`` rollouts, ``--concurrency`` at a time.
 
     python benchmarks/rollout.py                           # CPU, 1 thread, batch 1 and 16, 64 new tokens
     python benchmarks/rollout.py --device cuda --batch 1 16 64 --new-tokens 128
@@ -219,8 +219,10 @@ def main() -> int:
     if args.skip_rollouts:
         return 0
     print(f"\n## agent loop: {args.rollouts} rollouts, concurrency {args.concurrency}, embedded sandboxes")
-    print("| policy | rollouts | steps | wall s | rollouts/min | env errors | terminations |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print(
+        "| policy | rollouts | steps | sampled tokens | wall s | rollouts/min | env errors | terminations |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for policy in ("scripted", "tiny-hf"):
         r = asyncio.run(time_rollouts(policy, args.rollouts, args.concurrency, args.steps, args.device))
         print(
