@@ -1,0 +1,278 @@
+"""The Claw text harness as a separate program: it talks to the model only through an OpenAI-compatible endpoint.
+
+    python -m orchard.domains.claw.text_harness --model-url URL --env-url URL --env-key-env VAR \\
+        --episodes episodes.jsonl --out results.jsonl [--concurrency 8] [--max-steps 6] [--max-tokens 96] \\
+        [--temperature 1.0] [--top-p 1.0] [--max-time-s 600] [--model-timeout-s 300] [--model-key-env VAR]
+
+This stands in for a harness we do not control: it knows nothing of token ids, log-probs, rewards or training.
+It sees each episode's sandbox (already prepared by the caller: world program and initial state uploaded) and
+its user request, and plays the text convention of `orchard.domains.claw.harness`:
+
+    messages = [system TEXT_SYSTEM, user prompt]
+    repeat up to --max-steps:
+        POST {model}/v1/chat/completions  (header X-Session-Id: <session_id>, so the recording proxy files the call)
+        parse the reply (`parse_text_action`)
+        'Action: <tool> <json>' -> run the tool in the sandbox -> user 'Observation: <text>'
+        'Final: <summary>'      -> done
+        malformed               -> user 'Observation: error: <why>'; --max-format-errors in a row -> format_error
+    sandbox or model failure -> env_error; out of steps -> step_budget; out of --max-time-s -> time_budget
+
+It does not score: the caller verifies each sandbox afterwards. Input (``--episodes``, JSONL): one object per
+episode with ``session_id``, ``sandbox_id`` and ``prompt``. Output (``--out``, JSONL, one line per episode written
+as it finishes, in completion order): ``session_id``, ``sandbox_id``, ``termination_reason``, ``steps``,
+``format_errors``, ``tool_calls``, ``messages`` (OpenAI chat dicts), ``error`` (None unless env_error) and
+``wall_s``. API keys come from environment variables named on the command line, never from the command line.
+Exit status: 0 when every episode has a line (whatever its outcome), 2 for unusable arguments or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from orchard.domains.claw.harness import TEXT_SYSTEM, parse_text_action, run_tool
+from orchard.env import AsyncSandboxClient, RetryPolicy, SandboxError
+from orchard.rollout.harness import EnvironmentFailure
+
+SESSION_HEADER = "X-Session-Id"
+"""The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
+
+ENV_FAILURES: tuple[type[BaseException], ...] = (
+    SandboxError, EnvironmentFailure, ConnectionError, TimeoutError, OSError, httpx.HTTPError)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the program plays every episode (the command line's options)."""
+
+    model_url: str
+    model_key: str | None = None
+    model: str = "orchard"
+    max_steps: int = 6
+    max_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_format_errors: int = 3
+    max_time_s: float = 600.0
+    model_timeout_s: float = 300.0
+    model_retries: int = 2
+    exec_timeout_s: float = 30.0
+
+
+class _ModelFailed(Exception):
+    pass
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def chat_url(model_url: str) -> str:
+    """``{model_url}/v1/chat/completions``, accepting a base URL with or without its ``/v1``."""
+    if not isinstance(model_url, str) or not model_url.startswith(("http://", "https://")):
+        raise ValueError(f"model_url must be an http(s) URL, got {model_url!r}")
+    base = model_url.rstrip("/")
+    return (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+
+
+async def _complete(http: httpx.AsyncClient, settings: Settings, session_id: str,
+                    messages: list[dict[str, Any]], deadline: float) -> str:
+    """One chat completion; returns the reply's text. Retries transport failures and 5xx answers."""
+    body = {"model": settings.model, "messages": messages, "max_tokens": settings.max_tokens,
+            "temperature": settings.temperature, "top_p": settings.top_p}
+    headers = {SESSION_HEADER: session_id}
+    if settings.model_key:
+        headers["Authorization"] = f"Bearer {settings.model_key}"
+    error = ""
+    for attempt in range(settings.model_retries + 1):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _OutOfTime
+        try:
+            r = await http.post(chat_url(settings.model_url), json=body, headers=headers,
+                                timeout=min(left, settings.model_timeout_s))
+        except httpx.TimeoutException as exc:
+            if time.monotonic() >= deadline:
+                raise _OutOfTime from exc
+            error = f"timeout: {exc}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            if r.status_code == 200:
+                try:
+                    message = r.json()["choices"][0]["message"]
+                except (ValueError, KeyError, IndexError, TypeError) as exc:
+                    raise _ModelFailed(f"model: not a chat completion: {r.text[:300]!r}") from exc
+                # A reply the server parsed into tool calls has no content: to this harness it is malformed.
+                return message.get("content") or ""
+            error = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code < 500:  # the request is wrong; asking again will not help
+                break
+        if attempt < settings.model_retries:
+            await asyncio.sleep(random.uniform(0, 0.5 * 2**attempt))
+    raise _ModelFailed(f"model: {error}")
+
+
+async def run_episode(http: httpx.AsyncClient, env: AsyncSandboxClient, settings: Settings,
+                      episode: dict[str, Any]) -> dict[str, Any]:
+    """Play one episode to its end; never raises for model or sandbox failures (they give ``env_error``)."""
+    t0 = time.monotonic()
+    deadline = t0 + settings.max_time_s
+    messages: list[dict[str, Any]] = [{"role": "system", "content": TEXT_SYSTEM},
+                                      {"role": "user", "content": episode["prompt"]}]
+    out: dict[str, Any] = {"session_id": episode["session_id"], "sandbox_id": episode["sandbox_id"],
+                           "termination_reason": "step_budget", "steps": 0, "format_errors": 0,
+                           "tool_calls": 0, "error": None}
+    consecutive = 0
+    try:
+        sandbox = await asyncio.wait_for(env.sandbox(episode["sandbox_id"]), settings.exec_timeout_s)
+        for _ in range(settings.max_steps):
+            reply = await _complete(http, settings, episode["session_id"], messages, deadline)
+            out["steps"] += 1
+            messages.append({"role": "assistant", "content": reply})
+            action = parse_text_action(reply)
+            if action.kind == "final":
+                out["termination_reason"] = "done"
+                break
+            if action.kind == "error":
+                out["format_errors"] += 1
+                consecutive += 1
+                messages.append({"role": "user", "content": f"Observation: error: {action.text}"})
+                if consecutive >= settings.max_format_errors:
+                    out["termination_reason"] = "format_error"
+                    break
+                continue
+            consecutive = 0
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _OutOfTime
+            try:
+                observation = await asyncio.wait_for(
+                    run_tool(sandbox, action.name, action.arguments or {}, timeout=settings.exec_timeout_s),
+                    min(left, settings.exec_timeout_s + 30))
+            except TimeoutError as exc:
+                if time.monotonic() >= deadline:
+                    raise _OutOfTime from exc
+                raise
+            out["tool_calls"] += 1
+            messages.append({"role": "user", "content": f"Observation: {observation}"})
+    except _OutOfTime:
+        out["termination_reason"] = "time_budget"
+    except _ModelFailed as exc:
+        out["termination_reason"], out["error"] = "env_error", str(exc)
+    except ENV_FAILURES as exc:
+        out["termination_reason"], out["error"] = "env_error", f"sandbox: {type(exc).__name__}: {exc}"
+    out["messages"] = messages
+    out["wall_s"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def read_episodes(path: str) -> list[dict[str, Any]]:
+    """The episodes file: JSONL objects with str ``session_id``, ``sandbox_id`` and ``prompt``; ids unique."""
+    episodes, seen = [], set()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                episode = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"episodes line {n} is not JSON: {exc.msg}") from exc
+            for key in ("session_id", "sandbox_id", "prompt"):
+                if not isinstance(episode, dict) or not isinstance(episode.get(key), str) or not episode[key]:
+                    raise ValueError(f"episodes line {n} needs a non-empty str {key!r}, got {line.strip()[:120]!r}")
+            if episode["session_id"] in seen:
+                raise ValueError(f"episodes line {n} repeats session_id {episode['session_id']!r}")
+            seen.add(episode["session_id"])
+            episodes.append(episode)
+    return episodes
+
+
+async def run_all(episodes: list[dict[str, Any]], settings: Settings, *, env_url: str, env_key: str | None,
+                  out_path: str, concurrency: int) -> dict[str, int]:
+    """Play every episode, at most ``concurrency`` at once, appending each result to ``out_path`` as it ends;
+    returns the count of each termination reason."""
+    semaphore = asyncio.Semaphore(concurrency)
+    counts: dict[str, int] = {}
+    retry = RetryPolicy(max_attempts=3, backoff_base_s=0.2, backoff_max_s=2.0)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with AsyncSandboxClient(env_url, env_key, retry=retry, auto_cleanup=False) as env, \
+            httpx.AsyncClient(limits=limits) as http:
+        with open(out_path, "w") as out:
+
+            async def one(episode: dict[str, Any]) -> None:
+                async with semaphore:
+                    result = await run_episode(http, env, settings, episode)
+                out.write(json.dumps(result) + "\n")
+                out.flush()
+                counts[result["termination_reason"]] = counts.get(result["termination_reason"], 0) + 1
+
+            await asyncio.gather(*(one(e) for e in episodes))
+    return counts
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m orchard.domains.claw.text_harness",
+                                description="Play Claw episodes in the text convention against an OpenAI endpoint.")
+    p.add_argument("--model-url", required=True, help="OpenAI-compatible base URL (with or without /v1)")
+    p.add_argument("--model-key-env", default=None, help="environment variable holding the model's API key")
+    p.add_argument("--model", default="orchard", help="the request's model field")
+    p.add_argument("--env-url", required=True, help="sandbox service URL")
+    p.add_argument("--env-key-env", required=True, help="environment variable holding the sandbox service key")
+    p.add_argument("--episodes", required=True, help="JSONL: session_id, sandbox_id, prompt")
+    p.add_argument("--out", required=True, help="JSONL written here, one line per episode")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-format-errors", type=int, default=3)
+    p.add_argument("--max-time-s", type=float, default=600.0, help="wall-clock budget of one episode")
+    p.add_argument("--model-timeout-s", type=float, default=300.0)
+    p.add_argument("--exec-timeout-s", type=float, default=30.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name in ("concurrency", "max_steps", "max_tokens", "max_format_errors"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("max_time_s", "model_timeout_s", "exec_timeout_s"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.temperature >= 0 or not 0 < args.top_p <= 1:
+        parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
+    env_key = os.environ.get(args.env_key_env)
+    if not env_key:
+        parser.error(f"--env-key-env names {args.env_key_env!r}, which is not set in the environment")
+    model_key = os.environ.get(args.model_key_env) if args.model_key_env else None
+    if args.model_key_env and not model_key:
+        parser.error(f"--model-key-env names {args.model_key_env!r}, which is not set in the environment")
+    try:
+        chat_url(args.model_url)
+        episodes = read_episodes(args.episodes)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    settings = Settings(model_url=args.model_url, model_key=model_key, model=args.model, max_steps=args.max_steps,
+                        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        max_format_errors=args.max_format_errors, max_time_s=args.max_time_s,
+                        model_timeout_s=args.model_timeout_s, exec_timeout_s=args.exec_timeout_s)
+    counts = asyncio.run(run_all(episodes, settings, env_url=args.env_url, env_key=env_key, out_path=args.out,
+                                 concurrency=args.concurrency))
+    print(json.dumps({"episodes": len(episodes), "termination": counts}), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""Rollouts of the Claw text harness: the recipe's side of the separate program.
+
+The text harness (`orchard.domains.claw.text_harness`) runs as a child process that sees only an OpenAI endpoint
+and its sandboxes. The training data comes from the recording proxy in front of the policy, never from the
+program: per model call, the prompt ids the engine saw (context, masked) and the ids it sampled (actions,
+supervised, with their sampling log-probs). So the recipe trains a harness whose prompting it does not control.
+
+One batch (`run_text_episodes`)::
+
+    for each task x group member:  create a sandbox, upload the world and the task's state (prepare_sandbox)
+    write the episodes file (session id, sandbox id, prompt)
+    python -m orchard.domains.claw.text_harness ...   # child process; the proxy answers it from this process
+    for each episode that did not fail: upload the checks, run the verifier (verify_sandbox) -> +1 / -1
+    samples = proxy.samples(session id)                # then the session is dropped from the proxy
+    delete every sandbox (always, errors and cancellation included)
+
+Where the proxy runs: on the caller's event loop (uvicorn's ``Server.serve()`` as an asyncio task, see
+`serve_app`), not in a thread. The engine behind it (`HFEngine` batches per event loop) then shares the loop with
+the caller's other rollouts, and nothing crosses threads. The child process blocks nothing: it is awaited.
+
+Environment failures (a sandbox that could not be created, prepared or verified; the program's own ``env_error``s;
+an episode the program never reported, e.g. because it crashed or ran past its time) give ``env_error`` with
+``reward = None``: the caller drops them, never scores them 0 (`TextEpisode.trainable`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import secrets
+import socket
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchard.data import Message, RenderedSample, Trajectory
+from orchard.domains.claw.harness import prepare_sandbox, verify_sandbox
+from orchard.domains.claw.tasks import ClawTask
+from orchard.rollout.agent_loop import ENV_ERRORS
+from orchard.rollout.proxy import RecordingProxy
+
+KEY_ENV = "ORCHARD_TEXT_HARNESS_ENV_KEY"
+"""The environment variable that hands the sandbox service's key to the child process."""
+
+PROGRAM = "orchard.domains.claw.text_harness"
+
+
+@dataclass
+class TextEpisode:
+    """One episode of the text harness, with the proxy's record of it.
+
+    Fields:
+        task: the task played.
+        session_id: the proxy session of its model calls; also its sandbox's id.
+        group_index: which member of the task's group (0 .. group_size - 1).
+        termination_reason: ``done``, ``step_budget``, ``time_budget``, ``format_error`` or ``env_error``.
+        steps: assistant turns (model calls the program completed).
+        format_errors: turns the program could not parse.
+        tool_calls: tools run in the sandbox.
+        messages: the conversation as the program kept it (OpenAI chat dicts).
+        samples: the proxy's training samples, one per recorded call, in order (`RecordingProxy.samples`).
+        reward: +1 when the verifier passed the sandbox, -1 otherwise; None for ``env_error``.
+        reward_components: the verdict's completion, robustness, safety, score, passed ({} for ``env_error``).
+        error: what failed, for ``env_error``; else None.
+        wall_s: the program's wall time for the episode (0 when it never ran).
+    """
+
+    task: ClawTask
+    session_id: str
+    group_index: int
+    termination_reason: str
+    steps: int = 0
+    format_errors: int = 0
+    tool_calls: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[RenderedSample] = field(default_factory=list)
+    reward: float | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def trainable(self) -> bool:
+        """Scored and not an environment failure: the only episodes a trainer may use."""
+        return self.termination_reason != "env_error" and self.reward is not None
+
+    def trajectory(self) -> Trajectory:
+        """The episode as a `Trajectory` (no tools: the text harness lists them in its system prompt).
+
+        When the proxy recorded exactly one call per assistant turn, each assistant message carries that call's
+        sampled ids and log-probs, so `orchard.data.render_turns` of the trajectory equals ``samples``.
+        """
+        messages = [Message.from_dict(m) for m in self.messages]
+        turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
+        if turns and len(turns) == len(self.samples):
+            for i, sample in zip(turns, self.samples, strict=True):
+                action = sample.action_mask
+                messages[i].token_ids = sample.input_ids[action].tolist()
+                messages[i].logprobs = sample.old_logprobs[action].tolist()
+        return Trajectory(
+            messages=messages, reward=self.reward, reward_components=dict(self.reward_components),
+            task_id=self.task.id, group_id=self.task.id, termination_reason=self.termination_reason,  # type: ignore[arg-type]
+            metadata={"harness": "text", "session_id": self.session_id, "group_index": self.group_index,
+                      "steps": self.steps, "format_errors": self.format_errors, "tool_calls": self.tool_calls,
+                      "error": self.error, "wall_s": self.wall_s, "recorded_calls": len(self.samples)})
+
+
+def _quiet_server(app: Any) -> Any:
+    """A uvicorn server that leaves the process's signal handlers alone (Ctrl-C stays the caller's)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30))
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Serve an ASGI app (e.g. ``RecordingProxy.app``) on the running event loop for the block; yields its URL.
+
+    The server is an asyncio task of the caller's loop, so an engine behind the app runs on that loop too.
+    ``port=0`` picks a free port. Leaving the block stops the server and waits for it.
+    """
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = _quiet_server(app)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError(f"the server on {host}:{port} stopped before it started")
+            await asyncio.sleep(0.01)
+        bound = sock.getsockname()[1]
+        yield f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await task
+        sock.close()
+
+
+def _program_env(env_key: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env[KEY_ENV] = env_key or ""
+    root = str(Path(__file__).resolve().parents[3])  # the directory that holds the orchard package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+async def _run_program(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
+    """Run the program; returns (exit status or None when it was killed for time, the tail of its stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", PROGRAM, *argv, env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
+        return proc.returncode, stderr.decode(errors="replace")[-2000:]
+    except TimeoutError:
+        return None, f"the harness program ran past {timeout_s:.0f} s and was killed"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _read_results(path: Path) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return results
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash: that episode was not reported
+            result = json.loads(line)
+            if isinstance(result, dict) and isinstance(result.get("session_id"), str):
+                results[result["session_id"]] = result
+    return results
+
+
+async def run_text_episodes(
+    tasks: Sequence[ClawTask],
+    *,
+    client: Any,
+    proxy: RecordingProxy,
+    proxy_url: str | None = None,
+    env_url: str | None = None,
+    env_key: str | None = None,
+    group_size: int = 1,
+    concurrency: int = 8,
+    max_steps: int = 6,
+    max_tokens: int = 96,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_format_errors: int = 3,
+    max_time_s: float = 600.0,
+    exec_timeout_s: float = 30.0,
+    program_timeout_s: float | None = None,
+    run_id: str | None = None,
+    keep_sessions: bool = False,
+) -> list[TextEpisode]:
+    """Play ``group_size`` episodes of every task through the text-harness program; verify; return them.
+
+    Episode ``i`` plays ``tasks[i // group_size]`` (group member ``i % group_size``); its proxy session and its
+    sandbox are both named ``f"{run_id}-{i}"``. Results come in that order.
+
+    Args:
+        tasks: the tasks (`ClawTask`), at least one.
+        client: an ``orchard.env.AsyncSandboxClient``; sandboxes are created, prepared, verified and deleted here.
+        proxy: the `RecordingProxy` in front of the policy; its samples become `TextEpisode.samples`.
+        proxy_url: where the program reaches the proxy; None (default) serves ``proxy.app`` on this event loop on a
+            free loopback port for the duration of the call (`serve_app`).
+        env_url, env_key: the sandbox service as the program reaches it; default the client's URL and key. The key
+            travels to the child in an environment variable (`KEY_ENV`), never on its command line.
+        group_size: episodes per task (GRPO's group). Default 1.
+        concurrency: sandboxes prepared, episodes played and verdicts run at once. Default 8.
+        max_steps: assistant turns per episode (``step_budget``). Default 6.
+        max_tokens: per model call. Default 96.
+        temperature, top_p: sampling of every call. Default 1.0, 1.0.
+        max_format_errors: malformed turns in a row that end an episode (``format_error``). Default 3.
+        max_time_s: wall-clock budget of one episode in the program (``time_budget``). Default 600 (the paper's
+            10-minute rollout budget).
+        exec_timeout_s: per command in a sandbox. Default 30.
+        program_timeout_s: the whole program's limit; default ``max_time_s x ceil(episodes / concurrency) + 120``.
+            Episodes not reported when it is killed are ``env_error``.
+        run_id: prefix of session and sandbox ids; default random. Must be unique among live sandboxes.
+        keep_sessions: keep the sessions' calls in the proxy afterwards. Default False (they are dropped, so a
+            long-running proxy does not grow).
+    """
+    if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence) or not tasks:
+        raise ValueError(f"tasks must be a non-empty sequence of ClawTask, got {tasks!r:.100}")
+    for i, task in enumerate(tasks):
+        if not isinstance(task, ClawTask):
+            raise ValueError(f"tasks[{i}] must be a ClawTask, got {type(task).__name__}")
+    if not hasattr(client, "create"):
+        raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
+    if not isinstance(proxy, RecordingProxy):
+        raise ValueError(f"proxy must be a RecordingProxy, got {type(proxy).__name__}")
+    for name, value in (("group_size", group_size), ("concurrency", concurrency), ("max_steps", max_steps),
+                        ("max_tokens", max_tokens), ("max_format_errors", max_format_errors)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value in (("max_time_s", max_time_s), ("exec_timeout_s", exec_timeout_s)):
+        if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if program_timeout_s is not None and not 0 < program_timeout_s < math.inf:
+        raise ValueError(f"program_timeout_s must be a finite number > 0 or None, got {program_timeout_s!r}")
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    run_id = secrets.token_hex(4) if run_id is None else run_id
+    if not isinstance(run_id, str) or not run_id.replace("-", "").replace("_", "").isalnum() or len(run_id) > 40:
+        raise ValueError(f"run_id must be up to 40 letters, digits, '-' or '_', got {run_id!r}")
+    env_url = env_url or client.base_url
+    env_key = env_key if env_key is not None else client.api_key
+
+    episodes = [TextEpisode(task, f"{run_id}-{i}", i % group_size, "env_error")
+                for i, task in enumerate(t for t in tasks for _ in range(group_size))]
+    sandboxes: dict[str, Any] = {}
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def prepare(episode: TextEpisode) -> None:
+        async with semaphore:
+            try:
+                sandbox = await client.create(sandbox_id=episode.session_id)
+                sandboxes[episode.session_id] = sandbox
+                await asyncio.wait_for(prepare_sandbox(sandbox, episode.task, timeout=exec_timeout_s),
+                                       exec_timeout_s)
+                episode.termination_reason = "step_budget"  # ready; the program's report replaces this
+            except ENV_ERRORS as exc:
+                episode.error = f"prepare: {type(exc).__name__}: {exc}"
+
+    async def verify(episode: TextEpisode) -> None:
+        async with semaphore:
+            try:
+                verdict = await asyncio.wait_for(
+                    verify_sandbox(sandboxes[episode.session_id], episode.task, timeout=exec_timeout_s),
+                    exec_timeout_s + 30)
+            except (*ENV_ERRORS, ValueError) as exc:
+                episode.termination_reason, episode.error = "env_error", f"verify: {type(exc).__name__}: {exc}"
+                return
+            episode.reward, episode.reward_components = verdict.reward, verdict.components
+
+    try:
+        await asyncio.gather(*(prepare(e) for e in episodes))
+        ready = [e for e in episodes if e.error is None]
+        if ready:
+            async with contextlib.AsyncExitStack() as stack:
+                if proxy_url is None:
+                    proxy_url = await stack.enter_async_context(serve_app(proxy.app))
+                workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="claw-text-")))
+                episodes_path, out_path = workdir / "episodes.jsonl", workdir / "results.jsonl"
+                episodes_path.write_text("".join(
+                    json.dumps({"session_id": e.session_id, "sandbox_id": e.session_id, "prompt": e.task.prompt})
+                    + "\n" for e in ready))
+                argv = ["--model-url", proxy_url, "--env-url", env_url, "--env-key-env", KEY_ENV,
+                        "--episodes", str(episodes_path), "--out", str(out_path),
+                        "--concurrency", str(concurrency), "--max-steps", str(max_steps),
+                        "--max-tokens", str(max_tokens), "--temperature", repr(float(temperature)),
+                        "--top-p", repr(float(top_p)), "--max-format-errors", str(max_format_errors),
+                        "--max-time-s", repr(float(max_time_s)), "--exec-timeout-s", repr(float(exec_timeout_s))]
+                limit = program_timeout_s or max_time_s * math.ceil(len(ready) / concurrency) + 120
+                status, stderr = await _run_program(argv, _program_env(env_key), limit)
+                results = _read_results(out_path)
+            for e in ready:
+                result = results.get(e.session_id)
+                if result is None:
+                    e.termination_reason = "env_error"
+                    e.error = f"program: no report (exit {status}): {stderr.strip()[-500:]}"
+                    continue
+                e.termination_reason = result["termination_reason"]
+                e.steps, e.format_errors = int(result["steps"]), int(result["format_errors"])
+                e.tool_calls, e.messages = int(result["tool_calls"]), list(result["messages"])
+                e.error, e.wall_s = result.get("error"), float(result.get("wall_s", 0.0))
+            await asyncio.gather(*(verify(e) for e in ready if e.termination_reason != "env_error"))
+    finally:
+        for e in episodes:
+            e.samples = proxy.samples(e.session_id)
+            if not keep_sessions:
+                proxy.pop_session(e.session_id)
+        await asyncio.shield(asyncio.gather(*(s.delete() for s in sandboxes.values()), return_exceptions=True))
+    return episodes
+
+
+def summarize_text_episodes(episodes: Sequence[TextEpisode]) -> dict[str, float]:
+    """Counts and rates of a batch, under ``text/`` keys.
+
+    ``episodes``, ``env_errors``, ``format_error_episodes`` (ended by ``format_error``), ``format_errors`` (malformed
+    turns, all episodes), ``success_rate`` (passed / scored episodes; 0 when none was scored), ``mean_steps`` (over
+    all episodes), and ``termination/<reason>`` for each reason seen. An empty batch gives zeros.
+    """
+    if isinstance(episodes, (str, bytes)) or not isinstance(episodes, Sequence):
+        raise ValueError(f"episodes must be a sequence of TextEpisode, got {type(episodes).__name__}")
+    for i, e in enumerate(episodes):
+        if not isinstance(e, TextEpisode):
+            raise ValueError(f"episodes[{i}] must be a TextEpisode, got {type(e).__name__}")
+    n = len(episodes)
+    scored = [e for e in episodes if e.trainable]
+    out = {
+        "text/episodes": float(n),
+        "text/env_errors": float(sum(e.termination_reason == "env_error" for e in episodes)),
+        "text/format_error_episodes": float(sum(e.termination_reason == "format_error" for e in episodes)),
+        "text/format_errors": float(sum(e.format_errors for e in episodes)),
+        "text/success_rate": sum(e.reward == 1.0 for e in scored) / len(scored) if scored else 0.0,
+        "text/mean_steps": sum(e.steps for e in episodes) / n if n else 0.0,
+    }
+    for e in episodes:
+        key = f"text/termination/{e.termination_reason}"
+        out[key] = out.get(key, 0.0) + 1.0
+    return out
