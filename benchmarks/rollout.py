@@ -177,6 +177,7 @@ async def time_rollouts(
         "wall_s": wall,
         "per_min": 60 * len(trajs) / wall,
         "steps": steps_total,
+        "tokens": sum(t.num_sampled_tokens for t in trajs),
         "env_errors": reasons.get("env_error", 0),
         "reasons": reasons,
     }
@@ -226,7 +227,7 @@ def main() -> int:
     for policy in ("scripted", "tiny-hf"):
         r = asyncio.run(time_rollouts(policy, args.rollouts, args.concurrency, args.steps, args.device))
         print(
-            f"| {policy} | {r['rollouts']} | {r['steps']} | {r['wall_s']:.1f} | {r['per_min']:.0f} | "
+            f"| {policy} | {r['rollouts']} | {r['steps']} | {r['tokens']} | {r['wall_s']:.1f} | {r['per_min']:.0f} | "
             f"{r['env_errors']} | {json.dumps(r['reasons'])} |"
         )
     return 0
