@@ -7,7 +7,7 @@ Layout under `root_dir` (kept across restarts, so a restarted orchestrator finds
         meta.json                  mode 0600: the spec, the sandbox's uid, creation time (written last)
         workspace/                 mode 0700, owned by the sandbox's uid: `/workspace` inside the sandbox
         home/sandbox/              mode 0700, owned by the sandbox's uid: HOME (/home/sandbox inside)
-        etc/passwd, etc/group      the image's, plus a "sandbox" entry for the uid (bound read-only)
+        passwd, group              the image's, plus a "sandbox" entry for the uid (bound read-only)
 
 A sandbox is only listed once its `meta.json` exists; `delete` first renames the directory to a hidden
 `.trash-*` name, so a sandbox is either fully there or gone, even if the service dies half-way.
@@ -32,6 +32,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
+from functools import lru_cache
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -65,7 +66,6 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _META = "meta.json"
 _WORKSPACE = "workspace"
 _HOME = "home"
-_ETC = "etc"
 _GITCONFIG = """[user]
 \tname = orchard sandbox
 \temail = sandbox@orchard.invalid
@@ -90,6 +90,19 @@ def _check_workdir(workdir: str) -> None:
         raise ValueError(f"workdir must not be '/', /proc or /dev, got {workdir!r}")
 
 
+@lru_cache(maxsize=64)
+def _image_file_lines_cached(path: str, mtime_ns: int) -> tuple[str, ...]:
+    with open(path) as f:
+        return tuple(f.read().splitlines())
+
+
+def _image_file_lines(path: str) -> list[str] | None:
+    try:
+        return list(_image_file_lines_cached(path, os.stat(path).st_mtime_ns))
+    except OSError:
+        return None
+
+
 def _user_files(d: str, uid: int, gid: int, rootfs: str) -> tuple[tuple[str, str], ...]:
     """Make the sandbox's home (`d/home/sandbox`, with a default git identity so `git commit` and
     `git stash` work) and an /etc/passwd and /etc/group that name its uid "sandbox" (tools that look the
@@ -111,13 +124,10 @@ def _user_files(d: str, uid: int, gid: int, rootfs: str) -> tuple[tuple[str, str
         src = os.path.join(image_etc, name)
         if os.path.isdir(image_etc) and not os.path.isfile(src):
             continue  # no mount point for it in the read-only image
-        dst = os.path.join(d, _ETC, name)
+        dst = os.path.join(d, name)
         if not os.path.exists(dst):
-            os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
-            try:
-                with open(src) as f:
-                    lines = f.read().splitlines()
-            except OSError:
+            lines = _image_file_lines(src)
+            if lines is None:
                 lines = ["root:x:0:0:root:/root:/bin/sh"] if name == "passwd" else ["root:x:0:"]
             own = str(uid if name == "passwd" else gid)
             lines = [
