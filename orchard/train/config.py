@@ -6,7 +6,8 @@ fills the dataclass::
 
     cfg = load_config(TrainConfig, "recipes/configs/claw_tiny.yaml", ["optim.lr=3e-4", "loggers=[jsonl,tensorboard]"])
 
-Override values are parsed as YAML scalars / flow collections (``3e-4``, ``true``, ``[a, b]``, ``null``); nested
+Override values are parsed as YAML scalars / flow collections (``3e-4``, ``true``, ``[a, b]``, ``null``; a
+float field also takes a string that spells a number, since YAML 1.1 reads ``1e-5`` as a string); nested
 dataclass fields are reached with dots (``optim.lr``). Every value is checked against the field's annotation and a
 mismatch raises ``ValueError`` naming the dotted key, the expected type and the value received. Unknown keys are
 errors too (with the valid names listed), so a typo never silently falls back to a default.
@@ -238,6 +239,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-5" (no dot) as a string; a float field takes it as the number it spells.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise bad
     if tp is str:
         if isinstance(value, str):
@@ -259,7 +266,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if args and len(args) != len(value):
             raise ValueError(f"config key {key!r} expects {len(args)} items ({_type_name(tp)}), got {value!r}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(args, value, strict=True)))
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
     if origin is dict:
         if not isinstance(value, Mapping):
             raise bad

@@ -63,7 +63,11 @@ def load_causal_lm(
         raise ValueError(f"source must be a path or a PretrainedConfig, got {type(source).__name__}")
     model = model.to(torch_dtype)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5 name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     model.train()
     return model

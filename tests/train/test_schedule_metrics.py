@@ -1,0 +1,95 @@
+"""Cosine schedule with warm-up, checkpoint pointer helpers, and the metric loggers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchard.train import checkpoint as ckpt
+from orchard.train.metrics import JsonlLogger, MetricLogger, build_loggers, read_jsonl_metrics
+from orchard.train.schedule import cosine_lr, cosine_schedule
+
+
+def test_cosine_hand_computed() -> None:
+    kw = dict(lr=1e-5, min_lr=1e-6, warmup_steps=2, total_steps=7)
+    # warm-up: 1e-5 * 1/2, 1e-5 * 2/2; decay over steps 2..6 (4 intervals): progress 0, .25, .5, .75, 1
+    expected = [5e-6, 1e-5, 1e-5, 1e-6 + 9e-6 * 0.5 * (1 + math.cos(math.pi / 4)), 5.5e-6,
+                1e-6 + 9e-6 * 0.5 * (1 + math.cos(3 * math.pi / 4)), 1e-6, 1e-6]
+    got = [cosine_lr(s, **kw) for s in range(8)]
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_cosine_schedule_drives_optimizer_and_round_trips() -> None:
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1e-6)
+    sched = cosine_schedule(opt, lr=1e-6, min_lr=1e-7, warmup_steps=0, total_steps=3)
+    seen = []
+    for _ in range(3):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([1e-6, 5.5e-7, 1e-7])
+    state = sched.state_dict()
+    opt2 = torch.optim.SGD([p], lr=1e-6)
+    sched2 = cosine_schedule(opt2, lr=1e-6, min_lr=1e-7, warmup_steps=0, total_steps=3)
+    sched2.load_state_dict(state)
+    assert sched2.get_last_lr() == sched.get_last_lr()
+
+
+@pytest.mark.parametrize(("kw", "name"), [(dict(min_lr=2.0), "min_lr"), (dict(total_steps=0), "total_steps"),
+                                          (dict(warmup_steps=-1), "warmup_steps"), (dict(lr=0.0), "lr")])
+def test_cosine_rejects_bad_arguments(kw: dict, name: str) -> None:
+    args = dict(lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=5) | kw
+    with pytest.raises(ValueError, match=name):
+        cosine_lr(0, **args)
+
+
+def test_jsonl_logger_truncates_on_resume(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log = JsonlLogger(path)
+    assert isinstance(log, MetricLogger)
+    for s in (1, 2, 3):
+        log.log({"loss": float(s), "bad": float("nan")}, s)
+    log.close()
+    log = JsonlLogger(path, resume_step=2)  # step 3 was written after the checkpoint of step 2
+    log.log({"loss": 30.0}, 3)
+    log.close()
+    rows = read_jsonl_metrics(path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] == 30.0
+    assert rows[0]["bad"] == "nan"
+    json.loads(path.read_text().splitlines()[0])  # valid JSON despite the NaN
+
+
+def test_build_loggers_skips_missing_packages(tmp_path: Path) -> None:
+    import importlib.util
+
+    names = ["jsonl", "tensorboard", "wandb"]
+    expect = 1 + sum(importlib.util.find_spec(p) is not None for p in ("tensorboard", "wandb"))
+    if expect < 3:
+        with pytest.warns(UserWarning, match="not installed"):
+            multi = build_loggers(names, tmp_path, total_steps=2, config={"a": 1})
+    else:  # pragma: no cover - depends on the machine
+        multi = build_loggers(names, tmp_path, total_steps=2, config={"a": 1})
+    assert len(multi.loggers) == expect
+    multi.log({"x": 1.0}, 1)
+    multi.close()
+    assert read_jsonl_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "x": 1.0}]
+    with pytest.raises(ValueError, match="unknown logger 'tb'"):
+        build_loggers(["tb"], tmp_path, total_steps=1)
+
+
+def test_checkpoint_pointer_and_prune(tmp_path: Path) -> None:
+    assert ckpt.latest_checkpoint(tmp_path) is None
+    for s in (1, 2, 3):
+        d = ckpt.step_dir(tmp_path, s)
+        d.mkdir()
+        ckpt.write_trainer_state(d, {"step": s})
+        ckpt.mark_latest(tmp_path, s)
+    ckpt.step_dir(tmp_path, 4).mkdir()  # a save that died before trainer_state.json: not complete
+    assert ckpt.latest_checkpoint(tmp_path) == ckpt.step_dir(tmp_path, 3)
+    ckpt.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000003", "step_000004"]

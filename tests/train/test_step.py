@@ -1,0 +1,158 @@
+"""The training step: its gradient equals the whole-batch objective written out by hand, for every micro-batch
+split; the full step (clip, AdamW, schedule) is split-invariant; model loading; objective validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, make_batch, make_model
+
+from orchard.losses import js_opd_loss, kl_penalty, policy_loss, sft_loss
+from orchard.train.model import best_attn_implementation, load_causal_lm
+from orchard.train.objective import LossTerm, loss_term_names, objective_loss
+from orchard.train.tiny import tiny_qwen3_config
+from orchard.train.trainer import DataCursor, OptimConfig, TrainConfig, Trainer, split_batch
+
+OBJECTIVE = [
+    LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28}),
+    LossTerm("sft", 0.5),
+    LossTerm("credit_sft", 0.25),
+    LossTerm("js_opd", 0.1, {"lam": 0.5}),
+    LossTerm("kl", 0.05),
+]
+
+
+def _cfg(tmp_path: Path, micro: int, **kw) -> TrainConfig:
+    return TrainConfig(total_steps=3, global_batch_size=7, micro_batch_size=micro, output_dir=str(tmp_path),
+                       objective=OBJECTIVE, optim=OptimConfig(lr=1e-3, min_lr=1e-4, eps=1e-6, grad_clip=0.5), **kw)
+
+
+def _reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The objective on the whole batch, from full logits, every loss with its own token mean."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    lp = torch.nn.functional.pad(lp, (1, 0)).float()  # [B, T]: log p(x_t | x_<t)
+    a = batch["action_mask"]
+    pg, _ = policy_loss(lp, batch["old_logprobs"], batch["advantages"], a, eps_low=0.2, eps_high=0.28)
+    sft, _ = sft_loss(lp, a)
+    credit, _ = sft_loss(lp, batch["sft_mask"])
+    js, _ = js_opd_loss(lp, batch["teacher_logprobs"], a, lam=0.5)
+    kl = (kl_penalty(lp, batch["ref_logprobs"], "k3+", mask=a).sum() / a.sum())
+    return pg + 0.5 * sft + 0.25 * credit + 0.1 * js + 0.05 * kl
+
+
+@pytest.mark.parametrize("micro", [7, 3, 2, 1])
+def test_gradient_equals_whole_batch_objective(tmp_path: Path, micro: int) -> None:
+    batch = make_batch(7, 19, seed=4)
+    ref_model = make_model(seed=2)
+    _reference_loss(ref_model, batch).backward()
+    trainer = Trainer(make_model(seed=2), _cfg(tmp_path, micro))
+    metrics = trainer.accumulate_gradients(batch)
+    for (name, p), (_, q) in zip(ref_model.named_parameters(), trainer.model.named_parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        assert metrics["loss/total"] == pytest.approx(float(_reference_loss(ref_model, batch)), rel=1e-5)
+
+
+def test_full_step_is_split_invariant(tmp_path: Path) -> None:
+    results = []
+    for micro in (7, 2):
+        trainer = Trainer(make_model(seed=2), _cfg(tmp_path / str(micro), micro))
+        rows = [trainer.train_step(make_batch(7, 19, seed=10 + s)) for s in range(2)]
+        results.append((rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
+        trainer.close()
+    (rows0, state0) = results[0]
+    for rows, state in results[1:]:
+        for r0, r in zip(rows0, rows, strict=True):
+            for key in ("loss/total", "loss/policy", "grad_norm", "lr", "clip/low_frac", "sft/nll", "tokens/action"):
+                assert r[key] == pytest.approx(r0[key], rel=1e-5, abs=1e-7), key
+        for name in state0:
+            torch.testing.assert_close(state[name], state0[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_step_logs_and_hands_weights(tmp_path: Path) -> None:
+    handed = []
+    trainer = Trainer(make_model(seed=0), _cfg(tmp_path, 4),
+                      on_weights=lambda step, sd: handed.append((step, sd)))
+    out = trainer.train_step(make_batch(7, 13, seed=0))
+    assert out["lr"] == pytest.approx(1e-3) and out["batch/sequences"] == 7
+    assert {"grad_norm", "loss/total", "perf/tokens_per_s", "tokens/total", "opd/js"} <= set(out)
+    step, sd = handed[0]
+    assert step == 1 and set(sd) == {n for n, _ in trainer.model.named_parameters()}
+    assert all(torch.equal(sd[n], p.detach()) for n, p in trainer.model.named_parameters())
+    trainer.close()
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_objective_errors_name_what_is_missing(tmp_path: Path) -> None:
+    batch = make_batch(3, 9, seed=0)
+    del batch["teacher_logprobs"]
+    trainer = Trainer(make_model(), _cfg(tmp_path, 2))
+    with pytest.raises(ValueError, match="needs batch key 'teacher_logprobs'"):
+        trainer.train_step(batch)
+    with pytest.raises(ValueError, match="valid: credit_sft, js_opd, k2_opd, k3_opd, kl, policy, sft"):
+        objective_loss([LossTerm("grpo")], torch.zeros(1, 2), batch, {})
+    assert {"sft", "policy", "js_opd"} <= set(loss_term_names())
+
+
+def test_split_batch_trims_right_padding() -> None:
+    batch = make_batch(4, 12, seed=1)
+    batch["attention_mask"][1:3, 8:] = 0
+    part = split_batch(batch, slice(1, 3))
+    assert part["input_ids"].shape == (2, int(batch["attention_mask"][1:3].sum(1).max()))
+    assert part["advantages"].shape == part["input_ids"].shape
+
+
+def test_data_cursor_resumes_the_same_order() -> None:
+    a = DataCursor(5, seed=1)
+    first = a.next_indices(3) + a.next_indices(3)  # crosses into epoch 1
+    assert sorted(first[:5]) == [0, 1, 2, 3, 4]
+    b = DataCursor(5, seed=1)
+    b.next_indices(3)
+    c = DataCursor(5, seed=1)
+    c.load_state_dict(b.state_dict())
+    assert c.next_indices(3) == first[3:]
+    with pytest.raises(ValueError, match="num_samples"):
+        DataCursor(0, seed=0)
+
+
+def test_fit_trains_until_total_steps(tmp_path: Path) -> None:
+    samples = [make_batch(1, 11, seed=s) for s in range(5)]
+
+    def collate(items: list[dict]) -> dict:
+        return {k: torch.cat([it[k] for it in items]) for k in items[0]}
+
+    cfg = _cfg(tmp_path, 2)
+    cfg.global_batch_size = 2
+    trainer = Trainer(make_model(), cfg)
+    rows = trainer.fit(samples, collate)
+    assert len(rows) == 3 and trainer.step == 3 and trainer.cursor is not None
+    assert trainer.cursor.state_dict()["position"] == 1 and trainer.cursor.state_dict()["epoch"] == 1
+
+
+def test_load_causal_lm_from_config_and_path(tmp_path: Path) -> None:
+    cfg = tiny_qwen3_config(VOCAB)
+    m = load_causal_lm(cfg, seed=4, attn_implementation="eager")
+    assert m.training and next(m.parameters()).dtype == torch.float32
+    m.save_pretrained(tmp_path / "ckpt")
+    again = load_causal_lm(tmp_path / "ckpt", dtype="bfloat16")
+    assert next(again.parameters()).dtype == torch.bfloat16
+    assert best_attn_implementation() in ("sdpa", "flash_attention_2")
+    with pytest.raises(ValueError, match="dtype"):
+        load_causal_lm(cfg, dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="source"):
+        load_causal_lm(tmp_path / "missing")
+
+
+def test_gradient_checkpointing_keeps_the_gradient() -> None:
+    batch = make_batch(2, 9, seed=0)
+    grads = []
+    for ckpt in (False, True):
+        m = load_causal_lm(tiny_qwen3_config(VOCAB), seed=1, attn_implementation="eager", gradient_checkpointing=ckpt)
+        assert m.is_gradient_checkpointing == ckpt
+        out = m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.sum()
+        out.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
