@@ -1,0 +1,84 @@
+"""Does the Claw recipe learn? Runs recipes/claw.py with the tiny config for several seeds and reports held-out
+success (mean ± std over seeds) of the base, SFT and RL models, plus pass@k and pass^k.
+
+    python benchmarks/claw_learning.py [--seeds 0 1 2] [--config recipes/configs/claw_tiny.yaml] [key=value ...]
+
+Each seed runs as its own process, one after the other (the machine has 2 cores); results land in
+runs/claw_learning/seed<N>/ and the table is printed and written to runs/claw_learning/summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, commit {commit.stdout.strip()}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--config", default=str(ROOT / "recipes/configs/claw_tiny.yaml"))
+    parser.add_argument("--out", default=str(ROOT / "runs/claw_learning"))
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    out = Path(args.out)
+    runs = []
+    for seed in args.seeds:
+        run_dir = out / f"seed{seed}"
+        t0 = time.monotonic()
+        cmd = [sys.executable, str(ROOT / "recipes/claw.py"), "--config", args.config, f"seed={seed}",
+               f"output_dir={run_dir}", *args.overrides]
+        print("+", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+        data = json.loads((run_dir / "results.json").read_text())
+        data["wall_s"] = time.monotonic() - t0
+        runs.append(data)
+
+    stages = [s for s in ("base", "sft", "rl") if all(s in r["results"] for r in runs)]
+    harnesses = sorted({h for r in runs for s in stages for h in r["results"][s]})
+    metrics = [k for k in next(iter(runs[0]["results"][stages[0]].values())) if k not in ("tasks", "env_errors")]
+    lines = [f"machine: {machine()}", f"seeds: {args.seeds}; config: {Path(args.config).name} "
+             f"{' '.join(args.overrides)}; wall per seed: {np.mean([r['wall_s'] for r in runs]):.0f} s", "",
+             "| harness | stage | " + " | ".join(metrics) + " | env errors |",
+             "|---|---|" + "---|" * (len(metrics) + 1)]
+    for harness in harnesses:
+        for stage in stages:
+            rows = [r["results"][stage][harness] for r in runs]
+            cells = []
+            for m in metrics:
+                values = np.array([row[m] for row in rows])
+                std = values.std(ddof=1) if len(values) > 1 else 0.0
+                cells.append(f"{values.mean():.3f} ± {std:.3f}")
+            errors = sum(row["env_errors"] for row in rows)
+            lines.append(f"| {harness} | {stage} | " + " | ".join(cells) + f" | {errors:.0f} |")
+    for harness in harnesses:
+        if "sft" in stages and "rl" in stages:
+            sft = np.array([r["results"]["sft"][harness]["success"] for r in runs])
+            rl = np.array([r["results"]["rl"][harness]["success"] for r in runs])
+            gain = rl - sft
+            spread = max(sft.std(ddof=1), rl.std(ddof=1)) if len(runs) > 1 else 0.0
+            verdict = "learns" if gain.mean() > spread else "does NOT clearly learn"
+            lines.append(f"\n{harness}: RL - SFT success = {gain.mean():+.3f} (per seed {np.round(gain, 3).tolist()}), "
+                         f"spread across seeds {spread:.3f} -> {verdict}")
+    text = "\n".join(lines)
+    print(text)
+    (out / "summary.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
