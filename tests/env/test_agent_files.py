@@ -162,3 +162,15 @@ def test_resolution_never_leaves_the_root(tmp_path_factory, parts):
     real_root = os.path.realpath(ws.root)
     real = os.path.realpath(os.path.join(ws.root, *comps))
     assert real == real_root or real.startswith(real_root + os.sep)
+
+
+def test_replacing_keeps_mode_never_writes_through_links_and_leaves_no_temp_file(tree):
+    ws, tmp = tree
+    ws.write_file("sub/x.sh", b"v1", mode=0o750)
+    ws.write_file("sub/x.sh", b"v2")  # mode None keeps the old mode
+    assert stat.S_IMODE(os.stat(os.path.join(ws.root, "sub/x.sh")).st_mode) == 0o750
+    os.link(tmp / "outside" / "secret.txt", os.path.join(ws.root, "hard.txt"))  # planted by someone else
+    ws.write_file("hard.txt", b"replaced")
+    assert ws.read_file("hard.txt") == b"replaced"
+    assert (tmp / "outside" / "secret.txt").read_text() == "secret"  # the other link is untouched
+    assert not [n for n in os.listdir(ws.root) + os.listdir(os.path.join(ws.root, "sub")) if ".tmp" in n]

@@ -17,8 +17,10 @@ with `fstat`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -196,12 +198,12 @@ class Workspace:
             return b"".join(chunks)
 
     def write_file(self, path: str, data: bytes, mode: int | None = None) -> None:
-        """Create or replace a regular file, creating missing parent directories.
+        """Create or atomically replace a regular file, creating missing parent directories.
 
         Args:
             path: the file (see the module docstring).
             data: its new content.
-            mode: permission bits (default 0o644 for a new file, unchanged for an existing one).
+            mode: permission bits (default 0o644 for a new file, the old mode when replacing one).
 
         Raises:
             PathEscapeError: the path leaves the workspace.
@@ -215,33 +217,40 @@ class Workspace:
         parts = self.components(path)
         if not parts:
             raise IsADirectoryError(f"{path!r} is the workspace root")
+        name = parts[-1]
         dfd = self._open_dir(parts[:-1], create=True)
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             try:
-                fd = os.open(parts[-1], flags, 0o644 if mode is None else mode, dir_fd=dfd)
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise PathEscapeError(f"{path!r} became a symlink while being opened") from e
-                if e.errno == errno.ENXIO:  # a FIFO without reader, a socket
-                    raise ValueError(f"{path!r} is not a regular file") from e
+                old: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                old = None
+            if old is not None and stat.S_ISDIR(old.st_mode):
+                raise IsADirectoryError(f"{path!r} is a directory")
+            if old is not None and not (stat.S_ISREG(old.st_mode) or stat.S_ISLNK(old.st_mode)):
+                raise ValueError(f"{path!r} is not a regular file (mode {oct(old.st_mode)})")
+            if mode is None:
+                mode = stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode) else 0o644
+            # Written beside the target and renamed over it: readers never see half a file, and the old
+            # inode (which might have other links) is never written through.
+            tmp = f".orchard-{secrets.token_hex(6)}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fchmod(fd, mode)
+                    self._chown_fd(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
                 raise
         finally:
             os.close(dfd)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{path!r} is not a regular file (mode {oct(st.st_mode)})")
-            os.set_blocking(fd, True)
-            os.ftruncate(fd, 0)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if mode is not None:
-                os.fchmod(fd, mode)
-            self._chown_fd(fd)
-        finally:
-            os.close(fd)
 
     def list_files(self, path: str = ".", recursive: bool = False) -> list[FileInfo]:
         """Entries under a directory (or the file itself), sorted by path; symlinks are listed, not followed.
@@ -287,22 +296,22 @@ class Workspace:
     def disk_usage(self) -> int:
         """Bytes allocated to the workspace (st_blocks * 512 summed over all entries, links not followed)."""
         total = 0
-        stack = [self.root]
+        stack = [os.open(self.root, _DIR_FLAGS)]
         while stack:
-            d = stack.pop()
+            dfd = stack.pop()
             try:
-                it = os.scandir(d)
-            except OSError:
-                continue
-            with it:
-                for e in it:
+                for e in os.scandir(dfd):
                     try:
                         st = e.stat(follow_symlinks=False)
                     except OSError:
                         continue
                     total += st.st_blocks * 512
                     if stat.S_ISDIR(st.st_mode):
-                        stack.append(e.path)
+                        # by fd with O_NOFOLLOW: a directory swapped for a symlink is not walked into
+                        with contextlib.suppress(OSError):
+                            stack.append(os.open(e.name, _DIR_FLAGS, dir_fd=dfd))
+            finally:
+                os.close(dfd)
         return total
 
 
