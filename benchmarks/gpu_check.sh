@@ -57,4 +57,19 @@ fi
 ((PIPESTATUS[0] == 0)) || status=1
 # === end of section: log-probs (issue 4) ====================================================================
 
+# === section: training step (issue 6) ======================================================================
+# 1. the trainer's tests (DeepSpeed ZeRO-2/3 on 2 gloo ranks vs plain torch, resume, micro-batch invariance),
+#    with the GPU hidden: two ranks cannot share one GPU under NCCL, and the tests pin the CPU path.
+CUDA_VISIBLE_DEVICES="" "$PYTHON" -m pytest tests/train tests/value -q -p no:cacheprovider \
+    --ignore=tests/train/test_action_logprobs.py 2>&1 | tee "$OUT/train_tests.txt"
+((PIPESTATUS[0] == 0)) || status=1
+
+# 2. a Qwen3-1.7B-shaped model (random weights) on one 8K-token sequence, bf16, DeepSpeed ZeRO-2 on one GPU,
+#    gradient checkpointing: seconds per step, tokens/s, peak memory and model FLOPs utilisation against
+#    PEAK_TFLOPS (formula in the script's docstring).
+"$PYTHON" benchmarks/train_step.py --qwen3-1p7b --device cuda --tokens 8192 --repeats 3 --warmup 2 \
+    --peak-tflops "$PEAK_TFLOPS" 2>&1 | tee "$OUT/train_step_cuda.txt"
+((PIPESTATUS[0] == 0)) || status=1
+# === end of section: training step (issue 6) ===============================================================
+
 exit "$status"
