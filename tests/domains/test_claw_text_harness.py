@@ -3,6 +3,7 @@ service: the scripted teacher solves one task per template, malformed replies en
 deleted mid-run gives env_error, and the proxy's samples equal rendering the same conversations directly."""
 
 import asyncio
+import copy
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from orchard.data import Message, Trajectory, render_turns
 from orchard.data.tokenizer import build_chat_tokenizer
-from orchard.domains.claw import text_harness, text_rollout
+from orchard.domains.claw import text_harness, text_rollout, world
 from orchard.domains.claw.harness import TEXT_SYSTEM
 from orchard.domains.claw.tasks import TEMPLATES, make_task
 from orchard.domains.claw.teacher import TeacherEngine
@@ -27,6 +28,7 @@ from orchard.rollout.proxy import RecordingProxy
 RUN_ID = "texttest"
 MALFORMED = "Let me look at the mail first."
 MALFORMED_LOGPROB = -0.5
+LOOPING = "Action: list_items {}"
 
 
 def first_user_turn(prompt_text: str) -> str:
@@ -34,12 +36,13 @@ def first_user_turn(prompt_text: str) -> str:
 
 
 class FaultyTeacher:
-    """The scripted teacher, except on two tasks: on ``malformed`` it always answers prose (log-prob -0.5 per
-    token); on ``doomed`` it deletes the episode's sandbox before answering the second call."""
+    """The scripted teacher, except on three tasks: on ``malformed`` it always answers prose (log-prob -0.5 per
+    token); on ``looping`` it lists the inventory forever; on ``doomed`` it deletes the episode's sandbox before
+    answering the second call."""
 
-    def __init__(self, teacher, tokenizer, *, malformed, doomed, doom):
+    def __init__(self, teacher, tokenizer, *, malformed, looping, doomed, doom):
         self.teacher, self.tokenizer = teacher, tokenizer
-        self.malformed, self.doomed, self.doom = malformed, doomed, doom
+        self.malformed, self.looping, self.doomed, self.doom = malformed, looping, doomed, doom
         self.doomed_at_call = None
 
     async def generate(self, requests):
@@ -47,8 +50,9 @@ class FaultyTeacher:
         for request in requests:
             text = self.tokenizer.decode(list(request.prompt_ids))
             user = first_user_turn(text)
-            if user == self.malformed:
-                ids = self.tokenizer.encode(MALFORMED + self.tokenizer.eos_token, add_special_tokens=False)
+            if user in (self.malformed, self.looping):
+                reply = MALFORMED if user == self.malformed else LOOPING
+                ids = self.tokenizer.encode(reply + self.tokenizer.eos_token, add_special_tokens=False)
                 completion = Completion(ids, [MALFORMED_LOGPROB] * len(ids), "stop")
                 out.append(GenerateResult(tuple(request.prompt_ids), [completion]))
                 continue
@@ -73,10 +77,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def batch(tokenizer):
-    """One batch through the program: one task per template (the teacher), one malformed, one doomed."""
+    """One batch through the program: one task per template (the teacher), one malformed, one looping, one
+    doomed (in this order, last)."""
     solved = [make_task(t, 7) for t in TEMPLATES]
-    malformed, doomed = make_task("set_stock", 8), make_task("order_flow", 8)
-    tasks = [*solved, malformed, doomed]
+    malformed, looping, doomed = make_task("set_stock", 8), make_task("set_stock", 9), make_task("order_flow", 8)
+    tasks = [*solved, malformed, looping, doomed]
     assert len({t.prompt for t in tasks}) == len(tasks)
     argvs = []
     run_program = text_rollout._run_program
@@ -97,7 +102,8 @@ def batch(tokenizer):
                     await client.request("DELETE", f"/sandboxes/{doomed_id}")
 
                 engine = FaultyTeacher(TeacherEngine(tokenizer, tasks), tokenizer,
-                                       malformed=malformed.prompt, doomed=doomed.prompt, doom=doom)
+                                       malformed=malformed.prompt, looping=looping.prompt, doomed=doomed.prompt,
+                                       doom=doom)
                 proxy = RecordingProxy(engine, tokenizer)
                 try:
                     episodes = await run_text_episodes(
@@ -161,7 +167,7 @@ def test_proxy_samples_equal_rendering_the_conversation(batch, tokenizer):
 
 @pytest.mark.slow
 def test_malformed_replies_end_in_format_error_with_reward_minus_one(batch, tokenizer):
-    episode = batch["episodes"][-2]
+    episode = batch["episodes"][-3]
     assert episode.termination_reason == "format_error"
     assert episode.reward == -1.0 and episode.trainable
     # Nothing was done: completion 0 (the stock check fails), so the verdict fails.
@@ -178,6 +184,19 @@ def test_malformed_replies_end_in_format_error_with_reward_minus_one(batch, toke
 
 
 @pytest.mark.slow
+def test_valid_calls_without_an_end_run_out_of_steps(batch):
+    episode = batch["episodes"][-2]
+    # The default budget: 6 turns, each a valid call (no format error), then step_budget; the stock is unchanged.
+    assert (episode.termination_reason, episode.steps, episode.tool_calls, episode.format_errors) == (
+        "step_budget", 6, 6, 0)
+    assert len(episode.samples) == 6
+    assert episode.reward == -1.0 and episode.reward_components["completion"] == 0.0
+    # Each observation is the world's listing of this task's initial inventory, run in the sandbox.
+    listing = world.apply_tool(copy.deepcopy(episode.task.state), "list_items", {})
+    assert [m["content"] for m in episode.messages[3::2]] == [f"Observation: {listing}"] * 6
+
+
+@pytest.mark.slow
 def test_sandbox_deleted_mid_run_is_env_error_and_unscored(batch):
     episode = batch["episodes"][-1]
     assert batch["engine"].doomed_at_call == 1
@@ -188,8 +207,8 @@ def test_sandbox_deleted_mid_run_is_env_error_and_unscored(batch):
     assert (episode.steps, episode.tool_calls) == (2, 1)
     metrics = summarize_text_episodes(batch["episodes"])
     assert metrics["text/env_errors"] == 1.0 and metrics["text/format_error_episodes"] == 1.0
-    # 9 solved + 1 failed are scored (the env_error is not): success 9 / 10.
-    assert metrics["text/success_rate"] == pytest.approx(0.9)
+    # 9 solved + 2 failed are scored (the env_error is not): success 9 / 11.
+    assert metrics["text/success_rate"] == pytest.approx(9 / 11)
 
 
 @pytest.mark.slow

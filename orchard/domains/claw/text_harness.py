@@ -211,7 +211,13 @@ async def run_all(episodes: list[dict[str, Any]], settings: Settings, *, env_url
 
             async def one(episode: dict[str, Any]) -> None:
                 async with semaphore:
-                    result = await run_episode(http, env, settings, episode)
+                    try:
+                        result = await run_episode(http, env, settings, episode)
+                    except Exception as exc:  # a bug here must not lose the other episodes' reports
+                        result = {"session_id": episode["session_id"], "sandbox_id": episode["sandbox_id"],
+                                  "termination_reason": "env_error", "steps": 0, "format_errors": 0,
+                                  "tool_calls": 0, "error": f"harness: {type(exc).__name__}: {exc}",
+                                  "messages": [], "wall_s": 0.0}
                 out.write(json.dumps(result) + "\n")
                 out.flush()
                 counts[result["termination_reason"]] = counts.get(result["termination_reason"], 0) + 1
