@@ -16,9 +16,12 @@ import tempfile
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchard.env.agent import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, SandboxAgent, Workspace
 from orchard.env.agent.isolation import probe_bubblewrap
+from orchard.env.agent.process import _Capture
 from orchard.env.backends.base import ExecRequest, PathEscapeError
 
 IS_ROOT = os.geteuid() == 0
@@ -427,3 +430,38 @@ def test_under_uvloop(workspace_dir, mode, wrappers):
         await assert_no_leftovers(m)
 
     uvloop.run(scenario())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cap=st.integers(min_value=0, max_value=300),
+    chunks=st.lists(st.tuples(st.sampled_from([1, 2]), st.binary(max_size=120)), max_size=12),
+)
+def test_capture_keeps_exactly_the_prefix(cap, chunks):
+    """Property: whatever the chunking, each stream keeps its first `cap` bytes and is flagged truncated
+    exactly when it produced more."""
+    loop = asyncio.new_event_loop()
+    try:
+        capture = _Capture(cap, loop)
+        for fd, data in chunks:
+            capture.pipe_data_received(fd, data)
+        for fd in (1, 2):
+            full = b"".join(d for f, d in chunks if f == fd)
+            assert bytes(capture.data[fd]) == full[:cap]
+            assert capture.truncated[fd] == (len(full) > cap)
+    finally:
+        loop.close()
+
+
+def test_limits_validation():
+    assert Limits() == Limits(pids=256, memory_mb=4096, cpu=None)
+    for kw in (
+        {"pids": 0},
+        {"pids": 1.5},
+        {"memory_mb": -1},
+        {"cpu": 0},
+        {"cpu": float("nan")},
+        {"pids": True},
+    ):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            Limits(**kw)

@@ -301,3 +301,27 @@ async def test_home_persists_outside_the_workspace(root_dir, use_bwrap):
             ),
         )
         assert (r.exit_code, r.stdout) == (0, b"sandbox\nsandbox\n1\norchard sandbox\n"), r
+
+
+def test_image_registry_resolution(tmp_path, caplog):
+    (tmp_path / "images" / "ghcr.io_acme_py:3.11").mkdir(parents=True)
+    (tmp_path / "rootfs").mkdir()
+    reg = ImageRegistry({"mine": tmp_path / "rootfs"}, images_dir=tmp_path / "images")
+    assert reg.resolve("host").rootfs == "/"
+    assert reg.resolve("mine").rootfs == str(tmp_path / "rootfs")
+    assert reg.resolve("ghcr.io/acme/py:3.11").rootfs == str(tmp_path / "images" / "ghcr.io_acme_py:3.11")
+    assert reg.names() == ["ghcr.io_acme_py:3.11", "host", "mine"]
+    for bad in ("python:3.11", "..", ""):
+        with pytest.raises(ImageNotFoundError):
+            reg.resolve(bad)
+    with caplog.at_level(logging.WARNING):
+        lenient = ImageRegistry(fallback="host")
+        assert lenient.resolve("python:3.11").rootfs == "/"
+        assert lenient.resolve("python:3.11").name == "python:3.11"
+    assert caplog.text.count("python:3.11") == 1  # warned once per name
+    with pytest.raises(ValueError, match="rootfs"):
+        ImageRegistry({"x": tmp_path / "missing"})
+    with pytest.raises(ValueError, match="fallback"):
+        ImageRegistry(fallback="nope")
+    with pytest.raises(ValueError, match="images_dir"):
+        ImageRegistry(images_dir=tmp_path / "missing")
