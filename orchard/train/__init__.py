@@ -1,1 +1,29 @@
-"""orchard.train."""
+"""orchard.train: model loading, the training step (plain torch or DeepSpeed ZeRO-2/3), checkpoints that resume
+exactly, metric loggers, and typed configs (layer 5). See ``docs/training.md`` and ``docs/metrics.md``.
+
+DeepSpeed is imported only when a DeepSpeed engine is built.
+"""
+
+from orchard.train.config import config_to_dict, field_docs, format_help, load_config
+from orchard.train.model import load_causal_lm
+from orchard.train.objective import LossTerm, loss_term_names, objective_loss, register_loss_term
+from orchard.train.schedule import cosine_lr, cosine_schedule
+from orchard.train.trainer import DataCursor, OptimConfig, TrainConfig, Trainer
+
+__all__ = [
+    "DataCursor",
+    "LossTerm",
+    "OptimConfig",
+    "TrainConfig",
+    "Trainer",
+    "config_to_dict",
+    "cosine_lr",
+    "cosine_schedule",
+    "field_docs",
+    "format_help",
+    "load_causal_lm",
+    "load_config",
+    "loss_term_names",
+    "objective_loss",
+    "register_loss_term",
+]
