@@ -138,6 +138,8 @@ class AgentLoop:
         env_retries: extra attempts of sandbox creation. Default 2.
         max_format_errors: consecutive turns with a malformed or unknown tool call that end the rollout with
             ``format_error``. Default 3.
+        max_prompt_tokens: a prompt longer than this ends the rollout before sampling, as ``step_budget`` with
+            ``metadata["context_exhausted"] = True`` (the context is a budget too). Default None: no limit.
         concurrency: rollouts in flight at once in `run_many`. Default 8.
         start_jitter_s: each rollout of `run_many` first sleeps uniform(0, start_jitter_s), so a large batch does
             not hit the sandbox service and the engine in one burst. Default 1.0.
@@ -161,6 +163,7 @@ class AgentLoop:
         env_timeout_s: float = 300.0,
         env_retries: int = 2,
         max_format_errors: int = 3,
+        max_prompt_tokens: int | None = None,
         concurrency: int = 8,
         start_jitter_s: float = 1.0,
         retry_backoff_s: float = 0.5,
@@ -196,6 +199,10 @@ class AgentLoop:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(max_format_errors, int) or max_format_errors < 1:
             raise ValueError(f"max_format_errors must be an int >= 1, got {max_format_errors!r}")
+        if max_prompt_tokens is not None and (
+            not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1
+        ):
+            raise ValueError(f"max_prompt_tokens must be an int >= 1 or None, got {max_prompt_tokens!r}")
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
         if not start_jitter_s >= 0 or not retry_backoff_s >= 0:
@@ -223,6 +230,7 @@ class AgentLoop:
         self.env_timeout_s = float(env_timeout_s)
         self.env_retries = env_retries
         self.max_format_errors = max_format_errors
+        self.max_prompt_tokens = max_prompt_tokens
         self.concurrency = concurrency
         self.start_jitter_s = float(start_jitter_s)
         self.retry_backoff_s = float(retry_backoff_s)
@@ -338,6 +346,9 @@ class AgentLoop:
                     termination = "time_budget"
                     break
                 prompt_ids = builder.prompt(messages)
+                if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
+                    meta["context_exhausted"] = True
+                    break
                 m0 = time.monotonic()
                 completion, version = await self._model_call(prompt_ids, deadline)
                 meta["model_s"] += time.monotonic() - m0

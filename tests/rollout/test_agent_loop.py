@@ -128,6 +128,15 @@ def test_budgets(service, tokenizer):
     slow = ScriptedEngine(tokenizer, lambda prompt: exec_call("true"), delay_s=0.3)
     (traj,) = run_loop(service, slow, ShellHarness(), tokenizer, [{"prompt": "go"}], max_time_s=0.8)
     assert traj.termination_reason == "time_budget" and 1 <= traj.metadata["steps"] <= 3
+    # the context is a budget too: the second prompt (first + the turn + its observation) is over the limit
+    first = RecordingEngine(ScriptedEngine(tokenizer, lambda prompt: exec_call("true")))
+    run_loop(service, first, ShellHarness(max_steps=1), tokenizer, [{"prompt": "go"}])
+    limit = len(first.prompts[0]) + 5
+    (traj,) = run_loop(
+        service, always, ShellHarness(), tokenizer, [{"prompt": "go"}], max_prompt_tokens=limit
+    )
+    assert traj.termination_reason == "step_budget" and traj.metadata["context_exhausted"]
+    assert traj.metadata["steps"] == 1
     # a turn cut by max_tokens: the template's end-of-turn token is context, and the prompt stays exact
     engine = RecordingEngine(ScriptedEngine(tokenizer, ["x" * 40, "ok"]))
     (traj,) = run_loop(
