@@ -34,6 +34,7 @@ logs a warning when it falls back and reports `isolation = "process-group"`.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import math
@@ -196,21 +197,20 @@ class MarkedGroupTree(PidfdProcess):
         self.kill_main()
         self.cleanup()
 
-    async def settle(self, timeout_s: float) -> None:
-        return None
-
     def cleanup(self) -> None:
         if self.pid is not None:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        # Killed processes cannot fork any more, so a few rounds reach a fixed point even under a fork bomb.
-        for _ in range(100):
-            found = kill_marked(self.needle, self.uid)
-            if not found:
-                return
-            time.sleep(0.005)
+        kill_marked(self.needle, self.uid)
+
+    async def settle(self, timeout_s: float) -> None:
+        # Killed processes cannot fork any more, so repeated passes reach a fixed point even under a fork
+        # bomb; a child forked during the previous pass is caught by the next.
+        deadline = time.monotonic() + timeout_s
+        while kill_marked(self.needle, self.uid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
 
 def marker_needle(prefix: str) -> bytes:

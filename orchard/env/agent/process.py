@@ -184,12 +184,16 @@ async def run_captured(
             **popen_kwargs,
         )
     except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+        tree.release()
         return ExecResult(
             exit_code=127,
             stdout=b"",
             stderr=f"cannot run {argv[0]!r}: {e.strerror}\n".encode(),
             duration_s=time.monotonic() - start,
         )
+    except BaseException:
+        tree.release()
+        raise
     pid = transport.get_pid()
     tree.attach(pid)
     if on_start is not None:
