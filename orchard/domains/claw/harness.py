@@ -31,14 +31,11 @@ WORLD_SOURCE = Path(world.__file__).read_text()
 PYTHON = "python3"
 """The interpreter inside the sandbox (any image with a python3 on PATH hosts the world)."""
 
-REACT_SYSTEM = (
-    "You are a personal assistant with tools for mail, calendar, inventory and files. "
-    "Call one tool per turn. When the task is complete, answer with a short summary and no tool call."
-)
+REACT_SYSTEM = "You are a personal assistant. Call one tool per turn; when the task is done, reply with a summary."
 
 TEXT_SYSTEM = (
-    "You are a personal assistant for mail, calendar, inventory and files. Each turn write exactly one line: "
-    "'Action: <tool> <json arguments>', or 'Final: <summary>' when the task is complete.\nTools: "
+    "You are a personal assistant. Each turn write one line: 'Action: <tool> <json arguments>', "
+    "or 'Final: <summary>' when the task is done.\nTools: "
     + "; ".join(f"{name} {{{', '.join(params)}}}" for name, (_, params) in world.TOOLS.items())
 )
 

@@ -47,7 +47,7 @@ class TeacherEngine:
     def next_turn(self, prompt_text: str) -> str:
         """The teacher's next assistant turn (without the end-of-turn token) for a rendered prompt."""
         turns = prompt_text.split(_TURN)
-        text_harness = any(t.startswith("system\n" + TEXT_SYSTEM[:40]) for t in turns)
+        text_harness = any(t.startswith("system\n" + TEXT_SYSTEM) for t in turns)
         user_turns = [t for t in turns if t.startswith("user\n")]
         if not user_turns:
             raise ValueError("prompt_text holds no user turn")

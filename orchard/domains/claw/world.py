@@ -21,15 +21,15 @@ LOG = ".claw/log.jsonl"
 SPEC = ".claw/spec.json"
 
 TOOLS = {
-    "list_mail": ("List the inbox: id, sender, subject.", {}),
-    "read_mail": ("Read one email.", {"id": "string"}),
-    "search_mail": ("Find emails whose sender, subject or body contains the query.", {"query": "string"}),
+    "list_mail": ("List the inbox.", {}),
+    "read_mail": ("Read an email.", {"id": "string"}),
+    "search_mail": ("Search sender, subject and body.", {"query": "string"}),
     "send_mail": ("Send an email.", {"to": "string", "subject": "string", "body": "string"}),
-    "list_events": ("List calendar events.", {}),
-    "add_event": ("Add a calendar event.", {"title": "string", "date": "string", "time": "string"}),
-    "update_event": ("Change an event's date or time.", {"id": "string", "date": "string", "time": "string"}),
+    "list_events": ("List the calendar.", {}),
+    "add_event": ("Add an event.", {"title": "string", "date": "string", "time": "string"}),
+    "update_event": ("Move an event.", {"id": "string", "date": "string", "time": "string"}),
     "list_items": ("List the inventory.", {}),
-    "update_item": ("Set the stock of an item.", {"name": "string", "qty": "integer"}),
+    "update_item": ("Set an item's stock.", {"name": "string", "qty": "integer"}),
     "list_files": ("List the files.", {}),
     "read_file": ("Read a file.", {"path": "string"}),
     "write_file": ("Write a file.", {"path": "string", "content": "string"}),
