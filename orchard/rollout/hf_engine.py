@@ -238,7 +238,7 @@ class HFEngine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
         temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
         top_p_B = torch.tensor([r.params.top_p for r in rows], device=device)
-        greedy_B = torch.tensor([r.params.temperature == 0 for r in rows], device=device)
+        greedy = [r.params.temperature == 0 for r in rows]
         seeded = [b for b, r in enumerate(rows) if r.params.seed is not None and r.params.temperature > 0]
         generators = {b: self._row_generator(rows[b], device) for b in seeded}
         max_tokens = [r.params.max_tokens for r in rows]
@@ -260,7 +260,7 @@ class HFEngine:
                 **kwargs,
             ).logits[:, -1, :]  # [B, V]
             logp_BV = nucleus_logprobs(logits, temperature_B, top_p_B)
-            next_B = self._sample(logp_BV, greedy_B, seeded, generators, finish)
+            next_B = self._sample(logp_BV, greedy, seeded, generators, finish)
             picked_B = logp_BV.gather(1, next_B[:, None])[:, 0].tolist()
             next_list = next_B.tolist()
             for b in range(batch):
@@ -285,7 +285,7 @@ class HFEngine:
     def _sample(
         self,
         logp_BV: torch.Tensor,
-        greedy_B: torch.Tensor,
+        greedy: list[bool],
         seeded: list[int],
         generators: dict[int, torch.Generator],
         finish: list[str | None],
@@ -296,7 +296,7 @@ class HFEngine:
         next_B = logp_BV.argmax(dim=-1)  # [B]
         seeded_set = set(seeded)
         shared = [
-            b for b in range(len(finish)) if not greedy_B[b] and b not in seeded_set and finish[b] is None
+            b for b in range(len(finish)) if not greedy[b] and b not in seeded_set and finish[b] is None
         ]
         if shared:
             if self._generator is None or self._generator.device != device:
