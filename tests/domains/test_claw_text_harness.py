@@ -107,7 +107,7 @@ def batch(tokenizer):
                 proxy = RecordingProxy(engine, tokenizer)
                 try:
                     episodes = await run_text_episodes(
-                        tasks, client=client, proxy=proxy, concurrency=3, run_id=RUN_ID, max_tokens=128)
+                        tasks, client=client, proxy=proxy, concurrency=3, run_id=RUN_ID)
                     left = [s["sandbox_id"] for s in await client.list_sandboxes()]
                     return episodes, engine, proxy.sessions(), left
                 finally:

@@ -34,7 +34,7 @@ import secrets
 import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,9 @@ KEY_ENV = "ORCHARD_TEXT_HARNESS_ENV_KEY"
 """The environment variable that hands the sandbox service's key to the child process."""
 
 PROGRAM = "orchard.domains.claw.text_harness"
+
+VERIFY_ERRORS: tuple[type[BaseException], ...] = (*ENV_ERRORS, ValueError)
+"""A verifier that could not run, or printed no verdict (`parse_verdict`'s ValueError), failed the environment."""
 
 
 @dataclass
@@ -116,8 +119,9 @@ def _quiet_server(app: Any) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
-        def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-            return contextlib.nullcontext()
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
 
     return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30))
 
@@ -245,13 +249,13 @@ async def run_text_episodes(
         raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
     if not isinstance(proxy, RecordingProxy):
         raise ValueError(f"proxy must be a RecordingProxy, got {type(proxy).__name__}")
-    for name, value in (("group_size", group_size), ("concurrency", concurrency), ("max_steps", max_steps),
+    for name, count in (("group_size", group_size), ("concurrency", concurrency), ("max_steps", max_steps),
                         ("max_tokens", max_tokens), ("max_format_errors", max_format_errors)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    for name, value in (("max_time_s", max_time_s), ("exec_timeout_s", exec_timeout_s)):
-        if not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
+    for name, seconds in (("max_time_s", max_time_s), ("exec_timeout_s", exec_timeout_s)):
+        if not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {seconds!r}")
     if program_timeout_s is not None and not 0 < program_timeout_s < math.inf:
         raise ValueError(f"program_timeout_s must be a finite number > 0 or None, got {program_timeout_s!r}")
     if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
@@ -286,7 +290,7 @@ async def run_text_episodes(
                 verdict = await asyncio.wait_for(
                     verify_sandbox(sandboxes[episode.session_id], episode.task, timeout=exec_timeout_s),
                     exec_timeout_s + 30)
-            except (*ENV_ERRORS, ValueError) as exc:
+            except VERIFY_ERRORS as exc:
                 episode.termination_reason, episode.error = "env_error", f"verify: {type(exc).__name__}: {exc}"
                 return
             episode.reward, episode.reward_components = verdict.reward, verdict.components
