@@ -166,3 +166,29 @@ def test_bad_inputs_raise_value_error(tiny_model):
     with pytest.raises(ValueError, match="model"):
         HFEngine("gpt2")
     assert asyncio.run(HFEngine(tiny_model).generate([])) == []
+
+
+def test_mixed_sampling_params_share_one_batch(tiny_model):
+    # one batch holding a greedy row, two tempered rows and an n=2 request, odd prompt lengths, different lengths
+    engine = HFEngine(tiny_model, max_batch_size=16)
+    specs = [
+        ([3, 1, 4], 0.0, 5),
+        ([1, 5, 9, 2, 6, 5, 3], 0.5, 7),
+        ([5, 8], 1.7, 3),
+        ([9, 7, 9, 3, 2], 1.0, 6),
+    ]
+    requests = [
+        GenerateRequest(p, SamplingParams(temperature=t, max_tokens=m, seed=i, n=2 if i == 3 else 1))
+        for i, (p, t, m) in enumerate(specs)
+    ]
+    results = asyncio.run(engine.generate(requests))
+    for (prompt, temperature, max_tokens), result in zip(specs, results, strict=True):
+        for c in result.completions:
+            assert len(c.token_ids) == max_tokens
+            ref = _recomputed_logprobs(tiny_model, prompt, c.token_ids, temperature or 1.0)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=2e-5, rtol=1e-5)
+    greedy = asyncio.run(
+        engine.generate([GenerateRequest(specs[0][0], SamplingParams(temperature=0, max_tokens=5))])
+    )
+    assert results[0].completions[0].token_ids == greedy[0].completions[0].token_ids
+    assert len(results[3].completions) == 2
