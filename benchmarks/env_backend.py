@@ -97,7 +97,9 @@ async def backend(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=200, help="commands in the serial pass (twice as many concurrent)")
+    p.add_argument(
+        "--n", type=int, default=200, help="commands in the serial pass (twice as many concurrent)"
+    )
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--sandboxes", type=int, default=50)
     p.add_argument("--root-parent", default=None, help="where the sandboxes live (default: the temp dir)")
