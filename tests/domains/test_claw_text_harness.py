@@ -76,7 +76,18 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def batch(tokenizer):
+def service():
+    with serve() as svc:
+        yield svc
+
+
+def sandbox_client(service):
+    retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
+    return AsyncSandboxClient(service.url, service.api_key, retry=retry)
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer, service):
     """One batch through the program: one task per template (the teacher), one malformed, one looping, one
     doomed (in this order, last)."""
     solved = [make_task(t, 7) for t in TEMPLATES]
@@ -90,12 +101,11 @@ def batch(tokenizer):
         argvs.append((argv, env))
         return await run_program(argv, env, timeout_s)
 
-    with serve() as service, pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(text_rollout, "_run_program", spy)
 
         async def main():
-            retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
-            async with AsyncSandboxClient(service.url, service.api_key, retry=retry) as client:
+            async with sandbox_client(service) as client:
                 doomed_id = f"{RUN_ID}-{len(tasks) - 1}"  # episode i is named f"{run_id}-{i}"
 
                 async def doom():
@@ -216,6 +226,32 @@ def test_the_service_key_never_reaches_the_command_line(batch):
     [(argv, env)] = batch["argvs"]
     assert batch["api_key"] not in " ".join(argv)
     assert env[argv[argv.index("--env-key-env") + 1]] == batch["api_key"]
+
+
+@pytest.mark.slow
+def test_a_program_that_reports_nothing_gives_env_errors_and_cleans_up(tokenizer, service):
+    tasks = [make_task("add_event", 3), make_task("write_note", 3)]
+
+    async def main():
+        async with sandbox_client(service) as client:
+            proxy = RecordingProxy(TeacherEngine(tokenizer, tasks), tokenizer)
+            try:
+                # Not an http URL: the program refuses its arguments (exit 2) before playing anything.
+                episodes = await run_text_episodes(tasks, client=client, proxy=proxy, proxy_url="ftp://nowhere",
+                                                   run_id="textcrash", group_size=2)
+                return episodes, proxy.sessions(), [s["sandbox_id"] for s in await client.list_sandboxes()]
+            finally:
+                await proxy.aclose()
+
+    episodes, sessions, sandboxes = asyncio.run(main())
+    assert [(e.task.id, e.group_index, e.session_id) for e in episodes] == [
+        (tasks[0].id, 0, "textcrash-0"), (tasks[0].id, 1, "textcrash-1"),
+        (tasks[1].id, 0, "textcrash-2"), (tasks[1].id, 1, "textcrash-3")]
+    for e in episodes:
+        assert e.termination_reason == "env_error" and e.reward is None and not e.trainable
+        assert "no report (exit 2)" in e.error and "model_url" in e.error, e.error
+        assert e.samples == [] and e.steps == 0
+    assert sessions == [] and not [s for s in sandboxes if s.startswith("textcrash")]
 
 
 def test_summary_counts_by_hand():
