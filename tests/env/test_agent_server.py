@@ -22,15 +22,28 @@ TOKEN = secrets.token_hex(16)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.fixture(scope="module")
-def agent_server():
+@pytest.fixture(scope="module", params=["auto", "process-group"])
+def agent_server(request):
+    """The agent as a pod would run it (process-group: the pod is the boundary) and with auto-detection."""
     base = tempfile.mkdtemp(prefix="orchard-agent-srv-")
     os.chmod(base, 0o711)
     root = os.path.join(base, "ws")
     sock = os.path.join(base, "agent.sock")
     env = {**os.environ, "ORCHARD_AGENT_TOKEN": TOKEN}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchard.env.agent", "--root", root, "--uds", sock, "--uid", "201999"],
+        [
+            sys.executable,
+            "-m",
+            "orchard.env.agent",
+            "--root",
+            root,
+            "--uds",
+            sock,
+            "--uid",
+            "201999",
+            "--isolation",
+            request.param,
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -50,7 +63,7 @@ def agent_server():
     else:
         proc.kill()
         raise RuntimeError("agent did not start")
-    yield sock, root
+    yield sock, root, request.param
     proc.terminate()
     try:
         proc.wait(10)
@@ -71,11 +84,13 @@ def decode(body: dict) -> tuple[int, bytes, bytes]:
 
 
 async def test_health_and_auth(agent_server):
-    sock, _ = agent_server
+    sock, root, mode = agent_server
     async with client(sock) as c:
         r = await c.get("/health")
         assert r.status_code == 200 and r.json()["status"] == "ok"
         assert r.json()["isolation"] in ("bubblewrap", "process-group")
+        if mode == "process-group":
+            assert r.json()["isolation"] == "process-group" and r.json()["workdir"] == root
         for method, url in [("POST", "/exec"), ("GET", "/files?path=x"), ("GET", "/resources")]:
             r = await c.request(method, url, json={"command": "true"})
             assert r.status_code == 401, (url, r.text)
@@ -84,7 +99,7 @@ async def test_health_and_auth(agent_server):
 
 
 async def test_exec_files_patch_over_http(agent_server):
-    sock, root = agent_server
+    sock, root, _ = agent_server
     async with client(sock) as c:
         r = await c.post(
             "/exec",
@@ -117,7 +132,7 @@ async def test_exec_files_patch_over_http(agent_server):
 
 
 async def test_timeout_over_http_leaves_nothing_and_agent_survives(agent_server):
-    sock, _ = agent_server
+    sock, _, _ = agent_server
     m = f"{970_000 + secrets.randbelow(9999)}.{secrets.randbelow(10**6):06d}"
     async with client(sock) as c:
         t0 = time.monotonic()
@@ -142,7 +157,7 @@ async def test_timeout_over_http_leaves_nothing_and_agent_survives(agent_server)
 
 
 async def test_pty_over_websocket(agent_server):
-    sock, _ = agent_server
+    sock, _, _ = agent_server
     async with unix_connect(sock, "ws://agent/pty?cols=80&rows=24", additional_headers=AUTH) as ws:
         await ws.send(b"stty size; echo $((7*6))z\n")
         buf = b""
