@@ -3,8 +3,9 @@
 **Bubblewrap** (the default where it works). Every process started for the sandbox runs as
 
     bwrap --unshare-user --unshare-pid --unshare-net --unshare-ipc --unshare-uts --die-with-parent
-          --new-session --tmpfs / <the image's top-level entries, read-only> --proc /proc --dev /dev
-          --tmpfs /tmp --bind <workspace> <mount> --remount-ro / --chdir <cwd> -- <command>
+          --new-session --tmpfs / <the image's top-level entries, read-only> --tmpfs <service dir>
+          --bind <home> /home --ro-bind <passwd> /etc/passwd --ro-bind <group> /etc/group --proc /proc
+          --dev /dev --tmpfs /tmp --bind <workspace> <mount> --remount-ro / --chdir <cwd> -- <command>
 
 started as the sandbox's own non-root uid (when the service is root, each sandbox gets a uid of its own, so
 the processes of one sandbox cannot signal or read another's). The new root is a read-only tmpfs with the
@@ -15,13 +16,16 @@ no network unless the sandbox was created with `network=True`. Each command gets
 init is bubblewrap's; killing the outer bubblewrap process kills that init (`--die-with-parent`) and the
 kernel then kills every process in the namespace, however it detached (`setsid`, double fork, `nohup`).
 
-**Limits** are rlimits set in the child before bubblewrap starts, inherited by everything in the sandbox:
+**Limits** are rlimits, set before bubblewrap starts and inherited by everything in the sandbox:
 `RLIMIT_NPROC` = pids (+2 for bubblewrap's own two processes; threads count as processes; counted per uid,
-so it is only set when the service is root and each sandbox has a uid of its own), `RLIMIT_AS` = memory_mb per process (address space,
-not resident memory: a whole-sandbox memory cap needs cgroups), `RLIMIT_CPU` = ceil(cpu x timeout) CPU
-seconds per process for an exec (a core limit spread over the command's wall-clock budget; PTY sessions have
-no CPU limit). cgroups are not used: on the machines this was built on only cgroup v1 is mounted and the
-service cannot assume it may create groups; rlimits work for any non-root uid.
+so it is only set when the service is root and each sandbox has a uid of its own), `RLIMIT_AS` = memory_mb
+per process (address space, not resident memory: a whole-sandbox memory cap needs cgroups), `RLIMIT_CPU` =
+ceil(cpu x timeout) CPU seconds per process for an exec (a core limit spread over the command's wall-clock
+budget; PTY sessions have no CPU limit). cgroups are not used: on the machines this was built on only
+cgroup v1 is mounted and the service cannot assume it may create groups; rlimits work for any non-root uid.
+The uid switch and the rlimits are done by the host's `setpriv` and `prlimit` (util-linux) as exec wrappers
+in front of bubblewrap when both exist (the child can then be spawned with vfork, which is cheaper in a
+large service process), else by a Python preexec function; PTYs always use the latter.
 
 **Process-group fallback** (no bubblewrap, or user namespaces disabled). Commands run directly on the host,
 as the sandbox's uid when the service is root, in a new session, with the same rlimits and an environment
