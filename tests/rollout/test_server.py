@@ -159,3 +159,27 @@ def test_update_weights_endpoint(tmp_path, tokenizer):
         )
     with serve_in_thread(build_app(engine, tokenizer)) as url:
         assert httpx.post(f"{url}/update_weights", json={"path": "x"}).status_code == 403
+
+
+def test_one_engine_serves_a_server_thread_and_the_callers_loop(tokenizer, tiny_model):
+    import asyncio
+    import threading
+
+    from orchard.rollout.engine import GenerateRequest, SamplingParams
+
+    engine = HFEngine(tiny_model)
+    request = GenerateRequest([5, 6, 7], SamplingParams(max_tokens=6, seed=9))
+    with serve_in_thread(build_app(engine, tokenizer)) as url:
+        remote = {}
+
+        def call():
+            body = {"prompt": [5, 6, 7], "max_tokens": 6, "seed": 9, "logprobs": 0}
+            remote["r"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        local = asyncio.run(engine.generate([request]))[0].completions[
+            0
+        ]  # this loop, while the server's runs
+        thread.join()
+    assert remote["r"]["choices"][0]["token_ids"] == local.token_ids  # same seed: same sample on either loop
