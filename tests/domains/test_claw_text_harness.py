@@ -5,9 +5,12 @@ deleted mid-run gives env_error, and the proxy's samples equal rendering the sam
 import asyncio
 import copy
 import json
+import signal
 
+import httpx
 import pytest
 import torch
+from fastapi import FastAPI
 
 from orchard.data import Message, Trajectory, render_turns
 from orchard.data.tokenizer import build_chat_tokenizer
@@ -18,6 +21,7 @@ from orchard.domains.claw.teacher import TeacherEngine
 from orchard.domains.claw.text_rollout import (
     TextEpisode,
     run_text_episodes,
+    serve_app,
     summarize_text_episodes,
 )
 from orchard.env import AsyncSandboxClient, RetryPolicy
@@ -252,6 +256,28 @@ def test_a_program_that_reports_nothing_gives_env_errors_and_cleans_up(tokenizer
         assert "no report (exit 2)" in e.error and "model_url" in e.error, e.error
         assert e.samples == [] and e.steps == 0
     assert sessions == [] and not [s for s in sandboxes if s.startswith("textcrash")]
+
+
+def test_serve_app_runs_on_the_callers_loop_and_leaves_signals_alone():
+    app, seen = FastAPI(), []
+
+    @app.get("/loop")
+    async def which_loop():
+        seen.append(asyncio.get_running_loop())
+        return {"ok": True}
+
+    async def main():
+        before = signal.getsignal(signal.SIGINT)
+        async with serve_app(app) as url, httpx.AsyncClient() as http:
+            during = signal.getsignal(signal.SIGINT)
+            status = (await http.get(url + "/loop")).status_code
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ConnectError):  # stopped on exit
+                await http.get(url + "/loop")
+        return asyncio.get_running_loop(), before, during, status
+
+    loop, before, during, status = asyncio.run(main())
+    assert status == 200 and seen == [loop] and during is before
 
 
 def test_summary_counts_by_hand():

@@ -114,7 +114,7 @@ class TextEpisode:
                       "error": self.error, "wall_s": self.wall_s, "recorded_calls": len(self.samples)})
 
 
-def _quiet_server(app: Any) -> Any:
+def _quiet_server(app: Any, shutdown_timeout_s: int) -> Any:
     """A uvicorn server that leaves the process's signal handlers alone (Ctrl-C stays the caller's)."""
     import uvicorn
 
@@ -123,36 +123,41 @@ def _quiet_server(app: Any) -> Any:
         def capture_signals(self) -> Iterator[None]:
             yield
 
-    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30))
+    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
+                                 timeout_graceful_shutdown=shutdown_timeout_s))
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+async def serve_app(
+    app: Any, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout_s: int = 30
+) -> AsyncIterator[str]:
     """Serve an ASGI app (e.g. ``RecordingProxy.app``) on the running event loop for the block; yields its URL.
 
     The server is an asyncio task of the caller's loop, so an engine behind the app runs on that loop too.
-    ``port=0`` picks a free port. Leaving the block stops the server and waits for it.
+    ``port=0`` picks a free port. Leaving the block stops the server: requests still in flight (e.g. of a child
+    that was killed) get up to ``shutdown_timeout_s`` (default 30) to finish, then are cancelled.
     """
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = _quiet_server(app)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError(f"the server on {host}:{port} stopped before it started")
-            await asyncio.sleep(0.01)
-        bound = sock.getsockname()[1]
-        yield f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await task
-        sock.close()
+    if isinstance(shutdown_timeout_s, bool) or not isinstance(shutdown_timeout_s, int) or shutdown_timeout_s < 1:
+        raise ValueError(f"shutdown_timeout_s must be an int >= 1, got {shutdown_timeout_s!r}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        server = _quiet_server(app, shutdown_timeout_s)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            while not server.started:
+                if task.done():
+                    task.result()
+                    raise RuntimeError(f"the server on {host}:{port} stopped before it started")
+                await asyncio.sleep(0.01)
+            bound = sock.getsockname()[1]
+            yield f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+        finally:
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await task
 
 
 def _program_env(env_key: str | None) -> dict[str, str]:
