@@ -384,16 +384,17 @@ class Trainer:
         bounds = [(i, min(i + mb, per_rank)) for i in range(0, per_rank, mb)]
         sums: dict[str, Tensor] = {}
         weights: dict[str, Tensor] = {}
-        one = torch.ones((), dtype=torch.float64)
+        device = next(self.engine.module.parameters()).device
+        one = torch.ones((), dtype=torch.float64, device=device)
         for j, (lo, hi) in enumerate(bounds):
-            micro = split_batch(shard, slice(lo, hi))
+            micro = {k: v.to(device, non_blocking=True) for k, v in split_batch(shard, slice(lo, hi)).items()}
             self.engine.begin_micro_batch()
             logprobs = self.logprob_fn(self.engine.forward_model(), micro)
             loss, metrics, sources = objective_loss_with_sources(objective, logprobs, micro, normalizers)
             self.engine.backward(loss * world, is_last_micro_batch=j == len(bounds) - 1)
             metrics["loss/total"] = loss.detach()
             for key, value in metrics.items():
-                value = value.detach().to(torch.float64).reshape(())
+                value = value.detach().to(device, torch.float64).reshape(())
                 if key.startswith("loss/"):
                     # Already divided by the global normaliser: micro-batch and rank values add up to the
                     # whole-batch loss (the 1/world weight per rank sums to 1 over ranks).
@@ -427,21 +428,24 @@ class Trainer:
         return out
 
     def _reduce(self, sums: dict[str, Tensor], weights: dict[str, Tensor]) -> dict[str, float]:
+        """Combine over ranks and divide; one host transfer for all metrics."""
         keys = sorted(sums)
-        if self.engine.world_size > 1 and keys:
+        if not keys:
+            return {}
+        if self.engine.world_size > 1:
             add = [k for k in keys if not k.endswith(("max", "min"))]
-            vec = torch.stack([sums[k] for k in add] + [torch.as_tensor(weights[k]) for k in add])
-            torch.distributed.all_reduce(vec)
-            for i, k in enumerate(add):
-                sums[k], weights[k] = vec[i], vec[len(add) + i]
+            if add:
+                vec = torch.stack([sums[k] for k in add] + [weights[k] for k in add])
+                torch.distributed.all_reduce(vec)
+                for i, k in enumerate(add):
+                    sums[k], weights[k] = vec[i], vec[len(add) + i]
             for k in keys:
                 if k.endswith(("max", "min")):
                     op = torch.distributed.ReduceOp.MAX if k.endswith("max") else torch.distributed.ReduceOp.MIN
                     t = sums[k].clone()
                     torch.distributed.all_reduce(t, op=op)
                     sums[k] = t
-        out = {}
-        for k in keys:
-            w = float(weights[k])
-            out[k] = float(sums[k]) / w if w > 0 else 0.0
-        return out
+        num = torch.stack([sums[k] for k in keys]).tolist()
+        den = torch.stack([torch.as_tensor(weights[k], dtype=torch.float64, device=sums[k].device)
+                           for k in keys]).tolist()
+        return {k: n / d if d > 0 else 0.0 for k, n, d in zip(keys, num, den, strict=True)}

@@ -45,10 +45,30 @@ def _plain(out: Path, micro: int = 2) -> None:
     _run([sys.executable, str(WORKER), str(out), "plain", "2", str(STEPS), str(micro)])
 
 
-def _deepspeed(out: Path, stage: int) -> None:
+def _deepspeed_args(out: Path, stage: int) -> list[str]:
     torchrun = Path(sys.executable).parent / "torchrun"
-    _run([str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-          str(_free_port()), str(WORKER), str(out), "deepspeed", str(stage), str(STEPS)])
+    return [str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+            str(_free_port()), str(WORKER), str(out), "deepspeed", str(stage), str(STEPS), "2"]
+
+
+def _run_until_killed(args: list[str], out: Path) -> None:
+    """Start ``args`` in its own process group, wait for the worker's kill point, SIGKILL the whole group."""
+    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (out / "killme").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "worker never reached the kill point"
+            time.sleep(0.2)
+        time.sleep(0.5)  # let every rank reach its sleep
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
 
 
 def _without_perf(rows: list[dict]) -> list[dict]:
@@ -65,7 +85,11 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_two_ranks_match_plain_torch(plain_run: Path, tmp_path: Path, stage: int) -> None:
-    _deepspeed(tmp_path, stage)
+    if stage == 3:
+        # ZeRO-3 is also killed after step 3 (checkpoint at step 2) and resumed from its DeepSpeed checkpoint.
+        _run_until_killed([*_deepspeed_args(tmp_path, stage), "3"], tmp_path)
+        assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
+    _run(_deepspeed_args(tmp_path, stage))
     ref = read_jsonl_metrics(plain_run / "metrics.jsonl")
     got = read_jsonl_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
@@ -91,19 +115,7 @@ def test_sigkilled_run_resumes_bit_identically(plain_run: Path, tmp_path: Path) 
     # The worker checkpoints every 2 steps; killed after logging step 3, it must resume from step 2, drop the
     # orphaned step-3 row, and replay steps 3-4 exactly (data noise comes from the restored global RNG).
     args = [sys.executable, str(WORKER), str(tmp_path), "plain", "2", str(STEPS), "2"]
-    proc = subprocess.Popen([*args, "3"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 300
-        while not (tmp_path / "killme").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
-            assert time.monotonic() < deadline, "worker never reached the kill point"
-            time.sleep(0.2)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+    _run_until_killed([*args, "3"], tmp_path)
     assert [r["step"] for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
     _run(args)
