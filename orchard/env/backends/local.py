@@ -176,7 +176,8 @@ class LocalBackend:
             address space per process, no CPU limit).
         use_bwrap: True requires bubblewrap (BackendError if it cannot create namespaces here), False uses
             the process-group fallback, None (default) probes and falls back with a logged warning.
-        uid_range: (first, count) of the uids given to sandboxes when running as root.
+        uid_range: (first, count) of the uids given to sandboxes when running as root; choose a range no
+            account and no /etc/subuid entry of the host uses (default 200000..265535).
         max_sandboxes: `create` raises CapacityError beyond this many sandboxes (None: no limit).
 
     Attributes:
