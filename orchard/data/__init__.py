@@ -30,6 +30,7 @@ from orchard.data.render import (
     RenderReport,
     TurnMismatch,
     collate,
+    merge_prefix_samples,
     render_trajectory,
     render_turns,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "flag_invalid_tool_calls",
     "from_hf_dataset",
     "iter_jsonl",
+    "merge_prefix_samples",
     "read_jsonl",
     "read_parquet",
     "render_trajectory",

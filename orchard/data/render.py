@@ -527,3 +527,44 @@ def collate(
     if adv_B is not None:
         batch["advantages"] = adv_B[:, None] * batch["action_mask"].float()  # [B, T]
     return batch
+
+
+def merge_prefix_samples(samples: Sequence[RenderedSample]) -> list[RenderedSample]:
+    """Merge consecutive per-call samples of one session whose sequences extend each other.
+
+    A harness that re-sends the whole conversation on every call produces, through a recording proxy, one sample
+    per call: call ``k``'s prompt plus its sampled ids. When call ``k+1``'s ``input_ids`` begin with all of call
+    ``k``'s (the earlier output came back token for token), the two are one sequence: the merged sample keeps the
+    longer ids and carries both calls' action masks, turn indices and log-probs, so each action token is trained
+    once and the shared context is computed once. Where the ids diverge (the harness rewrote history, or
+    re-tokenizing the earlier output gave other ids), the samples stay separate, which is always exact.
+
+    Args:
+        samples: the calls of ONE session, in call order.
+
+    Returns:
+        Fewer or equally many samples, in order; the action tokens of the input are each present exactly once.
+    """
+    if isinstance(samples, RenderedSample) or not isinstance(samples, Sequence):
+        raise ValueError(f"samples must be a sequence of RenderedSample, got {type(samples).__name__}")
+    merged: list[RenderedSample] = []
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, RenderedSample):
+            raise ValueError(f"samples[{i}] must be a RenderedSample, got {type(sample).__name__}")
+        if merged:
+            last = merged[-1]
+            n = last.input_ids.numel()
+            if sample.input_ids.numel() >= n and torch.equal(sample.input_ids[:n], last.input_ids):
+                action = sample.action_mask.clone()
+                action[:n] |= last.action_mask
+                turn = sample.turn_index.clone()
+                turn[:n] = torch.where(last.action_mask, last.turn_index, turn[:n])
+                logp = sample.old_logprobs.clone()
+                logp[:n] = torch.where(last.action_mask, last.old_logprobs, logp[:n])
+                known = sample.logprob_mask.clone()
+                known[:n] = torch.where(last.action_mask, last.logprob_mask, known[:n])
+                merged[-1] = RenderedSample(sample.input_ids, action, turn, logp, known, sample.report,
+                                            sample.reward, sample.task_id, sample.group_id)
+                continue
+        merged.append(sample)
+    return merged
