@@ -233,7 +233,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-key-env", default=None, help="environment variable holding the model's API key")
     p.add_argument("--model", default="orchard", help="the request's model field")
     p.add_argument("--env-url", required=True, help="sandbox service URL")
-    p.add_argument("--env-key-env", required=True, help="environment variable holding the sandbox service key")
+    p.add_argument("--env-key-env", required=True,
+                   help="environment variable holding the sandbox service key (empty: the service has none)")
     p.add_argument("--episodes", required=True, help="JSONL: session_id, sandbox_id, prompt")
     p.add_argument("--out", required=True, help="JSONL written here, one line per episode")
     p.add_argument("--concurrency", type=int, default=8)
@@ -259,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if not args.temperature >= 0 or not 0 < args.top_p <= 1:
         parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
-    env_key = os.environ.get(args.env_key_env)
-    if not env_key:
+    if args.env_key_env not in os.environ:  # set but empty: a service without a key
         parser.error(f"--env-key-env names {args.env_key_env!r}, which is not set in the environment")
+    env_key = os.environ[args.env_key_env] or None
     model_key = os.environ.get(args.model_key_env) if args.model_key_env else None
     if args.model_key_env and not model_key:
         parser.error(f"--model-key-env names {args.model_key_env!r}, which is not set in the environment")
