@@ -137,7 +137,7 @@ def train_value_model(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        row = {"value/loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
+        row = {"value/loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
         history.append(row)
         if log is not None:
             log(row, step)

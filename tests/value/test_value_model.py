@@ -134,3 +134,28 @@ def test_value_training_reranks_better_than_random() -> None:
     rep = evaluate_reranking(vm, [render_trajectory(t, tok) for t in held], pad_id=tok.pad_token_id)
     assert rep["rerank/groups"] == 12 and rep["rerank/n"] == 4
     assert rep["rerank/success"] >= rep["rerank/oracle"] - 1e-9 > rep["rerank/random"]
+
+
+def test_value_train_script_end_to_end(tmp_path: Path) -> None:
+    from orchard.data import write_jsonl
+    from orchard.train.metrics import read_jsonl_metrics
+    from orchard.value.train import main
+
+    tok = build_chat_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    tiny_qwen3(tok, seed=0).save_pretrained(tmp_path / "lm")
+    pool = [_traj(f"t{i % 3}", float(i % 2), word="pass" if i % 2 else "fail") for i in range(9)]
+    pool.append(_traj("t0", 1.0, word="x", reason="env_error"))
+    write_jsonl(pool, tmp_path / "pool.jsonl")
+    write_jsonl([_traj(f"h{i // 3}", float(i % 3 == 0), word="w") for i in range(6)], tmp_path / "held.jsonl")
+    report = main([f"data={tmp_path / 'pool.jsonl'}", f"tokenizer={tmp_path / 'tok'}", f"model={tmp_path / 'lm'}",
+                   f"output_dir={tmp_path / 'out'}", f"eval_data={tmp_path / 'held.jsonl'}", "steps=2",
+                   "batch_size=4", "lr=1e-4"])
+    # 2 held-out tasks of 3 candidates, one success each: random = 1/3, oracle = 1.
+    assert report["rerank/groups"] == 2 and report["rerank/n"] == 3
+    assert report["rerank/random"] == pytest.approx(1 / 3) and report["rerank/oracle"] == 1.0
+    rows = read_jsonl_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 2] and "value/loss" in rows[0]
+    assert isinstance(ValueModel.from_pretrained(tmp_path / "out" / "model"), ValueModel)
+    with pytest.raises(ValueError, match="'data' is required"):
+        main([f"tokenizer={tmp_path / 'tok'}"])
