@@ -90,7 +90,8 @@ class TextEpisode:
 
     @property
     def trainable(self) -> bool:
-        """Scored and not an environment failure: the only episodes a trainer may use."""
+        """Scored and not an environment failure: the only episodes a trainer may use. (``time_budget`` episodes
+        are scored like any other; a recipe that follows the paper's "timeouts dropped" drops them as well.)"""
         return self.termination_reason != "env_error" and self.reward is not None
 
     def trajectory(self) -> Trajectory:
