@@ -15,9 +15,12 @@ gives the whole-batch token mean exactly, so the gradient does not depend on how
 |---|---|---|---|
 | ``sft`` | ``sft_loss`` (inputs masked: only assistant tokens) | — | ``action_mask`` |
 | ``credit_sft`` | ``sft_loss`` on the credit-assigned mask | ``sft_mask`` (from ``credit_assigned_sft_mask``) | ``sft_mask`` |
-| ``policy`` | ``policy_loss`` (GRPO/PPO, clip 0.2 / 0.28) | ``old_logprobs``, ``advantages`` | ``action_mask`` |
+| ``policy`` | ``policy_loss`` (GRPO/PPO, clip 0.2 / 0.28) | ``old_logprobs``, ``advantages`` | ``policy_mask`` |
 | ``k2_opd`` / ``k3_opd`` / ``js_opd`` | on-policy distillation | ``teacher_logprobs`` | ``action_mask`` |
 | ``kl`` | ``kl_penalty`` to a reference, token mean | ``ref_logprobs`` (kwarg ``kind``, default ``k3+``) | ``action_mask`` |
+
+``policy_mask`` is derived (``with_derived_masks``): ``action_mask & logprob_mask`` when the batch has
+``logprob_mask`` (rendering marks where the sampling log-prob is known; a ratio needs it), else ``action_mask``.
 
 Metrics of a term keep the loss's own keys (``clip/low_frac``); ``loss/<term>`` is the term's unweighted value.
 """
@@ -31,7 +34,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LossTerm", "TermSpec", "loss_term_names", "objective_loss", "register_loss_term", "term_mask_key"]
+__all__ = [
+    "LossTerm",
+    "TermSpec",
+    "loss_term_names",
+    "objective_loss",
+    "register_loss_term",
+    "term_mask_key",
+    "with_derived_masks",
+]
 
 
 @dataclass
@@ -90,6 +101,17 @@ def term_mask_key(name: str) -> str:
     return _spec(name).mask_key
 
 
+def with_derived_masks(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``batch`` plus the masks computed from others: ``policy_mask`` (module docstring), unless present."""
+    out = dict(batch)
+    if "policy_mask" not in out and "action_mask" in out:
+        mask = out["action_mask"].bool()
+        if "logprob_mask" in out:
+            mask = mask & out["logprob_mask"].bool()
+        out["policy_mask"] = mask
+    return out
+
+
 def check_objective(objective: list[LossTerm], batch_keys: set[str] | None = None) -> None:
     """Validate an objective (names, weights) and, given the batch's keys, that every term finds its inputs."""
     if not isinstance(objective, list) or not objective:
@@ -137,6 +159,7 @@ def objective_loss_with_sources(
 ) -> tuple[Tensor, dict[str, Tensor], dict[str, str]]:
     """``objective_loss`` plus, for every metric key, the mask key of the term that produced it (so a trainer
     can weight a per-micro-batch mean by the right token count when it combines micro-batches)."""
+    batch = with_derived_masks(batch)
     check_objective(objective, set(batch))
     total = logprobs.new_zeros(())
     metrics: dict[str, Tensor] = {}
@@ -170,7 +193,7 @@ def _policy(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **
     from orchard.losses import policy_loss
 
     return policy_loss(
-        logprobs, batch["old_logprobs"], batch["advantages"], batch["action_mask"],
+        logprobs, batch["old_logprobs"], batch["advantages"], batch["policy_mask"],
         agg="token-sum-norm", normalizer=normalizer, **kw,
     )
 
@@ -196,7 +219,7 @@ def _kl(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, *, kin
 
 register_loss_term("sft", _sft)
 register_loss_term("credit_sft", _credit_sft, mask_key="sft_mask")
-register_loss_term("policy", _policy, needs=("old_logprobs", "advantages"))
+register_loss_term("policy", _policy, mask_key="policy_mask", needs=("old_logprobs", "advantages"))
 register_loss_term("k2_opd", _opd("k2_opd_loss"), needs=("teacher_logprobs",))
 register_loss_term("k3_opd", _opd("k3_opd_loss"), needs=("teacher_logprobs",))
 register_loss_term("js_opd", _opd("js_opd_loss"), needs=("teacher_logprobs",))

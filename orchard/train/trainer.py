@@ -32,7 +32,13 @@ from torch import Tensor, nn
 from orchard.train import checkpoint as ckpt
 from orchard.train.engine import DeepSpeedTrainEngine, PlainEngine, TrainEngine, ds_config, load_ds_config
 from orchard.train.metrics import MultiLogger, build_loggers
-from orchard.train.objective import LossTerm, check_objective, objective_loss_with_sources, term_mask_key
+from orchard.train.objective import (
+    LossTerm,
+    check_objective,
+    objective_loss_with_sources,
+    term_mask_key,
+    with_derived_masks,
+)
 from orchard.train.schedule import cosine_schedule
 
 __all__ = ["DataCursor", "OptimConfig", "TrainConfig", "Trainer", "forward_logprobs", "split_batch"]
@@ -366,6 +372,7 @@ class Trainer:
         mask its term reads.
         """
         objective = self.cfg.objective
+        batch = with_derived_masks(batch)
         check_objective(objective, set(batch))
         if "attention_mask" not in batch:
             raise ValueError(f"batch must hold 'attention_mask'; keys: {sorted(batch)}")

@@ -156,3 +156,25 @@ def test_gradient_checkpointing_keeps_the_gradient() -> None:
         out.backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_policy_term_skips_tokens_without_sampling_logprob(tmp_path: Path) -> None:
+    # Rendering marks action tokens whose sampling log-prob is unknown (logprob_mask False); the policy term must
+    # neither count them nor read their old_logprobs, which may hold anything.
+    batch = make_batch(5, 17, seed=8)
+    known = batch["action_mask"].clone()
+    known[:, ::3] = False
+    batch["logprob_mask"] = known
+    batch["old_logprobs"] = torch.where(known, batch["old_logprobs"], torch.full_like(batch["old_logprobs"], 1e4))
+    model = make_model(seed=1)
+    cfg = _cfg(tmp_path, 2)
+    cfg.objective = [LossTerm("policy")]
+    metrics = Trainer(model, cfg).accumulate_gradients(batch)
+    with torch.no_grad():
+        ref = make_model(seed=1)
+        logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        lp = torch.nn.functional.pad(
+            torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0], (1, 0))
+        expected, _ = policy_loss(lp, batch["old_logprobs"], batch["advantages"], known & batch["action_mask"])
+    assert metrics["loss/policy"] == pytest.approx(float(expected), rel=1e-5)
+    assert abs(metrics["loss/policy"]) < 100  # the 1e4 placeholders never entered
