@@ -9,12 +9,8 @@ import pytest
 
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.claw import world
-from orchard.domains.claw.harness import (
-    ClawReactHarness,
-    format_text_action,
-    parse_text_action,
-    parse_verdict,
-)
+from orchard.domains.claw.convention import format_text_action, parse_text_action
+from orchard.domains.claw.harness import ClawReactHarness, parse_verdict
 from orchard.domains.claw.tasks import TEMPLATES, make_task, split_tasks
 from orchard.domains.claw.teacher import TeacherEngine
 from orchard.env import AsyncSandboxClient, RetryPolicy

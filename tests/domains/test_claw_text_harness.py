@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from orchard.data import Message, Trajectory, render_turns
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.claw import text_harness, text_rollout, world
-from orchard.domains.claw.harness import TEXT_SYSTEM
+from orchard.domains.claw.convention import TEXT_SYSTEM
 from orchard.domains.claw.tasks import TEMPLATES, make_task
 from orchard.domains.claw.teacher import TeacherEngine
 from orchard.domains.claw.text_rollout import (

@@ -6,7 +6,7 @@ import copy
 from collections.abc import Iterable
 
 from orchard.domains.claw import world
-from orchard.domains.claw.harness import FINAL_TEXT, REACT_SYSTEM, TEXT_SYSTEM, format_text_action
+from orchard.domains.claw.convention import FINAL_TEXT, REACT_SYSTEM, TEXT_SYSTEM, format_text_action
 from orchard.domains.claw.tasks import ClawTask
 from orchard.domains.claw.teacher import react_turn_text
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from orchard.domains.claw.harness import FINAL_TEXT, TEXT_SYSTEM, format_text_action
+from orchard.domains.claw.convention import FINAL_TEXT, TEXT_SYSTEM, format_text_action
 from orchard.domains.claw.tasks import ClawTask
 from orchard.rollout.engine import Completion, GenerateRequest, GenerateResult, validate_requests
 

@@ -39,15 +39,14 @@ from typing import Any
 
 import httpx
 
-from orchard.domains.claw.harness import TEXT_SYSTEM, parse_text_action, run_tool
+from orchard.domains.claw.convention import TEXT_SYSTEM, ToolProgramError, parse_text_action, run_tool
 from orchard.env import AsyncSandboxClient, RetryPolicy, SandboxError
-from orchard.rollout.harness import EnvironmentFailure
 
 SESSION_HEADER = "X-Session-Id"
 """The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
 
 ENV_FAILURES: tuple[type[BaseException], ...] = (
-    SandboxError, EnvironmentFailure, ConnectionError, TimeoutError, OSError, httpx.HTTPError)
+    SandboxError, ToolProgramError, ConnectionError, TimeoutError, OSError, httpx.HTTPError)
 
 
 @dataclass(frozen=True)
