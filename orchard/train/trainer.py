@@ -391,6 +391,7 @@ class Trainer:
         bounds = [(i, min(i + mb, per_rank)) for i in range(0, per_rank, mb)]
         sums: dict[str, Tensor] = {}
         weights: dict[str, Tensor] = {}
+        seen: dict[str, Tensor] = {}  # max / min keys: whether a micro-batch with counted tokens reported yet
         device = next(self.engine.module.parameters()).device
         one = torch.ones((), dtype=torch.float64, device=device)
         for j, (lo, hi) in enumerate(bounds):
@@ -408,8 +409,16 @@ class Trainer:
                     sums[key] = sums.get(key, 0) + value
                     weights[key] = one / world
                 elif key.endswith(("max", "min")):
+                    # A micro-batch without a counted token reports a placeholder; it must not win.
                     op = torch.maximum if key.endswith("max") else torch.minimum
-                    sums[key] = op(sums[key], value) if key in sums else value
+                    has = micro[sources[key]].any() if key in sources else torch.ones((), dtype=torch.bool)
+                    has = has.to(device)
+                    if key in sums:
+                        merged = torch.where(seen[key], op(sums[key], value), value)
+                        sums[key] = torch.where(has, merged, sums[key])
+                        seen[key] = seen[key] | has
+                    else:
+                        sums[key], seen[key] = value, has
                     weights[key] = one
                 elif key.endswith("tokens"):
                     sums[key] = sums.get(key, 0) + value

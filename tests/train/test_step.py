@@ -178,3 +178,19 @@ def test_policy_term_skips_tokens_without_sampling_logprob(tmp_path: Path) -> No
         expected, _ = policy_loss(lp, batch["old_logprobs"], batch["advantages"], known & batch["action_mask"])
     assert metrics["loss/policy"] == pytest.approx(float(expected), rel=1e-5)
     assert abs(metrics["loss/policy"]) < 100  # the 1e4 placeholders never entered
+
+
+def test_max_min_metrics_ignore_micro_batches_without_tokens(tmp_path: Path) -> None:
+    # Rows 0-1 have no action token, so with micro=2 the first micro-batch reports placeholder ratios (1.0);
+    # the combined ratio/max and ratio/min must still be the whole batch's.
+    batch = make_batch(7, 15, seed=3)
+    for key in ("action_mask", "sft_mask"):
+        batch[key][:2] = False
+    got = {}
+    for micro in (7, 2):
+        cfg = _cfg(tmp_path / str(micro), micro)
+        cfg.objective = [LossTerm("policy")]
+        got[micro] = Trainer(make_model(seed=1), cfg).accumulate_gradients(batch)
+    for key in ("ratio/max", "ratio/min", "ratio/mean", "loss/policy"):
+        assert got[2][key] == pytest.approx(got[7][key], rel=1e-5), key
+    assert got[7]["ratio/max"] != pytest.approx(1.0)
