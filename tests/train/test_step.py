@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, make_batch, make_model
+from train_helpers import VOCAB, make_batch, make_model
 
 from orchard.losses import js_opd_loss, kl_penalty, policy_loss, sft_loss
 from orchard.train.model import best_attn_implementation, load_causal_lm

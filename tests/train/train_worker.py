@@ -1,7 +1,7 @@
 """A training run the tests launch as a child process (plain, or DeepSpeed under ``torchrun``).
 
 Usage: ``python train_worker.py OUT_DIR ENGINE ZERO_STAGE STEPS [MICRO] [KILL_AFTER]``. It trains the tiny model
-from ``conftest.make_model`` for STEPS optimizer steps on ``conftest.make_batch`` data with a checkpoint every step,
+from ``train_helpers.make_model`` for STEPS optimizer steps on ``train_helpers.make_batch`` data with a checkpoint every 2 steps,
 writes ``metrics.jsonl`` and (rank 0) ``OUT_DIR/final.pt`` with the full weights and the weights handed to the
 ``on_weights`` callback. With KILL_AFTER=k it stops dead (no clean exit) once step k's checkpoint is saved,
 waiting for the test to SIGKILL it.
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
-from conftest import make_batch, make_model  # noqa: E402
+from train_helpers import make_batch, make_model  # noqa: E402
 
 from orchard.train.objective import LossTerm  # noqa: E402
 from orchard.train.trainer import OptimConfig, TrainConfig, Trainer  # noqa: E402
