@@ -1,10 +1,10 @@
 """A training run the tests launch as a child process (plain, or DeepSpeed under ``torchrun``).
 
 Usage: ``python train_worker.py OUT_DIR ENGINE ZERO_STAGE STEPS [MICRO] [KILL_AFTER]``. It trains the tiny model
-from ``train_helpers.make_model`` for STEPS optimizer steps on ``train_helpers.make_batch`` data with a checkpoint every 2 steps,
-writes ``metrics.jsonl`` and (rank 0) ``OUT_DIR/final.pt`` with the full weights and the weights handed to the
-``on_weights`` callback. With KILL_AFTER=k it stops dead (no clean exit) once step k's checkpoint is saved,
-waiting for the test to SIGKILL it.
+from ``train_helpers.make_model`` for STEPS optimizer steps on ``train_helpers.make_batch`` data, with a
+checkpoint every 2 steps, and writes ``metrics.jsonl`` and (rank 0) ``OUT_DIR/final.pt`` with the full weights
+and the weights handed to the ``on_weights`` callback. With KILL_AFTER=k it stops dead (no clean exit) once step
+k is done (logged; checkpointed when k is even), writes ``OUT_DIR/killme`` and waits for the test's SIGKILL.
 """
 
 from __future__ import annotations
