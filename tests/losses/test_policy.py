@@ -320,3 +320,21 @@ def test_errors_name_the_argument():
         args = dict(logprobs=x, old_logprobs=x, advantages=adv, mask=m) | override
         with pytest.raises(ValueError, match=pattern):
             policy_loss(**args)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_micro_batches_sum_to_the_whole_batch_with_a_global_normalizer(ratio_level):
+    torch.manual_seed(8)
+    B, T = 5, 7
+    old = torch.randn(B, T, dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(B, T, dtype=torch.float64)).requires_grad_()
+    adv, rollout = torch.randn(B, dtype=torch.float64), old + 0.2 * torch.randn(B, T, dtype=torch.float64)
+    mask = torch.rand(B, T) < 0.7
+    kw = dict(agg="token-mean", normalizer=float(mask.sum()), dual_clip=2.0, ratio_level=ratio_level)
+    whole, _ = policy_loss(logp, old, adv, mask, rollout_logprobs=rollout, **kw)
+    parts = [slice(0, 1), slice(1, 4), slice(4, 5)]
+    summed = sum(
+        policy_loss(logp[s], old[s], adv[s], mask[s], rollout_logprobs=rollout[s], **kw)[0] for s in parts
+    )
+    torch.testing.assert_close(summed, whole)
+    torch.testing.assert_close(torch.autograd.grad(summed, logp)[0], torch.autograd.grad(whole, logp)[0])
