@@ -31,10 +31,16 @@ BWRAP_PROBLEM = probe_bubblewrap(RUN_AS)
 SLACK_S = 1.5
 """How much later than its timeout an exec may return (process start, kill, teardown on a loaded machine)."""
 
+USERNS = "bubblewrap-userns"
+"""bubblewrap started as the sandbox's uid in a user namespace (what a non-root service, or an image without
+setpriv, gets); plain BUBBLEWRAP is root-started bubblewrap when the tests run as root."""
+_skip_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"{BWRAP_PROBLEM}")
 MODES = [
-    pytest.param(BUBBLEWRAP, marks=pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"{BWRAP_PROBLEM}")),
+    pytest.param(BUBBLEWRAP, marks=_skip_bwrap),
+    pytest.param(USERNS, marks=[_skip_bwrap, pytest.mark.skipif(not IS_ROOT, reason="same as bubblewrap")]),
     PROCESS_GROUP,
 ]
+BWRAP_MODES = [m for m in MODES if getattr(m, "values", [m])[0] != PROCESS_GROUP]
 needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
 WRAPPERS = pytest.mark.parametrize("wrappers", [True, False], ids=["setpriv", "preexec"])
 """Start sandboxed processes through setpriv/prlimit exec wrappers, or a Python preexec function."""
@@ -59,6 +65,8 @@ def make_agent(
     ws: str, mode: str, *, limits: Limits | None = None, network: bool = False, **kw
 ) -> SandboxAgent:
     workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
+    if mode == USERNS:
+        mode, kw["privileged"] = BUBBLEWRAP, False
     iso = Isolation(workspace, mode=mode, limits=limits, network=network, run_as=RUN_AS, **kw)
     return SandboxAgent(iso, env={"AGENT_VAR": "from-agent"})
 
@@ -152,7 +160,7 @@ async def test_exec_errors(workspace_dir, mode):
     assert r.exit_code != 0 and b"no-such-program-xyz" in r.stderr
     r = await agent.exec(ExecRequest("kill -9 $$"))
     # a signal death: -9 from the process itself, 128 + 9 = 137 when bubblewrap relays it (as a shell does)
-    assert r.exit_code == (137 if mode == BUBBLEWRAP else -9)
+    assert r.exit_code == (-9 if mode == PROCESS_GROUP else 137)
     with pytest.raises(ValueError, match="cwd"):
         await agent.exec(ExecRequest("true", cwd="missing-dir"))
     with pytest.raises(PathEscapeError):
@@ -331,9 +339,13 @@ async def test_pty_command_runs_to_eof(workspace_dir, mode):
 # -- isolation (bubblewrap) -----------------------------------------------------------------------------
 
 
-@needs_bwrap
-async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir):
-    agent = make_agent(workspace_dir, BUBBLEWRAP, hide=(os.path.dirname(workspace_dir),))
+@pytest.mark.parametrize("mode", BWRAP_MODES)
+async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode, hide=(os.path.dirname(workspace_dir),))
+    assert agent.isolation.privileged == (IS_ROOT and mode == BUBBLEWRAP)
+    # no privilege to gain: no capabilities, set-uid programs inert
+    r = await agent.exec(ExecRequest("grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status"))
+    assert r.stdout.split()[1::2] == [b"0000000000000000", b"0000000000000000", b"1"], r
     r = await agent.exec(ExecRequest("id -u; id -g"))
     uid, gid = (int(x) for x in r.stdout.split())
     assert uid != 0 and gid != 0
@@ -353,8 +365,8 @@ async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir):
     assert int(r.stdout) <= 4, r
 
 
-@needs_bwrap
-async def test_no_network_unless_asked(workspace_dir):
+@pytest.mark.parametrize("mode", BWRAP_MODES)
+async def test_no_network_unless_asked(workspace_dir, mode):
     accepted: list[int] = []
 
     async def on_conn(reader, writer):
@@ -365,10 +377,10 @@ async def test_no_network_unless_asked(workspace_dir):
     port = server.sockets[0].getsockname()[1]
     probe = f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected"
     try:
-        r = await make_agent(workspace_dir, BUBBLEWRAP).exec(ExecRequest(probe, timeout_s=10))
+        r = await make_agent(workspace_dir, mode).exec(ExecRequest(probe, timeout_s=10))
         assert r.exit_code != 0 and b"connected" not in r.stdout, r
         assert accepted == []
-        r = await make_agent(workspace_dir, BUBBLEWRAP, network=True).exec(ExecRequest(probe, timeout_s=10))
+        r = await make_agent(workspace_dir, mode, network=True).exec(ExecRequest(probe, timeout_s=10))
         assert r.exit_code == 0 and r.stdout == b"connected\n", r
         await asyncio.sleep(0.1)
         assert accepted == [1]

@@ -95,8 +95,16 @@ class Limits:
             raise ValueError(f"cpu must be a positive finite number or None, got {c!r}")
 
 
-def probe_bubblewrap(run_as: tuple[int, int] | None = None, bwrap: str | None = None) -> str | None:
-    """Check that bubblewrap can create the namespaces a sandbox needs, as `run_as` (uid, gid).
+def probe_bubblewrap(
+    run_as: tuple[int, int] | None = None, bwrap: str | None = None, *, privileged: bool = False
+) -> str | None:
+    """Check that bubblewrap can create the namespaces a sandbox needs.
+
+    Args:
+        run_as: (uid, gid) the sandbox runs as (honoured when the caller is root).
+        bwrap: the executable (default: found on PATH).
+        privileged: probe the root-started variant (bubblewrap as root, the command dropping to `run_as`
+            with the host's setpriv) instead of bubblewrap started as `run_as` in a user namespace.
 
     Returns:
         None when it works, otherwise the reason it does not (for the fallback warning).
@@ -104,11 +112,19 @@ def probe_bubblewrap(run_as: tuple[int, int] | None = None, bwrap: str | None = 
     exe = bwrap or shutil.which("bwrap")
     if exe is None:
         return "bwrap is not installed"
-    argv = [exe, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--die-with-parent", "--new-session", "--tmpfs", "/", *_top_level_args("/"), "--proc", "/proc",
-            "--dev", "/dev", "--tmpfs", "/tmp", "--remount-ro", "/", "--", "true"]  # fmt: skip
+    if privileged:
+        tools = rootfs_tools("/")
+        if os.geteuid() != 0 or run_as is None or tools is None:
+            return "root-started bubblewrap needs root, a sandbox uid, and setpriv and prlimit"
+        inner = [tools[0], f"--reuid={run_as[0]}", f"--regid={run_as[1]}", "--clear-groups", "--"]
+    else:
+        inner = []
+    argv = [exe, *([] if privileged else ["--unshare-user"]), "--unshare-pid", "--unshare-net",
+            "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--tmpfs", "/",
+            *_top_level_args("/"), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--remount-ro", "/",
+            "--", *inner, "true"]  # fmt: skip
     kwargs: dict[str, Any] = {}
-    if run_as is not None and os.geteuid() == 0:
+    if run_as is not None and os.geteuid() == 0 and not privileged:
         kwargs.update(user=run_as[0], group=run_as[1], extra_groups=[])
     try:
         r = subprocess.run(
@@ -139,6 +155,20 @@ def _top_level_args(rootfs: str) -> tuple[str, ...]:
         else:
             args += ["--ro-bind", src, dst]
     return tuple(args)
+
+
+@lru_cache(maxsize=64)
+def rootfs_tools(rootfs: str) -> tuple[str, str] | None:
+    """Sandbox paths of `setpriv` and `prlimit` in the image, or None if it lacks either."""
+    found = []
+    for tool in ("setpriv", "prlimit"):
+        for d in ("usr/bin", "bin", "usr/sbin", "sbin"):
+            if os.path.lexists(os.path.join(rootfs, d, tool)):
+                found.append(f"/{d}/{tool}")
+                break
+        else:
+            return None
+    return found[0], found[1]
 
 
 class BubblewrapTree(PidfdProcess):
@@ -280,6 +310,10 @@ class Isolation:
             None makes the workspace the home.
         ro_files: (host file, sandbox path) pairs bound read-only over the image (e.g. an /etc/passwd that
             names the sandbox's uid); bubblewrap only.
+        privileged: with bubblewrap, a root service and a sandbox uid: start bubblewrap as root (no user
+            namespace; about half the CPU per command) and drop to the sandbox uid inside with the image's
+            own setpriv and prlimit (`no_new_privs` and nosuid mounts keep set-uid programs inert). None
+            (default) does so when the image has both tools, False never does.
         mark_prefix: starts the fallback's environment marker, so that a restarted service can find the
             processes its predecessor left (`kill_marked(marker_needle(prefix), None)`).
         use_exec_wrappers: switch uid and set rlimits with the host's `setpriv` and `prlimit` (util-linux)
@@ -301,6 +335,7 @@ class Isolation:
         mark_prefix: str = "",
         home: str | None = None,
         ro_files: tuple[tuple[str, str], ...] = (),
+        privileged: bool | None = None,
     ) -> None:
         if mode not in ISOLATION_MODES:
             raise ValueError(f"mode must be one of {ISOLATION_MODES}, got {mode!r}")
@@ -323,6 +358,12 @@ class Isolation:
             if not os.path.isfile(src) or not dst.startswith("/"):
                 raise ValueError(f"ro_files needs (existing file, absolute path) pairs, got {(src, dst)!r}")
         self.ro_files = tuple(ro_files)
+        self._inner_tools: tuple[str, str] | None = None
+        if mode == BUBBLEWRAP and self.run_as is not None and privileged is not False:
+            self._inner_tools = rootfs_tools(self.rootfs)
+            if privileged is True and self._inner_tools is None:
+                raise ValueError(f"privileged=True needs setpriv and prlimit in the image at {self.rootfs!r}")
+        self.privileged = self._inner_tools is not None
         self.bwrap = bwrap or shutil.which("bwrap") or "bwrap"
         self._prefix: list[str] | None = None
         tools = (shutil.which("setpriv"), shutil.which("prlimit")) if use_exec_wrappers else (None, None)
@@ -387,6 +428,8 @@ class Isolation:
             tty: the process's stdin is a terminal that should become its controlling terminal.
         """
         popen: dict[str, Any] = {"env": dict(env), "start_new_session": True}
+        if self._inner_tools is not None:
+            return self._launch_privileged(argv, popen, cwd=cwd, timeout_s=timeout_s, tty=tty)
         extra = _BWRAP_OWN_PROCESSES if self.mode == BUBBLEWRAP else 0
         rlimits = _rlimits(self.limits, timeout_s, extra_pids=extra, per_uid=self.run_as is not None)
         wrap: list[str] = []
@@ -420,9 +463,35 @@ class Isolation:
         uid = self.run_as[0] if self.run_as is not None else None
         return Launch([*wrap, *argv], popen, lambda: MarkedGroupTree(mark, uid))
 
+    def _launch_privileged(
+        self, argv: list[str], popen: dict[str, Any], *, cwd: str, timeout_s: float | None, tty: bool
+    ) -> Launch:
+        """bubblewrap started as root; inside, setpriv and prlimit drop to the sandbox's uid and limits.
+
+        bubblewrap's own processes are root's, so the uid's RLIMIT_NPROC counts the command's alone.
+        """
+        assert self._inner_tools is not None and self.run_as is not None
+        setpriv, prlimit = self._inner_tools
+        uid, gid = self.run_as
+        rlimits = _rlimits(self.limits, timeout_s, extra_pids=0, per_uid=True)
+        inner = [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
+                 "--bounding-set=-all", "--"]  # fmt: skip
+        if rlimits:
+            inner += [prlimit, *(f"--{_PRLIMIT_NAMES[w]}={v}" for w, v in rlimits), "--"]
+        if tty:
+            popen["preexec_fn"] = _child_preexec([], ctty=True, run_as=None)
+        popen["cwd"] = "/"
+        info_r, info_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        popen["pass_fds"] = (info_w,)
+        full = [*self._bwrap_prefix(tty), "--info-fd", str(info_w),
+                "--bind", self.workspace.root, self.workspace.mount,
+                "--remount-ro", "/", "--chdir", cwd, "--", *inner, *argv]  # fmt: skip
+        return Launch(full, popen, lambda: BubblewrapTree(info_r), (info_w,))
+
     def _bwrap_prefix(self, tty: bool) -> list[str]:
         if self._prefix is None:
-            args = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            userns = [] if self.privileged else ["--unshare-user"]
+            args = [self.bwrap, *userns, "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                     "--hostname", "sandbox", "--die-with-parent"]  # fmt: skip
             if not self.network:
                 args.append("--unshare-net")
@@ -433,7 +502,10 @@ class Isolation:
                 args += ["--bind", self.home, "/home"]
             for src, dst in self.ro_files:
                 args += ["--ro-bind", src, dst]
-            args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+            # sticky and world-writable, as on a normal system (a root-started bubblewrap would make them
+            # root's 0755 and unwritable for the sandbox's uid)
+            args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
+                     "--perms", "1777", "--tmpfs", "/dev/shm"]  # fmt: skip
             self._prefix = args
         # A non-terminal command gets its own session so it cannot inject input into the service's terminal
         # (TIOCSTI); a PTY session keeps the session whose controlling terminal is its PTY.
