@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -25,6 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env_latency import machine, percentiles
+
+
+def process_cpu(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) user + system CPU seconds of a process, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
 
 
 async def one_task(client, i: int, commands: int, lat: dict[str, list[float]]) -> bool:
@@ -75,8 +83,12 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="orchard-env-scale-")
     os.chmod(root, 0o711)
     try:
-        with serve(root, in_process=False, max_concurrent_execs=args.max_concurrent_execs) as (url, key):
-            ok, wall, lat, errors = asyncio.run(run(url, key, args.n, args.commands))
+        with serve(root, in_process=False, max_concurrent_execs=args.max_concurrent_execs) as svc:
+            service_before = process_cpu(svc.process.pid)
+            client_before = resource.getrusage(resource.RUSAGE_SELF)
+            ok, wall, lat, errors = asyncio.run(run(svc.url, svc.api_key, args.n, args.commands))
+            client_after = resource.getrusage(resource.RUSAGE_SELF)
+            service_after = process_cpu(svc.process.pid)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -92,6 +104,9 @@ def main() -> None:
         if samples:
             rows[op] = percentiles(samples)
             print(f"{op:<7} {len(samples):6d} {rows[op]['p50']:8.3f} {rows[op]['p90']:8.3f} {max(samples):8.3f}")
+    client_cpu = (client_after.ru_utime + client_after.ru_stime) - (client_before.ru_utime + client_before.ru_stime)
+    print(f"cpu seconds: client {client_cpu:.1f}, service process {service_after[0] - service_before[0]:.1f}, "
+          f"its reaped children (sandbox tools + commands) {service_after[1] - service_before[1]:.1f}")
     met = ok == args.n and wall <= 20.0
     print(f"target (1,000 at 100 % in <= 20 s on 2 cores): {'met' if met and args.n >= 1000 else 'not met'}; "
           "Orchard Env: 1,000 in 26 s at 100 % on 8 x 32 vCPU")

@@ -481,14 +481,13 @@ class Orchestrator:
         return record
 
     async def heartbeat(self, sandbox_id: str) -> SandboxRecord:
-        record = await self.get_sandbox(sandbox_id)
-        record.last_heartbeat = self.clock()
-        await self.store.put_sandbox(record)
-        return record
+        if not await self.store.touch_sandbox(sandbox_id, self.clock()):
+            raise NotFoundError(f"Sandbox {sandbox_id} not found")
+        return await self.get_sandbox(sandbox_id)
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         """Delete the sandbox and every process in it; queued execs then fail with "sandbox deleted"."""
-        record = await self.get_sandbox(sandbox_id)
+        record = await self.wait_sandbox(sandbox_id, 600.0)  # a create in flight finishes first
         record.status = "deleting"
         await self.store.put_sandbox(record)
         await self._destroy(sandbox_id)
@@ -532,8 +531,7 @@ class Orchestrator:
         existing = await self.store.create_job_idempotent(job, claim)
         if existing is not None:
             return await self._job_for_claim(existing, fingerprint)
-        record.last_heartbeat = now
-        await self.store.put_sandbox(record)
+        await self.store.touch_sandbox(sandbox_id, now)
         self._job_done[job.job_id] = asyncio.Event()
         self._active_jobs[sandbox_id] = self._active_jobs.get(sandbox_id, 0) + 1
         self.pending_execs += 1
@@ -677,9 +675,8 @@ class Orchestrator:
             return await self.backend.resources(sandbox_id)
 
     async def open_pty(self, sandbox_id: str, command: str | None, cols: int, rows: int) -> PtySession:
-        record = await self._ready_sandbox(sandbox_id)
-        record.last_heartbeat = self.clock()
-        await self.store.put_sandbox(record)
+        await self._ready_sandbox(sandbox_id)
+        await self.store.touch_sandbox(sandbox_id, self.clock())
         with backend_errors(sandbox_id):
             return await self.backend.open_pty(sandbox_id, command, cols=cols, rows=rows)
 

@@ -73,6 +73,13 @@ class SQLiteStore:
     async def delete_sandbox(self, sandbox_id: str) -> None:
         self._db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
 
+    async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
+        cur = self._db.execute(
+            "UPDATE sandboxes SET data = json_set(data, '$.last_heartbeat', ?) WHERE sandbox_id = ?",
+            (last_heartbeat, sandbox_id),
+        )
+        return cur.rowcount == 1
+
     # jobs
     def _put_job(self, record: JobRecord) -> None:
         self._db.execute(
