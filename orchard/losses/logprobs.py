@@ -15,9 +15,11 @@ This is the exact reference path; ``orchard.losses.fused`` fuses it with the lm-
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 
 from orchard.losses._validation import check_positive_number, check_tensor
 
@@ -51,7 +53,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: FunctionCtx,
+        ctx: Any,
         logits: Tensor,
         labels: Tensor,
         valid: Tensor,
@@ -87,7 +89,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(  # type: ignore[override]
-        ctx: FunctionCtx, grad_logp: Tensor, grad_entropy: Tensor | None
+        ctx: Any, grad_logp: Tensor, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         logits, safe_labels, valid = ctx.saved_tensors
         with_entropy = ctx.want_entropy and grad_entropy is not None
@@ -98,7 +100,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             g = torch.where(valid[sl], grad_logp[sl], 0.0).to(z.dtype)[:, None]  # [n, 1]
             p, _, s = _shift_exp_(z, keep_shifted=with_entropy)
             p.div_(s)  # softmax
-            if with_entropy:
+            if grad_entropy is not None and with_entropy:
                 ge = torch.where(valid[sl], grad_entropy[sl], 0.0).to(z.dtype)[:, None]  # [n, 1]
                 mean_z = (p[:, None, :] @ z[:, :, None]).squeeze(-1)  # [n, 1]: Σ p (z − m)
                 z.sub_(mean_z).mul_(p).mul_(ge)  # ge · p (z − E_p z)
