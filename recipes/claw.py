@@ -42,12 +42,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from orchard.data import Trajectory, collate, render_trajectory
+from orchard.data import Trajectory, collate, merge_prefix_samples, render_trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.claw.corpus import tokenizer_corpus
 from orchard.domains.claw.harness import ClawReactHarness
 from orchard.domains.claw.tasks import ClawTask, split_tasks
 from orchard.domains.claw.teacher import TeacherEngine
+from orchard.domains.claw.text_rollout import TextEpisode, run_text_episodes
 from orchard.env import AsyncSandboxClient
 from orchard.env.embedded import serve
 from orchard.rollout.agent_loop import AgentLoop
@@ -197,13 +198,15 @@ class Episodes:
             trajectories = await loop.run_many(tasks, group_size=group_size)
             return [self._from_trajectory(t, task) for t, task in
                     zip(trajectories, [t for t in tasks for _ in range(group_size)], strict=True)]
-        from orchard.domains.claw.text_rollout import TextRollout
-
-        text = TextRollout(RecordingProxy(engine, self.tokenizer), self.client, env_url=self.env[0],
-                           env_key=self.env[1], max_steps=self.cfg.rollout.max_steps,
-                           max_tokens=max_tokens, temperature=temperature,
-                           concurrency=self.cfg.rollout.concurrency)
-        episodes = await text.run(tasks, group_size=group_size)
+        proxy = RecordingProxy(engine, self.tokenizer)
+        try:
+            episodes = await run_text_episodes(
+                tasks, client=self.client, proxy=proxy, env_url=self.env[0], env_key=self.env[1],
+                group_size=group_size, concurrency=self.cfg.rollout.concurrency,
+                max_steps=self.cfg.rollout.max_steps, max_tokens=max_tokens, temperature=temperature,
+                max_time_s=self.cfg.rollout.max_time_s)
+        finally:
+            await proxy.aclose()
         return [self._from_text(e) for e in episodes]
 
     def _from_trajectory(self, traj: Trajectory, task: ClawTask) -> dict[str, Any]:
@@ -213,9 +216,10 @@ class Episodes:
                 "steps": traj.num_steps}
 
     @staticmethod
-    def _from_text(e: Any) -> dict[str, Any]:
-        return {"task": e.task, "harness": "text", "reward": None if e.is_env_error else e.reward,
-                "termination": e.termination, "samples": list(e.samples), "steps": e.steps}
+    def _from_text(e: TextEpisode) -> dict[str, Any]:
+        # The program re-sends the conversation each call: its per-call samples usually chain into one sequence.
+        return {"task": e.task, "harness": "text", "reward": e.reward, "termination": e.termination_reason,
+                "samples": merge_prefix_samples(e.samples), "steps": e.steps}
 
 
 def success_table(episodes: list[dict[str, Any]], attempts: int) -> dict[str, float]:
@@ -244,7 +248,8 @@ def rl_batch(groups: list[list[dict[str, Any]]], pad_id: int) -> tuple[dict[str,
     samples, advantages = [], []
     kept = 0
     for group in groups:
-        valid = [e for e in group if e["reward"] is not None and e["samples"]]
+        # Sandbox failures and episodes over the wall budget are dropped (the paper's "timeouts dropped").
+        valid = [e for e in group if e["reward"] is not None and e["termination"] != "time_budget" and e["samples"]]
         rewards = torch.tensor([[e["reward"] for e in valid]], dtype=torch.float32)  # [1, N]
         if len(valid) < 2 or bool((rewards == rewards[0, 0]).all()):
             continue
@@ -369,6 +374,7 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                         "rl/success": float(np.mean([e["reward"] > 0 for e in valid])) if valid else 0.0,
                         "rl/env_errors": float(len(flat) - len(valid)),
                         "rl/format_errors": float(sum(e["termination"] == "format_error" for e in flat)),
+                        "rl/timeouts": float(sum(e["termination"] == "time_budget" for e in flat)),
                         "rl/episodes": float(len(flat)),
                     }
                     batch, batch_stats = rl_batch(groups, tokenizer.pad_token_id)
