@@ -223,6 +223,9 @@ class Trainer:
         on_weights: called after every optimizer step with ``(step, state_dict)`` — the complete weights on CPU
             (gathered under ZeRO-3), e.g. to load them into a rollout engine. Called on rank 0 only.
         log_config: written to W&B as the run config.
+
+    Construction seeds python, numpy and torch with ``cfg.seed`` (then, with ``cfg.resume`` and a checkpoint
+    in ``output_dir``, restores the saved generator states), so a run is reproducible from its config.
     """
 
     def __init__(
