@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import time
 import uuid
 
 import httpx
@@ -260,6 +261,12 @@ def test_pty_interactive_session(sb):
         proc.resize(40, 120)
         proc.write("stty size\n")
         assert b"40 120" in proc.read_until(b"40 120", timeout=20)
+        proc.write("echo go; sleep 30; echo not-interrupted\n")
+        proc.read_until(b"go\r\n", timeout=20)  # the echo's output, not the typed line: sleep is starting
+        time.sleep(0.2)
+        proc.kill("INT")  # Ctrl-C at the terminal: the sleep ends, the shell lives on
+        proc.write("echo after-$((2 + 3))\n")
+        assert b"after-5" in proc.read_until(b"after-5", timeout=20)
         proc.write("exit 5\n")
         assert proc.wait(timeout=20) == 5
 
