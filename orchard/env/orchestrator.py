@@ -312,10 +312,9 @@ class Orchestrator:
                 await self.backend.delete(sandbox_id)
             report["orphans_deleted"].append(sandbox_id)
         for claim in await self.store.list_idempotency(pending_only=True):
-            record = await self.store.get_sandbox(claim.resource_id) if claim.resource_id else None
-            if record is not None and record.status == "ready":
-                await self.store.complete_idempotency(claim.key, 200, json.dumps(
-                    sandbox_view(record, self.namespace)))
+            made = await self.store.get_sandbox(claim.resource_id) if claim.resource_id else None
+            if made is not None and made.status == "ready":
+                await self.store.complete_idempotency(claim.key, 200, json.dumps(sandbox_view(made, self.namespace)))
             else:
                 await self.store.delete_idempotency(claim.key)
         logger.info("reconciled: %s", {k: len(v) for k, v in report.items()})

@@ -49,11 +49,11 @@ class RetryPolicy:
             raise ValueError(f"backoff times must be >= 0, got {self.backoff_base_s!r}, {self.backoff_max_s!r}")
 
     def delay(self, attempt: int, retry_after_s: float | None = None, rng: random.Random | None = None) -> float:
-        rng = rng or random
+        uniform = rng.uniform if rng is not None else random.uniform
         if retry_after_s is not None:
-            return retry_after_s + rng.uniform(0.0, 0.25 * retry_after_s)
+            return retry_after_s + uniform(0.0, 0.25 * retry_after_s)
         cap = min(self.backoff_max_s, self.backoff_base_s * 2**attempt)
-        return rng.uniform(cap / 2, cap)
+        return uniform(cap / 2, cap)
 
 
 def retry_after_of(response: httpx.Response) -> float | None:
