@@ -110,7 +110,8 @@ def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any],
     orchestrator = Orchestrator(make_backend(root_dir, backend), SQLiteStore(state), **options)
     app = create_app(orchestrator, [api_key])
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="websockets-sansio",
-                            timeout_keep_alive=30, backlog=4096, lifespan="on")
+                            timeout_keep_alive=30, backlog=4096, lifespan="on",
+                            timeout_graceful_shutdown=5)  # don't wait out a long `wait: true` exec on SIGTERM
     return uvicorn.Server(config)
 
 
