@@ -190,3 +190,40 @@ async def test_queued_exec_of_a_deleted_sandbox_never_runs_in_its_successor(orch
     job = await orch.wait_job(second.job_id, 30)
     assert job.status == "failed" and job.error == "sandbox deleted"
     assert [f.path for f in await orch.list_files("x", ".")] == []
+
+
+class SlowCreateBackend(LocalBackend):
+    """The real LocalBackend whose create takes a second, so that a sandbox is visibly "pending"."""
+
+    async def create(self, sandbox_id, spec):
+        await asyncio.sleep(1.0)
+        await super().create(sandbox_id, spec)
+
+
+def slow_create_backend(root):
+    return SlowCreateBackend(root)
+
+
+def test_wait_times_out_with_408_while_pending_then_succeeds():
+    import threading
+
+    import httpx
+
+    from orchard.env.embedded import serve
+
+    with serve(backend=f"{__name__}:slow_create_backend") as (url, key):
+        h = {"X-API-Key": key}
+        created = []
+        creator = threading.Thread(target=lambda: created.append(
+            httpx.post(f"{url}/sandboxes", json={"sandbox_id": "slow"}, headers=h, timeout=30)))
+        creator.start()
+        while httpx.get(f"{url}/sandboxes/slow", headers=h).status_code == 404:
+            time.sleep(0.01)
+        pending = httpx.get(f"{url}/sandboxes/slow", headers=h).json()
+        assert pending["status"] == "pending" and pending["ready"] is False
+        assert httpx.get(f"{url}/sandboxes/slow/wait", params={"timeout": 0.05}, headers=h).status_code == 408
+        ready = httpx.get(f"{url}/sandboxes/slow/wait", params={"timeout": 10}, headers=h, timeout=30)
+        assert ready.status_code == 200 and ready.json()["status"] == "ready"
+        creator.join()
+        assert created[0].status_code == 200
+        assert httpx.delete(f"{url}/sandboxes/slow", headers=h).status_code == 200
