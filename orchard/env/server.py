@@ -138,13 +138,19 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     async def root() -> dict[str, Any]:
         return {"service": "orchard-env", "version": API_VERSION, "status": "running"}
 
+    def backend_health() -> dict[str, Any]:
+        report = getattr(orchestrator.backend, "health", None)
+        return dict(report()) if callable(report) else {"backend": ns}
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "healthy"}
+        # Unauthenticated: only whether it runs and how sandboxes are isolated; details are on /resources.
+        details = backend_health()
+        return {"status": "healthy", "backend": ns, "isolation": details.get("isolation")}
 
     @app.get("/resources", dependencies=auth)
     async def resources() -> dict[str, Any]:
-        return await orchestrator.summary()
+        return {**await orchestrator.summary(), "backend_health": backend_health()}
 
     @app.post("/sandboxes", dependencies=auth)
     async def create_sandbox(body: CreateSandboxRequest, request: Request,

@@ -323,7 +323,7 @@ def test_orchard_env_client_request_shapes(service, tmp_path):
         assert http.post(f"/sandboxes/{sid}/heartbeat").json() == {"status": "ok", "sandbox_id": sid,
                                                                     "last_heartbeat": pytest.approx(0, abs=1e12)}
         assert http.get("/resources").json()["status"] == "ok"
-        assert http.get("/health").json() == {"status": "healthy"}
+        assert http.get("/health").json()["status"] == "healthy"
         assert http.delete(f"/sandboxes/{sid}").json() == {"status": "deleted", "sandbox_id": sid}
 
 
@@ -339,7 +339,8 @@ def test_cli_serve_prints_url_and_key_and_serves(tmp_path):
         lines = [proc.stdout.readline() for _ in range(3)]
         url = next(x for x in lines if x.startswith("ORCHARD_ENV_URL=")).strip().split("=", 1)[1]
         assert "ORCHARD_ENV_API_KEY=cli-key\n" in lines and url.startswith("http://127.0.0.1:")
-        assert httpx.get(url + "/health").json() == {"status": "healthy"}
+        health = httpx.get(url + "/health").json()
+        assert health["status"] == "healthy" and health["isolation"] in ("bubblewrap", "process-group")
         assert httpx.get(url + "/resources", headers={"X-API-Key": "cli-key"}).json()["backend"] == "local"
     finally:
         proc.terminate()
