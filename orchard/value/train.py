@@ -131,8 +131,10 @@ def train_value_model(
             order += fresh
         idx, order = order[:batch_size], order[batch_size:]
         batch = collate([samples[i] for i in idx], pad_id)
-        returns, _, step_mask = value_targets(model, batch, outcomes[idx], gamma=gamma, lam=lam)
-        values, _ = model.step_values(batch["input_ids"], batch["attention_mask"], batch["turn_index"])
+        values, step_mask = model.step_values(batch["input_ids"], batch["attention_mask"], batch["turn_index"])
+        # Targets from the same forward's values, held fixed (gae detaches them): one forward per step.
+        rewards = terminal_rewards(outcomes[idx], step_mask)
+        _, returns = gae(rewards, values, step_mask, gamma=gamma, lam=lam)
         loss, metrics = value_loss(values, returns, step_mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

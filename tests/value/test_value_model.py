@@ -129,7 +129,7 @@ def test_value_training_reranks_better_than_random() -> None:
     pool = build_value_pool(train, max_per_task=4, seed=0)
     render = [render_trajectory(t, tok) for t in pool]
     vm = ValueModel.from_causal_lm(tiny_qwen3(tok, seed=0), seed=0)
-    hist = train_value_model(vm, render, pad_id=tok.pad_token_id, steps=60, batch_size=8, lr=3e-3, seed=0)
+    hist = train_value_model(vm, render, pad_id=tok.pad_token_id, steps=40, batch_size=8, lr=3e-3, seed=0)
     assert hist[-1]["value/mse"] < hist[0]["value/mse"]
     rep = evaluate_reranking(vm, [render_trajectory(t, tok) for t in held], pad_id=tok.pad_token_id)
     assert rep["rerank/groups"] == 12 and rep["rerank/n"] == 4
