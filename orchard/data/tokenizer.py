@@ -84,13 +84,18 @@ _BUILTIN_CORPUS = (
 )
 
 
-def build_chat_tokenizer(texts: Iterable[str] | None = None, *, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def build_chat_tokenizer(
+    texts: Iterable[str] | None = None, *, vocab_size: int = 1024, split_words: bool = True
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE chat tokenizer offline.
 
     Args:
         texts: extra training text (e.g. a domain's prompts, tool schemas and observations); the built-in corpus is
             always included, so every byte is representable and common markup merges exist.
         vocab_size: target vocabulary size including the 256 byte tokens and the special tokens; >= 300.
+        split_words: True (GPT-2 style) splits text into words, numbers and punctuation before BPE, so merges never
+            span them. False lets merges span words: text that recurs verbatim in ``texts`` (a domain's system
+            prompt, its JSON keys) compresses to a few tokens, which keeps a tiny model's sequences short.
 
     Returns:
         A ``PreTrainedTokenizerFast`` with ``chat_template`` set, ``eos_token="<|im_end|>"``,
@@ -99,6 +104,8 @@ def build_chat_tokenizer(texts: Iterable[str] | None = None, *, vocab_size: int 
     """
     if not isinstance(vocab_size, int) or vocab_size < 300:
         raise ValueError(f"vocab_size must be an int >= 300, got {vocab_size!r}")
+    if not isinstance(split_words, bool):
+        raise ValueError(f"split_words must be a bool, got {split_words!r}")
     corpus = list(_BUILTIN_CORPUS)
     if texts is not None:
         if isinstance(texts, str):
@@ -109,7 +116,7 @@ def build_chat_tokenizer(texts: Iterable[str] | None = None, *, vocab_size: int 
             corpus.append(text)
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(MARKUP_TOKENS),

@@ -69,11 +69,26 @@ def test_build_is_deterministic_and_learns_domain_text():
     assert len(a.encode(domain[0])) < len(plain.encode(domain[0]))
 
 
+def test_merges_may_span_words_when_asked():
+    system = "You are a careful assistant. Use the tools, then answer briefly."
+    corpus = [system] * 50 + ["Add the event sync on 2026-12-01."] * 20
+    spanning = build_chat_tokenizer(corpus, vocab_size=600, split_words=False)
+    words = build_chat_tokenizer(corpus, vocab_size=600)
+    # A prompt seen verbatim 50 times becomes a handful of tokens once merges may cross spaces.
+    assert len(spanning.encode(system)) <= 4 < len(words.encode(system))
+    text = spanning.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    assert spanning.decode(spanning.encode(text)) == text
+    for marker in ("<|im_start|>", "<|im_end|>", "<tool_call>"):
+        assert len(spanning.encode(marker)) == 1, marker
+
+
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="vocab_size"):
         build_chat_tokenizer(vocab_size=10)
     with pytest.raises(ValueError, match="texts"):
         build_chat_tokenizer("one string")
+    with pytest.raises(ValueError, match="split_words"):
+        build_chat_tokenizer(split_words="no")
     with pytest.raises(ValueError, match="vocab_size"):
         tiny_qwen3(0)
 
