@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from orchard.losses._registry import Registry
+from orchard._registry import Registry
 from orchard.losses._validation import as_bool_mask, check_bt, check_float, check_same_shape, zero_outside
 
 KLFn = Callable[[Tensor], Tensor]

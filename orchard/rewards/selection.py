@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from orchard._registry import Registry
 from orchard.rewards._checks import unit_interval, unit_number
-from orchard.rewards._registry import Registry
 
 HYBRID_RULES: Registry[Callable[..., bool | np.ndarray]] = Registry("hybrid rule")
 

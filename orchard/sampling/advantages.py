@@ -13,7 +13,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from orchard.sampling._registry import Registry
+from orchard._registry import Registry
 
 ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 

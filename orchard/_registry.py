@@ -1,4 +1,8 @@
-"""A registry of named variants (advantage estimators)."""
+"""A registry of named variants: aggregation modes, KL estimators, advantage estimators, hybrid rules.
+
+Pure Python with no orchard imports (layer 0), shared by the algorithm packages so that every named variant
+is looked up, rejected and reported the same way.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,21 @@ F = TypeVar("F", bound=Callable[..., object])
 
 
 class Registry(Generic[F]):
-    """Maps variant names to functions; rejects duplicate names and lists the valid ones for unknown names."""
+    """Maps variant names to functions; rejects duplicate names and lists the valid ones for unknown names.
+
+    Args:
+        kind: what the variants are, used in error messages (``"KL estimator"``).
+    """
 
     def __init__(self, kind: str) -> None:
+        if not isinstance(kind, str) or not kind:
+            raise ValueError(f"kind must be a non-empty string, got {kind!r}")
         self.kind = kind
         self._entries: dict[str, F] = {}
 
     def register(self, name: str, fn: F) -> F:
-        """Add ``fn`` under ``name``; ``ValueError`` if the name is empty or already taken."""
+        """Add ``fn`` under ``name`` and return it; ``ValueError`` if the name is empty or already taken,
+        or ``fn`` is not callable."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
         if name in self._entries:
