@@ -17,11 +17,8 @@ Median of ``--repeats`` calls after one warm-up, one thread, the offline tokeniz
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import subprocess
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,21 +28,8 @@ import orchard.data.render as render_module
 from orchard.data import Trajectory, render_trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def machine() -> str:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    cpu = platform.processor() or platform.machine()
-    return (
-        f"{cpu}, {os.cpu_count()} cpus, load avg {load}; python {platform.python_version()}; commit {commit}"
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from env_latency import machine, timed
 
 
 def make_trajectory(tokenizer, turns: int, obs_words: int) -> Trajectory:
@@ -85,14 +69,9 @@ def make_trajectory(tokenizer, turns: int, obs_words: int) -> Trajectory:
     return traj
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up call."""
+    return statistics.median(timed(fn, repeats, warmup=1))
 
 
 def main() -> None:
@@ -115,7 +94,8 @@ def main() -> None:
         finally:
             render_module._segments_windowed = windowed
 
-    print(f"# machine: {machine()}")
+    info = machine()
+    print(f"# machine: {info['machine']}; python {info['python']}; commit {info['commit']}")
     print(f"# tokenizer vocab {len(tok)}, {args.obs_words} words per tool output, median of {args.repeats}")
     header = f"{'turns':>6} {'tokens':>8} {'baseline ms':>12} {'render ms':>10} {'ratio':>6} {'exact ms':>10} {'ratio':>6}"
     print(header)
@@ -123,9 +103,9 @@ def main() -> None:
         traj = make_trajectory(tok, turns, args.obs_words)
         sample = render_trajectory(traj, tok)
         assert sample is not None and sample.report.ok
-        t_base = timed(lambda traj=traj: baseline(traj), args.repeats)
-        t_render = timed(lambda traj=traj: render_trajectory(traj, tok), args.repeats)
-        t_exact = timed(lambda traj=traj: exact(traj), max(1, args.repeats // 2))
+        t_base = median_time(lambda traj=traj: baseline(traj), args.repeats)
+        t_render = median_time(lambda traj=traj: render_trajectory(traj, tok), args.repeats)
+        t_exact = median_time(lambda traj=traj: exact(traj), max(1, args.repeats // 2))
         print(
             f"{turns:>6} {len(sample):>8} {t_base * 1e3:>12.1f} {t_render * 1e3:>10.1f} {t_render / t_base:>6.2f} "
             f"{t_exact * 1e3:>10.1f} {t_exact / t_base:>6.2f}"

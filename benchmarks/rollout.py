@@ -29,26 +29,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env_latency import machine
 
+BENCH_SIZE = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=32,
+)
+"""The benchmark's Qwen3 shape (overrides of ``orchard.train.tiny.tiny_qwen3_config``)."""
+
 
 def bench_model(device: str, dtype: torch.dtype):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from orchard.train.tiny import tiny_qwen3
 
-    config = Qwen3Config(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model = tiny_qwen3(8192, seed=0, eos_token_id=2, pad_token_id=0, bos_token_id=None, **BENCH_SIZE)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, float]:
@@ -107,7 +99,7 @@ def exec_call(command: str) -> str:
 
 
 async def time_rollouts(
-    policy: str, rollouts: int, concurrency: int, steps: int, threads_model
+    policy: str, rollouts: int, concurrency: int, steps: int, device: str
 ) -> dict[str, float]:
     from orchard.data.tokenizer import build_chat_tokenizer
     from orchard.env import AsyncSandboxClient
@@ -130,22 +122,10 @@ async def time_rollouts(
         harness = ShellHarness(max_steps=4)
         sampling = SamplingParams(max_tokens=256)
     else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from orchard.train.tiny import tiny_qwen3
 
-        config = Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            tie_word_embeddings=True,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        torch.manual_seed(0)
-        engine = HFEngine(Qwen3ForCausalLM(config).to(threads_model).eval(), max_batch_size=concurrency)
+        model = tiny_qwen3(tokenizer, seed=0, **BENCH_SIZE).to(device).eval()
+        engine = HFEngine(model, max_batch_size=concurrency)
         harness = ShellHarness(max_steps=steps)
         sampling = SamplingParams(temperature=1.0, max_tokens=24)
     tasks = [

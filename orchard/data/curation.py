@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from orchard.data.render import render_trajectory
-from orchard.data.schema import ToolCall, Trajectory
+from orchard.data.schema import ToolCall, Trajectory, trajectory_list
 
 T = TypeVar("T")
 
@@ -23,20 +23,10 @@ ToolCallIssueKind = Literal[
 ]
 
 
-def _check_trajs(trajs: Any) -> list[Trajectory]:
-    if isinstance(trajs, Trajectory) or not isinstance(trajs, Iterable):
-        raise ValueError(f"trajs must be an iterable of Trajectory, got {type(trajs).__name__}")
-    out = list(trajs)
-    for i, t in enumerate(out):
-        if not isinstance(t, Trajectory):
-            raise ValueError(f"trajs[{i}] must be a Trajectory, got {type(t).__name__}")
-    return out
-
-
 def drop_env_errors(trajs: Iterable[Trajectory]) -> list[Trajectory]:
     """Drop trajectories whose environment failed (``termination_reason == "env_error"``): they say nothing about
     the policy and must not be scored."""
-    return [t for t in _check_trajs(trajs) if not t.is_env_error]
+    return [t for t in trajectory_list(trajs) if not t.is_env_error]
 
 
 def token_count(traj: Trajectory, tokenizer: Any) -> int:
@@ -52,7 +42,7 @@ def drop_over_token_limit(
     """Keep trajectories whose rendered length is at most ``limit`` tokens (64K by default, as in the paper)."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive int, got {limit!r}")
-    return [t for t in _check_trajs(trajs) if token_count(t, tokenizer) <= limit]
+    return [t for t in trajectory_list(trajs) if token_count(t, tokenizer) <= limit]
 
 
 @dataclass(frozen=True)
@@ -173,7 +163,7 @@ def drop_invalid_tool_calls(
     trajs: Iterable[Trajectory], tools: Sequence[dict[str, Any]] | None = None
 ) -> list[Trajectory]:
     """Keep the trajectories in which :func:`check_tool_calls` finds no issue (``tools`` default: each own)."""
-    return [t for t in _check_trajs(trajs) if not check_tool_calls(t, tools)]
+    return [t for t in trajectory_list(trajs) if not check_tool_calls(t, tools)]
 
 
 def flag_invalid_tool_calls(
@@ -184,7 +174,7 @@ def flag_invalid_tool_calls(
 ) -> list[Trajectory]:
     """Copies of the trajectories with ``metadata[key]`` set to the list of issue dicts (empty when clean)."""
     out = []
-    for t in _check_trajs(trajs):
+    for t in trajectory_list(trajs):
         flagged = copy.deepcopy(t)
         flagged.metadata[key] = [vars(i).copy() for i in check_tool_calls(t, tools)]
         out.append(flagged)
@@ -208,7 +198,7 @@ def shortest_successful_per_task(
     Returns:
         At most one trajectory per task, in the order the tasks first appear; tasks without a success are absent.
     """
-    items = _check_trajs(trajs)
+    items = trajectory_list(trajs)
     if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)):
         raise ValueError(f"success_threshold must be a float, got {success_threshold!r}")
     if length_fn is None:

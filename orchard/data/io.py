@@ -34,7 +34,7 @@ from typing import IO, Any, cast
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchard.data.schema import Trajectory
+from orchard.data.schema import Trajectory, trajectory_list
 
 _JSON_COLUMNS = ("messages", "tools", "reward_components", "metadata")
 _SCHEMA = pa.schema(
@@ -55,16 +55,6 @@ def _check_path(path: Any, name: str = "path") -> str:
     return os.fspath(path)
 
 
-def _check_trajs(trajs: Any) -> list[Trajectory]:
-    if isinstance(trajs, Trajectory) or not isinstance(trajs, Iterable):
-        raise ValueError(f"trajs must be an iterable of Trajectory, got {type(trajs).__name__}")
-    out = list(trajs)
-    for i, t in enumerate(out):
-        if not isinstance(t, Trajectory):
-            raise ValueError(f"trajs[{i}] must be a Trajectory, got {type(t).__name__}")
-    return out
-
-
 def _open(path: str, mode: str) -> IO[str]:
     if path.endswith(".gz"):
         return cast(IO[str], gzip.open(path, mode + "t", encoding="utf-8"))
@@ -77,7 +67,7 @@ def write_jsonl(trajs: Iterable[Trajectory], path: str | os.PathLike[str], *, ap
     ``append=True`` adds to an existing file (a rollout writer streaming results), else the file is replaced.
     """
     p = _check_path(path)
-    items = _check_trajs(trajs)
+    items = trajectory_list(trajs)
     with _open(p, "a" if append else "w") as f:
         for t in items:
             f.write(t.to_json())
@@ -140,7 +130,7 @@ def _from_row(row: dict[str, Any], where: str) -> Trajectory:
 
 def trajectories_to_table(trajs: Iterable[Trajectory]) -> pa.Table:
     """The arrow table (layout in the module docstring) of the trajectories."""
-    return pa.Table.from_pydict(_to_columns(_check_trajs(trajs)), schema=_SCHEMA)
+    return pa.Table.from_pydict(_to_columns(trajectory_list(trajs)), schema=_SCHEMA)
 
 
 def table_to_trajectories(table: pa.Table) -> list[Trajectory]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -398,3 +398,15 @@ class Trajectory:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return cls.from_dict(json.loads(text))
+
+
+def trajectory_list(trajs: Any) -> list[Trajectory]:
+    """``trajs`` as a list, checked: ``ValueError`` unless it is an iterable (not a single trajectory) whose
+    items are all ``Trajectory`` (the message names the first offending index)."""
+    if isinstance(trajs, Trajectory) or not isinstance(trajs, Iterable):
+        raise ValueError(f"trajs must be an iterable of Trajectory, got {type(trajs).__name__}")
+    out = list(trajs)
+    for i, t in enumerate(out):
+        if not isinstance(t, Trajectory):
+            raise ValueError(f"trajs[{i}] must be a Trajectory, got {type(t).__name__}")
+    return out

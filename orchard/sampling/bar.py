@@ -348,6 +348,13 @@ async def _atake(it: AsyncIterator[R], k: int) -> tuple[list[R], bool]:
     return out, False
 
 
+def _feed_from_iterator(run: _BARRun[R], it: Iterator[R]) -> None:
+    """Pull what ``run`` asks for from ``it``, ``k`` at a time, until it asks for nothing or ``it`` runs dry."""
+    while k := run.next_request():
+        batch, dry = _take(it, k)
+        run.feed(k, batch, exhausted=dry)
+
+
 def _as_batch(res: object, asked: int) -> Iterable[R]:
     if isinstance(res, (str, bytes, Mapping)) or not isinstance(res, Iterable):
         raise ValueError(f"source({asked}) must return a list of rollouts, got {type(res).__name__}")
@@ -393,10 +400,7 @@ def bar_select(
     elif isinstance(source, AsyncIterable):
         raise ValueError("source is an async iterable; use abar_select for async sources")
     elif isinstance(source, Iterable):
-        it = iter(source)
-        while k := run.next_request():
-            batch, dry = _take(it, k)
-            run.feed(k, batch, exhausted=dry)
+        _feed_from_iterator(run, iter(source))
     else:
         raise ValueError(
             f"source must be a callable source(k) or an iterable of rollouts, got {type(source).__name__}"
@@ -432,10 +436,7 @@ async def abar_select(
             batch, dry = await _atake(ait, k)
             run.feed(k, batch, exhausted=dry)
     elif isinstance(source, Iterable):
-        it = iter(source)
-        while k := run.next_request():
-            batch, dry = _take(it, k)
-            run.feed(k, batch, exhausted=dry)
+        _feed_from_iterator(run, iter(source))
     else:
         raise ValueError(
             f"source must be a callable, an iterable or an async iterable of rollouts, got {type(source).__name__}"

@@ -85,6 +85,12 @@ def error_from_response(response: httpx.Response) -> SandboxError:
     return error
 
 
+def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The items of ``data`` that are fields of the dataclass ``cls``: a newer server may send more."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
 @dataclass(frozen=True)
 class JobResult:
     """One exec: Orchard Env's job fields plus ours (truncation, timeout, duration).
@@ -111,8 +117,7 @@ class JobResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobResult:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**_known_fields(cls, data))
 
     @property
     def done(self) -> bool:
@@ -144,8 +149,7 @@ class FileEntry:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FileEntry:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**_known_fields(cls, data))
 
     @property
     def is_dir(self) -> bool:
@@ -162,8 +166,7 @@ class PatchResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PatchResult:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**_known_fields(cls, data))
 
 
 class _OpenSandboxes:
