@@ -300,7 +300,7 @@ def _validate(
             f"labels must lie in [0, V) = [0, {weight.shape[0]}) or equal ignore_index={ignore_index}, "
             f"got values such as {bad}"
         )
-    return hidden, weight, labels, bias, float(temperature)
+    return hidden, weight, labels.long(), bias, float(temperature)  # gather and scatter want int64 indices
 
 
 def fused_token_logprobs(

@@ -266,6 +266,17 @@ def test_ignored_rows_give_zero_and_leave_the_rest_unchanged():
     assert torch.equal(got[0][ignored], torch.zeros(4, 6, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.uint8, torch.int16])
+def test_any_integer_label_dtype_gives_the_int64_result(label_dtype):
+    leaves, labels = make_inputs(11, 30, 4, torch.float64, seed=13)
+    want_logp, want_ent = fused_token_logprobs(*leaves, labels, vocab_chunk_size=7, return_entropy=True)
+    want = torch.autograd.grad((want_logp + want_ent).sum(), leaves)
+    logp, ent = fused_token_logprobs(*leaves, labels.to(label_dtype), vocab_chunk_size=7, return_entropy=True)
+    got = torch.autograd.grad((logp + ent).sum(), leaves)
+    assert torch.equal(logp, want_logp) and torch.equal(ent, want_ent)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_frozen_head_gets_no_gradient_and_hidden_still_does():
     leaves, labels = make_inputs(9, 20, 5, torch.float64, seed=8)
     weight = leaves[1].detach()
