@@ -3,8 +3,9 @@ success (mean ± std over seeds) of the base, SFT and RL models, plus pass@k and
 
     python benchmarks/claw_learning.py [--seeds 0 1 2] [--config recipes/configs/claw_tiny.yaml] [key=value ...]
 
-Each seed runs as its own process, one after the other (the machine has 2 cores); results land in
-runs/claw_learning/seed<N>/ and the table is printed and written to runs/claw_learning/summary.md.
+Each seed runs as its own process (``--jobs`` of them at once; each recipe uses one torch thread and its own
+embedded sandbox service); results land in runs/claw_learning/seed<N>/ and the table is printed and written to
+runs/claw_learning/summary.md.
 """
 
 from __future__ import annotations
@@ -33,26 +34,40 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--config", default=str(ROOT / "recipes/configs/claw_tiny.yaml"))
     parser.add_argument("--out", default=str(ROOT / "runs/claw_learning"))
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = Path(args.out)
-    runs = []
-    for seed in args.seeds:
-        run_dir = out / f"seed{seed}"
-        t0 = time.monotonic()
-        cmd = [sys.executable, str(ROOT / "recipes/claw.py"), "--config", args.config, f"seed={seed}",
-               f"output_dir={run_dir}", *args.overrides]
-        print("+", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=True)
-        data = json.loads((run_dir / "results.json").read_text())
-        data["wall_s"] = time.monotonic() - t0
-        runs.append(data)
+    t0 = time.monotonic()
+    pending = list(args.seeds)
+    running: list[tuple[int, subprocess.Popen, object]] = []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            seed = pending.pop(0)
+            run_dir = out / f"seed{seed}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, str(ROOT / "recipes/claw.py"), "--config", args.config, f"seed={seed}",
+                   f"output_dir={run_dir}", *args.overrides]
+            print("+", " ".join(cmd[1:]), flush=True)
+            log = (run_dir / "stdout.log").open("w")
+            running.append((seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(2)
+        for item in list(running):
+            seed, proc, log = item
+            if proc.poll() is not None:
+                log.close()
+                running.remove(item)
+                if proc.returncode != 0:
+                    raise SystemExit(f"seed {seed} failed (exit {proc.returncode}); see {out}/seed{seed}/stdout.log")
+                print(f"seed {seed} done after {time.monotonic() - t0:.0f} s", flush=True)
+    runs = [json.loads((out / f"seed{seed}" / "results.json").read_text()) for seed in args.seeds]
 
     stages = [s for s in ("base", "sft", "rl") if all(s in r["results"] for r in runs)]
     harnesses = sorted({h for r in runs for s in stages for h in r["results"][s]})
     metrics = [k for k in next(iter(runs[0]["results"][stages[0]].values())) if k not in ("tasks", "env_errors")]
     lines = [f"machine: {machine()}", f"seeds: {args.seeds}; config: {Path(args.config).name} "
-             f"{' '.join(args.overrides)}; wall per seed: {np.mean([r['wall_s'] for r in runs]):.0f} s", "",
+             f"{' '.join(args.overrides)}; wall per seed: {np.mean([r['wall_s'] for r in runs]):.0f} s "
+             f"({args.jobs} at once; all seeds {time.monotonic() - t0:.0f} s)", "",
              "| harness | stage | " + " | ".join(metrics) + " | env errors |",
              "|---|---|" + "---|" * (len(metrics) + 1)]
     for harness in harnesses:

@@ -73,6 +73,8 @@ class ModelConfig:
     tokenizer from the train tasks' text."""
     vocab_size: int = 1024
     """Offline tokenizer's vocabulary size (tiny model only)."""
+    split_words: bool = False
+    """Offline tokenizer: False lets BPE merges span words, so the fixed prompts cost a few tokens (tiny only)."""
     hidden_size: int = 128
     """Tiny model width."""
     num_layers: int = 4
@@ -130,6 +132,10 @@ class RLStage:
     """Tasks per rollout batch (paper: 8)."""
     group_size: int = 8
     """Episodes per task (paper: 8)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (1: one on-policy update per batch)."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (the batch is split into this many shuffled mini-batches)."""
     use_bar: bool = False
     """Select each group with Balanced Adaptive Rollout (generate up to bar_n_max, keep group_size)."""
     bar_n_max: int = 16
@@ -139,7 +145,7 @@ class RLStage:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         global_batch_size=64, micro_batch_size=16, optim=OptimConfig(lr=1e-6, min_lr=1e-7),
         objective=[LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})]))
-    """Trainer settings (objective: policy; total_steps is set to steps)."""
+    """Trainer settings (objective: policy; total_steps is set to steps x ppo_epochs x mini_batches)."""
 
 
 @dataclass
@@ -243,8 +249,9 @@ def success_table(episodes: list[dict[str, Any]], attempts: int) -> dict[str, fl
     }
 
 
-def rl_batch(groups: list[list[dict[str, Any]]], pad_id: int) -> tuple[dict[str, torch.Tensor] | None, dict]:
-    """Group-relative advantages over each group's valid episodes; groups without signal are dropped."""
+def rl_samples(groups: list[list[dict[str, Any]]]) -> tuple[list[Any], list[float], dict[str, float]]:
+    """Samples with their group-relative advantage, over each group's valid episodes; groups without signal are
+    dropped."""
     samples, advantages = [], []
     kept = 0
     for group in groups:
@@ -261,9 +268,7 @@ def rl_batch(groups: list[list[dict[str, Any]]], pad_id: int) -> tuple[dict[str,
                 advantages.append(adv)
     stats = {"rl/groups": float(len(groups)), "rl/groups_with_signal": float(kept),
              "rl/sequences": float(len(samples))}
-    if not samples:
-        return None, stats
-    return collate(samples, pad_id, advantages=advantages), stats
+    return samples, advantages, stats
 
 
 def load_policy(cfg: ClawConfig, train_tasks: list[ClawTask]) -> tuple[Any, Any]:
@@ -272,12 +277,19 @@ def load_policy(cfg: ClawConfig, train_tasks: list[ClawTask]) -> tuple[Any, Any]
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
         return load_causal_lm(cfg.model.path, dtype=cfg.model.dtype), tokenizer
-    tokenizer = build_chat_tokenizer(tokenizer_corpus(train_tasks), vocab_size=cfg.model.vocab_size)
+    tokenizer = build_chat_tokenizer(tokenizer_corpus(train_tasks), vocab_size=cfg.model.vocab_size,
+                                     split_words=cfg.model.split_words)
     h = cfg.model.hidden_size
     model = tiny_qwen3(tokenizer, seed=cfg.seed, hidden_size=h, intermediate_size=3 * h,
                        num_hidden_layers=cfg.model.num_layers, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=h // 4)
     return model, tokenizer
+
+
+def save_model(model: Any, tokenizer: Any, path: Path) -> None:
+    """A checkpoint ``model.path`` can load (e.g. to start RL from the SFT model with ``sft.enabled=false``)."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 def make_engine(cfg: ClawConfig, model: Any, tokenizer: Any) -> Any:
@@ -335,10 +347,12 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
             await evaluate("base", 0)
 
             if cfg.sft.enabled:
-                teacher = TeacherEngine(tokenizer, train_tasks)
+                # The teacher recognises a task by its request: it demonstrates one task per distinct request.
+                demo_tasks = list({t.prompt: t for t in reversed(train_tasks)}.values())[::-1]
+                teacher = TeacherEngine(tokenizer, demo_tasks)
                 samples = []
                 for harness in cfg.harnesses:
-                    eps = await episodes.run(teacher, harness, train_tasks, 1, 0.0, max_tokens=4096)
+                    eps = await episodes.run(teacher, harness, demo_tasks, 1, 0.0, max_tokens=4096)
                     good = [e for e in eps if e["reward"] is not None and e["reward"] > 0]
                     samples += [s for e in good for s in e["samples"]]
                     log.log({f"sft/teacher_{harness}_episodes": float(len(eps)),
@@ -354,12 +368,14 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                     curve.append({"stage": 0.0, "step": float(i), "loss": m["loss/total"]})
                 print(f"[{time.monotonic() - started:6.0f}s] sft: {len(samples)} samples, {steps} steps, "
                       f"loss {history[0]['loss/total']:.3f} -> {history[-1]['loss/total']:.3f}", flush=True)
+                save_model(model, tokenizer, out / "sft_model")
                 await engine.update_weights(model.state_dict())
                 await evaluate("sft", steps)
 
             if cfg.rl.enabled:
                 pending: list[dict[str, torch.Tensor]] = []
-                trainer = Trainer(model, replace(cfg.rl.train, total_steps=cfg.rl.steps, seed=cfg.seed,
+                updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
+                trainer = Trainer(model, replace(cfg.rl.train, total_steps=updates, seed=cfg.seed,
                                                  output_dir=str(out / "rl"), resume=False),
                                   on_weights=lambda step, weights: pending.append(weights))
                 rng = random.Random(cfg.seed)
@@ -377,17 +393,26 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                         "rl/timeouts": float(sum(e["termination"] == "time_budget" for e in flat)),
                         "rl/episodes": float(len(flat)),
                     }
-                    batch, batch_stats = rl_batch(groups, tokenizer.pad_token_id)
-                    stats.update(batch_stats)
-                    if batch is not None:
-                        stats.update(trainer.train_step(batch))
-                        await engine.update_weights(pending.pop())
+                    samples, advantages, sample_stats = rl_samples(groups)
+                    stats.update(sample_stats)
+                    if samples:
+                        # PPO-style reuse of one rollout batch: ppo_epochs passes over shuffled mini-batches, the
+                        # clipped ratio against the sampling log-probs keeping each update near the rollout policy.
+                        for _ in range(cfg.rl.ppo_epochs):
+                            order = rng.sample(range(len(samples)), len(samples))
+                            for part in np.array_split(np.array(order), min(cfg.rl.mini_batches, len(order))):
+                                batch = collate([samples[i] for i in part], tokenizer.pad_token_id,
+                                                advantages=[advantages[i] for i in part])
+                                stats.update(trainer.train_step(batch))
+                        await engine.update_weights(pending[-1])
+                        pending.clear()
                     log.log(stats, step)
                     curve.append({"stage": 1.0, "step": float(step), "success": stats["rl/success"]})
                     print(f"[{time.monotonic() - started:6.0f}s] rl step {step}: success {stats['rl/success']:.2f} "
                           f"groups {stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
                           f"env_errors {stats['rl/env_errors']:.0f}", flush=True)
                 trainer.close()
+                save_model(model, tokenizer, out / "rl_model")
                 await engine.update_weights(model.state_dict())
                 await evaluate("rl", cfg.rl.steps)
     await engine.close()

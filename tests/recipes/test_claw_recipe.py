@@ -42,9 +42,11 @@ def test_claw_recipe_smoke(tmp_path):
     assert [r["step"] for r in rl_rows] == [1, 2]
     assert all(r["rl/episodes"] == 4 for r in rl_rows)
     teacher = {k: v for r in rows for k, v in r.items() if k.startswith("sft/teacher")}
-    # The scripted teacher solves every train task through both harnesses.
-    assert teacher["sft/teacher_react_passed"] == teacher["sft/teacher_react_episodes"] == 18
-    assert teacher["sft/teacher_text_passed"] == teacher["sft/teacher_text_episodes"] == 18
+    # The scripted teacher solves every train task it demonstrates (one per distinct request) in both harnesses.
+    assert 9 <= teacher["sft/teacher_react_episodes"] <= 18
+    assert teacher["sft/teacher_react_passed"] == teacher["sft/teacher_react_episodes"]
+    assert teacher["sft/teacher_text_passed"] == teacher["sft/teacher_text_episodes"]
+    assert teacher["sft/teacher_text_episodes"] == teacher["sft/teacher_react_episodes"]
     assert (out / "learning_curve.png").stat().st_size > 10_000
     assert (out / "sft" / "metrics.jsonl").exists()
 
