@@ -241,7 +241,7 @@ def success_table(episodes: list[dict[str, Any]], attempts: int) -> dict[str, fl
     n = np.array([len(v) for v in full])
     c = np.array([sum(v) for v in full])
     return {
-        "success": avg_at_k([v for v in full]) if full else 0.0,
+        "success": avg_at_k(full) if full else 0.0,
         f"pass@{attempts}": float(np.mean(pass_at_k(n, c, attempts))) if full else 0.0,
         f"pass^{attempts}": float(np.mean(pass_hat_k(n, c, attempts))) if full else 0.0,
         "tasks": float(len(full)),
