@@ -171,14 +171,14 @@ async def test_custom_image_and_workdir(root_dir):
         make_rootfs(os.path.join(images_dir, "tiny:1"))
         b = LocalBackend(root_dir, images=ImageRegistry(images_dir=images_dir))
         assert "tiny:1" in b.images.names()
-        await b.create("img", SandboxSpec(image="tiny:1", workdir="/work/app"))
+        await b.create("img", SandboxSpec(image="tiny:1", workdir="/srv/app"))
         probe = "read l < /marker; echo $l; pwd; [ -e /usr/bin/git ] || echo no-git"
         r = await b.exec("img", ExecRequest(["/bin/sh", "-c", probe]))
-        assert (r.exit_code, r.stdout) == (0, b"inside-the-image\n/work/app\nno-git\n"), r
+        assert (r.exit_code, r.stdout) == (0, b"inside-the-image\n/srv/app\nno-git\n"), r
         # git is not in the image: patches are applied with the host's git on the same workspace
         await b.write_file("img", "a.txt", b"1\n")
         r = await b.apply_patch("img", "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-1\n+2\n")
-        assert r.exit_code == 0 and await b.read_file("img", "/work/app/a.txt") == b"2\n", r
+        assert r.exit_code == 0 and await b.read_file("img", "/srv/app/a.txt") == b"2\n", r
     finally:
         shutil.rmtree(images_dir)
 

@@ -366,7 +366,7 @@ class LocalBackend:
         host_iso = None
         if image.rootfs != "/":
             # git comes from the host for images without it; the workspace is mounted where the host's
-            # top level has nothing (the image's workdir may lie in a host directory, e.g. /work/app).
+            # top level has nothing (the image's workdir may lie in a host directory, e.g. /srv/app).
             patch_ws = Workspace(ws.root, mount=_PATCH_MOUNT, uid=ws.uid, gid=ws.gid)
             host_iso = Isolation(patch_ws, rootfs="/", **common)  # type: ignore[arg-type]
         agent = SandboxAgent(iso, env=spec.env, host_isolation=host_iso)
