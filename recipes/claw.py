@@ -373,11 +373,9 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                 await evaluate("sft", steps)
 
             if cfg.rl.enabled:
-                pending: list[dict[str, torch.Tensor]] = []
                 updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
                 trainer = Trainer(model, replace(cfg.rl.train, total_steps=updates, seed=cfg.seed,
-                                                 output_dir=str(out / "rl"), resume=False),
-                                  on_weights=lambda step, weights: pending.append(weights))
+                                                 output_dir=str(out / "rl"), resume=False))
                 rng = random.Random(cfg.seed)
                 bar = BARConfig(n=cfg.rl.group_size, n_max=cfg.rl.bar_n_max, stride=cfg.rl.bar_stride)
                 for step in range(1, cfg.rl.steps + 1):
@@ -404,8 +402,8 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                                 batch = collate([samples[i] for i in part], tokenizer.pad_token_id,
                                                 advantages=[advantages[i] for i in part])
                                 stats.update(trainer.train_step(batch))
-                        await engine.update_weights(pending[-1])
-                        pending.clear()
+                        # One hand-over per rollout batch, after its last update (not after every update).
+                        await engine.update_weights(trainer.full_state_dict())
                     log.log(stats, step)
                     curve.append({"stage": 1.0, "step": float(step), "success": stats["rl/success"]})
                     print(f"[{time.monotonic() - started:6.0f}s] rl step {step}: success {stats['rl/success']:.2f} "
