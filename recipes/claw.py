@@ -56,6 +56,7 @@ from orchard.rollout.engine import SamplingParams
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.proxy import RecordingProxy
 from orchard.sampling import BARConfig, abar_select, avg_at_k, group_advantages, pass_at_k, pass_hat_k
+from orchard.train.action_logprobs import action_logprobs
 from orchard.train.config import config_to_dict, format_help, load_config
 from orchard.train.metrics import JsonlLogger
 from orchard.train.model import load_causal_lm
@@ -142,6 +143,12 @@ class RLStage:
     """BAR budget of episodes per task."""
     bar_stride: int = 16
     """BAR episodes generated per round."""
+    reward: str = "outcome"
+    """Trajectory reward: "outcome" (+1 passed / -1 not, the paper's) or "score" (2 x the verifier's claw score
+    - 1: partial credit for completion, robustness and safety; success is still judged by pass >= 0.75)."""
+    task_pool_per_template: int = 0
+    """Train-split tasks per template that RL draws from (0: the SFT pool, tasks.train_per_template). A larger
+    pool holds the SFT tasks and fresh ones of the same templates, never a held-out task."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         global_batch_size=64, micro_batch_size=16, optim=OptimConfig(lr=1e-6, min_lr=1e-7),
         objective=[LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})]))
@@ -218,6 +225,7 @@ class Episodes:
     def _from_trajectory(self, traj: Trajectory, task: ClawTask) -> dict[str, Any]:
         sample = None if traj.is_env_error else render_trajectory(traj, self.tokenizer)
         return {"task": task, "harness": "react", "reward": None if traj.is_env_error else traj.reward,
+                "score": traj.reward_components.get("score"),
                 "termination": traj.termination_reason, "samples": [sample] if sample is not None else [],
                 "steps": traj.num_steps}
 
@@ -225,6 +233,7 @@ class Episodes:
     def _from_text(e: TextEpisode) -> dict[str, Any]:
         # The program re-sends the conversation each call: its per-call samples usually chain into one sequence.
         return {"task": e.task, "harness": "text", "reward": e.reward, "termination": e.termination_reason,
+                "score": e.reward_components.get("score"),
                 "samples": merge_prefix_samples(e.samples), "steps": e.steps}
 
 
@@ -249,7 +258,18 @@ def success_table(episodes: list[dict[str, Any]], attempts: int) -> dict[str, fl
     }
 
 
-def rl_samples(groups: list[list[dict[str, Any]]]) -> tuple[list[Any], list[float], dict[str, float]]:
+def episode_reward(episode: dict[str, Any], kind: str) -> float:
+    """The RL reward of a scored episode: its outcome (+1 / -1), or with ``kind="score"`` 2 x the verifier's claw
+    score - 1 (the outcome where the verifier gave no score)."""
+    if kind not in ("outcome", "score"):
+        raise ValueError(f"rl.reward must be 'outcome' or 'score', got {kind!r}")
+    if kind == "score" and episode.get("score") is not None:
+        return 2.0 * float(episode["score"]) - 1.0
+    return float(episode["reward"])
+
+
+def rl_samples(groups: list[list[dict[str, Any]]], reward: str = "outcome",
+               ) -> tuple[list[Any], list[float], dict[str, float]]:
     """Samples with their group-relative advantage, over each group's valid episodes; groups without signal are
     dropped."""
     samples, advantages = [], []
@@ -257,7 +277,7 @@ def rl_samples(groups: list[list[dict[str, Any]]]) -> tuple[list[Any], list[floa
     for group in groups:
         # Sandbox failures and episodes over the wall budget are dropped (the paper's "timeouts dropped").
         valid = [e for e in group if e["reward"] is not None and e["termination"] != "time_budget" and e["samples"]]
-        rewards = torch.tensor([[e["reward"] for e in valid]], dtype=torch.float32)  # [1, N]
+        rewards = torch.tensor([[episode_reward(e, reward) for e in valid]], dtype=torch.float32)  # [1, N]
         if len(valid) < 2 or bool((rewards == rewards[0, 0]).all()):
             continue
         kept += 1
@@ -313,6 +333,10 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
     for name in (*cfg.harnesses, *cfg.eval.harnesses):
         if name not in HARNESSES:
             raise ValueError(f"harnesses must be among {HARNESSES}, got {name!r}")
+    if cfg.rl.reward not in ("outcome", "score"):
+        raise ValueError(f"rl.reward must be 'outcome' or 'score', got {cfg.rl.reward!r}")
+    if cfg.rl.task_pool_per_template < 0:
+        raise ValueError(f"rl.task_pool_per_template must be >= 0, got {cfg.rl.task_pool_per_template}")
     (out / "metrics.jsonl").unlink(missing_ok=True)
     log = JsonlLogger(out / "metrics.jsonl")
     started = time.monotonic()
@@ -377,9 +401,17 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                 trainer = Trainer(model, replace(cfg.rl.train, total_steps=updates, seed=cfg.seed,
                                                  output_dir=str(out / "rl"), resume=False))
                 rng = random.Random(cfg.seed)
+                # A `kl` objective term anchors the policy to the model RL started from (a frozen copy).
+                reference = None
+                if any(term.name == "kl" for term in cfg.rl.train.objective):
+                    reference = copy.deepcopy(model).eval().requires_grad_(False)
+                rl_tasks = train_tasks
+                if cfg.rl.task_pool_per_template:
+                    rl_tasks = split_tasks("train", cfg.rl.task_pool_per_template,
+                                           heldout_templates=tuple(cfg.tasks.heldout_templates))
                 bar = BARConfig(n=cfg.rl.group_size, n_max=cfg.rl.bar_n_max, stride=cfg.rl.bar_stride)
                 for step in range(1, cfg.rl.steps + 1):
-                    tasks = rng.sample(train_tasks, cfg.rl.tasks_per_step)
+                    tasks = rng.sample(rl_tasks, cfg.rl.tasks_per_step)
                     harness_of = {t.id: cfg.harnesses[i % len(cfg.harnesses)] for i, t in enumerate(tasks)}
                     groups = await rollout_groups(episodes, engine, tasks, harness_of, cfg, bar)
                     flat = [e for g in groups for e in g]
@@ -391,7 +423,7 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                         "rl/timeouts": float(sum(e["termination"] == "time_budget" for e in flat)),
                         "rl/episodes": float(len(flat)),
                     }
-                    samples, advantages, sample_stats = rl_samples(groups)
+                    samples, advantages, sample_stats = rl_samples(groups, cfg.rl.reward)
                     stats.update(sample_stats)
                     if samples:
                         # PPO-style reuse of one rollout batch: ppo_epochs passes over shuffled mini-batches, the
@@ -401,6 +433,11 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                             for part in np.array_split(np.array(order), min(cfg.rl.mini_batches, len(order))):
                                 batch = collate([samples[i] for i in part], tokenizer.pad_token_id,
                                                 advantages=[advantages[i] for i in part])
+                                if reference is not None:
+                                    with torch.no_grad():
+                                        batch["ref_logprobs"] = action_logprobs(
+                                            reference, batch["input_ids"], batch["action_mask"],
+                                            attention_mask=batch["attention_mask"])
                                 stats.update(trainer.train_step(batch))
                         # One hand-over per rollout batch, after its last update (not after every update).
                         await engine.update_weights(trainer.full_state_dict())

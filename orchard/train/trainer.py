@@ -18,7 +18,9 @@ over ranks). Paper defaults (set them in the recipe's YAML): SFT lr 1e-5 → 1e-
 
 from __future__ import annotations
 
+import math
 import random
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,10 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; null disables clipping."""
+    lr_multipliers: dict[str, float] = field(default_factory=dict)
+    """Per-parameter learning-rate factors: ``{regex: factor}``; a parameter whose name (``named_parameters``)
+    matches a regex (``re.search``, first match in order) trains at ``factor x`` the scheduled lr, e.g.
+    ``{"^model\\.norm\\.weight$": 30}`` for the final norm, whose scale is the logits' inverse temperature."""
 
 
 @dataclass
@@ -152,6 +158,42 @@ class DataCursor:
         if state.get("num_samples") != self.num_samples:
             raise ValueError(f"state is for {state.get('num_samples')} samples, this cursor has {self.num_samples}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
+    """AdamW parameter groups: weight decay on matrices only, and ``optim.lr_multipliers`` applied by name.
+
+    Raises:
+        ValueError: naming ``lr_multipliers`` for an invalid regex, a non-positive or non-finite factor, or a
+            regex that matches no trainable parameter (a typo would otherwise be silently ignored).
+    """
+    patterns = []
+    for pattern, factor in optim.lr_multipliers.items():
+        try:
+            regex = re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"lr_multipliers: invalid regex {pattern!r}: {err}") from None
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or factor <= 0:
+            raise ValueError(f"lr_multipliers[{pattern!r}] must be a positive finite number, got {factor!r}")
+        patterns.append((regex, float(factor)))
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    used = set()
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        factor = 1.0
+        for regex, f in patterns:
+            if regex.search(name):
+                factor = f
+                used.add(regex.pattern)
+                break
+        groups.setdefault((param.dim() >= 2, factor), []).append(param)
+    unused = [p.pattern for p, _ in patterns if p.pattern not in used]
+    if unused:
+        raise ValueError(f"lr_multipliers: {unused} match no trainable parameter name")
+    return [{"params": params, "weight_decay": optim.weight_decay if decay else 0.0, "lr": optim.lr * factor}
+            for (decay, factor), params in groups.items()]
 
 
 class LogprobModel(nn.Module):
@@ -251,10 +293,7 @@ class Trainer:
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         o = cfg.optim
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas, eps=o.eps)
+        optimizer = torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps)
         scheduler = cosine_schedule(
             optimizer, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=cfg.total_steps
         )

@@ -227,3 +227,35 @@ def test_fit_resumes_with_the_data_cursor(tmp_path: Path) -> None:
         assert a["loss/total"] == b["loss/total"] and a["tokens/total"] == b["tokens/total"]
     for name, value in full_state.items():
         assert torch.equal(value, resumed_state[name]), name
+
+
+def test_lr_multipliers_scale_the_named_parameters_only(tmp_path: Path) -> None:
+    from orchard.train.trainer import param_groups
+
+    model = make_model()
+    optim = OptimConfig(lr=1e-3, min_lr=1e-3, weight_decay=0.1, lr_multipliers={r"^model\.norm\.weight$": 30.0})
+    groups = param_groups(model, optim)
+    final_norm = dict(model.named_parameters())["model.norm.weight"]
+    by_param = {id(p): g for g in groups for p in g["params"]}
+    assert by_param[id(final_norm)]["lr"] == pytest.approx(3e-2)
+    assert by_param[id(final_norm)]["weight_decay"] == 0.0
+    others = [p for n, p in model.named_parameters() if n != "model.norm.weight"]
+    assert all(by_param[id(p)]["lr"] == pytest.approx(1e-3) for p in others)
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    # Through the trainer: after one step the scheduled lr of that group is the factor times the others'.
+    trainer = Trainer(model, TrainConfig(total_steps=2, global_batch_size=2, micro_batch_size=2, optim=optim,
+                                         output_dir=str(tmp_path), objective=[LossTerm("sft")]))
+    trainer.train_step(make_batch(2, 12, seed=0))
+    lrs = sorted({round(g["lr"], 12) for g in trainer.engine.optimizer.param_groups})
+    assert lrs == pytest.approx([1e-3, 3e-2])
+    trainer.close()
+
+
+@pytest.mark.parametrize("multipliers, match", [({"(": 2.0}, "invalid regex"), ({"norm": 0.0}, "positive"),
+                                                ({"no_such_param": 2.0}, "match no trainable")])
+def test_lr_multipliers_errors_name_the_setting(multipliers: dict[str, float], match: str) -> None:
+    from orchard.train.trainer import param_groups
+
+    with pytest.raises(ValueError, match=match) as err:
+        param_groups(make_model(), OptimConfig(lr_multipliers=multipliers))
+    assert "lr_multipliers" in str(err.value)
