@@ -34,9 +34,12 @@ SLACK_S = 1.5
 USERNS = "bubblewrap-userns"
 """bubblewrap started as the sandbox's uid in a user namespace (what a non-root service, or an image without
 setpriv, gets); plain BUBBLEWRAP is root-started bubblewrap when the tests run as root."""
+BOX = "bubblewrap-box"
+"""Commands run through the sandbox's long-lived box (one bubblewrap per sandbox), root-started as root."""
 _skip_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"{BWRAP_PROBLEM}")
 MODES = [
     pytest.param(BUBBLEWRAP, marks=_skip_bwrap),
+    pytest.param(BOX, marks=_skip_bwrap),
     pytest.param(USERNS, marks=[_skip_bwrap, pytest.mark.skipif(not IS_ROOT, reason="same as bubblewrap")]),
     PROCESS_GROUP,
 ]
@@ -65,10 +68,15 @@ def make_agent(
     ws: str, mode: str, *, limits: Limits | None = None, network: bool = False, **kw
 ) -> SandboxAgent:
     workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
+    box = mode == BOX
     if mode == USERNS:
         mode, kw["privileged"] = BUBBLEWRAP, False
+    elif mode == BOX:
+        mode = BUBBLEWRAP
     iso = Isolation(workspace, mode=mode, limits=limits, network=network, run_as=RUN_AS, **kw)
-    return SandboxAgent(iso, env={"AGENT_VAR": "from-agent"})
+    agent = SandboxAgent(iso, env={"AGENT_VAR": "from-agent"}, box=box)
+    assert (agent.box is not None) == box
+    return agent
 
 
 def marker() -> str:
@@ -91,6 +99,29 @@ def procs_with(text: str) -> list[tuple[int, str]]:
             continue
         if text in cmd and state != "Z":
             out.append((int(entry), cmd))
+    return out
+
+
+def box_processes(agent: SandboxAgent) -> list[int]:
+    """Host pids of the agent's box process (whose ancestor is the box's outer bubblewrap), if one runs."""
+    if agent.box is None or agent.box.pid is None:
+        return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if not f.read().startswith(agent.box.python.encode() + b"\x00-S\x00-I\x00-c\x00"):
+                    continue
+            pid = int(entry)
+            while pid > 1 and pid != agent.box.pid:
+                with open(f"/proc/{pid}/stat") as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if pid == agent.box.pid:
+            out.append(int(entry))
     return out
 
 
@@ -238,10 +269,13 @@ async def test_fork_bomb_is_bounded_by_pids_and_fully_ended(workspace_dir, mode,
     r = await agent.exec(ExecRequest("bomb() { bomb | bomb & }; bomb; sleep 100", timeout_s=1.5))
     assert r.timed_out and time.monotonic() - t0 < 1.5 + SLACK_S + 1.0
     assert b"Resource temporarily unavailable" in r.stderr  # forks beyond the limit failed
+    # nothing of the uid is left, but for the box (which stays, waiting for the next command)
+    box = box_processes(agent)
+    assert len(box) == (mode == BOX)
     deadline = time.monotonic() + 3
-    while procs_of_uid(TEST_UID) and time.monotonic() < deadline:
+    while procs_of_uid(TEST_UID) != box and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert procs_of_uid(TEST_UID) == []
+    assert procs_of_uid(TEST_UID) == box
     # the limit held (forks failed) and the sandbox is usable right after
     r = await agent.exec(ExecRequest("echo alive"))
     assert (r.exit_code, r.stdout) == (0, b"alive\n")
@@ -347,7 +381,7 @@ async def test_pty_command_runs_to_eof(workspace_dir, mode):
 @pytest.mark.parametrize("mode", BWRAP_MODES)
 async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir, mode):
     agent = make_agent(workspace_dir, mode, hide=(os.path.dirname(workspace_dir),))
-    assert agent.isolation.privileged == (IS_ROOT and mode == BUBBLEWRAP)
+    assert agent.isolation.privileged == (IS_ROOT and mode in (BUBBLEWRAP, BOX))
     # no privilege to gain: no capabilities, set-uid programs inert
     r = await agent.exec(ExecRequest("grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status"))
     assert r.stdout.split()[1::2] == [b"0000000000000000", b"0000000000000000", b"1"], r
@@ -365,9 +399,9 @@ async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir, mod
     # a fresh /tmp: a file the host has in /tmp is not there; the service's directory is hidden
     r = await agent.exec(ExecRequest(["ls", "-a", os.path.dirname(workspace_dir)]))
     assert r.stdout.split() in ([], [b".", b".."]), r
-    # its own pid namespace: only bubblewrap's init, bash and ps
+    # its own pid namespace: only bubblewrap's init, (the box,) bash, ls and grep
     r = await agent.exec(ExecRequest("ls /proc | grep -c '^[0-9]'"))
-    assert int(r.stdout) <= 4, r
+    assert int(r.stdout) <= 4 + (mode == BOX), r
 
 
 @pytest.mark.parametrize("mode", BWRAP_MODES)

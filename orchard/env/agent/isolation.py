@@ -69,6 +69,7 @@ MARK_VAR = "ORCHARD_EXEC_MARK"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _BWRAP_OWN_PROCESSES = 2
 _SPECIAL_TOP = frozenset({"proc", "dev", "tmp"})
+_BOX_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ class BubblewrapTree(PidfdProcess):
     def __init__(self, info_fd: int) -> None:
         super().__init__()
         self._info_fd = info_fd
+        self._init: int | None = None
 
     def kill(self) -> None:
         self.kill_main()
@@ -192,14 +194,17 @@ class BubblewrapTree(PidfdProcess):
         return None
 
     def _init_pid(self) -> int | None:
+        if self._init is not None:
+            return self._init
         try:
             raw = os.read(self._info_fd, 4096)
         except OSError:
             return None
         try:
-            return int(json.loads(raw)["child-pid"])
+            self._init = int(json.loads(raw)["child-pid"])
         except (ValueError, KeyError, TypeError):
             return None
+        return self._init
 
     async def settle(self, timeout_s: float) -> None:
         pid = self._init_pid()
@@ -418,7 +423,14 @@ class Isolation:
         return {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "USER": "sandbox"}
 
     def launch(
-        self, argv: list[str], *, cwd: str, env: dict[str, str], timeout_s: float | None, tty: bool = False
+        self,
+        argv: list[str],
+        *,
+        cwd: str,
+        env: dict[str, str],
+        timeout_s: float | None,
+        tty: bool = False,
+        limited: bool = True,
     ) -> Launch:
         """A launch of `argv` in the sandbox.
 
@@ -428,12 +440,16 @@ class Isolation:
             env: the complete environment of the command.
             timeout_s: the command's time budget (sets the CPU rlimit when `limits.cpu` is set), None for none.
             tty: the process's stdin is a terminal that should become its controlling terminal.
+            limited: apply the sandbox's rlimits to the process; False for the box, which applies them to
+                each command it starts (`command_rlimits`) instead.
         """
         popen: dict[str, Any] = {"env": dict(env), "start_new_session": True}
         if self._inner_tools is not None:
-            return self._launch_privileged(argv, popen, cwd=cwd, timeout_s=timeout_s, tty=tty)
+            return self._launch_privileged(argv, popen, cwd=cwd, timeout_s=timeout_s, tty=tty, limited=limited)
         extra = _BWRAP_OWN_PROCESSES if self.mode == BUBBLEWRAP else 0
         rlimits = _rlimits(self.limits, timeout_s, extra_pids=extra, per_uid=self.run_as is not None)
+        if not limited:
+            rlimits = []
         wrap: list[str] = []
         if tty or self._tools is None:
             # The uid switch happens here rather than through Popen's user=/group=, which uvloop (the event
@@ -465,8 +481,30 @@ class Isolation:
         uid = self.run_as[0] if self.run_as is not None else None
         return Launch([*wrap, *argv], popen, lambda: MarkedGroupTree(mark, uid))
 
+    def command_rlimits(self, timeout_s: float | None) -> list[tuple[int, int]]:
+        """The (resource, value) rlimits the box sets on each command it starts: those of `launch`, with one
+        more process in the pids limit for the box itself (it runs as the sandbox's uid)."""
+        own = 1 if self._inner_tools is not None else _BWRAP_OWN_PROCESSES + 1
+        return _rlimits(self.limits, timeout_s, extra_pids=own, per_uid=self.run_as is not None)
+
+    def box_python(self) -> str | None:
+        """Sandbox path of a python3 in the image to run the box with, or None if it has none."""
+        if self.mode != BUBBLEWRAP:
+            return None
+        for path in _BOX_PYTHONS:
+            if os.path.lexists(os.path.join(self.rootfs, path.lstrip("/"))):
+                return path
+        return None
+
     def _launch_privileged(
-        self, argv: list[str], popen: dict[str, Any], *, cwd: str, timeout_s: float | None, tty: bool
+        self,
+        argv: list[str],
+        popen: dict[str, Any],
+        *,
+        cwd: str,
+        timeout_s: float | None,
+        tty: bool,
+        limited: bool = True,
     ) -> Launch:
         """bubblewrap started as root; inside, setpriv and prlimit drop to the sandbox's uid and limits.
 
@@ -475,7 +513,7 @@ class Isolation:
         assert self._inner_tools is not None and self.run_as is not None
         setpriv, prlimit = self._inner_tools
         uid, gid = self.run_as
-        rlimits = _rlimits(self.limits, timeout_s, extra_pids=0, per_uid=True)
+        rlimits = _rlimits(self.limits, timeout_s, extra_pids=0, per_uid=True) if limited else []
         inner = [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
                  "--bounding-set=-all", "--"]  # fmt: skip
         if rlimits:

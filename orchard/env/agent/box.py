@@ -1,0 +1,357 @@
+"""The box: one long-lived process per sandbox that runs its commands, inside the sandbox's bubblewrap.
+
+This file is a program, not a library module. The service (`orchard.env.agent.box_client`) starts it as
+`python3 -S -I -c <this file's text>` under the sandbox's bubblewrap namespaces, as the sandbox's uid, with
+the image's own interpreter; it therefore imports only the standard library's cheapest modules (no json, no
+signal wrapper, no subprocess: each of those costs milliseconds of start-up per sandbox) and keeps to syntax
+that Python 3.6 accepts. Nothing here runs in the service's process.
+
+Protocol, over the socket that is the box's stdin and stdout, one request at a time:
+
+    service -> box   u32 length, then marshal (version 2) of a dict: argv, cwd, env, stdin (bytes or None),
+                     timeout (s), cap (bytes per stream), own and rlimits [(resource, value), ...]
+    box -> service   once at start: b"OBX1" + u32 pid of the box (in its pid namespace)
+                     per request: i32 exit code, u8 flags (1 timed out, 2 stdout truncated, 4 stderr
+                     truncated, 8 could not start), u32 stdout length, u32 stderr length, then both blobs
+
+marshal is only ever loaded by the box, from the service (trusted); the box's answers are fixed-size fields
+and raw bytes that the service checks against the request's cap.
+
+`own` are the sandbox's fixed rlimits (pids, memory): the box puts them on itself at its first command, and
+then starts commands with posix_spawn (vfork; the limits are inherited), cheaper than a Python fork;
+`rlimits` (the CPU limit, which depends on the timeout) or `own` it could not take force the fork path,
+which sets them all in the child.
+
+Per request the box starts the command in a session of its own (rlimits, cwd, env, stdin pipe or /dev/null),
+captures stdout and stderr up to `cap` each (the rest is read and dropped), and waits for the command's main
+process or the timeout. Then it SIGKILLs every other process of the pid namespace (it sees only its own
+sandbox in /proc; pid 1 is bubblewrap's init), repeating until only init and the box remain, so nothing a
+command started (`&`, `setsid`, double fork, `nohup`) outlives the exec or holds its output open, and the
+pids limit is free for the next command. /tmp and /dev/shm are emptied, as a fresh bubblewrap would have
+them. A command killed by signal N reports 128 + N, as bubblewrap relays it.
+"""
+
+import marshal
+import os
+import resource
+import select
+import struct
+import time
+
+try:
+    import _signal as _sig  # the C module: `signal` itself imports enum, several ms more
+except ImportError:  # pragma: no cover - interpreters without it
+    import signal as _sig
+
+_READY = b"OBX1"
+_HEADER = ">iBII"
+_TIMED_OUT, _OUT_TRUNC, _ERR_TRUNC, _NOT_STARTED = 1, 2, 4, 8
+_READ = 1 << 16
+_DRAIN_S = 2.0
+_SETTLE_S = 2.0
+_SCRATCH = ("/tmp", "/dev/shm")
+_SPAWN = getattr(os, "posix_spawnp", None)
+
+
+def _read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _others(me):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            pid = int(entry)
+            if pid != 1 and pid != me:
+                out.append(pid)
+    return out
+
+
+def _end_all_others(me, wait_s):
+    """SIGKILL every process of the namespace but init and the box until none is left (or `wait_s` passed).
+
+    Killed processes cannot fork, so repeated passes reach the empty set even under a fork bomb; a pid stays
+    listed until init has reaped it, so an empty list also means the pids limit is free again."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = _others(me)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            return
+        select.select([], [], [], 0.001)
+
+
+def _empty_dir(path, top):
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                _empty_dir(entry.path, False)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+    if not top:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def _child(req, stdin_r, out_w, err_w, report_w):
+    """Between fork and exec: never returns."""
+    stage = "start"
+    try:
+        os.setsid()
+        # Python ignores SIGPIPE and SIGXFSZ; a command expects the defaults (as subprocess restores them).
+        for name in ("SIGPIPE", "SIGXFSZ"):
+            if hasattr(_sig, name):
+                _sig.signal(getattr(_sig, name), _sig.SIG_DFL)
+        _sig.signal(_sig.SIGCHLD, _sig.SIG_DFL)
+        os.dup2(stdin_r, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        for which, value in list(req["own"]) + list(req["rlimits"]):
+            resource.setrlimit(which, (value, value))
+        stage = "chdir"
+        os.chdir(req["cwd"])
+        stage = "exec"
+        argv = req["argv"]
+        os.execvpe(argv[0], argv, req["env"])
+    except OSError as e:
+        msg = f"{stage}:{e.strerror or e}"
+        try:
+            os.write(report_w, msg.encode("utf-8", "replace")[:4000])
+        except OSError:
+            pass
+    except BaseException:
+        pass
+    os._exit(127)
+
+
+def _status_code(status):
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def _own_limits(req, state):
+    """Put the sandbox's fixed rlimits (`own`: pids, memory) on the box itself at its first command, so
+    that commands inherit them and can be started with posix_spawn (vfork) rather than a Python fork.
+    Returns whether this request can be spawned that way."""
+    own = list(req["own"])
+    if "own" not in state:
+        try:
+            for which, value in own:
+                resource.setrlimit(which, (value, value))
+            state["own"] = own
+        except (OSError, ValueError):
+            state["own"] = None
+    return _SPAWN is not None and not req["rlimits"] and state["own"] == own
+
+
+def _spawn(req, stdin_r, out_w, err_w):
+    """posix_spawn the command in a session of its own; (pid, None) or (None, "stage:reason")."""
+    try:
+        os.chdir(req["cwd"])
+    except OSError as e:
+        return None, f"chdir:{e.strerror or e}"
+    env = req["env"]
+    # posix_spawnp looks the program up on the caller's PATH: make it the command's, as execvp would
+    if "PATH" in env:
+        os.environ["PATH"] = env["PATH"]
+    else:
+        os.environ.pop("PATH", None)
+    actions = [(os.POSIX_SPAWN_DUP2, stdin_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+    sigdef = [getattr(_sig, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGCHLD") if hasattr(_sig, n)]
+    argv = req["argv"]
+    try:
+        return _SPAWN(argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=sigdef), None
+    except OSError as e:
+        return None, f"exec:{e.strerror or e}"
+
+
+def _run(req, me, wake_r, state):
+    cap = req["cap"]
+    data = req["stdin"]
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    if data is None:
+        stdin_r, stdin_w = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC), -1
+    else:
+        stdin_r, stdin_w = os.pipe()
+    if _own_limits(req, state):
+        pid, failure = _spawn(req, stdin_r, out_w, err_w)
+        failure = failure.encode("utf-8", "replace") if failure else b""
+    else:
+        report_r, report_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _child(req, stdin_r, out_w, err_w, report_w)
+        os.close(report_w)
+        failure = _read_all(report_r)
+        os.close(report_r)
+    for fd in (stdin_r, out_w, err_w):
+        os.close(fd)
+    if pid is None:
+        if stdin_w >= 0:
+            os.close(stdin_w)
+        os.close(out_r)
+        os.close(err_r)
+        return _not_started(req, failure, 0)
+    kept = {out_r: bytearray(), err_r: bytearray()}
+    truncated = {out_r: False, err_r: False}
+    poller = select.poll()
+    for fd in (out_r, err_r, wake_r):
+        poller.register(fd, select.POLLIN)
+    pending = memoryview(data) if data else None
+    if stdin_w >= 0:
+        if pending:
+            os.set_blocking(stdin_w, False)
+            poller.register(stdin_w, select.POLLOUT)
+        else:
+            os.close(stdin_w)
+            stdin_w = -1
+    open_fds = {out_r, err_r}
+
+    def read_from(fd):
+        try:
+            chunk = os.read(fd, _READ)
+        except BlockingIOError:
+            return
+        if not chunk:
+            poller.unregister(fd)
+            open_fds.discard(fd)
+            return
+        buf = kept[fd]
+        room = cap - len(buf)
+        if room > 0:
+            buf += chunk[:room]
+        if len(chunk) > room:
+            truncated[fd] = True
+
+    deadline = time.monotonic() + req["timeout"]
+    status = None
+    timed_out = False
+    while status is None:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = st
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for fd, _ in poller.poll(max(1, int(left * 1000) + 1)):
+            if fd == wake_r:
+                try:
+                    os.read(wake_r, 512)
+                except OSError:
+                    pass
+            elif fd == stdin_w:
+                try:
+                    n = os.write(stdin_w, pending[:_READ])
+                except BlockingIOError:
+                    continue
+                except OSError:  # the command closed its stdin
+                    n = len(pending)
+                pending = pending[n:]
+                if not pending:
+                    poller.unregister(stdin_w)
+                    os.close(stdin_w)
+                    stdin_w = -1
+            else:
+                read_from(fd)
+    if status is None:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+        status = os.waitpid(pid, 0)[1]
+    if stdin_w >= 0:
+        os.close(stdin_w)
+    _end_all_others(me, _SETTLE_S)
+    drain_until = time.monotonic() + _DRAIN_S
+    while open_fds:
+        left = drain_until - time.monotonic()
+        if left <= 0:
+            break
+        for fd, _ in poller.poll(int(left * 1000) + 1):
+            if fd in open_fds:
+                read_from(fd)
+            elif fd == wake_r:
+                os.read(wake_r, 512)
+    os.close(out_r)
+    os.close(err_r)
+    for path in _SCRATCH:
+        _empty_dir(path, True)
+    flags = (_TIMED_OUT if timed_out else 0) | (_OUT_TRUNC if truncated[out_r] else 0)
+    flags |= _ERR_TRUNC if truncated[err_r] else 0
+    out, err = bytes(kept[out_r]), bytes(kept[err_r])
+    if failure:
+        return _not_started(req, failure, flags)
+    return (124 if timed_out else _status_code(status)), flags, out, err
+
+
+def _not_started(req, failure, flags):
+    stage, _, why = failure.decode("utf-8", "replace").partition(":")
+    what = req["argv"][0] if stage != "chdir" else req["cwd"]
+    err = "cannot {} {!r}: {}\n".format("enter" if stage == "chdir" else "run", what, why).encode()
+    return 127, flags | _NOT_STARTED, b"", err[: req["cap"]]
+
+
+def _read_all(fd):
+    out = b""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def main():
+    me = os.getpid()
+    os.closerange(3, 1 << 16)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    _sig.signal(_sig.SIGCHLD, lambda signum, frame: None)
+    _sig.set_wakeup_fd(wake_w)
+    state = {}
+    _write_all(1, _READY + struct.pack(">I", me))
+    devnull = os.open("/dev/null", os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    while True:
+        try:
+            (size,) = struct.unpack(">I", _read_exact(0, 4))
+            req = marshal.loads(_read_exact(0, size))
+        except EOFError:
+            return
+        code, flags, out, err = _run(req, me, wake_r, state)
+        _write_all(1, struct.pack(_HEADER, code, flags, len(out), len(err)) + out + err)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The service's side of a sandbox's box: start it, send it commands, restart it, kill it.
+
+A box (`orchard.env.agent.box`, whose docstring has the protocol) is one long-lived process per sandbox, run
+under the same bubblewrap isolation a per-command launch gets, that starts every command of the sandbox.
+bubblewrap's namespaces are set up once per sandbox instead of once per command, which is most of what a
+command used to cost. The guarantees stay those of `orchard.env.agent.process`: per-stream caps, the timeout,
+and no process of an exec outliving it (the box empties its pid namespace after every command).
+
+The box runs as the sandbox's uid, so a command can kill it (`kill -9 -1`) or the OOM killer can: bubblewrap
+then ends the whole namespace, the exec in flight reports exit code 137 (as a SIGKILLed command does) with a
+note on stderr, and the next exec starts a fresh box. Should a box ever fail to answer within its command's
+timeout plus `_WATCHDOG_SLACK_S`, the service kills it and reports a timeout. A box runs with
+`--die-with-parent`, so a service killed with SIGKILL leaves none behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import marshal
+import os
+import resource
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+from orchard.env.agent.isolation import Isolation
+from orchard.env.agent.process import TIMEOUT_EXIT_CODE, ProcessTree, validate_limits
+from orchard.env.backends.base import BackendError, ExecResult
+
+BOX_SOURCE = (Path(__file__).parent / "box.py").read_text()
+"""The box program, passed to the image's python with `-c` (nothing has to be mounted for it)."""
+
+_READY = b"OBX1"
+_HEADER = struct.Struct(">iBII")
+_TIMED_OUT, _OUT_TRUNC, _ERR_TRUNC = 1, 2, 4
+_START_TIMEOUT_S = 20.0
+_BOX_MIN_AS = 256 << 20
+"""A memory (address-space) limit this large is put on the box itself too; a smaller one only on commands."""
+_GRACEFUL_S = 1.0
+_WATCHDOG_SLACK_S = 5.0
+"""How long after a command's timeout the service stops waiting for the box (which kills by itself at the
+timeout and then needs at most its 2 s settle and 2 s drain)."""
+_KILLED_NOTE = (
+    b"\norchard: the sandbox's command runner was killed during this command (by the command, e.g. "
+    b"`kill -9 -1`, or by the OOM killer); the command's output is lost and the next command starts afresh\n"
+)
+
+_CLOSED_NOTE = b"\norchard: the command was ended because its sandbox was deleted or the service stopped\n"
+
+
+class BoxUnavailableError(BackendError):
+    """The box could not be started (no usable python3 in the image, bubblewrap failed); callers fall back
+    to starting each command with its own bubblewrap."""
+
+
+class Box:
+    """One sandbox's box, started on the first `run` and restarted on the next `run` after it died.
+
+    Args:
+        isolation: the sandbox's isolation (bubblewrap); the box runs under it, as its uid.
+        python: the sandbox path of the interpreter (default: `isolation.box_python()`).
+    """
+
+    def __init__(self, isolation: Isolation, python: str | None = None) -> None:
+        if not isinstance(isolation, Isolation):
+            raise ValueError(f"isolation must be an Isolation, got {type(isolation).__name__}")
+        python = python or isolation.box_python()
+        if python is None:
+            raise BoxUnavailableError(f"the image at {isolation.rootfs!r} has no python3 for the box")
+        self.isolation = isolation
+        self.python = python
+        self.starts = 0
+        """How many times a box process was started (a restart after a death counts)."""
+        self._lock = asyncio.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._tree: ProcessTree | None = None
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """Host pid of the outer bubblewrap process of the running box (None when none runs)."""
+        return self._proc.pid if self._proc is not None else None
+
+    # -- running commands ---------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        argv: list[str],
+        *,
+        cwd: str,
+        env: dict[str, str],
+        stdin: bytes | None,
+        timeout_s: float,
+        max_output_bytes: int,
+    ) -> ExecResult:
+        """Run one command in the box (rules in `orchard.env.agent.process`); one at a time per box."""
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}")
+        validate_limits(timeout_s, max_output_bytes)
+        own, per_exec = _split_rlimits(self.isolation.command_rlimits(timeout_s))
+        # bubblewrap's --chdir exports PWD; the box's commands get the same
+        request = marshal.dumps(
+            {"argv": list(argv), "cwd": cwd, "env": {**env, "PWD": cwd}, "stdin": stdin,
+             "timeout": float(timeout_s), "cap": int(max_output_bytes), "own": own, "rlimits": per_exec},
+            2,
+        )  # fmt: skip
+        async with self._lock:
+            if self._closed:
+                raise BackendError("the sandbox is being deleted")
+            start = time.monotonic()
+            if not self._alive():
+                await self._stop()
+                await self._start()
+            sock = self._sock
+            assert sock is not None
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.sock_sendall(sock, struct.pack(">I", len(request)) + request)
+                header = await asyncio.wait_for(
+                    _recv_exact(loop, sock, _HEADER.size), timeout_s + _WATCHDOG_SLACK_S
+                )
+                code, flags, n_out, n_err = _HEADER.unpack(header)
+                if n_out > max_output_bytes or n_err > max_output_bytes:
+                    raise BackendError(f"the box answered {n_out} + {n_err} bytes, over the cap")
+                body = await asyncio.wait_for(_recv_exact(loop, sock, n_out + n_err), _WATCHDOG_SLACK_S)
+            except TimeoutError:
+                await self._stop()
+                return ExecResult(exit_code=TIMEOUT_EXIT_CODE, stdout=b"", stderr=b"", timed_out=True,
+                                  duration_s=time.monotonic() - start)  # fmt: skip
+            except (OSError, EOFError, BackendError):
+                # The box died with the command (killed by it, by the OOM killer, or by `kill`) or misbehaved.
+                await self._stop()
+                note = _CLOSED_NOTE if self._closed else _KILLED_NOTE
+                return ExecResult(exit_code=137, stdout=b"", stderr=note, duration_s=time.monotonic() - start)
+            except BaseException:
+                await self._stop()  # cancelled (client gone, service stopping): the command must not go on
+                raise
+        return ExecResult(
+            exit_code=code,
+            stdout=body[:n_out],
+            stderr=body[n_out:],
+            stdout_truncated=bool(flags & _OUT_TRUNC),
+            stderr_truncated=bool(flags & _ERR_TRUNC),
+            timed_out=bool(flags & _TIMED_OUT),
+            duration_s=time.monotonic() - start,
+        )
+
+    async def close(self) -> None:
+        """Kill the box and everything in its namespace; later `run`s raise BackendError."""
+        self._closed = True
+        await self.kill()
+
+    async def kill(self) -> None:
+        """End the box now (a running command ends with it, exit code 137); the next `run` starts a fresh
+        one. Returns once the box's namespace is gone."""
+        if self._lock.locked() and self._tree is not None:
+            self._tree.kill()  # a command in flight sees the box's socket close, and returns
+        async with self._lock:
+            await self._stop(graceful=True)
+
+    # -- the process --------------------------------------------------------------------------------------
+
+    def _alive(self) -> bool:
+        if self._proc is None or self._sock is None:
+            return False
+        try:
+            # the box never speaks unasked: readable between commands means EOF, i.e. it died
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    async def _start(self) -> None:
+        iso = self.isolation
+        launch = iso.launch(
+            [self.python, "-S", "-I", "-c", BOX_SOURCE], cwd="/", env=iso.base_env(), timeout_s=None,
+            limited=False,
+        )  # fmt: skip
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        tree = launch.tree_factory()
+        try:
+            self._proc = subprocess.Popen(launch.argv, stdin=theirs, stdout=theirs, stderr=subprocess.PIPE,
+                                          **launch.popen)  # fmt: skip
+        except OSError as e:
+            ours.close()
+            tree.release()
+            raise BoxUnavailableError(f"cannot start the box: {e}") from e
+        finally:
+            theirs.close()
+            launch.close()
+        tree.attach(self._proc.pid)
+        self._tree = tree
+        self.starts += 1
+        self._sock = ours
+        ours.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            ready = await asyncio.wait_for(_recv_exact(loop, ours, len(_READY) + 4), _START_TIMEOUT_S)
+            if ready[: len(_READY)] != _READY:
+                raise EOFError
+        except (TimeoutError, EOFError, OSError) as e:
+            err = b""
+            if self._proc.stderr is not None:
+                os.set_blocking(self._proc.stderr.fileno(), False)
+                with contextlib.suppress(OSError, TypeError):
+                    err = self._proc.stderr.read(4000) or b""
+            await self._stop()
+            why = err.decode(errors="replace").strip() or type(e).__name__
+            raise BoxUnavailableError(f"the box did not start: {why}") from e
+        finally:
+            if self._proc is not None and self._proc.stderr is not None:
+                self._proc.stderr.close()
+
+    async def _stop(self, graceful: bool = False) -> None:
+        """End the box and wait until its namespace is gone, so the sandbox's pids are free and nothing of
+        it is left. Graceful (an idle box): closing its socket makes it exit, bubblewrap follows, and their
+        CPU time is accounted to the service's children; if that takes over `_GRACEFUL_S`, or otherwise, the
+        outer bubblewrap is killed (its init and the whole namespace die with it)."""
+        proc, self._proc = self._proc, None
+        tree, self._tree = self._tree, None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if proc is None or tree is None:
+            return
+        try:
+            if graceful:
+                await tree.settle(_GRACEFUL_S)
+            tree.kill()
+            await tree.settle(5.0)
+        finally:
+            tree.release()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+
+
+def _split_rlimits(rlimits: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(the sandbox's fixed limits, which the box may take on itself; the rest, set per command).
+
+    The pids limit and an address-space limit the box itself fits in are fixed for a sandbox; the CPU
+    limit depends on each command's timeout."""
+    own, per_exec = [], []
+    for which, value in rlimits:
+        fixed = which == resource.RLIMIT_NPROC or (which == resource.RLIMIT_AS and value >= _BOX_MIN_AS)
+        (own if fixed else per_exec).append((which, value))
+    return own, per_exec
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise EOFError("the box closed its socket")
+        got += k
+    return bytes(buf)

@@ -1,0 +1,307 @@
+"""The box: one long-lived isolated process per sandbox that runs its commands.
+
+The exec rules themselves (timeouts that end setsid / double-forked trees, caps, fork bombs, isolation) run
+for the box in test_agent_exec.py (mode "bubblewrap-box"). Here: the box gives the same results as a
+bubblewrap per command, restarts after it is killed, leaves nothing behind after delete, close or a SIGKILLed
+service, keeps sandboxes apart and concurrent, and copes with a box that misbehaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from orchard.env.agent import BUBBLEWRAP, Isolation, Limits, SandboxAgent, Workspace, box_client
+from orchard.env.agent.isolation import probe_bubblewrap
+from orchard.env.backends.base import ExecRequest, SandboxSpec
+from orchard.env.backends.local import LocalBackend
+
+IS_ROOT = os.geteuid() == 0
+TEST_UID = 201_359
+RUN_AS = (TEST_UID, TEST_UID) if IS_ROOT else None
+BWRAP_PROBLEM = probe_bubblewrap(RUN_AS)
+pytestmark = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
+PRIVILEGED = pytest.mark.parametrize("privileged", [None, False], ids=["root-started", "userns"])
+"""bubblewrap started as root (the command drops to the uid inside) or as the uid in a user namespace."""
+
+
+@pytest.fixture
+def base_dir():
+    # tempfile (not tmp_path): the sandbox's uid must be able to reach the workspace
+    base = tempfile.mkdtemp(prefix="orchard-box-")
+    os.chmod(base, 0o711)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def make_agent(base: str, *, box: bool, privileged: bool | None = None, **kw) -> SandboxAgent:
+    ws = os.path.join(base, "ws")
+    if not os.path.isdir(ws):
+        os.mkdir(ws, 0o700)
+        if IS_ROOT:
+            os.chown(ws, TEST_UID, TEST_UID)
+    workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
+    iso = Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, privileged=privileged, **kw)
+    return SandboxAgent(iso, env={"AGENT_VAR": "from-agent"}, box=box)
+
+
+def live_pids() -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        out.add(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def descendants(root: int) -> set[int]:
+    """Live descendants of host pid `root` (root included while it lives)."""
+    parent = {}
+    for pid in live_pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    out = {root} if root in parent else set()
+    grew = True
+    while grew:
+        new = {p for p, pp in parent.items() if pp in out and p not in out}
+        out |= new
+        grew = bool(new)
+    return out
+
+
+async def gone(pids: set[int], timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while pids & live_pids() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return not pids & live_pids()
+
+
+# -- same results as a bubblewrap per command ------------------------------------------------------------
+
+SAME = [
+    ExecRequest("echo out; echo err >&2; exit 3"),
+    ExecRequest("kill -9 $$"),
+    ExecRequest("kill -TERM $$"),
+    ExecRequest(["cat"], stdin=b"line one\nline two\n"),
+    ExecRequest(["cat"], stdin=b""),
+    ExecRequest("cat; echo after", stdin=None),
+    ExecRequest("echo $AGENT_VAR $REQ_VAR; pwd; echo $HOME $USER", env={"REQ_VAR": "from-request"}),
+    ExecRequest("pwd; ls", cwd="sub"),
+    ExecRequest("printf 12345", max_output_bytes=5),
+    ExecRequest("printf 123456; printf abcdef >&2", max_output_bytes=5),
+    ExecRequest("head -c 300000 /dev/zero | tr '\\0' x", max_output_bytes=100_000),
+    ExecRequest("printf x", max_output_bytes=0),
+    ExecRequest("yes | head -n 3"),  # SIGPIPE has its default action again in the command
+    ExecRequest("ulimit -v; ulimit -t"),  # (ulimit -u is one higher in a box: the box is one of the uid's)
+    ExecRequest("ls /tmp /dev/shm; echo $(hostname)"),
+    ExecRequest(["env"], env={"PATH": "/usr/bin:/bin"}),
+]
+
+
+@PRIVILEGED
+@pytest.mark.parametrize(
+    "limits",
+    [Limits(pids=64, memory_mb=1024), Limits(pids=64, memory_mb=128, cpu=1.0)],
+    ids=["spawned", "forked"],  # fixed limits only: posix_spawn; a CPU limit or a small memory: a fork
+)
+async def test_box_gives_the_same_results_as_a_bubblewrap_per_command(base_dir, privileged, limits):
+    box = make_agent(base_dir, box=True, privileged=privileged, limits=limits)
+    fresh = make_agent(base_dir, box=False, privileged=privileged, limits=limits)
+    await box.write_file("sub/f.txt", b"x")
+    assert box.box is not None and fresh.box is None
+    for request in SAME:
+        a, b = await box.exec(request), await fresh.exec(request)
+        assert (a.exit_code, a.stdout, a.stderr, a.stdout_truncated, a.stderr_truncated, a.timed_out) == (
+            b.exit_code, b.stdout, b.stderr, b.stdout_truncated, b.stderr_truncated, b.timed_out
+        ), request  # fmt: skip
+    assert box.box.starts == 1  # one box served every command
+    await box.kill_all()
+
+
+@pytest.mark.parametrize("cpu", [None, 1.0], ids=["spawned", "forked"])
+async def test_missing_program_and_cwd_report_127(base_dir, cpu):
+    agent = make_agent(base_dir, box=True, limits=Limits(cpu=cpu))
+    r = await agent.exec(ExecRequest(["no-such-program-xyz"]))
+    assert r.exit_code == 127 and r.stderr == b"cannot run 'no-such-program-xyz': No such file or directory\n"
+    r = await agent.exec(ExecRequest(["true"], cwd="/no/such/dir"))
+    assert r.exit_code == 127 and r.stderr == b"cannot enter '/no/such/dir': No such file or directory\n", r
+    # the program is looked up on the command's PATH, not the box's
+    r = await agent.exec(ExecRequest(["ls", "-d", "/"], env={"PATH": "/nowhere"}))
+    assert r.exit_code == 127 and b"cannot run 'ls'" in r.stderr, r
+    await agent.kill_all()
+
+
+async def test_each_command_gets_an_empty_tmp(base_dir):
+    agent = make_agent(base_dir, box=True)
+    r = await agent.exec(ExecRequest("mkdir -p /tmp/a/b && echo 1 > /tmp/a/b/f && echo 2 > /dev/shm/g && ls /tmp"))
+    assert (r.exit_code, r.stdout) == (0, b"a\n"), r
+    r = await agent.exec(ExecRequest("ls -A /tmp /dev/shm"))
+    assert r.stdout == b"/dev/shm:\n\n/tmp:\n", r
+    await agent.kill_all()
+
+
+async def test_memory_limit_applies_to_commands_not_the_box(base_dir):
+    agent = make_agent(base_dir, box=True, limits=Limits(memory_mb=64))
+    r = await agent.exec(ExecRequest(["python3", "-c", "b = bytearray(200 << 20)"]))
+    assert r.exit_code != 0 and b"MemoryError" in r.stderr, r
+    r = await agent.exec(ExecRequest(["bash", "-c", "echo $((6 * 7))"]))
+    assert r.stdout == b"42\n", r
+    await agent.kill_all()
+
+
+# -- restarts --------------------------------------------------------------------------------------------
+
+
+@PRIVILEGED
+async def test_box_killed_between_commands_restarts_transparently(base_dir, privileged):
+    agent = make_agent(base_dir, box=True, privileged=privileged)
+    r = await agent.exec(ExecRequest("echo one"))
+    assert r.stdout == b"one\n"
+    box = agent.box
+    assert box is not None and box.starts == 1
+    first = descendants(box.pid)  # outer bubblewrap, its init, the box
+    assert len(first) == 3, first
+    # the OOM killer (or anything else) kills the box itself while it waits
+    inner = [p for p in first if Path(f"/proc/{p}/cmdline").read_bytes().startswith(box.python.encode())]
+    assert len(inner) == 1
+    os.kill(inner[0], signal.SIGKILL)
+    assert await gone(first)  # bubblewrap ends the namespace when the box dies
+    r = await agent.exec(ExecRequest("echo two"))
+    assert (r.exit_code, r.stdout) == (0, b"two\n") and box.starts == 2
+    await agent.kill_all()
+    assert await gone(descendants(box.pid) | first)
+
+
+async def test_command_that_kills_the_box_gets_137_and_the_next_command_runs(base_dir):
+    agent = make_agent(base_dir, box=True)
+    r = await agent.exec(ExecRequest("echo before; kill -9 -1; sleep 5", timeout_s=10))
+    assert r.exit_code == 137 and b"command runner was killed" in r.stderr and not r.timed_out, r
+    r = await agent.exec(ExecRequest("echo after"))
+    assert (r.exit_code, r.stdout) == (0, b"after\n") and agent.box.starts == 2
+    await agent.kill_all()
+
+
+async def test_box_that_cannot_start_falls_back_to_a_bubblewrap_per_command(base_dir):
+    agent = make_agent(base_dir, box=True)
+    agent._box = box_client.Box(agent.isolation, python="/bin/false")  # an interpreter that dies at once
+    r = await agent.exec(ExecRequest("echo still works"))
+    assert (r.exit_code, r.stdout) == (0, b"still works\n") and agent.box is None
+    empty = tempfile.mkdtemp(dir=base_dir)  # an image without python3: no box from the start
+    assert make_agent(base_dir, box=True, rootfs=empty).box is None
+
+
+# -- a box that misbehaves ---------------------------------------------------------------------------------
+
+_HELLO = "import os, struct, time\nos.write(1, b'OBX1' + struct.pack('>I', os.getpid()))\nos.read(0, 1 << 20)\n"
+_HANGS = _HELLO + "time.sleep(1000)\n"
+_LIES = _HELLO + "os.write(1, struct.pack('>iBII', 0, 0, 1 << 30, 0))\ntime.sleep(1000)\n"
+
+
+async def test_watchdog_kills_a_box_that_never_answers(base_dir, monkeypatch):
+    monkeypatch.setattr(box_client, "BOX_SOURCE", _HANGS)
+    monkeypatch.setattr(box_client, "_WATCHDOG_SLACK_S", 0.5)
+    agent = make_agent(base_dir, box=True)
+    t0 = time.monotonic()
+    r = await agent.exec(ExecRequest("true", timeout_s=0.5))
+    assert r.timed_out and r.exit_code == 124 and time.monotonic() - t0 < 5, r
+    assert agent.box.pid is None  # killed, restarted by the next command
+    await agent.kill_all()
+
+
+async def test_an_answer_over_the_cap_is_refused(base_dir, monkeypatch):
+    monkeypatch.setattr(box_client, "BOX_SOURCE", _LIES)
+    agent = make_agent(base_dir, box=True)
+    r = await agent.exec(ExecRequest("true", max_output_bytes=1000))
+    assert r.exit_code == 137 and r.stdout == b"" and agent.box.pid is None, r
+    await agent.kill_all()
+
+
+# -- lifecycle in the backend ------------------------------------------------------------------------------
+
+
+def uid_procs(uid: int) -> set[int]:
+    return {p for p in live_pids() if os.path.exists(f"/proc/{p}") and _uid(p) == uid}
+
+
+def _uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+async def test_delete_and_close_leave_no_process(base_dir):
+    b = LocalBackend(os.path.join(base_dir, "sb"))
+    assert b.health()["commands_run_by"] == "a box per sandbox"
+    await asyncio.gather(*(b.create(f"s{i}", SandboxSpec()) for i in range(3)))
+    for i in range(3):
+        assert (await b.exec(f"s{i}", ExecRequest("echo ok"))).stdout == b"ok\n"
+    trees = {i: descendants(b._agents[f"s{i}"].box.pid) for i in range(3)}
+    assert all(len(t) == 3 for t in trees.values()), trees
+    await b.delete("s0")
+    assert await gone(trees[0])
+    assert not trees[1] - live_pids()  # the others' boxes are untouched
+    await b.close()
+    assert await gone(trees[1] | trees[2])
+    if IS_ROOT:
+        assert all(uid_procs(u) == set() for u in b._load_uids().values())
+
+
+async def test_sandboxes_run_concurrently_in_boxes_of_their_own(base_dir):
+    b = LocalBackend(os.path.join(base_dir, "sb"), limits=Limits(pids=32))
+    n = 6
+    await asyncio.gather(*(b.create(f"c{i}", SandboxSpec()) for i in range(n)))
+    stamp = "date +%s.%N; sleep 2; date +%s.%N"
+    results = await asyncio.gather(*(b.exec(f"c{i}", ExecRequest(stamp)) for i in range(n)))
+    spans = [tuple(float(x) for x in r.stdout.split()[:2]) for r in results]
+    # every command's run overlaps every other's: none waited for another sandbox's box
+    assert max(s for s, _ in spans) < min(e for _, e in spans), spans
+    boxes = {b._agents[f"c{i}"].box.pid for i in range(n)}
+    assert len(boxes) == n and None not in boxes
+    # two commands at once in one sandbox are taken one after the other, both complete
+    r1, r2 = await asyncio.gather(b.exec("c0", ExecRequest("echo a")), b.exec("c0", ExecRequest("echo b")))
+    assert (r1.stdout, r2.stdout) == (b"a\n", b"b\n")
+    await b.close()
+
+
+async def test_boxes_of_a_killed_service_die_with_it(base_dir):
+    root = os.path.join(base_dir, "sb")
+    script = (
+        "import asyncio, os\n"
+        "from orchard.env.backends.local import LocalBackend\n"
+        "from orchard.env.backends.base import ExecRequest, SandboxSpec\n"
+        "async def main():\n"
+        f"    b = LocalBackend({root!r})\n"
+        "    for i in range(2):\n"
+        "        await b.create(f'v{i}', SandboxSpec())\n"
+        "        await b.exec(f'v{i}', ExecRequest('true'))\n"
+        "    print(*(b._agents[f'v{i}'].box.pid for i in range(2)), flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, proc.stderr.read()  # type: ignore[union-attr]
+        trees = set().union(*(descendants(int(p)) for p in line.split()))
+        assert len(trees) == 6, trees  # two boxes: bubblewrap, its init, the box each
+    finally:
+        proc.kill()
+        proc.wait()
+    assert await gone(trees)
