@@ -1,6 +1,7 @@
 """What does the local backend itself cost per command, without the REST service in front of it?
 
-Runs the same command through `LocalBackend.exec` in-process (bubblewrap, and the process-group fallback)
+Runs the same command through `LocalBackend.exec` in-process (bubblewrap with a box per sandbox, bubblewrap
+per command, and the process-group fallback)
 and as a raw `subprocess.run` in the same run, serially and then with `--concurrency` commands in flight over
 `--sandboxes` sandboxes; reports latency percentiles, commands per second, and the CPU time per command of
 this process and of its children (the sandboxing tools and the command), plus create/delete latency.
@@ -24,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env_latency import machine, percentiles
 
+from orchard.env.agent.box_client import BoxCpu
 from orchard.env.backends.base import ExecRequest, SandboxSpec
 from orchard.env.backends.local import LocalBackend
 
@@ -49,10 +51,11 @@ def raw(n: int) -> dict[str, float]:
 
 
 async def backend(
-    use_bwrap: bool, n: int, concurrency: int, sandboxes: int, parent: str | None
+    use_bwrap: bool, n: int, concurrency: int, sandboxes: int, parent: str | None, box: bool = True
 ) -> dict[str, dict[str, float]]:
     root = tempfile.mkdtemp(prefix="orchard-bench-", dir=parent)
-    b = LocalBackend(root, use_bwrap=use_bwrap, max_sandboxes=None)
+    b = LocalBackend(root, use_bwrap=use_bwrap, max_sandboxes=None, box=box)
+    box0 = (BoxCpu.box_s, BoxCpu.commands_s)
     out: dict[str, dict[str, float]] = {}
     try:
         lat_create = []
@@ -88,7 +91,11 @@ async def backend(
             await b.delete(f"s{i}")
             lat_delete.append(time.perf_counter() - t)
         out["delete"] = percentiles(lat_delete)
-        out["_isolation"] = {"name": b.isolation}  # type: ignore[dict-item]
+        out["_isolation"] = {"name": b.isolation + (", box" if box and b.isolation == "bubblewrap" else "")}  # type: ignore[dict-item]
+        # boxes report their CPU (their own, their commands') when deleted; bubblewrap's init hides it
+        # from this process's children times
+        out["_box_cpu"] = {"box_ms": (BoxCpu.box_s - box0[0]) / (3 * n) * 1e3,
+                           "commands_ms": (BoxCpu.commands_s - box0[1]) / (3 * n) * 1e3}  # fmt: skip
     finally:
         await b.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -115,17 +122,24 @@ def main() -> None:
               f"{r['self_ms']:>8.2f}ms{r['kids_ms']:>8.2f}ms{r['p50'] / base['p50']:>9.2f}")  # fmt: skip
 
     row("raw subprocess.run (serial)", base)
-    for use_bwrap in (True, False):
+    for use_bwrap, box in ((True, True), (True, False), (False, False)):
         try:
-            res = asyncio.run(backend(use_bwrap, args.n, args.concurrency, args.sandboxes, args.root_parent))
+            res = asyncio.run(backend(use_bwrap, args.n, args.concurrency, args.sandboxes, args.root_parent,
+                                      box=box))  # fmt: skip
         except Exception as e:  # bubblewrap required but unusable here
             print(f"{'bubblewrap' if use_bwrap else 'process-group'}: skipped ({e})")
             continue
         iso = res.pop("_isolation")["name"]  # type: ignore[index]
+        if not box and use_bwrap:
+            iso += ", per command"
         for name in ("serial", f"{args.concurrency} at once"):
             row(f"{iso}, {name}", res[name])
         for op in ("create", "delete"):
             print(f"{iso}, {op:<28}{res[op]['p50'] * 1e3:>9.2f}{res[op]['p90'] * 1e3:>9.2f}")
+        cpu = res.pop("_box_cpu")
+        if box and use_bwrap:
+            print(f"{iso}: CPU per command inside the boxes (all passes): box {cpu['box_ms']:.2f} ms, "
+                  f"commands {cpu['commands_ms']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Three ways to run the same command, measured in the same run, one call at a time
     raw       subprocess.run(["bash", "-c", CMD]) in this process                      the baseline
     bwrap     the same inside a bare `bwrap --unshare-all` (no agent, no limits)        isolation's floor
     backend   LocalBackend.exec(...) in this process: the sandbox (bubblewrap) and      where the sandbox's
-              exec agent, no orchestrator, no HTTP                                      own cost shows
+              exec agent, no orchestrator, no HTTP; commands run by the sandbox's box   own cost shows
+    per-cmd   the same with a fresh bubblewrap per command (LocalBackend(box=False))    what the box saves
     service   SandboxClient.exec(CMD) against the embedded service (orchestrator +      what a user pays
               REST API + SQLite + LocalBackend) running as a child process on loopback
 
@@ -74,12 +75,12 @@ def timed(fn: Callable[[], object], n: int, warmup: int) -> list[float]:
     return out
 
 
-def measure_backend(command: str, n: int, warmup: int, root: str) -> tuple[list[float], str]:
+def measure_backend(command: str, n: int, warmup: int, root: str, box: bool = True) -> tuple[list[float], str]:
     from orchard.env.backends.base import ExecRequest, SandboxSpec
     from orchard.env.backends.local import LocalBackend
 
     async def run() -> tuple[list[float], str]:
-        backend = LocalBackend(os.path.join(root, "direct"))
+        backend = LocalBackend(os.path.join(root, "direct" if box else "direct-per-command"), box=box)
         await backend.create("bench", SandboxSpec())
         request = ExecRequest(command=["bash", "-c", command])
         for _ in range(warmup):
@@ -91,6 +92,7 @@ def measure_backend(command: str, n: int, warmup: int, root: str) -> tuple[list[
             out.append(time.perf_counter() - start)
             assert result.exit_code == 0, result
         await backend.delete("bench")
+        await backend.close()
         return out, backend.isolation
 
     return asyncio.run(run())
@@ -101,6 +103,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=60, help="measured calls per way")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--command", default="echo hi")
+    parser.add_argument("--backend", default="local", choices=["local", "local-per-command"],
+                        help="the service's backend: a box per sandbox (default) or a bubblewrap per command")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     if args.n < 1:
@@ -120,8 +124,9 @@ def main() -> None:
         rows_extra["bwrap"] = percentiles(timed(lambda: subprocess.run(bwrap, capture_output=True, check=True),
                                                 args.n, args.warmup))
     backend, isolation = measure_backend(args.command, args.n, args.warmup, root)
-    with serve(os.path.join(root, "svc"), in_process=False) as (url, key), SandboxClient(url, key) as client, \
-            client.create() as sb:
+    per_command, _ = measure_backend(args.command, args.n, args.warmup, root, box=False)
+    with serve(os.path.join(root, "svc"), in_process=False, backend=args.backend) as (url, key), \
+            SandboxClient(url, key) as client, client.create() as sb:
         def one() -> None:
             result = sb.exec(args.command)
             assert result.ok, result
@@ -129,11 +134,11 @@ def main() -> None:
         service = timed(one, args.n, args.warmup)
 
     rows = {"raw": percentiles(raw), **rows_extra, "backend": percentiles(backend),
-            "service": percentiles(service)}
+            "per-cmd": percentiles(per_command), "service": percentiles(service)}
     info = machine()
     print(f"# env_latency: `{args.command}`, {args.n} calls each after {args.warmup} warm-up")
     print(f"# machine: {info['machine']}; python {info['python']}; commit {info['commit']}; "
-          f"isolation {isolation}")
+          f"isolation {isolation}; service backend {args.backend}")
     print(f"{'way':<9} {'p50 ms':>8} {'p90 ms':>8} {'mean ms':>8} {'p50 / raw':>10}")
     for name, row in rows.items():
         print(f"{name:<9} {row['p50'] * 1e3:8.2f} {row['p90'] * 1e3:8.2f} {row['mean'] * 1e3:8.2f} "

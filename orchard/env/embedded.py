@@ -54,16 +54,17 @@ class EmbeddedService:
 
 
 def make_backend(root_dir: Path, backend: str = "local") -> Backend:
-    """The backend named by `backend`: "local" (LocalBackend under `root_dir/sandboxes`) or "module:factory",
-    a callable taking the sandboxes directory."""
+    """The backend named by `backend`: "local" (LocalBackend under `root_dir/sandboxes`, commands run by
+    each sandbox's box), "local-per-command" (the same with a bubblewrap per command, `box=False`) or
+    "module:factory", a callable taking the sandboxes directory."""
     sandboxes = Path(root_dir) / "sandboxes"
-    if backend == "local":
+    if backend in ("local", "local-per-command"):
         from orchard.env.backends.local import LocalBackend
 
-        return LocalBackend(sandboxes)
+        return LocalBackend(sandboxes, box=backend == "local")
     module, _, attr = backend.partition(":")
     if not module or not attr:
-        raise ValueError(f"backend must be 'local' or 'module:factory', got {backend!r}")
+        raise ValueError(f"backend must be 'local', 'local-per-command' or 'module:factory', got {backend!r}")
     return getattr(importlib.import_module(module), attr)(sandboxes)
 
 
@@ -137,7 +138,7 @@ def serve(
         api_key: None = a fresh random key.
         in_process: True = uvicorn on a background thread of this process; False = a child process
             (`python -m orchard.env.embedded`), stopped with SIGTERM (SIGKILL after 10 s) on exit.
-        backend: "local" or "module:factory" (see `make_backend`).
+        backend: "local", "local-per-command" or "module:factory" (see `make_backend`).
         orchestrator_options: keyword arguments of `Orchestrator` (e.g. `heartbeat_timeout_s=60`).
     """
     api_key = api_key or secrets.token_urlsafe(24)

@@ -254,8 +254,10 @@ async def test_delete_and_close_leave_no_process(base_dir):
         assert (await b.exec(f"s{i}", ExecRequest("echo ok"))).stdout == b"ok\n"
     trees = {i: descendants(b._agents[f"s{i}"].box.pid) for i in range(3)}
     assert all(len(t) == 3 for t in trees.values()), trees
+    closed = b.health()["box_cpu_s"]["boxes_closed"]
     await b.delete("s0")
     assert await gone(trees[0])
+    assert b.health()["box_cpu_s"]["boxes_closed"] == closed + 1  # an idle box reports its CPU, then exits
     assert not trees[1] - live_pids()  # the others' boxes are untouched
     await b.close()
     assert await gone(trees[1] | trees[2])

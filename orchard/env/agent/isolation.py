@@ -1,6 +1,8 @@
 """How a sandbox's processes are isolated and limited: bubblewrap, or a process-group fallback.
 
-**Bubblewrap** (the default where it works). Every process started for the sandbox runs as
+**Bubblewrap** (the default where it works). Every process started for the sandbox (by default only its
+box, `orchard.env.agent.box_client`, which then starts the sandbox's commands; a PTY, or every command with
+`box=False`) runs as
 
     bwrap --unshare-user --unshare-pid --unshare-net --unshare-ipc --unshare-uts --die-with-parent
           --new-session --tmpfs / <the image's top-level entries, read-only> --tmpfs <service dir>

@@ -37,6 +37,7 @@ from functools import lru_cache
 from pathlib import PurePosixPath
 from typing import Any
 
+from orchard.env.agent.box_client import BoxCpu
 from orchard.env.agent.core import SandboxAgent, validate_env
 from orchard.env.agent.files import Workspace
 from orchard.env.agent.isolation import (
@@ -291,6 +292,11 @@ class LocalBackend:
                 if self.isolation == BUBBLEWRAP
                 else "a process group per command"
             ),
+            "box_cpu_s": {
+                "boxes_closed": BoxCpu.boxes,
+                "boxes": round(BoxCpu.box_s, 3),
+                "commands": round(BoxCpu.commands_s, 3),
+            },
             "per_sandbox_uid": self.is_root,
             "limits": asdict(self.default_limits),
             "images": self.images.names(),
