@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import re
@@ -146,7 +145,9 @@ def sandbox_view(record: SandboxRecord, namespace: str) -> dict[str, Any]:
 
 
 def job_view(record: JobRecord) -> dict[str, Any]:
-    return dataclasses.asdict(record)
+    # a job's fields are all scalars: a shallow copy is what `dataclasses.asdict` gives, without its
+    # recursive deep copy (which showed in the service's CPU profile of every exec)
+    return dict(vars(record))
 
 
 def file_view(info: FileInfo) -> dict[str, Any]:

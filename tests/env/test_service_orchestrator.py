@@ -4,6 +4,7 @@ SQLite store, quantity parsing. The backend is the real LocalBackend."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -13,7 +14,14 @@ import pytest
 
 from orchard.env.backends.local import LocalBackend
 from orchard.env.errors import BadRequestError, ConflictError, IdempotencyKeyReuseError
-from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator, parse_cpu, parse_memory_mb
+from orchard.env.orchestrator import (
+    CreateParams,
+    ExecParams,
+    Orchestrator,
+    job_view,
+    parse_cpu,
+    parse_memory_mb,
+)
 from orchard.env.store import IdempotencyRecord, JobRecord, SandboxRecord, SQLiteStore
 
 
@@ -227,3 +235,15 @@ def test_wait_times_out_with_408_while_pending_then_succeeds():
         creator.join()
         assert created[0].status_code == 200
         assert httpx.delete(f"{url}/sandboxes/slow", headers=h).status_code == 200
+
+
+def test_job_view_is_a_detached_copy_of_every_field():
+    job = JobRecord(job_id="j", sandbox_id="s", command="echo hi", status="succeeded", stdout="hi\n",
+                    exit_code=0, duration_s=0.5, stderr_truncated=True)  # fmt: skip
+    view = job_view(job)
+    assert view == dataclasses.asdict(job)
+    view["stdout"] = "changed"
+    assert job.stdout == "hi\n"
+    # no field holds a container, which is what makes the shallow copy equal to asdict's deep one
+    types = [str(f.type) for f in dataclasses.fields(JobRecord)]
+    assert not [t for t in types if any(c in t for c in ("dict", "list", "set", "tuple", "Record"))], types
