@@ -206,6 +206,16 @@ async def test_box_that_cannot_start_falls_back_to_a_bubblewrap_per_command(base
     assert make_agent(base_dir, box=True, rootfs=empty).box is None
 
 
+async def test_box_compiles_its_source_when_the_image_python_cannot_read_the_bytecode(base_dir, monkeypatch):
+    real = box_client._box_argv(box_client.BOX_SOURCE)
+    other_magic = (*real[:4], "00000000", real[5], real[6])  # as for an image whose python differs
+    monkeypatch.setattr(box_client, "_box_argv", lambda source: other_magic)
+    agent = make_agent(base_dir, box=True)
+    r = await agent.exec(ExecRequest("echo compiled"))
+    assert (r.exit_code, r.stdout, agent.box.starts) == (0, b"compiled\n", 1), r
+    await agent.kill_all()
+
+
 # -- a box that misbehaves ---------------------------------------------------------------------------------
 
 _HELLO = "import os, struct, time\nos.write(1, b'OBX1' + struct.pack('>I', os.getpid()))\nos.read(0, 1 << 20)\n"

@@ -353,8 +353,10 @@ def main():
         except EOFError:
             return
         if req.get("op") == "times":
-            t = os.times()
-            _write_all(1, struct.pack(">dd", t[0] + t[1], t[2] + t[3]))
+            # getrusage, not os.times(): the latter counts in 10 ms ticks, less than a box may use in all
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+            _write_all(1, struct.pack(">dd", own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime))
             continue
         code, flags, out, err = _run(req, me, wake_r, state)
         _write_all(1, struct.pack(_HEADER, code, flags, len(out), len(err)) + out + err)
