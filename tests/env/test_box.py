@@ -207,12 +207,18 @@ async def test_box_that_cannot_start_falls_back_to_a_bubblewrap_per_command(base
 
 
 async def test_box_compiles_its_source_when_the_image_python_cannot_read_the_bytecode(base_dir, monkeypatch):
-    real = box_client._box_argv(box_client.BOX_SOURCE)
-    other_magic = (*real[:4], "00000000", real[5], real[6])  # as for an image whose python differs
-    monkeypatch.setattr(box_client, "_box_argv", lambda source: other_magic)
+    sent = []
+    real = box_client._box_program
+
+    def program(source: str, magic: bytes) -> bytes:
+        sent.append(real(source, magic)[:1])  # what the service would send this python
+        return real(source, b"\0\0\0\0")  # what it sends a python whose bytecode differs: the source
+
+    monkeypatch.setattr(box_client, "_box_program", program)
     agent = make_agent(base_dir, box=True)
     r = await agent.exec(ExecRequest("echo compiled"))
     assert (r.exit_code, r.stdout, agent.box.starts) == (0, b"compiled\n", 1), r
+    assert sent == [b"c"]  # the image's python (the host's here) does read the service's bytecode
     await agent.kill_all()
 
 
