@@ -6,9 +6,13 @@ both), for each of:
     naive    logits = hidden @ W.T;  log_softmax(logits.float()).gather(labels)     the baseline
     chunked  logits = hidden @ W.T;  orchard.losses.token_logprobs(logits, labels)  chunked upcast, logits kept
     fused    orchard.losses.fused_token_logprobs(hidden, W, labels)                 no [N, V] tensor at all
+    fused_loss  orchard.losses.fused_token_loss(hidden, W, labels, token_loss)      one pass: the gradients are
+             formed in the forward (token_loss returns logp, so the loss is Σ logp), 3 matmuls instead of 4
     trl      logits = hidden @ W.T;  trl selective_log_softmax(logits, labels)      when trl is installed
     liger    Liger-Kernel fused linear cross-entropy, reduction "sum"               cuda only, when installed
 
+Each case's log-probs, ``hidden.grad`` and every 128th row of ``W.grad`` are compared with naive's (the
+``max|Δlogp|`` column, and ``Δgrad`` in the note: max abs difference over the largest reference entry).
 Every case runs in a fresh Python process (``--worker``), so one case's allocator state and peak cannot leak
 into another's. Peak memory is measured the same way for every case:
 
@@ -27,9 +31,12 @@ time on a shared machine. The time is the measured call (first after warm-up); w
 and marked so. Ratios are to ``naive`` at the same N, measured in the same run.
 
     python benchmarks/logprobs.py                                  # CPU: N = 1024 4096 16384, float32, 2 threads
-    python benchmarks/logprobs.py --n 1024 --cases naive fused     # a quick look
+    python benchmarks/logprobs.py --n 1024 4096                    # only N = 1024 and 4096, every case
+    python benchmarks/logprobs.py --n 1024 4096 --cases naive fused fused_loss   # the issue-4 time target
+    python benchmarks/logprobs.py --n 1024 --cases naive fused_loss --loss-chunk-size 128   # one chunk size
     python benchmarks/logprobs.py --device cuda --dtype bfloat16 --n 16384 65536 --hidden 4096 \\
-        --chunk-size 8192 --vocab-chunk-size 8192 --repeats 3 --hbm-gbps 4800 --peak-tflops 989
+        --chunk-size 8192 --vocab-chunk-size 8192 --loss-chunk-size 2048 --repeats 3 --hbm-gbps 4800 \\
+        --peak-tflops 989
 """
 
 from __future__ import annotations
@@ -47,9 +54,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from orchard.losses.fused import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+from orchard.losses.fused import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_LOSS_CHUNK_SIZE,
+    DEFAULT_LOSS_CHUNK_SIZE_CUDA,
+    DEFAULT_VOCAB_CHUNK_SIZE,
+)
 
-CASES = ("naive", "chunked", "fused", "trl", "liger")
+CASES = ("naive", "chunked", "fused", "fused_loss", "trl", "liger")
+WEIGHT_GRAD_ROW_STRIDE = 128  # rows of W.grad saved for the comparison with naive (V × H is too big to save)
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -100,6 +113,19 @@ def _make_case(name: str, args: argparse.Namespace):
                 hidden, weight, labels, chunk_size=args.chunk_size, vocab_chunk_size=args.vocab_chunk_size
             )
             return logp.sum(), logp
+
+    elif name == "fused_loss":
+        from orchard.losses import fused_token_loss
+
+        def run(hidden, weight, labels):
+            logp_out = torch.empty(labels.shape[0], device=hidden.device)
+
+            def token_loss(logp, entropy, index):
+                logp_out[index] = logp.detach()  # recorded only for the comparison with naive
+                return logp  # the loss is Σ logp, the objective of every other case
+
+            total = fused_token_loss(hidden, weight, labels, token_loss, chunk_size=args.loss_chunk_size)
+            return total, logp_out
 
     elif name == "trl":
         from trl.trainer.utils import selective_log_softmax
@@ -195,8 +221,14 @@ def worker(args: argparse.Namespace) -> dict:
         "method": method,
         "sum_logp": float(total.detach()),
     }
-    if logp is not None and args.logp_out:
-        torch.save(logp.detach().float().cpu(), args.logp_out)
+    if args.logp_out:
+        saved = {
+            "hidden_grad": hidden.grad.float().cpu(),
+            "weight_grad_rows": weight.grad[::WEIGHT_GRAD_ROW_STRIDE].float().cpu(),
+        }
+        if logp is not None:
+            saved["logp"] = logp.detach().float().cpu()
+        torch.save(saved, args.logp_out)
     return result
 
 
@@ -223,6 +255,9 @@ def estimate_peak_bytes(case: str, n: int, h: int, v: int, dtype_bytes: int, arg
     if case == "fused":
         block = args.chunk_size * args.vocab_chunk_size * 4
         return grads + 4 * block + n * h * 4
+    if case == "fused_loss":  # one [chunk, V] float32 block (+ a half-precision copy), float32 W-grad sums
+        block = min(args.loss_chunk_size, n) * v * 4
+        return grads + 2 * block + (v * h * 4 if dtype_bytes < 4 else 0)
     return grads + 4 * 4 * v * min(n, 8192)  # liger: a chunk of float32 logits at a time
 
 
@@ -276,12 +311,19 @@ def floors(args: argparse.Namespace, n: int) -> list[str]:
             f"bandwidth floor (this schedule: W once, hidden once per vocab block, {vocab_blocks} blocks, "
             f"× {passes} passes) = {ours * 1e3:.2f} ms"
         )
-    if args.peak_tflops:
-        flops = 4 * 2 * n * h * v  # logits, recomputed logits, grad_hidden, grad_weight
+        loss_chunks = math.ceil(n / args.loss_chunk_size)
+        per_chunk = v * h * (2 * es + 2 * 4)  # W read for the logits and for grad_hidden; float32 grad_W read+written
         lines.append(
-            f"compute floor: 4 matmuls × 2·N·H·V = {flops / 1e12:.1f} TFLOP / {args.peak_tflops:g} TFLOP/s = "
-            f"{flops / (args.peak_tflops * 1e12) * 1e3:.1f} ms"
+            f"fused_loss bandwidth floor: V·H·(2·{es} + 8) B × {loss_chunks} token chunks / {args.hbm_gbps:g} GB/s "
+            f"= {per_chunk * loss_chunks / bw * 1e3:.2f} ms"
         )
+    if args.peak_tflops:
+        for case, matmuls in (("fused", 4), ("fused_loss", 3)):  # fused recomputes the logits in the backward
+            flops = matmuls * 2 * n * h * v
+            lines.append(
+                f"{case} compute floor: {matmuls} matmuls × 2·N·H·V = {flops / 1e12:.1f} TFLOP / "
+                f"{args.peak_tflops:g} TFLOP/s = {flops / (args.peak_tflops * 1e12) * 1e3:.1f} ms"
+            )
     return lines
 
 
@@ -295,7 +337,8 @@ def run_case(case: str, n: int, args: argparse.Namespace, tmp: Path) -> dict:
         sys.executable, str(Path(__file__).resolve()), "--worker", case, "--worker-n", str(n),
         "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--device", args.device, "--dtype", args.dtype,
         "--threads", str(args.threads), "--repeats", str(args.repeats), "--chunk-size", str(args.chunk_size),
-        "--vocab-chunk-size", str(args.vocab_chunk_size), "--logp-out", str(logp_path),
+        "--vocab-chunk-size", str(args.vocab_chunk_size), "--loss-chunk-size", str(args.loss_chunk_size),
+        "--logp-out", str(logp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -307,18 +350,27 @@ def run_case(case: str, n: int, args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384], help="token counts N")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + __doc__.rsplit("\n\n", 1)[1].rstrip('"\n'),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384],
+                        help="token counts N (default 1024 4096 16384; e.g. --n 1024 4096 for the first two)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size H")
     parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size V (Qwen3's)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each worker")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per case (median reported)")
-    parser.add_argument("--cases", nargs="+", default=["naive", "chunked", "fused", "trl", "liger"], choices=CASES)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES,
+                        help="cases to run (default: all; liger only on cuda)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="fused: tokens per block")
     parser.add_argument("--vocab-chunk-size", type=int, default=DEFAULT_VOCAB_CHUNK_SIZE,
                         help="fused: vocabulary entries per block")
+    parser.add_argument("--loss-chunk-size", type=int, default=None,
+                        help="fused_loss: tokens per block, each spanning the whole vocabulary (default: "
+                             f"the library's, {DEFAULT_LOSS_CHUNK_SIZE} on cpu, {DEFAULT_LOSS_CHUNK_SIZE_CUDA} on cuda)")
     parser.add_argument("--memory-guard-gib", type=float, default=14.0,
                         help="skip a case whose estimated peak exceeds this (cuda: free memory if smaller)")
     parser.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth, for the bandwidth floor")
@@ -329,11 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logp-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.loss_chunk_size is None:
+        args.loss_chunk_size = DEFAULT_LOSS_CHUNK_SIZE if args.device == "cpu" else DEFAULT_LOSS_CHUNK_SIZE_CUDA
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
 
-    for name in ("hidden", "vocab", "threads", "repeats", "chunk_size", "vocab_chunk_size"):
+    for name in ("hidden", "vocab", "threads", "repeats", "chunk_size", "vocab_chunk_size", "loss_chunk_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.n):
@@ -352,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# machine: {machine_line(args)}")
     print(f"# commit: {git_commit()}")
     print(f"# fused blocks: chunk_size={args.chunk_size} vocab_chunk_size={args.vocab_chunk_size}; "
+          f"fused_loss blocks: {args.loss_chunk_size} tokens × V; "
           f"memory guard {guard / 2**30:.1f} GiB; forward + backward of Σ logp, grads to hidden and W")
-    header = (f"{'N':>6} | {'case':<8} | {'time s':>7} | {'×naive':>6} | {'cpu s':>6} | {'×naive':>6} | "
+    header = (f"{'N':>6} | {'case':<10} | {'time s':>7} | {'×naive':>6} | {'cpu s':>6} | {'×naive':>6} | "
               f"{'peak MiB':>8} | {'×naive':>6} | {'work MiB':>8} | {'×naive':>6} | max|Δlogp| | note")
     print(header)
     print("-" * len(header))
@@ -371,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[case] = run_case(case, n, args, tmp)
             base = results.get("naive", {})
             ref_path = base.get("logp_path") or results.get("fused", {}).get("logp_path")
-            ref = torch.load(ref_path) if ref_path else None
+            ref = torch.load(ref_path) if ref_path else {}
             grads = gradient_bytes(n, args.hidden, args.vocab, es)
             for r in results.values():
                 if r["status"] == "ok":
@@ -381,16 +436,25 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 if r["status"] != "ok":
                     blanks = " | ".join(f"{'':>{w}}" for w in (7, 6, 6, 6, 8, 6, 8, 6, 10))
-                    print(f"{n:>6} | {case:<8} | {blanks} | {r['status']}")
+                    print(f"{n:>6} | {case:<10} | {blanks} | {r['status']}")
                     continue
                 t_ratio, c_ratio, m_ratio, w_ratio = (_ratio(r, base, k) for k in ("time_s", "cpu_s", "peak_bytes",
                                                                                     "work_bytes"))
-                if r.get("logp_path") and ref is not None:
-                    diff = f"{(torch.load(r['logp_path']) - ref).abs().max().item():.1e}"
-                else:
-                    diff = "Σ only"
-                note = "" if case != "liger" else "Σ logp = −CE sum"
-                print(f"{n:>6} | {case:<8} | {r['time_s']:>7.1f} | {t_ratio:>6.2f} | {r['cpu_s']:>6.1f} | "
+                saved = torch.load(r["logp_path"]) if r.get("logp_path") else {}
+                diff, grad_diff = "Σ only", None
+                if "logp" in saved and "logp" in ref:
+                    diff = f"{(saved['logp'] - ref['logp']).abs().max().item():.1e}"
+                if saved and ref:
+                    grad_diff = max(
+                        ((saved[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item()
+                        for k in ("hidden_grad", "weight_grad_rows")
+                    )
+                notes = ["Σ logp = −CE sum"] if case == "liger" else []
+                if grad_diff is not None:
+                    notes.append(f"Δgrad {grad_diff:.1e}")
+                    row["grad_rel_diff"] = grad_diff
+                note = "; ".join(notes)
+                print(f"{n:>6} | {case:<10} | {r['time_s']:>7.1f} | {t_ratio:>6.2f} | {r['cpu_s']:>6.1f} | "
                       f"{c_ratio:>6.2f} | {r['peak_bytes'] / 2**20:>8.0f} | {m_ratio:>6.3f} | "
                       f"{r['work_bytes'] / 2**20:>8.0f} | {w_ratio:>6.3f} | {diff:>10} | {note}")
                 row.update(time_ratio=t_ratio, cpu_ratio=c_ratio, peak_ratio=m_ratio, work_bytes=r["work_bytes"],
@@ -400,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in floors(args, n):
                 print(f"# N={n}: {line}")
     print(f"# peak memory: {rows[0].get('method', 'see docstring') if rows else ''}; "
-          "max|Δlogp| is against naive (or fused where naive was skipped)")
+          "max|Δlogp| and Δgrad (relative to the largest entry) are against naive (or fused where naive was skipped)")
     if args.json:
         args.json.write_text(json.dumps({"machine": machine_line(args), "commit": git_commit(), "rows": rows},
                                         indent=1))

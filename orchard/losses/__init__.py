@@ -6,7 +6,7 @@ and takes ``agg`` (see ``aggregate_loss``) and ``normalizer`` keywords. See ``do
 
 from orchard.losses.aggregate import agg_modes, aggregate_loss, register_agg_mode
 from orchard.losses.distill import js_opd_loss, k2_opd_loss, k3_opd_loss
-from orchard.losses.fused import fused_token_logprobs
+from orchard.losses.fused import fused_token_logprobs, fused_token_loss
 from orchard.losses.kl import kl_kinds, kl_penalty, register_kl_kind
 from orchard.losses.logprobs import token_logprobs
 from orchard.losses.policy import policy_loss
@@ -24,6 +24,7 @@ __all__ = [
     "credit_assigned_sft_mask",
     "credit_runs",
     "fused_token_logprobs",
+    "fused_token_loss",
     "interpolate_step_values",
     "js_opd_loss",
     "k2_opd_loss",

@@ -4,7 +4,9 @@ An agent trajectory is mostly observation: tool output, file contents, the promp
 the policy sampled) need a log-prob, and the lm head over a 150k vocabulary is the single most expensive
 matmul of the step. This helper runs the backbone over the whole sequence, keeps the hidden states at the
 positions that predict an action token, and scores only those with ``orchard.losses.fused_token_logprobs``,
-so neither ``[B, T, V]`` logits nor the observation tokens' logits are ever built.
+so neither ``[B, T, V]`` logits nor the observation tokens' logits are ever built. ``action_token_loss`` does
+the same for a per-token loss through the one-pass ``orchard.losses.fused_token_loss`` (its gradients formed in
+the forward: three lm-head matmuls instead of four).
 
 ZeRO-3: the backbone's parameters are gathered by DeepSpeed's module hooks, but the lm-head weight is read
 here directly, outside ``lm_head.forward``. Two ways make it whole:
@@ -25,12 +27,20 @@ Neither path is exercised by the test suite, which has no multi-process ZeRO-3 r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
-from orchard.losses.fused import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, fused_token_logprobs
+from orchard.losses.fused import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_VOCAB_CHUNK_SIZE,
+    TokenLoss,
+    fused_token_logprobs,
+    fused_token_loss,
+)
 
-__all__ = ["action_logprobs"]
+__all__ = ["action_logprobs", "action_token_loss"]
 
 # Config fields of HF models whose logits are not plain ``hidden @ W.T + b``; the fused path would be wrong.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -78,6 +88,55 @@ def _check_plain_linear_head(model: nn.Module) -> None:
             )
 
 
+class _ActionRows(NamedTuple):
+    hidden: Tensor  # [M, H], the backbone's states at the positions that predict an action, head dtype
+    labels: Tensor  # [M], the action tokens
+    weight: Tensor  # [V, H]
+    bias: Tensor | None  # [V]
+    place: Tensor  # [B, T] bool, the action tokens (row-major order of the M rows)
+
+
+def _action_rows(
+    model: nn.Module, input_ids: Tensor, action_mask: Tensor, attention_mask: Tensor | None
+) -> _ActionRows | None:
+    """Validate, run the backbone, keep the rows that predict action tokens; ``None`` for ``T = 0``."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if not isinstance(action_mask, Tensor) or action_mask.shape != input_ids.shape:
+        shape = tuple(action_mask.shape) if isinstance(action_mask, Tensor) else type(action_mask).__name__
+        raise ValueError(f"action_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    action = action_mask if action_mask.dtype == torch.bool else action_mask != 0  # [B, T]
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}"
+            )
+        if bool((action & (attention_mask == 0)).any()):
+            raise ValueError("action_mask must be false wherever attention_mask is 0 (a padding token is no action)")
+    if input_ids.shape[1] and bool(action[:, 0].any()):
+        raise ValueError("action_mask must be false at t = 0: the first token has no position to be predicted from")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module (an HF causal LM), got {type(model).__name__}")
+    backbone = _backbone(model)
+    _check_plain_linear_head(model)
+
+    if input_ids.shape[1] == 0:
+        return None
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
+    weight, bias = _lm_head(model)  # read after the backbone ran: a ZeRO-3 engine gathers it on access
+    targets = action[:, 1:]  # [B, T − 1]: position t − 1 predicts token t
+    hidden_sel = hidden[:, :-1][targets]  # [M, H], M = number of action tokens
+    labels_sel = input_ids[:, 1:][targets]  # [M]
+    place = torch.zeros_like(action)
+    place[:, 1:] = targets  # [B, T]: where each selected row's value belongs
+    return _ActionRows(hidden_sel.to(weight.dtype), labels_sel, weight, bias, place)
+
+
 def action_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -122,55 +181,78 @@ def action_logprobs(
             ``t = 0`` or on a padding token, a model without backbone or lm head, a partitioned (ZeRO-3) head
             weight, or a model whose logits are not a plain linear head (soft-capping, logit scaling).
     """
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
-    if not isinstance(action_mask, Tensor) or action_mask.shape != input_ids.shape:
-        shape = tuple(action_mask.shape) if isinstance(action_mask, Tensor) else type(action_mask).__name__
-        raise ValueError(f"action_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
-    action = action_mask if action_mask.dtype == torch.bool else action_mask != 0  # [B, T]
-    if attention_mask is not None:
-        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask
-            raise ValueError(
-                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}"
-            )
-        if bool((action & (attention_mask == 0)).any()):
-            raise ValueError("action_mask must be false wherever attention_mask is 0 (a padding token is no action)")
-    if input_ids.shape[1] and bool(action[:, 0].any()):
-        raise ValueError("action_mask must be false at t = 0: the first token has no position to be predicted from")
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module (an HF causal LM), got {type(model).__name__}")
-    backbone = _backbone(model)
-    _check_plain_linear_head(model)
-
-    batch, seq = input_ids.shape
-    if seq == 0:
-        empty = torch.zeros(batch, 0, device=input_ids.device)
+    rows = _action_rows(model, input_ids, action_mask, attention_mask)
+    if rows is None:
+        empty = torch.zeros(input_ids.shape[0], 0, device=input_ids.device)
         return (empty, empty.clone()) if return_entropy else empty
-
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
-    weight, bias = _lm_head(model)  # read after the backbone ran: a ZeRO-3 engine gathers it on access
-    targets = action[:, 1:]  # [B, T − 1]: position t − 1 predicts token t
-    hidden_sel = hidden[:, :-1][targets]  # [M, H], M = number of action tokens
-    labels_sel = input_ids[:, 1:][targets]  # [M]
     result = fused_token_logprobs(
-        hidden_sel.to(weight.dtype),
-        weight,
-        labels_sel,
+        rows.hidden,
+        rows.weight,
+        rows.labels,
         temperature=temperature,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
         return_entropy=return_entropy,
-        bias=bias,
+        bias=rows.bias,
     )
     values = result if isinstance(result, tuple) else (result,)
-    place = torch.zeros_like(action)
-    place[:, 1:] = targets  # [B, T]: where each selected value goes back
     scattered = tuple(
-        torch.zeros(batch, seq, dtype=v.dtype, device=v.device).masked_scatter(place, v) for v in values
+        torch.zeros(rows.place.shape, dtype=v.dtype, device=v.device).masked_scatter(rows.place, v) for v in values
     )  # each [B, T]
     return scattered if return_entropy else scattered[0]
+
+
+def action_token_loss(
+    model: nn.Module,
+    input_ids: Tensor,
+    action_mask: Tensor,
+    token_loss: TokenLoss,
+    *,
+    attention_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    need_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """A per-token loss over the action tokens of a batch, through the one-pass ``fused_token_loss``.
+
+    The backbone runs over the whole batch; only the ``M`` positions that predict an action token reach the lm
+    head, in chunks, and the loss and its gradients are formed there (see ``orchard.losses.fused_token_loss``):
+
+        loss = Σ_{(b, t) action} token_loss(logp[b, t], entropy[b, t], b·T + t)
+
+    Args:
+        model, input_ids, action_mask, attention_mask, temperature: as in ``action_logprobs``.
+        token_loss: ``(logp, entropy, index) -> Tensor[n]`` on one chunk of action tokens. ``logp`` is float32
+            and requires grad, ``entropy`` is ``None`` unless ``need_entropy``, and ``index`` holds the flat
+            positions ``b·T + t`` of the chunk's tokens, so a ``[B, T]`` side input ``x`` is read as
+            ``x.reshape(-1)[index]``. Side inputs are constants (see ``fused_token_loss``).
+        need_entropy: pass the entropy to ``token_loss``.
+        chunk_size: action tokens per block of ``fused_token_loss`` (default: its device-dependent default).
+
+    Returns:
+        The loss, a float32 scalar, differentiable (once) with respect to the model's parameters; 0 without
+        any action token.
+
+    Raises:
+        ValueError: as ``action_logprobs`` and ``fused_token_loss``, naming the argument.
+    """
+    if not callable(token_loss):  # before the backbone runs
+        raise ValueError(f"token_loss must be callable (logp, entropy, index) -> Tensor[n], got {token_loss!r}")
+    rows = _action_rows(model, input_ids, action_mask, attention_mask)
+    if rows is None:
+        return torch.zeros((), device=input_ids.device)
+    flat_positions = rows.place.reshape(-1).nonzero().squeeze(1)  # [M], b·T + t of each selected row
+
+    def on_positions(logp: Tensor, entropy: Tensor | None, index: Tensor) -> Tensor:
+        return token_loss(logp, entropy, flat_positions[index])
+
+    return fused_token_loss(
+        rows.hidden,
+        rows.weight,
+        rows.labels,
+        on_positions,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        bias=rows.bias,
+        need_entropy=need_entropy,
+    )

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import orchard.train.action_logprobs as module
-from orchard.train.action_logprobs import action_logprobs
+from orchard.train.action_logprobs import action_logprobs, action_token_loss
 from orchard.train.tiny import tiny_qwen3
 
 VOCAB = 97  # odd, and not a multiple of the vocabulary chunks used below
@@ -184,3 +184,49 @@ def test_bad_input_raises_value_error_naming_the_argument(change, needle):
     with pytest.raises(ValueError) as info:
         action_logprobs(args.pop("model"), args.pop("input_ids"), args.pop("action_mask"), **args)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(("tied", "temperature"), [(True, 1.0), (False, 0.7)])
+def test_action_token_loss_matches_the_full_logits_reference(tied, temperature):
+    # a clipped policy loss with an entropy bonus, side inputs [B, T] read by the flat positions b·T + t
+    model = tiny_qwen3(VOCAB, seed=20, tie_word_embeddings=tied)
+    input_ids, action_mask, attention_mask = make_batch(seed=21)
+    gen = torch.Generator().manual_seed(22)
+    old_logprobs = -3.0 + 0.5 * torch.randn(input_ids.shape, generator=gen)
+    advantages = torch.randn(input_ids.shape, generator=gen)
+    seen = torch.zeros(input_ids.numel(), dtype=torch.long)
+
+    def token_loss(logp, entropy, index):
+        seen[index] += 1
+        ratio = (logp - old_logprobs.reshape(-1)[index]).exp()
+        adv = advantages.reshape(-1)[index]
+        return torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28)) - 0.1 * entropy
+
+    loss = action_token_loss(model, input_ids, action_mask, token_loss, attention_mask=attention_mask,
+                             temperature=temperature, need_entropy=True, chunk_size=4)
+    got = param_grads(model, loss)
+    assert torch.equal(seen.view(input_ids.shape), action_mask.long())  # every action token once, nothing else
+
+    ref_logp, ref_ent = reference(model, input_ids, action_mask, attention_mask, temperature)
+    ratio = (ref_logp - old_logprobs.double()).exp()
+    adv = advantages.double()
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28)) - 0.1 * ref_ent  # [B, T]
+    ref_loss = per_token[action_mask].sum()
+    want = param_grads(model, ref_loss)
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-4, rtol=1e-5)
+    for (name, _), g, w in zip(model.named_parameters(), got, want, strict=True):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            torch.testing.assert_close(g, w, atol=1e-4 * w.abs().max().item() + 1e-7, rtol=0, msg=name)
+
+
+def test_action_token_loss_without_actions_is_zero_and_refuses_a_non_callable_loss():
+    model = tiny_qwen3(VOCAB, seed=23)
+    input_ids, _, attention_mask = make_batch(seed=24)
+    none = torch.zeros_like(input_ids, dtype=torch.bool)
+    loss = action_token_loss(model, input_ids, none, lambda lp, e, i: -lp, attention_mask=attention_mask)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    with pytest.raises(ValueError, match="token_loss must be callable"):
+        action_token_loss(model, input_ids, none, "nll")
