@@ -10,6 +10,7 @@ delete latencies. Orchard Env reports 1,000 sandboxes in 26 s at 100 % on 8 node
     python benchmarks/env_scale.py                         # N = 1000, 4 commands each
     python benchmarks/env_scale.py --n 200 --max-concurrent-execs 32
     python benchmarks/env_scale.py --n 200 --backend local-per-command   # a bubblewrap per command instead
+    python benchmarks/env_scale.py --root-parent /dev/shm                 # sandboxes on a tmpfs
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def main() -> None:
     parser.add_argument("--max-concurrent-execs", type=int, default=64)
     parser.add_argument("--backend", default="local", choices=["local", "local-per-command"],
                         help="local: a box per sandbox runs its commands; local-per-command: a bubblewrap each")
+    parser.add_argument("--root-parent", default=None,
+                        help="where the service's state and sandboxes live (default: the temp dir); a tmpfs such "
+                             "as /dev/shm takes the file-system cost of create and delete out of the measurement")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.n < 1 or args.commands < 0:
@@ -92,7 +96,7 @@ def main() -> None:
 
     from orchard.env.embedded import serve
 
-    root = tempfile.mkdtemp(prefix="orchard-env-scale-")
+    root = tempfile.mkdtemp(prefix="orchard-env-scale-", dir=args.root_parent)
     os.chmod(root, 0o711)
     try:
         with serve(root, in_process=False, backend=args.backend,
@@ -108,7 +112,8 @@ def main() -> None:
 
     info = machine()
     print(f"# env_scale: {args.n} sandboxes at once, {args.commands} commands each, "
-          f"max_concurrent_execs {args.max_concurrent_execs}, backend {args.backend}")
+          f"max_concurrent_execs {args.max_concurrent_execs}, backend {args.backend}, "
+          f"root on {args.root_parent or tempfile.gettempdir()}")
     print(f"# machine: {info['machine']}; python {info['python']}; commit {info['commit']}")
     print(f"success {ok}/{args.n} ({100.0 * ok / args.n:.1f} %), wall {wall:.2f} s, "
           f"{args.n * args.commands / wall:.1f} execs/s")

@@ -220,6 +220,11 @@ def test_every_non_health_route_requires_the_key(service, sb):
         assert raw(service, "GET", path, key=None).status_code == 200
     schema = raw(service, "GET", "/openapi.json", key=None).json()
     assert "/sandboxes/{sandbox_id}/exec" in schema["paths"]
+    # the schema tells a client where the key goes, on every protected route
+    (scheme_name, scheme), = schema["components"]["securitySchemes"].items()
+    assert (scheme["type"], scheme["in"], scheme["name"]) == ("apiKey", "header", "X-API-Key")
+    for method, path in http_routes:
+        assert schema["paths"][path][method.lower()]["security"] == [{scheme_name: []}], (method, path)
 
 
 def _ws_url(service, sid):
