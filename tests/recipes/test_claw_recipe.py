@@ -16,6 +16,9 @@ SMOKE = [
     "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "rl.train.global_batch_size=4",
     "rl.train.micro_batch_size=4", "model.hidden_size=32", "model.num_layers=1", "rollout.max_tokens=24",
     "rollout.concurrency=8", "threads=1",
+    # The optional RL pieces ride along: partial-credit reward, a larger task pool, a KL term to the SFT policy.
+    "rl.reward=score", "rl.task_pool_per_template=4",
+    "rl.train.objective=[{name: policy, weight: 1.0}, {name: kl, weight: 0.05}]",
 ]
 
 
@@ -41,6 +44,11 @@ def test_claw_recipe_smoke(tmp_path):
     rl_rows = [r for r in rows if "rl/episodes" in r]
     assert [r["step"] for r in rl_rows] == [1, 2]
     assert all(r["rl/episodes"] == 4 for r in rl_rows)
+    # Every step that trained (a group with signal) ran the kl term against the frozen starting policy.
+    for r in rl_rows:
+        assert ("loss/kl" in r) == (r["rl/sequences"] > 0)
+        if "loss/kl" in r:
+            assert r["loss/kl"] == r["loss/kl"] and r["loss/kl"] >= -1e-6
     teacher = {k: v for r in rows for k, v in r.items() if k.startswith("sft/teacher")}
     # The scripted teacher solves every train task it demonstrates (one per distinct request) in both harnesses.
     assert 9 <= teacher["sft/teacher_react_episodes"] <= 18
@@ -56,3 +64,17 @@ def test_claw_recipe_rejects_unknown_keys_naming_them():
         [sys.executable, str(ROOT / "recipes/claw.py"), "rl.stepz=3"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode != 0 and "rl.stepz" in proc.stderr
+
+
+def test_episode_reward_kinds():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        from claw import episode_reward
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    episode = {"reward": -1.0, "score": 0.6}
+    assert episode_reward(episode, "outcome") == -1.0
+    assert episode_reward(episode, "score") == pytest.approx(0.2)
+    assert episode_reward({"reward": 1.0, "score": None}, "score") == 1.0
+    with pytest.raises(ValueError, match=r"rl\.reward"):
+        episode_reward(episode, "shaped")
