@@ -186,7 +186,7 @@ def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, 
 def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
                  startup_timeout_s: float, options: dict[str, Any]) -> Iterator[EmbeddedService]:
     argv = [sys.executable, "-m", "orchard.env.embedded", "--root", str(root), "--host", host, "--port",
-            str(port), "--backend", backend, "--log-level", log_level]
+            str(port), "--backend", backend, "--log-level", log_level, "--parent-pid", str(os.getpid())]
     for name, value in options.items():
         argv += ["--option", f"{name}={value}"]
     env = {**os.environ, API_KEY_ENV: api_key}  # not on the command line: /proc/*/cmdline is world-readable
@@ -232,9 +232,14 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 
 def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                backend: str = "local", log_level: str = "warning", **orchestrator_options: Any) -> None:
+                backend: str = "local", log_level: str = "warning", parent_pid: int | None = None,
+                **orchestrator_options: Any) -> None:
     """Serve in the foreground until SIGINT/SIGTERM; first prints `ORCHARD_ENV_URL=...` and
-    `ORCHARD_ENV_API_KEY=...` lines (what `orchard env serve` shows)."""
+    `ORCHARD_ENV_API_KEY=...` lines (what `orchard env serve` shows).
+
+    With ``parent_pid``, also shut down (gracefully: sandboxes' processes are ended) once this process is no
+    longer that process's child — the parent died, even by SIGKILL, which leaves it no chance to stop us.
+    """
     api_key = api_key or secrets.token_urlsafe(24)
     if not _is_loopback(host):
         print(f"WARNING: binding {host}, not loopback: anyone who can reach it and holds the key can run "
@@ -249,6 +254,11 @@ def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
         if server.started:
             print(f"{READY_PREFIX}{_url(sock, host)}", flush=True)
             print(f"{KEY_PREFIX}{api_key}", flush=True)
+        while parent_pid is not None and not task.done():
+            if os.getppid() != parent_pid:  # re-parented: the process that started us is gone
+                server.should_exit = True
+                break
+            await asyncio.sleep(0.5)
         await task
 
     asyncio.run(main())
@@ -262,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="local")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--option", action="append", default=[], help="Orchestrator keyword, name=value")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is no longer our parent (serve() passes its own pid)")
     args = parser.parse_args(argv)
     options = dict(_parse_option(o) for o in args.option)
     run_forever(args.root, host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV),
-                backend=args.backend, log_level=args.log_level, **options)
+                backend=args.backend, log_level=args.log_level, parent_pid=args.parent_pid, **options)
     return 0
 
 

@@ -61,3 +61,47 @@ def test_sigkill_then_restart_keeps_sandboxes_reaps_expired_marks_lost_jobs(root
                 client.sandbox(gone)
         assert asyncio.run(orphan_backend.list_ids()) == ["keep"]  # expired and orphan sandboxes destroyed
         keep.delete()
+
+
+def test_child_service_exits_when_its_parent_is_sigkilled(root):
+    """A recipe killed with SIGKILL cannot stop the service it started: the service notices and shuts down."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from orchard.env.embedded import serve\n"
+        f"with serve(root_dir={str(root)!r}, in_process=False) as s:\n"
+        "    print(s.process.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert os.path.exists(f"/proc/{child}")
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.waitpid(child, os.WNOHANG)  # not ours (re-parented), so this raises; a zombie never stays
+            except ChildProcessError:
+                pass
+            if not os.path.exists(f"/proc/{child}") or _state(child) == "Z":
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the embedded service outlived its SIGKILLed parent by 20 s")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
