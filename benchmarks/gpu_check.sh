@@ -41,7 +41,7 @@ fi
 
 # === section: log-probs without the logits (issue 4) ========================================================
 # 1. the fused path's tests, including the cuda ones that CPU CI skips
-"$PYTHON" -m pytest tests/losses/test_fused.py tests/train/test_action_logprobs.py -q -p no:cacheprovider \
+"$PYTHON" -m pytest tests/losses/test_fused.py tests/losses/test_fused_loss.py tests/train/test_action_logprobs.py -q -p no:cacheprovider \
     2>&1 | tee "$OUT/logprobs_tests.txt"
 ((PIPESTATUS[0] == 0)) || status=1
 
