@@ -6,37 +6,15 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from orchard.losses.fused import fused_token_logprobs
+
+from ._reference import LargestTensor, lm_head_inputs, lm_head_reference
 
 # Tolerances per input dtype. bf16 rounds each logit to 8 significant bits: with |z| ≲ 4 that is up to
 # 4 × 2⁻⁸ ≈ 0.016 on a label logit, and the log-sum-exp moves by a p-weighted mean of such errors.
 FORWARD_ATOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 4e-2}
 GRAD_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 4e-2}  # relative to the largest grad
-
-
-def reference(hidden, weight, labels, *, bias=None, temperature=1.0):
-    """Plain float64 path: logits, log_softmax, gather; entropy = −Σ p log p."""
-    z = hidden.double() @ weight.double().T
-    if bias is not None:
-        z = z + bias.double()
-    logp_all = torch.log_softmax(z / temperature, dim=-1)  # [N, V]
-    logp = logp_all.gather(1, labels.unsqueeze(1)).squeeze(1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
-def make_inputs(n, v, h, dtype, *, seed, bias=False, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * (scale / math.sqrt(h))
-    b = torch.randn(v, generator=gen, dtype=torch.float64) * 0.5 if bias else None
-    labels = torch.randint(0, v, (n,), generator=gen)
-    leaves = [t.to(dtype).requires_grad_() for t in (hidden, weight)]
-    if b is not None:
-        leaves.append(b.to(dtype).requires_grad_())
-    return leaves, labels
 
 
 def grads_of(outputs, leaves, coefs):
@@ -58,7 +36,7 @@ def grads_of(outputs, leaves, coefs):
 )
 def test_matches_float64_reference_forward_and_grads(dtype, n, v, h, chunk, vchunk, temperature, bias):
     for seed in range(2):
-        leaves, labels = make_inputs(n, v, h, dtype, seed=seed, bias=bias, scale=2.0)
+        leaves, labels, _ = lm_head_inputs(n, v, h, dtype, seed=seed, bias=bias, scale=2.0)
         kwargs = dict(bias=leaves[2] if bias else None, temperature=temperature)
         logp, ent = fused_token_logprobs(
             leaves[0],
@@ -71,13 +49,7 @@ def test_matches_float64_reference_forward_and_grads(dtype, n, v, h, chunk, vchu
         )
         assert logp.dtype == ent.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-        ref_logp, ref_ent = reference(
-            ref_leaves[0],
-            ref_leaves[1],
-            labels,
-            bias=ref_leaves[2] if bias else None,
-            temperature=temperature,
-        )
+        ref_logp, ref_ent = lm_head_reference(ref_leaves, labels, temperature)
         atol = FORWARD_ATOL[dtype]
         torch.testing.assert_close(logp.double(), ref_logp, atol=atol, rtol=0)
         torch.testing.assert_close(ent.double(), ref_ent, atol=atol, rtol=0)
@@ -95,7 +67,7 @@ def test_matches_float64_reference_forward_and_grads(dtype, n, v, h, chunk, vchu
 @pytest.mark.parametrize(("use_logp", "use_entropy"), [(True, True), (True, False), (False, True)])
 def test_each_output_alone_gets_its_own_gradient(use_logp, use_entropy):
     # the backward sees None for an unused output; each combination must still match the reference
-    leaves, labels = make_inputs(23, 41, 7, torch.float64, seed=3, bias=True)
+    leaves, labels, _ = lm_head_inputs(23, 41, 7, torch.float64, seed=3, bias=True)
     logp, ent = fused_token_logprobs(
         leaves[0],
         leaves[1],
@@ -107,7 +79,7 @@ def test_each_output_alone_gets_its_own_gradient(use_logp, use_entropy):
         return_entropy=True,
     )
     ref_leaves = [t.detach().requires_grad_() for t in leaves]
-    ref_logp, ref_ent = reference(*ref_leaves[:2], labels, bias=ref_leaves[2], temperature=0.9)
+    ref_logp, ref_ent = lm_head_reference(ref_leaves, labels, 0.9)
     pick = [use_logp, use_entropy]
     got = torch.autograd.grad(sum(o.sum() for o, k in zip([logp, ent], pick, strict=True) if k), leaves)
     want = torch.autograd.grad(
@@ -118,7 +90,7 @@ def test_each_output_alone_gets_its_own_gradient(use_logp, use_entropy):
 
 
 def test_gradcheck_float64_with_entropy_bias_and_temperature():
-    leaves, labels = make_inputs(5, 7, 3, torch.float64, seed=0, bias=True, scale=3.0)
+    leaves, labels, _ = lm_head_inputs(5, 7, 3, torch.float64, seed=0, bias=True, scale=3.0)
 
     def fn(hidden, weight, bias):
         return fused_token_logprobs(
@@ -136,7 +108,7 @@ def test_gradcheck_float64_with_entropy_bias_and_temperature():
 
 
 def test_gradcheck_float64_logprobs_only_no_bias():
-    leaves, labels = make_inputs(4, 6, 5, torch.float64, seed=1)
+    leaves, labels, _ = lm_head_inputs(4, 6, 5, torch.float64, seed=1)
 
     def fn(hidden, weight):
         return fused_token_logprobs(hidden, weight, labels, temperature=0.5, chunk_size=3, vocab_chunk_size=4)
@@ -175,7 +147,7 @@ def test_uniform_logits_give_log_v_entropy_and_zero_weight_gradient_mean():
 
 
 def test_chunk_sizes_do_not_change_the_result():
-    leaves, labels = make_inputs(45, 130, 9, torch.float32, seed=7, bias=True, scale=3.0)
+    leaves, labels, _ = lm_head_inputs(45, 130, 9, torch.float32, seed=7, bias=True, scale=3.0)
     results = []
     for chunk, vchunk in [(1, 1), (4, 7), (45, 130), (1000, 1000), (16, 64)]:
         logp, ent = fused_token_logprobs(
@@ -196,9 +168,9 @@ def test_chunk_sizes_do_not_change_the_result():
 
 def test_large_logits_stay_finite_and_exact():
     # logits in the thousands: a naive exp would overflow; the running max keeps every term <= 1
-    leaves, labels = make_inputs(19, 67, 6, torch.float64, seed=4, scale=2000.0)
+    leaves, labels, _ = lm_head_inputs(19, 67, 6, torch.float64, seed=4, scale=2000.0)
     logp, ent = fused_token_logprobs(*leaves, labels, chunk_size=4, vocab_chunk_size=8, return_entropy=True)
-    ref_logp, ref_ent = reference(*[t.detach() for t in leaves], labels)
+    ref_logp, ref_ent = lm_head_reference([t.detach() for t in leaves], labels)
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
     torch.testing.assert_close(logp, ref_logp, atol=1e-9, rtol=1e-12)
     torch.testing.assert_close(ent, ref_ent, atol=1e-9, rtol=0)
@@ -224,7 +196,7 @@ def test_tied_weight_used_twice_accumulates_both_gradients():
         )
     )
     (got,) = torch.autograd.grad(fused, table)
-    (want,) = torch.autograd.grad(loss(lambda hd, w: reference(hd, w, labels)), table)
+    (want,) = torch.autograd.grad(loss(lambda hd, w: lm_head_reference([hd, w], labels)), table)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
@@ -246,7 +218,7 @@ def test_empty_batch_and_single_entry_vocabulary():
 
 
 def test_ignored_rows_give_zero_and_leave_the_rest_unchanged():
-    leaves, labels = make_inputs(17, 40, 6, torch.float64, seed=11, bias=True)
+    leaves, labels, _ = lm_head_inputs(17, 40, 6, torch.float64, seed=11, bias=True)
     ignored = torch.tensor([0, 5, 6, 16])
     masked = labels.clone()
     masked[ignored] = -100
@@ -255,7 +227,7 @@ def test_ignored_rows_give_zero_and_leave_the_rest_unchanged():
     assert torch.equal(logp[ignored], torch.zeros(4)) and torch.equal(ent[ignored], torch.zeros(4))
     keep = masked != -100
     ref_leaves = [t.detach().requires_grad_() for t in leaves]
-    ref_logp, ref_ent = reference(*ref_leaves[:2], labels, bias=ref_leaves[2])
+    ref_logp, ref_ent = lm_head_reference(ref_leaves, labels)
     torch.testing.assert_close(logp[keep], ref_logp[keep], atol=1e-12, rtol=0)
     torch.testing.assert_close(ent[keep], ref_ent[keep], atol=1e-12, rtol=0)
     # the gradient is that of the kept rows alone; the ignored rows' hidden states get exactly zero
@@ -268,7 +240,7 @@ def test_ignored_rows_give_zero_and_leave_the_rest_unchanged():
 
 @pytest.mark.parametrize("label_dtype", [torch.int32, torch.uint8, torch.int16])
 def test_any_integer_label_dtype_gives_the_int64_result(label_dtype):
-    leaves, labels = make_inputs(11, 30, 4, torch.float64, seed=13)
+    leaves, labels, _ = lm_head_inputs(11, 30, 4, torch.float64, seed=13)
     want_logp, want_ent = fused_token_logprobs(*leaves, labels, vocab_chunk_size=7, return_entropy=True)
     want = torch.autograd.grad((want_logp + want_ent).sum(), leaves)
     logp, ent = fused_token_logprobs(*leaves, labels.to(label_dtype), vocab_chunk_size=7, return_entropy=True)
@@ -278,35 +250,20 @@ def test_any_integer_label_dtype_gives_the_int64_result(label_dtype):
 
 
 def test_frozen_head_gets_no_gradient_and_hidden_still_does():
-    leaves, labels = make_inputs(9, 20, 5, torch.float64, seed=8)
+    leaves, labels, _ = lm_head_inputs(9, 20, 5, torch.float64, seed=8)
     weight = leaves[1].detach()
     logp = fused_token_logprobs(leaves[0], weight, labels, chunk_size=4, vocab_chunk_size=6)
     (grad,) = torch.autograd.grad(logp.sum(), leaves[0])
     ref_h = leaves[0].detach().requires_grad_()
-    (want,) = torch.autograd.grad(reference(ref_h, weight, labels)[0].sum(), ref_h)
+    (want,) = torch.autograd.grad(lm_head_reference([ref_h, weight], labels)[0].sum(), ref_h)
     torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)
-
-
-class _LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_token_by_vocabulary_tensor_is_ever_built(dtype):
     n, v, h, chunk, vchunk = 96, 160, 4, 16, 32
-    leaves, labels = make_inputs(n, v, h, dtype, seed=9, bias=True)
-    with _LargestTensor() as mode:
+    leaves, labels, _ = lm_head_inputs(n, v, h, dtype, seed=9, bias=True)
+    with LargestTensor() as mode:
         logp, ent = fused_token_logprobs(
             leaves[0],
             leaves[1],
@@ -326,7 +283,7 @@ def test_agrees_with_plain_token_logprobs_when_available():
     token_logprobs = getattr(pytest.importorskip("orchard.losses"), "token_logprobs", None)
     if token_logprobs is None:
         pytest.skip("orchard.losses.token_logprobs not present in this checkout")
-    leaves, labels = make_inputs(31, 77, 10, torch.float32, seed=10)
+    leaves, labels, _ = lm_head_inputs(31, 77, 10, torch.float32, seed=10)
     logits = leaves[0].detach() @ leaves[1].detach().T
     plain_logp, plain_ent = token_logprobs(logits, labels, temperature=0.8, return_entropy=True)
     logp, ent = fused_token_logprobs(
@@ -381,7 +338,7 @@ def test_bad_input_raises_value_error_naming_the_argument(kwargs, needle):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_reference_without_a_full_logits_allocation(dtype):
     n, v, h = 1000, 20_011, 64
-    leaves, labels = make_inputs(n, v, h, dtype, seed=12, bias=True, scale=2.0)
+    leaves, labels, _ = lm_head_inputs(n, v, h, dtype, seed=12, bias=True, scale=2.0)
     cuda_leaves = [t.detach().cuda().requires_grad_() for t in leaves]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -393,7 +350,7 @@ def test_cuda_matches_reference_without_a_full_logits_allocation(dtype):
     # the full float32 logits would be n × v × 4 B = 80 MB; blocks are 256 × 2048 × 4 B = 2 MB
     assert torch.cuda.max_memory_allocated() - base < n * v * 4 // 4
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref_logp, ref_ent = reference(ref_leaves[0], ref_leaves[1], labels, bias=ref_leaves[2], temperature=0.9)
+    ref_logp, ref_ent = lm_head_reference(ref_leaves, labels, 0.9)
     want = torch.autograd.grad((ref_logp - 0.5 * ref_ent).sum(), ref_leaves)
     atol = FORWARD_ATOL[dtype]
     torch.testing.assert_close(logp.double().cpu(), ref_logp, atol=atol, rtol=0)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from orchard.losses import fused_token_logprobs, fused_token_loss
+
+from ._reference import LargestTensor, lm_head_inputs, lm_head_reference
 
 # bf16 rounds each logit to 8 significant bits (≈ 0.016 on |z| ≲ 4), so per-token log-probs and entropies move
 # by up to ~0.04 (as in test_fused.py); the loss moves by at most Σ_i (|∂ℓ/∂logp_i| + |∂ℓ/∂H_i|) times that.
@@ -18,30 +17,6 @@ GRAD_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2}  #
 # log-ratios log(π/π_old) at least 0.1 away from the clip edges log 0.8 = −0.22 and log 1.28 = 0.25, so a
 # bf16 rounding of the log-prob cannot move a token across an edge and flip its gradient
 LOG_RATIOS = torch.tensor([-0.6, -0.35, -0.1, 0.0, 0.12, 0.4, 0.7])
-
-
-def make_inputs(n, v, h, dtype, *, seed, bias=False):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * (2.0 / math.sqrt(h))
-    b = torch.randn(v, generator=gen, dtype=torch.float64) * 0.5 if bias else None
-    labels = torch.randint(0, v, (n,), generator=gen)
-    leaves = [t.to(dtype).requires_grad_() for t in (hidden, weight)]
-    if b is not None:
-        leaves.append(b.to(dtype).requires_grad_())
-    return leaves, labels, gen
-
-
-def full_logits_reference(leaves, labels, temperature):
-    """Float64 log_softmax of the whole [N, V] logits: log-probs and entropy of every row."""
-    hidden, weight = leaves[0].double(), leaves[1].double()
-    z = hidden @ weight.T  # [N, V]
-    if len(leaves) > 2:
-        z = z + leaves[2].double()
-    logp_all = torch.log_softmax(z / temperature, dim=-1)  # [N, V]
-    logp = logp_all.gather(1, labels.unsqueeze(1)).squeeze(1)  # [N]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N]
-    return logp, entropy
 
 
 def side_inputs(kind, ref_logp, gen):
@@ -103,9 +78,9 @@ def assert_close_to_reference(loss, ref_loss, sensitivity, leaves, ref_leaves, d
     ],
 )
 def test_matches_float64_full_logits_reference(dtype, kind, n, v, h, chunk, temperature, bias):
-    leaves, labels, gen = make_inputs(n, v, h, dtype, seed=n + v, bias=bias)
+    leaves, labels, gen = lm_head_inputs(n, v, h, dtype, seed=n + v, bias=bias, scale=2.0)
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref_logp, ref_entropy = full_logits_reference(ref_leaves, labels, temperature)
+    ref_logp, ref_entropy = lm_head_reference(ref_leaves, labels, temperature)
     token_loss = make_token_loss(kind, side_inputs(kind, ref_logp, gen), n)
     ref_logp.retain_grad()
     ref_entropy.retain_grad()
@@ -124,9 +99,9 @@ def test_matches_float64_full_logits_reference(dtype, kind, n, v, h, chunk, temp
 @pytest.mark.parametrize("upstream", [3.0, -0.5, 0.0])
 def test_upstream_gradient_scales_the_stored_gradients(upstream):
     n, v, h = 23, 41, 7
-    leaves, labels, gen = make_inputs(n, v, h, torch.float64, seed=5, bias=True)
+    leaves, labels, gen = lm_head_inputs(n, v, h, torch.float64, seed=5, bias=True, scale=2.0)
     ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
-    ref_logp, ref_entropy = full_logits_reference(ref_leaves, labels, 0.9)
+    ref_logp, ref_entropy = lm_head_reference(ref_leaves, labels, 0.9)
     token_loss = make_token_loss("ppo_entropy", side_inputs("ppo", ref_logp, gen), n)
     # the loss in a larger graph: scaled, plus a term of hidden's own
     (token_loss(ref_logp, ref_entropy, torch.arange(n)).sum() * upstream + (ref_leaves[0] ** 2).sum()).backward()
@@ -142,8 +117,8 @@ def test_chunk_size_does_not_change_loss_or_gradients():
     n, v, h = 31, 53, 11
     results = []
     for chunk in (1, 4, 31, 100):
-        leaves, labels, gen = make_inputs(n, v, h, torch.float64, seed=2, bias=True)
-        ref_logp, _ = full_logits_reference(leaves, labels, 1.0)
+        leaves, labels, gen = lm_head_inputs(n, v, h, torch.float64, seed=2, bias=True, scale=2.0)
+        ref_logp, _ = lm_head_reference(leaves, labels, 1.0)
         token_loss = make_token_loss("ppo_entropy", side_inputs("ppo", ref_logp, gen), n)
         loss = fused_token_loss(leaves[0], leaves[1], labels, token_loss, chunk_size=chunk, bias=leaves[2],
                                 need_entropy=True)
@@ -157,7 +132,7 @@ def test_chunk_size_does_not_change_loss_or_gradients():
 def test_sft_sum_agrees_with_fused_token_logprobs_and_sees_every_row_once():
     # −Σ logp through both fused paths: same loss and gradients; token_loss records each row's log-prob once
     n, v, h = 45, 77, 10
-    leaves, labels, _ = make_inputs(n, v, h, torch.float32, seed=4)
+    leaves, labels, _ = lm_head_inputs(n, v, h, torch.float32, seed=4, scale=2.0)
     seen = torch.zeros(n, dtype=torch.long)
     recorded = torch.full((n,), float("nan"))
 
@@ -180,7 +155,7 @@ def test_sft_sum_agrees_with_fused_token_logprobs_and_sees_every_row_once():
 
 
 def test_empty_batch_gives_zero_loss_and_zero_gradients_without_calling_token_loss():
-    leaves, labels, _ = make_inputs(0, 9, 4, torch.float32, seed=0, bias=True)
+    leaves, labels, _ = lm_head_inputs(0, 9, 4, torch.float32, seed=0, bias=True, scale=2.0)
     calls = []
     loss = fused_token_loss(leaves[0], leaves[1], labels, lambda lp, e, i: calls.append(1) or -lp, bias=leaves[2])
     loss.backward()
@@ -191,12 +166,12 @@ def test_empty_batch_gives_zero_loss_and_zero_gradients_without_calling_token_lo
 
 def test_frozen_head_and_no_grad_mode():
     n, v, h = 12, 19, 5
-    leaves, labels, _ = make_inputs(n, v, h, torch.float64, seed=8)
+    leaves, labels, _ = lm_head_inputs(n, v, h, torch.float64, seed=8, scale=2.0)
     weight = leaves[1].detach()  # frozen head: only hidden gets a gradient
     loss = fused_token_loss(leaves[0], weight, labels, lambda lp, e, i: -lp, chunk_size=5)
     loss.backward()
     ref_hidden = leaves[0].detach().clone().requires_grad_()
-    ref_logp, _ = full_logits_reference([ref_hidden, weight], labels, 1.0)
+    ref_logp, _ = lm_head_reference([ref_hidden, weight], labels, 1.0)
     (-ref_logp.sum()).backward()
     torch.testing.assert_close(leaves[0].grad, ref_hidden.grad, rtol=1e-10, atol=1e-12)
     assert weight.grad is None
@@ -207,33 +182,18 @@ def test_frozen_head_and_no_grad_mode():
 
 
 def test_second_backward_is_refused():
-    leaves, labels, _ = make_inputs(6, 11, 3, torch.float32, seed=1)
+    leaves, labels, _ = lm_head_inputs(6, 11, 3, torch.float32, seed=1, scale=2.0)
     loss = fused_token_loss(leaves[0], leaves[1], labels, lambda lp, e, i: -lp)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="only once"):
         loss.backward()
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_token_by_vocabulary_tensor_is_ever_built(dtype):
     n, v, h, chunk = 96, 160, 4, 8
-    leaves, labels, _ = make_inputs(n, v, h, dtype, seed=9, bias=True)
-    with _LargestTensor() as mode:
+    leaves, labels, _ = lm_head_inputs(n, v, h, dtype, seed=9, bias=True, scale=2.0)
+    with LargestTensor() as mode:
         loss = fused_token_loss(leaves[0], leaves[1], labels, lambda lp, e, i: -lp - e, bias=leaves[2],
                                 chunk_size=chunk, need_entropy=True)
         loss.backward()
@@ -274,7 +234,7 @@ def test_bad_input_raises_value_error_naming_the_argument(kwargs, needle):
 
 @pytest.mark.parametrize("side_is_leaf", [True, False])
 def test_side_input_that_requires_grad_is_refused(side_is_leaf):
-    leaves, labels, _ = make_inputs(6, 11, 3, torch.float32, seed=3)
+    leaves, labels, _ = lm_head_inputs(6, 11, 3, torch.float32, seed=3, scale=2.0)
     param = torch.randn(6, requires_grad=True)
     adv = param if side_is_leaf else param * 2  # a value-model output that was not detached
     with pytest.raises(ValueError, match="token_loss's output depends on a tensor that requires grad"):
