@@ -65,6 +65,7 @@ from orchard.train.tiny import tiny_qwen3
 from orchard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 HARNESSES = ("react", "text")
+REWARDS = ("outcome", "score")
 
 
 @dataclass
@@ -261,8 +262,8 @@ def success_table(episodes: list[dict[str, Any]], attempts: int) -> dict[str, fl
 def episode_reward(episode: dict[str, Any], kind: str) -> float:
     """The RL reward of a scored episode: its outcome (+1 / -1), or with ``kind="score"`` 2 x the verifier's claw
     score - 1 (the outcome where the verifier gave no score)."""
-    if kind not in ("outcome", "score"):
-        raise ValueError(f"rl.reward must be 'outcome' or 'score', got {kind!r}")
+    if kind not in REWARDS:
+        raise ValueError(f"rl.reward must be among {REWARDS}, got {kind!r}")
     if kind == "score" and episode.get("score") is not None:
         return 2.0 * float(episode["score"]) - 1.0
     return float(episode["reward"])
@@ -333,8 +334,8 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
     for name in (*cfg.harnesses, *cfg.eval.harnesses):
         if name not in HARNESSES:
             raise ValueError(f"harnesses must be among {HARNESSES}, got {name!r}")
-    if cfg.rl.reward not in ("outcome", "score"):
-        raise ValueError(f"rl.reward must be 'outcome' or 'score', got {cfg.rl.reward!r}")
+    if cfg.rl.reward not in REWARDS:
+        raise ValueError(f"rl.reward must be among {REWARDS}, got {cfg.rl.reward!r}")
     if cfg.rl.task_pool_per_template < 0:
         raise ValueError(f"rl.task_pool_per_template must be >= 0, got {cfg.rl.task_pool_per_template}")
     (out / "metrics.jsonl").unlink(missing_ok=True)

@@ -449,9 +449,7 @@ class Isolation:
         if self._inner_tools is not None:
             return self._launch_privileged(argv, popen, cwd=cwd, timeout_s=timeout_s, tty=tty, limited=limited)
         extra = _BWRAP_OWN_PROCESSES if self.mode == BUBBLEWRAP else 0
-        rlimits = _rlimits(self.limits, timeout_s, extra_pids=extra, per_uid=self.run_as is not None)
-        if not limited:
-            rlimits = []
+        rlimits = _rlimits(self.limits, timeout_s, extra_pids=extra, per_uid=self.run_as is not None) if limited else []
         wrap: list[str] = []
         if tty or self._tools is None:
             # The uid switch happens here rather than through Popen's user=/group=, which uvloop (the event
