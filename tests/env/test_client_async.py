@@ -1,14 +1,27 @@
 """The asyncio client against the real service: files, patches, the PTY, and load (200 concurrent execs over
-50 sandboxes)."""
+50 sandboxes); its aiohttp transport against a scripted loopback server: retries, keys, errors, queries."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
+import time
+from urllib.parse import parse_qs
 
+import httpx
 import pytest
 
-from orchard.env import AsyncSandboxClient, NotFoundError, PathError
+from orchard.env import (
+    AsyncSandboxClient,
+    AuthError,
+    NotFoundError,
+    PathError,
+    SandboxConnectionError,
+    ServiceUnavailable,
+)
+from orchard.env.client import AsyncSandbox, RetryPolicy
 from orchard.env.embedded import serve
 
 
@@ -70,3 +83,124 @@ async def test_200_concurrent_execs_over_50_sandboxes_all_succeed(service):
         assert summary["sandboxes"] == 50 and summary["running_execs"] == 0 and summary["queued_execs"] == 0
         await asyncio.gather(*(sb.delete() for sb in sandboxes))
         assert await client.list_sandboxes() == []
+
+
+class ScriptedServer:
+    """A loopback HTTP/1.1 server that answers the i-th request with `answers[i]` (status, headers, body) or,
+    for None, closes the connection without a byte; it records each request's line, headers and body."""
+
+    def __init__(self, answers: list[tuple[int, dict[str, str], bytes] | None]) -> None:
+        self.answers = list(answers)
+        self.seen: list[tuple[str, dict[str, str], bytes]] = []
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> ScriptedServer:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                line, *rest = head.strip().split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in rest)}
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                self.seen.append((line, headers, body))
+                answer = self.answers.pop(0) if self.answers else (500, {}, b'{"detail": "script ran out"}')
+                if answer is None:
+                    break
+                status, extra, payload = answer
+                lines = [f"HTTP/1.1 {status} X", f"content-length: {len(payload)}",
+                         *(f"{k}: {v}" for k, v in extra.items())]
+                writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05)
+JOB = json.dumps({"job_id": "j1", "status": "succeeded", "exit_code": 0, "stdout": "x\n"}).encode()
+
+
+async def test_aiohttp_path_retries_503_and_lost_answers_with_one_key_then_maps_errors():
+    busy = (503, {"Retry-After": "0.1"}, b'{"detail": "busy"}')
+    script = [busy, None, (200, {}, JOB), (404, {}, b'{"detail": "Sandbox s not found"}'),
+              (403, {}, b'{"detail": "Invalid API key"}'), (503, {}, b"not json")]
+    async with ScriptedServer(script) as server, AsyncSandboxClient(server.url, "k", retry=FAST,
+                                                                auto_cleanup=False) as client:
+        start = time.monotonic()
+        data = await client.request("POST", "/sandboxes/s/exec", json={"command": "echo x", "wait": True})
+        assert data["stdout"] == "x\n" and len(server.seen) == 3  # 503, dropped, answered
+        assert time.monotonic() - start >= 0.1  # Retry-After honoured
+        keys = {headers["idempotency-key"] for _, headers, _ in server.seen}
+        assert len(keys) == 1 and keys != {""}  # one key on every attempt
+        line, headers, body = server.seen[0]
+        assert line == "POST /sandboxes/s/exec HTTP/1.1" and headers["x-api-key"] == "k"
+        assert headers["content-type"] == "application/json"
+        assert json.loads(body) == {"command": "echo x", "wait": True}
+        with pytest.raises(NotFoundError, match="404: Sandbox s not found"):
+            await client.request("GET", "/sandboxes/s")
+        with pytest.raises(AuthError) as auth:
+            await client.request("GET", "/resources")
+        assert auth.value.status_code == 403
+        once = AsyncSandboxClient(server.url, "k", retry=RetryPolicy(max_attempts=1), auto_cleanup=False)
+        with pytest.raises(ServiceUnavailable) as busy_error:  # the final attempt's 503 is raised
+            await once.request("GET", "/health")
+        await once.aclose()
+        assert busy_error.value.retry_after_s == 1.0 and "not json" in str(busy_error.value)
+        assert "idempotency-key" not in server.seen[3][1]  # only mutating requests carry one
+
+
+async def test_aiohttp_path_query_parameters_decode_as_httpx_sends_them():
+    listing = (200, {}, b'{"path": "/w", "files": []}')
+    odd_path = "/w x/a&b=c+ü"
+    async with ScriptedServer([listing, listing]) as server, AsyncSandboxClient(server.url, "k",
+                                                                            auto_cleanup=False) as client:
+        sb = AsyncSandbox(client, "s", {}, owned=False)
+        assert await sb.list_files(odd_path, recursive=True) == []
+        assert await sb.list_files("/w") == []
+    for (line, _, _), params in zip(server.seen, [{"path": odd_path, "recursive": True},
+                                                  {"path": "/w", "recursive": False}], strict=True):
+        target = line.split(" ")[1]
+        reference = httpx.Request("GET", "http://x/sandboxes/s/files/list", params=params).url
+        assert target.split("?")[0] == reference.path
+        assert parse_qs(target.split("?")[1]) == parse_qs(reference.query.decode())  # booleans "true"/"false"
+
+
+async def test_connection_refused_gives_up_with_a_typed_error_after_every_attempt():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    async with AsyncSandboxClient(f"http://127.0.0.1:{port}", "k", retry=FAST, auto_cleanup=False) as client:
+        with pytest.raises(SandboxConnectionError, match="4 attempts"):
+            await client.health()
+
+
+def test_one_client_serves_several_event_loops(service):
+    client = AsyncSandboxClient(service.url, service.api_key, auto_cleanup=False)
+    for _ in range(2):  # each asyncio.run has its own loop: the client opens a session in each
+        assert asyncio.run(client.health())["status"] == "healthy"
+    asyncio.run(client.aclose())
+
+
+async def test_httpx_transport_path_keeps_the_same_retries():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("Idempotency-Key"))
+        if len(seen) < 2:
+            return httpx.Response(503, headers={"Retry-After": "0.05"}, json={"detail": "busy"})
+        return httpx.Response(200, content=JOB)
+
+    async with AsyncSandboxClient("http://svc.invalid", "k", transport=httpx.MockTransport(handler),
+                                  auto_cleanup=False) as client:
+        sb = AsyncSandbox(client, "s", {}, owned=False)
+        job = await sb.exec("echo x")
+    assert job.ok and job.stdout == "x\n" and len(seen) == 2 and seen[0] == seen[1] and seen[0]

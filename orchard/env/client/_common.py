@@ -4,6 +4,7 @@ and the registry of sandboxes to delete at interpreter exit."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import random
 import threading
@@ -56,33 +57,42 @@ class RetryPolicy:
         return uniform(cap / 2, cap)
 
 
-def retry_after_of(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After")
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a `Retry-After` header value; None when absent or not a number."""
     try:
         return max(0.0, float(value)) if value is not None else None
     except ValueError:
         return None
 
 
+def retry_after_of(response: httpx.Response) -> float | None:
+    return parse_retry_after(response.headers.get("Retry-After"))
+
+
 def new_idempotency_key() -> str:
     return uuid.uuid4().hex
 
 
-def error_from_response(response: httpx.Response) -> SandboxError:
+def error_from_parts(status_code: int, body: bytes, retry_after: str | None) -> SandboxError:
+    """The typed error of a failed answer: its status, raw body and `Retry-After` header (None if absent)."""
     try:
-        detail: Any = response.json().get("detail")
-    except ValueError:
-        detail = response.text
+        detail: Any = json.loads(body).get("detail")
+    except (ValueError, AttributeError):
+        detail = body.decode("utf-8", errors="replace")
     if isinstance(detail, str):
         message = detail
     elif isinstance(detail, dict):
         message = str(detail.get("message") or detail)
     else:
         message = str(detail)
-    error = error_for_status(response.status_code, f"{response.status_code}: {message}", detail)
+    error = error_for_status(status_code, f"{status_code}: {message}", detail)
     if isinstance(error, ServiceUnavailable):
-        error.retry_after_s = retry_after_of(response) or 1.0
+        error.retry_after_s = parse_retry_after(retry_after) or 1.0
     return error
+
+
+def error_from_response(response: httpx.Response) -> SandboxError:
+    return error_from_parts(response.status_code, response.content, response.headers.get("Retry-After"))
 
 
 def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:

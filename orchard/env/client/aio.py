@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import itertools
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from orchard.env.client._common import (
@@ -25,24 +25,46 @@ from orchard.env.client._common import (
     JobResult,
     PatchResult,
     RetryPolicy,
-    error_from_response,
+    error_from_parts,
     new_idempotency_key,
+    parse_retry_after,
     pty_init_frame,
     resolve_settings,
-    retry_after_of,
     ws_url,
 )
 from orchard.env.client.sync import EXEC_GRACE_S
 from orchard.env.errors import NotFoundError, SandboxConnectionError, SandboxError, WaitTimeoutError
 
-POOL_SIZE = 16
-"""Connections per httpx pool; the client opens ceil(max_connections / POOL_SIZE) pools."""
+_TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
+"""What aiohttp raises when no answer came (connection refused, reset or dropped, read timeout): retried,
+like httpx's `TransportError`. HTTP error statuses are answers, not exceptions (`raise_for_status=False`)."""
+
+
+def _encode(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def _decode(content: bytes) -> Any:
+    return json.loads(content)
+
+
+def _query_value(value: Any) -> str:
+    """A query parameter as httpx writes it: booleans lower case, None empty, everything else `str()`."""
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    return "" if value is None else str(value)
 
 
 class AsyncSandboxClient:
     """Asyncio twin of `SandboxClient` (same arguments, same retries and idempotency keys).
 
-    `max_connections` (default 1024) bounds the connections to the service, spread over pools of `POOL_SIZE`.
+    Requests go over one aiohttp session (opened on first use, in the running event loop) holding at most
+    `max_connections` (default 1024) keep-alive connections to the service. httpx's async client costs about
+    ten times the CPU per request under many concurrent calls (its pool scans every connection for every
+    queued request); it is used only when a `transport` (an `httpx.AsyncBaseTransport`, e.g. a mock or an
+    ASGI app in tests) is given.
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
@@ -56,45 +78,77 @@ class AsyncSandboxClient:
         self.auto_cleanup = auto_cleanup
         if not isinstance(max_connections, int) or max_connections < 1:
             raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
-        headers = {"X-API-Key": self.api_key} if self.api_key else {}
-        # httpcore's pool scans every connection for every queued request on every event, O(n^2) in the
-        # requests in flight: at 200 concurrent calls one pool spent ~10 ms of CPU per request. Several small
-        # pools, used in turn, keep each scan short.
-        n_pools = 1 if transport is not None else -(-max_connections // POOL_SIZE)
-        per_pool = -(-max_connections // n_pools)
-        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
-        # One TLS context for all pools: each would otherwise load the CA bundle again (~40 ms of CPU each,
-        # seconds for a client sized for 1,000 connections), even for a plain-http service.
-        tls = httpx.create_ssl_context() if n_pools > 1 else True
-        self._pools = [httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout,
-                                         transport=transport, limits=limits, verify=tls) for _ in range(n_pools)]
-        self._next_pool = itertools.count()
+        self.max_connections = max_connections
+        self._headers = {"X-API-Key": self.api_key} if self.api_key else {}
+        self._httpx = None if transport is None else httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers, timeout=self.timeout, transport=transport)
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._owned: dict[str, AsyncSandbox] = {}
+
+    def _aiohttp(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop or self._session.closed:
+            # A session belongs to the loop it was made in: a client used again under a new asyncio.run
+            # gets a new one (the old loop, and its connections, are gone).
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=15.0)
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector,
+                                                  raise_for_status=False, auto_decompress=True)
+            self._session_loop = loop
+        return self._session
+
+    def _timeout(self, read_timeout: float) -> aiohttp.ClientTimeout:
+        # As the httpx path's `httpx.Timeout(read_timeout, connect=10.0)`: 10 s to connect, `read_timeout`
+        # between bytes of the answer and for a free connection; no bound on the whole exchange.
+        timeout = self._timeouts.get(read_timeout)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=None, connect=read_timeout, sock_connect=10.0,
+                                            sock_read=read_timeout)
+            if len(self._timeouts) < 64:
+                self._timeouts[read_timeout] = timeout
+        return timeout
+
+    async def _send(self, method: str, path: str, body: bytes | None, params: dict[str, Any] | None,
+                    headers: dict[str, str], read_timeout: float) -> tuple[int, str | None, bytes]:
+        """One attempt: (status, Retry-After header or None, body). Raises one of `_TRANSPORT_ERRORS` (or
+        `httpx.TransportError` on the httpx path) when no answer came."""
+        if self._httpx is not None:
+            response = await self._httpx.request(method, path, content=body, params=params, headers=headers,
+                                                 timeout=httpx.Timeout(read_timeout, connect=10.0))
+            return response.status_code, response.headers.get("Retry-After"), response.content
+        query = None if params is None else {k: _query_value(v) for k, v in params.items()}
+        async with self._aiohttp().request(method, self.base_url + path, data=body, params=query, headers=headers,
+                                           timeout=self._timeout(read_timeout)) as response:
+            return response.status, response.headers.get("Retry-After"), await response.read()
 
     async def request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
                       timeout: float | None = None) -> Any:
         """One API call with retries (see `SandboxClient.request`)."""
         headers = {"Idempotency-Key": new_idempotency_key()} if method in ("POST", "DELETE", "PUT") else {}
+        body = None
+        if json is not None:
+            body = _encode(json)
+            headers["Content-Type"] = "application/json"
         read_timeout = timeout or self.timeout
+        retried = (httpx.TransportError, *_TRANSPORT_ERRORS)
         last: BaseException | None = None
         for attempt in range(self.retry.max_attempts):
             final = attempt == self.retry.max_attempts - 1
             try:
-                http = self._pools[next(self._next_pool) % len(self._pools)]
-                response = await http.request(method, path, json=json, params=params, headers=headers,
-                                              timeout=httpx.Timeout(read_timeout, connect=10.0))
-            except httpx.TransportError as exc:
+                status, retry_after, content = await self._send(method, path, body, params, headers, read_timeout)
+            except retried as exc:
                 last = exc
                 if final:
                     break
                 await asyncio.sleep(self.retry.delay(attempt))
                 continue
-            if response.status_code in RETRY_STATUSES and not final:
-                await asyncio.sleep(self.retry.delay(attempt, retry_after_of(response)))
+            if status in RETRY_STATUSES and not final:
+                await asyncio.sleep(self.retry.delay(attempt, parse_retry_after(retry_after)))
                 continue
-            if response.status_code >= 400:
-                raise error_from_response(response)
-            return response.json()
+            if status >= 400:
+                raise error_from_parts(status, content, retry_after)
+            return _decode(content)
         raise SandboxConnectionError(f"{method} {path}: no answer after {self.retry.max_attempts} attempts: "
                                      f"{type(last).__name__}: {last}") from last
 
@@ -161,7 +215,11 @@ class AsyncSandboxClient:
             results = await asyncio.gather(*(s.delete() for s in list(self._owned.values())),
                                            return_exceptions=True)
             del results  # best effort: what failed stays in the at-exit registry
-        await asyncio.gather(*(http.aclose() for http in self._pools))
+        if self._httpx is not None:
+            await self._httpx.aclose()
+        if self._session is not None and self._session_loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
 
     async def __aenter__(self) -> AsyncSandboxClient:
         return self
