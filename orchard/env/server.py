@@ -17,9 +17,10 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import shlex
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -71,9 +72,15 @@ class UploadFileRequest(BaseModel):
     mode: int | None = Field(None, description="Permission bits, e.g. 493 (0o755).")
 
 
-def _fingerprint(request: Request, body: dict[str, Any]) -> str:
-    payload = json.dumps([request.method, request.url.path, body], sort_keys=True, default=str)
+def _fingerprint(method: str, path: str, body: dict[str, Any]) -> str:
+    payload = json.dumps([method, path, body], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _error_headers(exc: SandboxError) -> dict[str, str]:
+    if isinstance(exc, ServiceUnavailable):
+        return {"Retry-After": f"{max(1, round(exc.retry_after_s))}"}
+    return {}
 
 
 def _check_idempotency_key(key: str | None) -> str | None:
@@ -124,7 +131,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
             if manage_lifecycle:
                 await orchestrator.close()
 
-    app = FastAPI(title="orchard sandbox service", version=API_VERSION, lifespan=lifespan,
+    app = _ServiceApp(title="orchard sandbox service", version=API_VERSION, lifespan=lifespan,
                   description="Orchard-Env-compatible sandbox API (see docs/env-api.md).")
     app.state.orchestrator = orchestrator
     auth = [Depends(require_key)]
@@ -132,10 +139,8 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
-        headers = {}
-        if isinstance(exc, ServiceUnavailable):
-            headers["Retry-After"] = f"{max(1, round(exc.retry_after_s))}"
-        return JSONResponse(status_code=exc.status_code or 500, content={"detail": exc.detail}, headers=headers)
+        return JSONResponse(status_code=exc.status_code or 500, content={"detail": exc.detail},
+                            headers=_error_headers(exc))
 
     def replay(status: int, body: dict[str, Any]) -> JSONResponse:
         return JSONResponse(status_code=status, content=body)
@@ -158,9 +163,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     async def resources() -> dict[str, Any]:
         return {**await orchestrator.summary(), "backend_health": backend_health()}
 
-    @app.post("/sandboxes", dependencies=auth)
-    async def create_sandbox(body: CreateSandboxRequest, request: Request,
-                             idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
+    async def do_create(body: CreateSandboxRequest, path: str, idempotency_key: str | None) -> tuple[int, Any]:
         key = _check_idempotency_key(idempotency_key)
         params = CreateParams(image=body.image, block_network=body.block_network, sandbox_id=body.sandbox_id,
                               cpu=body.cpu, memory=body.memory, timeout=body.timeout, ttl_seconds=body.ttl_seconds,
@@ -173,8 +176,13 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
             record = await orchestrator.create_sandbox(params)
             return 200, sandbox_view(record, ns)
 
-        return replay(*await orchestrator.idempotent(key, _fingerprint(request, body.model_dump()), create,
-                                                     resource_id=params.sandbox_id))
+        return await orchestrator.idempotent(key, _fingerprint("POST", path, body.model_dump()), create,
+                                             resource_id=params.sandbox_id)
+
+    @app.post("/sandboxes", dependencies=auth)
+    async def create_sandbox(body: CreateSandboxRequest, request: Request,
+                             idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
+        return replay(*await do_create(body, request.url.path, idempotency_key))
 
     @app.get("/sandboxes", dependencies=auth)
     async def list_sandboxes() -> dict[str, Any]:
@@ -189,15 +197,18 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     async def wait_sandbox(sandbox_id: str, timeout: float = Query(3600, gt=0)) -> dict[str, Any]:
         return sandbox_view(await orchestrator.wait_sandbox(sandbox_id, timeout), ns)
 
-    @app.delete("/sandboxes/{sandbox_id}", dependencies=auth)
-    async def delete_sandbox(sandbox_id: str, request: Request,
-                             idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
+    async def do_delete(sandbox_id: str, path: str, idempotency_key: str | None) -> tuple[int, Any]:
         async def delete() -> tuple[int, dict[str, Any]]:
             await orchestrator.delete_sandbox(sandbox_id)
             return 200, {"status": "deleted", "sandbox_id": sandbox_id}
 
         key = _check_idempotency_key(idempotency_key)
-        return replay(*await orchestrator.idempotent(key, _fingerprint(request, {}), delete))
+        return await orchestrator.idempotent(key, _fingerprint("DELETE", path, {}), delete)
+
+    @app.delete("/sandboxes/{sandbox_id}", dependencies=auth)
+    async def delete_sandbox(sandbox_id: str, request: Request,
+                             idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
+        return replay(*await do_delete(sandbox_id, request.url.path, idempotency_key))
 
     @app.post("/sandboxes/{sandbox_id}/heartbeat", dependencies=auth)
     async def heartbeat(sandbox_id: str) -> dict[str, Any]:
@@ -210,20 +221,23 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
         return {"sandbox_id": sandbox_id, "cpu": res.cpu, "memory_mb": res.memory_mb, "pids": res.pids,
                 "disk_bytes": res.disk_bytes}
 
-    @app.post("/sandboxes/{sandbox_id}/exec", dependencies=auth)
-    async def exec_command(sandbox_id: str, body: ExecRequestBody, request: Request,
-                           idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> dict[str, Any]:
+    async def do_exec(sandbox_id: str, body: ExecRequestBody, path: str, idempotency_key: str | None) -> Any:
         key = _check_idempotency_key(idempotency_key)
         params = ExecParams(command=body.command, timeout_seconds=body.timeout_seconds, cwd=body.cwd,
                             env=body.env or {}, login_shell=body.login_shell, max_output_bytes=body.max_output_bytes,
                             stdin=body.stdin.encode() if body.stdin is not None else None)
         # `wait` is how to answer, not what to run: a retry may change it and still be the same exec.
-        fingerprint = _fingerprint(request, body.model_dump(exclude={"wait"}))
+        fingerprint = _fingerprint("POST", path, body.model_dump(exclude={"wait"}))
         job = await orchestrator.submit_exec(sandbox_id, params, key=key, fingerprint=fingerprint)
         if not body.wait:
             return job_view(job)
         timeout = body.timeout_seconds or orchestrator.default_exec_timeout_s
         return job_view(await orchestrator.wait_job(job.job_id, timeout + 30.0))
+
+    @app.post("/sandboxes/{sandbox_id}/exec", dependencies=auth)
+    async def exec_command(sandbox_id: str, body: ExecRequestBody, request: Request,
+                           idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> dict[str, Any]:
+        return await do_exec(sandbox_id, body, request.url.path, idempotency_key)
 
     @app.get("/jobs/{job_id}", dependencies=auth)
     async def get_job(job_id: str) -> dict[str, Any]:
@@ -240,7 +254,8 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
             return 200, await orchestrator.apply_patch(sandbox_id, body.patch, body.timeout_seconds)
 
         key = _check_idempotency_key(idempotency_key)
-        return replay(*await orchestrator.idempotent(key, _fingerprint(request, body.model_dump()), patch))
+        fingerprint = _fingerprint(request.method, request.url.path, body.model_dump())
+        return replay(*await orchestrator.idempotent(key, fingerprint, patch))
 
     @app.post("/sandboxes/{sandbox_id}/files", dependencies=auth)
     async def upload_file(sandbox_id: str, body: UploadFileRequest, request: Request,
@@ -255,7 +270,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
             return 200, {"success": True, "path": body.path, "size": size}
 
         key = _check_idempotency_key(idempotency_key)
-        fingerprint = _fingerprint(request, {"path": body.path, "mode": body.mode,
+        fingerprint = _fingerprint(request.method, request.url.path, {"path": body.path, "mode": body.mode,
                                              "sha256": hashlib.sha256(data).hexdigest()})
         return replay(*await orchestrator.idempotent(key, fingerprint, upload))
 
@@ -273,7 +288,120 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     async def pty(ws: WebSocket, sandbox_id: str) -> None:
         await _serve_pty(ws, sandbox_id, orchestrator, key_ok)
 
+    async def direct(method: str, parts: list[str], headers: dict[bytes, bytes], body: bytes,
+                     query: bytes) -> tuple[int, Any, dict[str, str]] | None:
+        """The answer to a well-formed, authorised hot call, or None to let FastAPI answer (and refuse)."""
+        if not key_ok(headers.get(b"x-api-key", b"").decode("latin-1")):
+            return None
+        idempotency_key = headers.get(b"idempotency-key")
+        key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
+        path = "/".join(parts)
+        try:
+            if method == "GET":
+                if len(parts) == 3:
+                    return 200, job_view(await orchestrator.get_job(parts[2])), {}
+                timeout = _wait_timeout(query)
+                if timeout is None:
+                    return None
+                return 200, job_view(await orchestrator.wait_job(parts[2], timeout)), {}
+            if method == "DELETE":
+                return (*await do_delete(parts[2], path, key), {})
+            if headers.get(b"content-type") != b"application/json":
+                return None
+            try:
+                payload = json.loads(body)
+                model = (CreateSandboxRequest if len(parts) == 2 else ExecRequestBody).model_validate(payload)
+            except ValueError:  # pydantic's ValidationError is one: FastAPI answers 422 with its details
+                return None
+            if isinstance(model, CreateSandboxRequest):
+                return (*await do_create(model, path, key), {})
+            return 200, await do_exec(parts[2], model, path, key), {}
+        except SandboxError as exc:
+            return exc.status_code or 500, {"detail": exc.detail}, _error_headers(exc)
+
+    app.direct = direct
     return app
+
+
+_ID_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,255}")
+_WAIT_QUERY = re.compile(rb"timeout=([0-9]{1,12}(?:\.[0-9]{1,12})?)")
+
+
+def _wait_timeout(query: bytes) -> float | None:
+    if not query:
+        return 300.0
+    match = _WAIT_QUERY.fullmatch(query)
+    return float(match.group(1)) if match else None
+
+
+def _hot_route(method: str, path: str) -> list[str] | None:
+    """`path` split at "/" when it is one of the calls every rollout makes many times (create, exec, delete,
+    get or wait for a job) with plain ids, else None."""
+    parts = path.split("/")
+    n = len(parts)
+    if n < 2 or parts[0] or parts[1] not in ("sandboxes", "jobs"):
+        return None
+    if parts[1] == "sandboxes":
+        hot = ((method == "POST" and (n == 2 or (n == 4 and parts[3] == "exec")))
+               or (method == "DELETE" and n == 3))
+    else:
+        hot = method == "GET" and (n == 3 or (n == 4 and parts[3] == "wait"))
+    if not hot or (n > 2 and not _ID_SEGMENT.fullmatch(parts[2])):
+        return None
+    return parts
+
+
+class _ServiceApp(FastAPI):
+    """FastAPI, with the hot calls answered directly.
+
+    Each request through FastAPI's middleware stack, router and dependency solver costs about as much CPU as
+    the orchestrator's own work for it. A create, exec, delete or job read that is authorised and whose body
+    validates (the same pydantic models, validated the way FastAPI validates them) is answered by `direct`
+    with the same functions, status codes and JSON bodies; anything else (a missing or wrong key, a body that
+    does not validate, an odd path or query) goes through FastAPI unchanged, with the body replayed, so every
+    error is FastAPI's own.
+    """
+
+    direct: Callable[..., Awaitable[tuple[int, Any, dict[str, str]] | None]] | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        parts = None
+        if scope["type"] == "http" and self.direct is not None and not scope.get("root_path"):
+            parts = _hot_route(scope["method"], scope["path"])
+        if parts is None:
+            await super().__call__(scope, receive, send)
+            return
+        messages = []
+        chunks = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.lower(), value)  # the first of repeated headers, as Starlette reads them
+        answer = None
+        if messages[-1]["type"] == "http.request":
+            answer = await self.direct(scope["method"], parts, headers, b"".join(chunks),
+                                       scope.get("query_string", b""))
+        if answer is None:
+            replayed = iter(messages)
+
+            async def replay() -> Any:
+                return next(replayed, None) or await receive()
+
+            await super().__call__(scope, replay, send)
+            return
+        status, content, extra = answer
+        body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
+                                *((k.lower().encode(), v.encode()) for k, v in extra.items())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _pty_command(init: dict[str, Any]) -> str | None:

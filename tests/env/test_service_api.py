@@ -350,3 +350,140 @@ def test_cli_serve_prints_url_and_key_and_serves(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) in (0, -15)  # uvicorn re-raises SIGTERM after a graceful shutdown
+
+
+# the direct path for hot calls answers exactly as FastAPI does
+class EchoBackend:
+    """Sandboxes as set entries; `echo WORDS` prints WORDS, `fail` exits 3: the app's answers, not a box's."""
+
+    name = "echo"
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    async def create(self, sandbox_id, spec):
+        self.ids.add(sandbox_id)
+
+    async def delete(self, sandbox_id):
+        self.ids.discard(sandbox_id)
+
+    async def list_ids(self):
+        return sorted(self.ids)
+
+    async def exec(self, sandbox_id, request):
+        from orchard.env.backends.base import ExecResult
+
+        script = request.command[-1] if isinstance(request.command, list) else request.command
+        if script.startswith("echo "):
+            return ExecResult(exit_code=0, stdout=script[5:].encode() + b"\n", stderr=b"")
+        return ExecResult(exit_code=3, stdout=b"", stderr=b"no\n")
+
+    async def close(self):
+        pass
+
+
+VOLATILE = {"created_at", "last_heartbeat", "job_id", "started_at", "completed_at", "duration_s", "expires_at"}
+
+
+def _normal(response: httpx.Response, side: str) -> tuple:
+    """Status, content type, Retry-After and the JSON body with this side's ids and the clock taken out."""
+    try:
+        body = json.loads(response.text.replace(side, "SIDE"))
+    except ValueError:
+        body = response.text
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k not in VOLATILE}
+    return response.status_code, response.headers.get("content-type"), response.headers.get("retry-after"), body
+
+
+# (method, path, headers, body): "SIDE" becomes each app's own prefix; "JOB" the id of the side's first job
+CASES = [
+    ("POST", "/sandboxes", {}, {"sandbox_id": "SIDE-a"}),
+    ("POST", "/sandboxes", {}, {"sandbox_id": "SIDE-b", "cpu": "500m", "memory": "1Gi", "env": {"A": "1"},
+                                "ttl_seconds": 60, "heartbeat_timeout": 5, "timeout": 30, "block_network": False}),
+    ("POST", "/sandboxes", {}, {"sandbox_id": "SIDE-a"}),  # taken: 409
+    ("POST", "/sandboxes", {}, {"sandbox_id": "SIDE-c", "cpu": "lots"}),  # 400 from the orchestrator
+    ("POST", "/sandboxes", {}, {"sandbox_id": "SIDE-c", "ttl_seconds": -1}),
+    ("POST", "/sandboxes", {}, {"sandbox_id": "SIDE-c", "block_network": []}),  # 422 from validation
+    ("POST", "/sandboxes", {}, {"sandbox_id": "SIDE-c", "block_network": "yes", "timeout": "7"}),  # lax: 200
+    ("POST", "/sandboxes", {}, ["not", "an", "object"]),
+    ("POST", "/sandboxes", {}, b"{not json"),
+    ("POST", "/sandboxes", {"content-type": "text/plain"}, b'{"sandbox_id": "SIDE-d"}'),
+    ("POST", "/sandboxes", {"Idempotency-Key": "k" * 256}, {"sandbox_id": "SIDE-e"}),
+    ("POST", "/sandboxes", {"Idempotency-Key": "SIDE-k1"}, {"sandbox_id": "SIDE-f", "extra": 1}),
+    ("POST", "/sandboxes", {"Idempotency-Key": "SIDE-k1"}, {"sandbox_id": "SIDE-f", "extra": 1}),  # replayed
+    ("POST", "/sandboxes", {"Idempotency-Key": "SIDE-k1"}, {"sandbox_id": "SIDE-g"}),  # reused key: 422
+    ("POST", "/sandboxes", {"X-API-Key": None}, {"sandbox_id": "SIDE-h"}),  # 401
+    ("POST", "/sandboxes", {"X-API-Key": "wrong"}, {"sandbox_id": "SIDE-h"}),  # 403
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": "echo one", "wait": True}),
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": ["bash", "-c", "echo two"], "wait": True, "cwd": "/w",
+                                            "env": {"B": "2"}, "timeout_seconds": 5, "max_output_bytes": 9,
+                                            "stdin": "x", "login_shell": False}),
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": "fail", "wait": True}),
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": "echo three"}),  # wait false: queued
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": ""}),
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": 5}),
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": "echo x", "timeout_seconds": -1}),
+    ("POST", "/sandboxes/SIDE-a/exec", {}, {}),
+    ("POST", "/sandboxes/SIDE-zz/exec", {}, {"command": "echo x", "wait": True}),  # 404
+    ("POST", "/sandboxes/SIDE-a/exec", {"X-API-Key": None}, {"command": "echo x"}),
+    ("POST", "/sandboxes/SIDE-a/exec", {"Idempotency-Key": "SIDE-k2"}, {"command": "echo four", "wait": True}),
+    ("POST", "/sandboxes/SIDE-a/exec", {"Idempotency-Key": "SIDE-k2"}, {"command": "echo four"}),  # same job
+    ("POST", "/sandboxes/SIDE-a/exec", {"Idempotency-Key": "SIDE-k2"}, {"command": "echo five"}),  # 422
+    ("GET", "/jobs/JOB", {}, None),
+    ("GET", "/jobs/JOB/wait", {}, None),
+    ("GET", "/jobs/JOB/wait?timeout=2.5", {}, None),
+    ("GET", "/jobs/JOB/wait?timeout=-1", {}, None),
+    ("GET", "/jobs/JOB/wait?timeout=soon", {}, None),
+    ("GET", "/jobs/nope", {}, None),
+    ("GET", "/jobs/JOB", {"X-API-Key": "wrong"}, None),
+    ("DELETE", "/sandboxes/SIDE-b", {}, None),
+    ("DELETE", "/sandboxes/SIDE-b", {}, None),  # gone: 404
+    ("DELETE", "/sandboxes/SIDE-f", {"Idempotency-Key": "SIDE-k3"}, None),
+    ("DELETE", "/sandboxes/SIDE-f", {"Idempotency-Key": "SIDE-k3"}, None),  # replayed: 200 again
+    ("DELETE", "/sandboxes/SIDE-a", {"X-API-Key": None}, None),
+]
+
+
+async def test_direct_hot_calls_answer_exactly_as_fastapi(tmp_path):
+    orchestrator = Orchestrator(EchoBackend(), SQLiteStore(tmp_path / "state.sqlite3"))
+    await orchestrator.start(reaper=False)
+    direct_app = create_app(orchestrator, ["k"], manage_lifecycle=False)
+    plain_app = create_app(orchestrator, ["k"], manage_lifecycle=False)
+    plain_app.direct = None  # every request through FastAPI's stack
+    answered = []
+    inner = direct_app.direct
+
+    async def spy(*args):
+        answer = await inner(*args)
+        answered.append(answer is not None)
+        return answer
+
+    direct_app.direct = spy
+    jobs = {}
+    try:
+        for side, app in (("direct", direct_app), ("plain", plain_app)):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                jobs[side] = []
+                for method, path, headers, body in CASES:
+                    path = path.replace("SIDE", side).replace("JOB", jobs[side][0] if jobs[side] else "none")
+                    sent = {"X-API-Key": "k", **{k: v.replace("SIDE", side) for k, v in headers.items() if v}}
+                    if headers.get("X-API-Key", "") is None:
+                        del sent["X-API-Key"]
+                    if isinstance(body, bytes):
+                        kwargs = {"content": body.replace(b"SIDE", side.encode())}
+                        sent.setdefault("content-type", "application/json")
+                    else:
+                        kwargs = {} if body is None else {"json": json.loads(json.dumps(body).replace("SIDE", side))}
+                    response = await http.request(method, path, headers=sent, **kwargs)
+                    if response.status_code == 200 and "job_id" in response.json():
+                        jobs[side].append(response.json()["job_id"])
+                    jobs.setdefault(side + "-answers", []).append(_normal(response, side))
+        for case, direct, plain in zip(CASES, jobs["direct-answers"], jobs["plain-answers"], strict=True):
+            assert direct == plain, case
+        statuses = {a[0] for a in jobs["plain-answers"]}
+        assert statuses == {200, 400, 401, 403, 404, 409, 422}  # the cases reach every kind of answer
+        # the valid calls were answered directly; the malformed and unauthorised ones went to FastAPI
+        assert sum(answered) >= 25 and not all(answered)
+    finally:
+        await orchestrator.close()
