@@ -16,10 +16,12 @@ import tempfile
 import time
 
 import pytest
+from _box import box_binary, needs_compiled_box
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchard.env.agent import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, SandboxAgent, Workspace
+from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.isolation import probe_bubblewrap
 from orchard.env.agent.process import _Capture
 from orchard.env.backends.base import ExecRequest, PathEscapeError
@@ -35,11 +37,16 @@ USERNS = "bubblewrap-userns"
 """bubblewrap started as the sandbox's uid in a user namespace (what a non-root service, or an image without
 setpriv, gets); plain BUBBLEWRAP is root-started bubblewrap when the tests run as root."""
 BOX = "bubblewrap-box"
-"""Commands run through the sandbox's long-lived box (one bubblewrap per sandbox), root-started as root."""
+"""Commands run through the sandbox's long-lived compiled box (one bubblewrap per sandbox), root-started as
+root."""
+PYBOX = "bubblewrap-pybox"
+"""The same through the Python box (what a machine without a C compiler runs)."""
+BOXES = (BOX, PYBOX)
 _skip_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"{BWRAP_PROBLEM}")
 MODES = [
     pytest.param(BUBBLEWRAP, marks=_skip_bwrap),
-    pytest.param(BOX, marks=_skip_bwrap),
+    pytest.param(BOX, marks=[_skip_bwrap, needs_compiled_box]),
+    pytest.param(PYBOX, marks=_skip_bwrap),
     pytest.param(USERNS, marks=[_skip_bwrap, pytest.mark.skipif(not IS_ROOT, reason="same as bubblewrap")]),
     PROCESS_GROUP,
 ]
@@ -68,14 +75,16 @@ def make_agent(
     ws: str, mode: str, *, limits: Limits | None = None, network: bool = False, **kw
 ) -> SandboxAgent:
     workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
-    box = mode == BOX
+    box = mode in BOXES
     if mode == USERNS:
         mode, kw["privileged"] = BUBBLEWRAP, False
-    elif mode == BOX:
+    elif mode in BOXES:
+        kw["box_binary"] = box_binary() if mode == BOX else None
         mode = BUBBLEWRAP
     iso = Isolation(workspace, mode=mode, limits=limits, network=network, run_as=RUN_AS, **kw)
     agent = SandboxAgent(iso, env={"AGENT_VAR": "from-agent"}, box=box)
     assert (agent.box is not None) == box
+    assert agent.box is None or agent.box.compiled == (kw.get("box_binary") is not None)
     return agent
 
 
@@ -112,7 +121,8 @@ def box_processes(agent: SandboxAgent) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if not f.read().startswith(agent.box.python.encode() + b"\x00-S\x00-I\x00-c\x00"):
+                head = BOX_MOUNT + "\x00" if agent.box.compiled else f"{agent.box.python}\x00-S\x00-I\x00-c\x00"
+                if not f.read().startswith(head.encode()):
                     continue
             pid = int(entry)
             while pid > 1 and pid != agent.box.pid:
@@ -271,7 +281,7 @@ async def test_fork_bomb_is_bounded_by_pids_and_fully_ended(workspace_dir, mode,
     assert b"Resource temporarily unavailable" in r.stderr  # forks beyond the limit failed
     # nothing of the uid is left, but for the box (which stays, waiting for the next command)
     box = box_processes(agent)
-    assert len(box) == (mode == BOX)
+    assert len(box) == (mode in BOXES)
     deadline = time.monotonic() + 3
     while procs_of_uid(TEST_UID) != box and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -381,7 +391,7 @@ async def test_pty_command_runs_to_eof(workspace_dir, mode):
 @pytest.mark.parametrize("mode", BWRAP_MODES)
 async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir, mode):
     agent = make_agent(workspace_dir, mode, hide=(os.path.dirname(workspace_dir),))
-    assert agent.isolation.privileged == (IS_ROOT and mode in (BUBBLEWRAP, BOX))
+    assert agent.isolation.privileged == (IS_ROOT and mode in (BUBBLEWRAP, *BOXES))
     # no privilege to gain: no capabilities, set-uid programs inert
     r = await agent.exec(ExecRequest("grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status"))
     assert r.stdout.split()[1::2] == [b"0000000000000000", b"0000000000000000", b"1"], r
@@ -401,7 +411,7 @@ async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir, mod
     assert r.stdout.split() in ([], [b".", b".."]), r
     # its own pid namespace: only bubblewrap's init, (the box,) bash, ls and grep
     r = await agent.exec(ExecRequest("ls /proc | grep -c '^[0-9]'"))
-    assert int(r.stdout) <= 4 + (mode == BOX), r
+    assert int(r.stdout) <= 4 + (mode in BOXES), r
 
 
 @pytest.mark.parametrize("mode", BWRAP_MODES)

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+from _box import box_binary, needs_compiled_box
 
-from orchard.env.agent import BUBBLEWRAP, Isolation, Limits, SandboxAgent, Workspace, box_client
+from orchard.env.agent import BUBBLEWRAP, Isolation, Limits, SandboxAgent, Workspace, box_build, box_client
+from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.isolation import probe_bubblewrap
 from orchard.env.backends.base import ExecRequest, SandboxSpec
 from orchard.env.backends.local import LocalBackend
@@ -32,6 +34,8 @@ BWRAP_PROBLEM = probe_bubblewrap(RUN_AS)
 pytestmark = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
 PRIVILEGED = pytest.mark.parametrize("privileged", [None, False], ids=["root-started", "userns"])
 """bubblewrap started as root (the command drops to the uid inside) or as the uid in a user namespace."""
+KINDS = pytest.mark.parametrize("kind", [pytest.param("compiled", marks=needs_compiled_box), "python"])
+"""The compiled box (box.c) or the Python one (box.py): the same program, the same results."""
 
 
 @pytest.fixture
@@ -43,15 +47,25 @@ def base_dir():
     shutil.rmtree(base, ignore_errors=True)
 
 
-def make_agent(base: str, *, box: bool, privileged: bool | None = None, **kw) -> SandboxAgent:
+def make_agent(
+    base: str, *, box: bool, privileged: bool | None = None, kind: str = "python", **kw
+) -> SandboxAgent:
     ws = os.path.join(base, "ws")
     if not os.path.isdir(ws):
         os.mkdir(ws, 0o700)
         if IS_ROOT:
             os.chown(ws, TEST_UID, TEST_UID)
     workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
-    iso = Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, privileged=privileged, **kw)
-    return SandboxAgent(iso, env={"AGENT_VAR": "from-agent"}, box=box)
+    binary = box_binary() if box and kind == "compiled" else None
+    iso = Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, privileged=privileged, box_binary=binary, **kw)
+    agent = SandboxAgent(iso, env={"AGENT_VAR": "from-agent"}, box=box)
+    assert agent.box is None or agent.box.compiled == (kind == "compiled")
+    return agent
+
+
+def box_head(box: box_client.Box) -> bytes:
+    """How the box process's command line starts."""
+    return BOX_MOUNT.encode() + b"\0" if box.compiled else box.python.encode() + b"\0"
 
 
 def live_pids() -> set[int]:
@@ -114,14 +128,15 @@ SAME = [
 ]
 
 
+@KINDS
 @PRIVILEGED
 @pytest.mark.parametrize(
     "limits",
     [Limits(pids=64, memory_mb=1024), Limits(pids=64, memory_mb=128, cpu=1.0)],
     ids=["spawned", "forked"],  # fixed limits only: posix_spawn; a CPU limit or a small memory: a fork
 )
-async def test_box_gives_the_same_results_as_a_bubblewrap_per_command(base_dir, privileged, limits):
-    box = make_agent(base_dir, box=True, privileged=privileged, limits=limits)
+async def test_box_gives_the_same_results_as_a_bubblewrap_per_command(base_dir, kind, privileged, limits):
+    box = make_agent(base_dir, box=True, privileged=privileged, limits=limits, kind=kind)
     fresh = make_agent(base_dir, box=False, privileged=privileged, limits=limits)
     await box.write_file("sub/f.txt", b"x")
     assert box.box is not None and fresh.box is None
@@ -134,9 +149,10 @@ async def test_box_gives_the_same_results_as_a_bubblewrap_per_command(base_dir, 
     await box.kill_all()
 
 
+@KINDS
 @pytest.mark.parametrize("cpu", [None, 1.0], ids=["spawned", "forked"])
-async def test_missing_program_and_cwd_report_127(base_dir, cpu):
-    agent = make_agent(base_dir, box=True, limits=Limits(cpu=cpu))
+async def test_missing_program_and_cwd_report_127(base_dir, kind, cpu):
+    agent = make_agent(base_dir, box=True, limits=Limits(cpu=cpu), kind=kind)
     r = await agent.exec(ExecRequest(["no-such-program-xyz"]))
     assert r.exit_code == 127 and r.stderr == b"cannot run 'no-such-program-xyz': No such file or directory\n"
     r = await agent.exec(ExecRequest(["true"], cwd="/no/such/dir"))
@@ -147,8 +163,9 @@ async def test_missing_program_and_cwd_report_127(base_dir, cpu):
     await agent.kill_all()
 
 
-async def test_each_command_gets_an_empty_tmp(base_dir):
-    agent = make_agent(base_dir, box=True)
+@KINDS
+async def test_each_command_gets_an_empty_tmp(base_dir, kind):
+    agent = make_agent(base_dir, box=True, kind=kind)
     r = await agent.exec(ExecRequest("mkdir -p /tmp/a/b && echo 1 > /tmp/a/b/f && echo 2 > /dev/shm/g && ls /tmp"))
     assert (r.exit_code, r.stdout) == (0, b"a\n"), r
     r = await agent.exec(ExecRequest("ls -A /tmp /dev/shm"))
@@ -156,8 +173,9 @@ async def test_each_command_gets_an_empty_tmp(base_dir):
     await agent.kill_all()
 
 
-async def test_memory_limit_applies_to_commands_not_the_box(base_dir):
-    agent = make_agent(base_dir, box=True, limits=Limits(memory_mb=64))
+@KINDS
+async def test_memory_limit_applies_to_commands_not_the_box(base_dir, kind):
+    agent = make_agent(base_dir, box=True, limits=Limits(memory_mb=64), kind=kind)
     r = await agent.exec(ExecRequest(["python3", "-c", "b = bytearray(200 << 20)"]))
     assert r.exit_code != 0 and b"MemoryError" in r.stderr, r
     r = await agent.exec(ExecRequest(["bash", "-c", "echo $((6 * 7))"]))
@@ -168,9 +186,10 @@ async def test_memory_limit_applies_to_commands_not_the_box(base_dir):
 # -- restarts --------------------------------------------------------------------------------------------
 
 
+@KINDS
 @PRIVILEGED
-async def test_box_killed_between_commands_restarts_transparently(base_dir, privileged):
-    agent = make_agent(base_dir, box=True, privileged=privileged)
+async def test_box_killed_between_commands_restarts_transparently(base_dir, kind, privileged):
+    agent = make_agent(base_dir, box=True, privileged=privileged, kind=kind)
     r = await agent.exec(ExecRequest("echo one"))
     assert r.stdout == b"one\n"
     box = agent.box
@@ -178,7 +197,7 @@ async def test_box_killed_between_commands_restarts_transparently(base_dir, priv
     first = descendants(box.pid)  # outer bubblewrap, its init, the box
     assert len(first) == 3, first
     # the OOM killer (or anything else) kills the box itself while it waits
-    inner = [p for p in first if Path(f"/proc/{p}/cmdline").read_bytes().startswith(box.python.encode())]
+    inner = [p for p in first if Path(f"/proc/{p}/cmdline").read_bytes().startswith(box_head(box))]
     assert len(inner) == 1
     os.kill(inner[0], signal.SIGKILL)
     assert await gone(first)  # bubblewrap ends the namespace when the box dies
@@ -188,8 +207,9 @@ async def test_box_killed_between_commands_restarts_transparently(base_dir, priv
     assert await gone(descendants(box.pid) | first)
 
 
-async def test_command_that_kills_the_box_gets_137_and_the_next_command_runs(base_dir):
-    agent = make_agent(base_dir, box=True)
+@KINDS
+async def test_command_that_kills_the_box_gets_137_and_the_next_command_runs(base_dir, kind):
+    agent = make_agent(base_dir, box=True, kind=kind)
     r = await agent.exec(ExecRequest("echo before; kill -9 -1; sleep 5", timeout_s=10))
     assert r.exit_code == 137 and b"command runner was killed" in r.stderr and not r.timed_out, r
     r = await agent.exec(ExecRequest("echo after"))
@@ -264,7 +284,8 @@ def _uid(pid: int) -> int | None:
 
 async def test_delete_and_close_leave_no_process(base_dir):
     b = LocalBackend(os.path.join(base_dir, "sb"))
-    assert b.health()["commands_run_by"] == "a box per sandbox"
+    compiled = box_build.compiled_box() is not None
+    assert b.health()["commands_run_by"] == ("a compiled box per sandbox" if compiled else "a Python box per sandbox")
     await asyncio.gather(*(b.create(f"s{i}", SandboxSpec()) for i in range(3)))
     for i in range(3):
         assert (await b.exec(f"s{i}", ExecRequest("echo ok"))).stdout == b"ok\n"
@@ -323,3 +344,87 @@ async def test_boxes_of_a_killed_service_die_with_it(base_dir):
         proc.kill()
         proc.wait()
     assert await gone(trees)
+
+
+# -- the compiled box ------------------------------------------------------------------------------------
+
+
+@needs_compiled_box
+async def test_compiled_box_runs_in_an_image_without_python(base_dir):
+    empty = tempfile.mkdtemp(dir=base_dir)  # no python3, no shell: only the bound box runs there
+    agent = make_agent(base_dir, box=True, rootfs=empty, kind="compiled")
+    assert agent.box is not None
+    r = await agent.exec(ExecRequest(["true"], cwd="/"))
+    # the answer comes from the box: it started, looked the program up on PATH and found nothing
+    assert (r.exit_code, r.stderr) == (127, b"cannot run 'true': No such file or directory\n"), r
+    assert agent.box.starts == 1 and agent.box.pid is not None
+    await agent.kill_all()
+
+
+@needs_compiled_box
+async def test_compiled_box_ends_on_a_malformed_request_and_the_next_command_runs(base_dir, monkeypatch):
+    agent = make_agent(base_dir, box=True, kind="compiled")
+    assert (await agent.exec(ExecRequest("echo one"))).stdout == b"one\n"
+    real = box_client.encode_run
+
+    def garbled(*args, **kw):
+        frame = real(*args, **kw)
+        return frame[:5] + b"\xff" * 8 + frame[13:]  # a NaN timeout: the box refuses it and exits
+
+    monkeypatch.setattr(box_client, "encode_run", garbled)
+    r = await agent.exec(ExecRequest("echo two"))
+    assert r.exit_code == 137 and b"command runner was killed" in r.stderr, r
+    monkeypatch.setattr(box_client, "encode_run", real)
+    r = await agent.exec(ExecRequest("echo three"))
+    assert (r.exit_code, r.stdout, agent.box.starts) == (0, b"three\n", 2), r
+    await agent.kill_all()
+
+
+def test_encode_run_refuses_what_a_box_cannot_carry():
+    ok = dict(cwd="/", env={}, stdin=None, timeout_s=1.0, cap=10, own=[], rlimits=[])
+    with pytest.raises(ValueError, match="argv"):
+        box_client.encode_run([], **ok)
+    with pytest.raises(ValueError, match="argv must not contain NUL"):
+        box_client.encode_run(["a\0b"], **ok)
+    with pytest.raises(ValueError, match="env must not contain NUL"):
+        box_client.encode_run(["a"], **{**ok, "env": {"X": "1\0"}})
+    with pytest.raises(ValueError, match="timeout_s"):
+        box_client.encode_run(["a"], **{**ok, "timeout_s": float("nan")})
+    frame = box_client.encode_run(["echo", "hi"], **{**ok, "stdin": b"in", "own": [(6, 7)]})
+    # u32 length, op, f64 timeout, u32 cap, u8 stdin, 2 rlimit lists, 4 blocks of (count, size, data)
+    assert int.from_bytes(frame[:4], "big") == len(frame) - 4 and frame[4:5] == b"R"
+    assert len(frame) == 4 + 1 + 13 + (2 + 12) + 2 + (8 + 8) + 8 + (8 + 2) + (8 + 2)  # 8: "echo\0hi\0"
+
+
+@needs_compiled_box
+def test_compiled_box_is_built_once_and_cached(tmp_path, monkeypatch):
+    first = box_build.compiled_box(tmp_path)
+    assert first is not None and os.access(first, os.X_OK) and os.path.dirname(first) == str(tmp_path)
+    stamp = os.stat(first).st_mtime_ns, os.stat(first).st_ino
+    monkeypatch.setattr(box_build, "_built", {})  # a new process: the file is found, not rebuilt
+    assert box_build.compiled_box(tmp_path) == first
+    assert (os.stat(first).st_mtime_ns, os.stat(first).st_ino) == stamp
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(first)]  # no temporary files left
+    copy = box_build.install_box(tmp_path / "reachable", first)
+    assert copy is not None and os.stat(copy).st_mode & 0o777 == 0o755
+    assert Path(copy).read_bytes() == Path(first).read_bytes()
+    with pytest.raises(ValueError, match="binary"):
+        box_build.install_box(tmp_path / "reachable", str(tmp_path / "missing"))
+
+
+def test_a_failing_compiler_gives_no_compiled_box(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(box_build, "_built", {})
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    assert box_build.compiled_box(tmp_path) is None
+    assert "Python box" in caplog.text and os.listdir(tmp_path) == []
+
+
+async def test_without_a_compiler_the_backend_runs_the_python_box(base_dir, monkeypatch):
+    monkeypatch.setattr(box_build, "_built", {})
+    monkeypatch.setattr(box_build, "find_compiler", lambda: None)
+    b = LocalBackend(os.path.join(base_dir, "sb"))
+    assert b.box_binary is None and b.health()["commands_run_by"] == "a Python box per sandbox"
+    await b.create("p", SandboxSpec())
+    assert (await b.exec("p", ExecRequest("echo py"))).stdout == b"py\n"
+    assert not b._agents["p"].box.compiled
+    await b.close()

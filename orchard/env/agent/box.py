@@ -6,19 +6,10 @@ the image's own interpreter; it therefore imports only C modules (`posix` rather
 rather than `signal`; no json, no subprocess: each of those costs milliseconds of start-up per sandbox) and
 keeps to syntax that Python 3.6 accepts. Nothing here runs in the service's process.
 
-Protocol, over the socket that is the box's stdin and stdout, one request at a time:
-
-    service -> box   u32 length, then marshal (version 2) of a dict: argv, cwd, env, stdin (bytes or None),
-                     timeout (s), cap (bytes per stream), own and rlimits [(resource, value), ...]
-    box -> service   once at start: b"OBX1" + u32 pid of the box (in its pid namespace)
-                     per request: i32 exit code, u8 flags (1 timed out, 2 stdout truncated, 4 stderr
-                     truncated, 8 could not start), u32 stdout length, u32 stderr length, then both blobs
-
-A request {"op": "times"} is answered with two f64: the box's own CPU seconds and those of the commands it
-reaped (the service asks before it closes an idle box, to account for the sandbox's CPU).
-
-marshal is only ever loaded by the box, from the service (trusted); the box's answers are fixed-size fields
-and raw bytes that the service checks against the request's cap.
+Protocol: that of the compiled box, `box.c`, whose header states it (a request is a u32 length, an op byte
+and fixed fields, then blocks of NUL-terminated strings; the answers are fixed-size fields and raw bytes).
+The service runs this Python box only where the compiled one cannot be built (no C compiler); the image's
+python3 then runs it, and the service sends it this file compiled (or as source) over the socket first.
 
 `own` are the sandbox's fixed rlimits (pids, memory): the box puts them on itself at its first command, and
 then starts commands with posix_spawn (vfork; the limits are inherited), cheaper than a Python fork;
@@ -36,7 +27,6 @@ them. A command killed by signal N reports 128 + N, as bubblewrap relays it.
 
 import _struct as struct  # the C modules: `os` and `struct` import more Python modules (~1.5 ms)
 import errno
-import marshal
 import posix as os
 import resource
 import select
@@ -350,6 +340,40 @@ def _read_all(fd):
         out += chunk
 
 
+def _text(b):
+    return b.decode("utf-8", "surrogateescape")
+
+
+def _decode(buf):
+    """A run request (see box.c) as a dict: argv, cwd, env, stdin (bytes or None), timeout, cap, own,
+    rlimits."""
+    if buf[:1] != b"R":
+        raise SystemExit(2)
+    timeout, cap, has_stdin = struct.unpack_from(">dIB", buf, 1)
+    pos = 14
+    limits = []
+    for _ in range(2):
+        (n,) = struct.unpack_from(">H", buf, pos)
+        pos += 2
+        pairs = []
+        for _ in range(n):
+            pairs.append(struct.unpack_from(">IQ", buf, pos))
+            pos += 12
+        limits.append(pairs)
+    blocks = []
+    for _ in range(4):
+        count, size = struct.unpack_from(">II", buf, pos)
+        pos += 8
+        block = buf[pos : pos + size]
+        pos += size
+        blocks.append(block.split(b"\0")[:count] if count else block)
+    argv, env, cwd, data = blocks
+    env = dict(_text(e).partition("=")[::2] for e in env)
+    return {"argv": [_text(a) for a in argv], "cwd": _text(cwd[0]), "env": env,
+            "stdin": data if has_stdin else None, "timeout": timeout, "cap": cap, "own": limits[0],
+            "rlimits": limits[1]}  # fmt: skip
+
+
 def main():
     me = os.getpid()
     os.closerange(3, 1 << 16)
@@ -366,16 +390,16 @@ def main():
     while True:
         try:
             (size,) = struct.unpack(">I", _read_exact(0, 4))
-            req = marshal.loads(_read_exact(0, size))
+            buf = _read_exact(0, size)
         except EOFError:
             return
-        if req.get("op") == "times":
+        if buf[:1] == b"T":
             # getrusage, not os.times(): the latter counts in 10 ms ticks, less than a box may use in all
             own = resource.getrusage(resource.RUSAGE_SELF)
             kids = resource.getrusage(resource.RUSAGE_CHILDREN)
             _write_all(1, struct.pack(">dd", own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime))
             continue
-        code, flags, out, err = _run(req, me, wake_r, state)
+        code, flags, out, err = _run(_decode(buf), me, wake_r, state)
         _write_all(1, struct.pack(_HEADER, code, flags, len(out), len(err)) + out + err)
 
 

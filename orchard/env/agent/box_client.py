@@ -1,7 +1,9 @@
 """The service's side of a sandbox's box: start it, send it commands, restart it, kill it.
 
-A box (`orchard.env.agent.box`, whose docstring has the protocol) is one long-lived process per sandbox, run
-under the same bubblewrap isolation a per-command launch gets, that starts every command of the sandbox.
+A box is one long-lived process per sandbox, run under the same bubblewrap isolation a per-command launch
+gets, that starts every command of the sandbox: the compiled box (`box.c`, whose header has the protocol),
+bound into the sandbox from `Isolation.box_binary`, or where there is none the same program in Python
+(`orchard.env.agent.box`), run by the image's python3.
 bubblewrap's namespaces are set up once per sandbox instead of once per command, which is most of what a
 command used to cost. The guarantees stay those of `orchard.env.agent.process`: per-stream caps, the timeout,
 and no process of an exec outliving it (the box empties its pid namespace after every command).
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import importlib.util
 import marshal
+import math
 import os
 import resource
 import socket
@@ -28,6 +31,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.isolation import Isolation
 from orchard.env.agent.process import TIMEOUT_EXIT_CODE, ProcessTree, validate_limits
 from orchard.env.backends.base import BackendError, ExecResult
@@ -106,15 +110,20 @@ class Box:
 
     Args:
         isolation: the sandbox's isolation (bubblewrap); the box runs under it, as its uid.
-        python: the sandbox path of the interpreter (default: `isolation.box_python()`).
+        python: run the Python box with this interpreter (a sandbox path) even if the isolation has a
+            compiled box. Default: the compiled box when `isolation.box_binary` is set, else the Python box
+            under `isolation.box_python()`.
     """
 
     def __init__(self, isolation: Isolation, python: str | None = None) -> None:
         if not isinstance(isolation, Isolation):
             raise ValueError(f"isolation must be an Isolation, got {type(isolation).__name__}")
-        python = python or isolation.box_python()
-        if python is None:
-            raise BoxUnavailableError(f"the image at {isolation.rootfs!r} has no python3 for the box")
+        self.compiled = python is None and isolation.box_binary is not None
+        """Whether this is the compiled box (else the Python one)."""
+        if not self.compiled:
+            python = python or isolation.box_python()
+            if python is None:
+                raise BoxUnavailableError(f"the image at {isolation.rootfs!r} has no python3 for the box")
         self.isolation = isolation
         self.python = python
         self.starts = 0
@@ -148,11 +157,8 @@ class Box:
         validate_limits(timeout_s, max_output_bytes)
         own, per_exec = _split_rlimits(self.isolation.command_rlimits(timeout_s))
         # bubblewrap's --chdir exports PWD; the box's commands get the same
-        request = marshal.dumps(
-            {"argv": list(argv), "cwd": cwd, "env": {**env, "PWD": cwd}, "stdin": stdin,
-             "timeout": float(timeout_s), "cap": int(max_output_bytes), "own": own, "rlimits": per_exec},
-            2,
-        )  # fmt: skip
+        request = encode_run(argv, cwd=cwd, env={**env, "PWD": cwd}, stdin=stdin, timeout_s=timeout_s,
+                             cap=max_output_bytes, own=own, rlimits=per_exec)  # fmt: skip
         async with self._lock:
             if self._closed:
                 raise BackendError("the sandbox is being deleted")
@@ -164,7 +170,7 @@ class Box:
             assert sock is not None
             loop = asyncio.get_running_loop()
             try:
-                await loop.sock_sendall(sock, struct.pack(">I", len(request)) + request)
+                await loop.sock_sendall(sock, request)
                 header = await asyncio.wait_for(
                     _recv_exact(loop, sock, _HEADER.size), timeout_s + _WATCHDOG_SLACK_S
                 )
@@ -235,10 +241,8 @@ class Box:
 
     async def _start(self) -> None:
         iso = self.isolation
-        launch = iso.launch(
-            [self.python, "-S", "-I", "-c", _BOOT], cwd="/", env=iso.base_env(), timeout_s=None,
-            limited=False,
-        )  # fmt: skip
+        argv = [BOX_MOUNT] if self.compiled else [self.python, "-S", "-I", "-c", _BOOT]
+        launch = iso.launch(argv, cwd="/", env=iso.base_env(), timeout_s=None, limited=False)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         tree = launch.tree_factory()
         try:
@@ -258,8 +262,9 @@ class Box:
         ours.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
-            magic = await asyncio.wait_for(_recv_exact(loop, ours, len(_MAGIC)), _START_TIMEOUT_S)
-            await loop.sock_sendall(ours, _box_program(BOX_SOURCE, magic))
+            if not self.compiled:
+                magic = await asyncio.wait_for(_recv_exact(loop, ours, len(_MAGIC)), _START_TIMEOUT_S)
+                await loop.sock_sendall(ours, _box_program(BOX_SOURCE, magic))
             ready = await asyncio.wait_for(_recv_exact(loop, ours, len(_READY) + 4), _START_TIMEOUT_S)
             if ready[: len(_READY)] != _READY:
                 raise EOFError
@@ -301,9 +306,42 @@ class Box:
                 proc.wait(timeout=1.0)
 
 
+def encode_run(
+    argv: list[str],
+    *,
+    cwd: str,
+    env: dict[str, str],
+    stdin: bytes | None,
+    timeout_s: float,
+    cap: int,
+    own: list[tuple[int, int]],
+    rlimits: list[tuple[int, int]],
+) -> bytes:
+    """A framed run request for a box (the format is in `box.c`'s header)."""
+    if not argv:
+        raise ValueError("argv must not be empty")
+    if not (math.isfinite(timeout_s) and timeout_s > 0) or cap < 0:
+        raise ValueError(f"timeout_s must be finite and > 0 and cap >= 0, got {timeout_s!r}, {cap!r}")
+    # a cap over 4 GiB is no cap at all for one command's output kept in memory: the box keeps up to 4 GiB
+    parts = [b"R", struct.pack(">dIB", float(timeout_s), min(cap, 0xFFFFFFFF), stdin is not None)]
+    for pairs in (own, rlimits):
+        parts.append(struct.pack(">H", len(pairs)))
+        parts += [struct.pack(">IQ", which, value) for which, value in pairs]
+    strings = (argv, [f"{k}={v}" for k, v in env.items()], [cwd])
+    for name, block in zip(("argv", "env", "cwd"), strings, strict=True):
+        data = [os.fsencode(x) for x in block]
+        if any(b"\0" in x for x in data):
+            raise ValueError(f"{name} must not contain NUL bytes")
+        joined = b"".join(x + b"\0" for x in data)
+        parts.append(struct.pack(">II", len(data), len(joined)) + joined)
+    data = stdin or b""
+    parts.append(struct.pack(">II", 0, len(data)))
+    body = b"".join(parts)
+    return struct.pack(">I", len(body) + len(data)) + body + data
+
+
 async def _ask_times(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[float, float]:
-    request = marshal.dumps({"op": "times"}, 2)
-    await loop.sock_sendall(sock, struct.pack(">I", len(request)) + request)
+    await loop.sock_sendall(sock, struct.pack(">IB", 1, ord("T")))
     return struct.unpack(">dd", await _recv_exact(loop, sock, 16))
 
 

@@ -60,6 +60,7 @@ from functools import lru_cache
 from pathlib import PurePosixPath
 from typing import Any
 
+from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.files import Workspace
 from orchard.env.agent.process import PidfdProcess, ProcessTree, wait_pidfd
 
@@ -327,6 +328,9 @@ class Isolation:
             processes its predecessor left (`kill_marked(marker_needle(prefix), None)`).
         use_exec_wrappers: switch uid and set rlimits with the host's `setpriv` and `prlimit` (util-linux)
             when both exist, else (or when False, and always for a PTY) in a Python preexec function.
+        box_binary: host path of the compiled box (`orchard.env.agent.box_build`), bound read-only at
+            `BOX_MOUNT` in the sandbox so the box runs without the image's python3; bubblewrap only. Its
+            directories must be searchable by the sandbox's uid.
     """
 
     def __init__(
@@ -345,6 +349,7 @@ class Isolation:
         home: str | None = None,
         ro_files: tuple[tuple[str, str], ...] = (),
         privileged: bool | None = None,
+        box_binary: str | None = None,
     ) -> None:
         if mode not in ISOLATION_MODES:
             raise ValueError(f"mode must be one of {ISOLATION_MODES}, got {mode!r}")
@@ -367,6 +372,9 @@ class Isolation:
             if not os.path.isfile(src) or not dst.startswith("/"):
                 raise ValueError(f"ro_files needs (existing file, absolute path) pairs, got {(src, dst)!r}")
         self.ro_files = tuple(ro_files)
+        if box_binary is not None and not (os.path.isfile(box_binary) and os.access(box_binary, os.X_OK)):
+            raise ValueError(f"box_binary must be an executable file, got {box_binary!r}")
+        self.box_binary = box_binary if mode == BUBBLEWRAP else None
         self._inner_tools: tuple[str, str] | None = None
         if mode == BUBBLEWRAP and self.run_as is not None and privileged is not False:
             self._inner_tools = rootfs_tools(self.rootfs)
@@ -542,6 +550,8 @@ class Isolation:
                 args += ["--bind", self.home, "/home"]
             for src, dst in self.ro_files:
                 args += ["--ro-bind", src, dst]
+            if self.box_binary is not None:
+                args += ["--ro-bind", self.box_binary, BOX_MOUNT]
             # sticky and world-writable, as on a normal system (a root-started bubblewrap would make them
             # root's 0755 and unwritable for the sandbox's uid)
             args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",

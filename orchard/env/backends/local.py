@@ -37,6 +37,7 @@ from functools import lru_cache
 from pathlib import PurePosixPath
 from typing import Any
 
+from orchard.env.agent.box_build import install_box
 from orchard.env.agent.box_client import BoxCpu
 from orchard.env.agent.core import SandboxAgent, validate_env
 from orchard.env.agent.files import Workspace
@@ -69,6 +70,8 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _META = "meta.json"
 _WORKSPACE = "workspace"
 _HOME = "home"
+_BOX_DIR = ".box"
+"""Where the compiled box is copied under root_dir (hidden: sandbox ids start with a letter or digit)."""
 _GITCONFIG = """[user]
 \tname = orchard sandbox
 \temail = sandbox@orchard.invalid
@@ -186,6 +189,8 @@ class LocalBackend:
             box, started by the sandbox's first command; see `orchard.env.agent.box_client`) rather than a
             fresh bubblewrap per command. Same isolation and exec rules at a fraction of the cost per
             command; False keeps a bubblewrap per command. Terminals always get a bubblewrap of their own.
+            The box is the compiled one (`orchard.env.agent.box_build`, built once per machine with the C
+            compiler and copied to `root_dir/.box/`) where it can be built, else the Python one.
 
     Attributes:
         isolation: "bubblewrap" or "process-group" (report it on /health).
@@ -193,6 +198,7 @@ class LocalBackend:
             service, images with setpriv and prlimit); otherwise it starts as the sandbox's uid in a user
             namespace. Both give the same isolation; the first costs about half the CPU per command.
         isolation_warning: why the fallback was taken (None under bubblewrap).
+        box_binary: the compiled box the sandboxes run (None: the Python box, or no box).
     """
 
     name = "local"
@@ -241,6 +247,9 @@ class LocalBackend:
         self._next_uid = 0
         self.isolation, self.isolation_warning = self._choose_isolation(use_bwrap)
         self._sweep_trash()
+        self.box_binary = None
+        if box and self.isolation == BUBBLEWRAP:
+            self.box_binary = install_box(os.path.join(self.root_dir, _BOX_DIR))
         _raise_open_files_limit()
         # Without bubblewrap nothing ties a command to the service's life: end what a killed predecessor on
         # this root_dir left running. (Under bubblewrap, --die-with-parent already did.)
@@ -288,7 +297,11 @@ class LocalBackend:
                 ("root" if self.bwrap_as_root else "sandbox uid") if self.isolation == BUBBLEWRAP else None
             ),
             "commands_run_by": (
-                ("a box per sandbox" if self.box else "a bubblewrap per command")
+                (
+                    ("a compiled box per sandbox" if self.box_binary else "a Python box per sandbox")
+                    if self.box
+                    else "a bubblewrap per command"
+                )
                 if self.isolation == BUBBLEWRAP
                 else "a process group per command"
             ),
@@ -382,7 +395,8 @@ class LocalBackend:
             hide=(self.root_dir,),
             privileged=None if self.bwrap_as_root else False,
         )
-        iso = Isolation(ws, rootfs=image.rootfs, ro_files=ro_files, **common)  # type: ignore[arg-type]
+        own = dict(rootfs=image.rootfs, ro_files=ro_files, box_binary=self.box_binary)
+        iso = Isolation(ws, **own, **common)  # type: ignore[arg-type]
         host_iso = None
         if image.rootfs != "/":
             # git comes from the host for images without it; the workspace is mounted where the host's
