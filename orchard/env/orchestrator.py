@@ -246,6 +246,7 @@ class Orchestrator:
         self._slots = asyncio.Semaphore(max_concurrent_execs)
         self._locks: dict[str, asyncio.Lock] = {}
         self._job_done: dict[str, asyncio.Event] = {}
+        self._live_jobs: dict[str, JobRecord] = {}
         self._ready: dict[str, asyncio.Event] = {}
         self._idem_done: dict[str, asyncio.Event] = {}
         self._active_jobs: dict[str, int] = {}
@@ -528,10 +529,10 @@ class Orchestrator:
         if key is not None:
             claim = IdempotencyRecord(key=key, fingerprint=fingerprint, created_at=now, resource_id=job.job_id,
                                       status_code=200, response=json.dumps({"job_id": job.job_id}))
-        existing = await self.store.create_job_idempotent(job, claim)
+        existing = await self.store.create_job_idempotent(job, claim, touched_at=now)
         if existing is not None:
             return await self._job_for_claim(existing, fingerprint)
-        await self.store.touch_sandbox(sandbox_id, now)
+        self._live_jobs[job.job_id] = job
         self._job_done[job.job_id] = asyncio.Event()
         self._active_jobs[sandbox_id] = self._active_jobs.get(sandbox_id, 0) + 1
         self.pending_execs += 1
@@ -592,6 +593,7 @@ class Orchestrator:
                 self._active_jobs[job.sandbox_id] = left
             else:
                 self._active_jobs.pop(job.sandbox_id, None)
+            self._live_jobs.pop(job.job_id, None)
             event = self._job_done.pop(job.job_id, None)
             if event is not None:
                 event.set()
@@ -626,12 +628,15 @@ class Orchestrator:
 
     async def wait_job(self, job_id: str, timeout: float) -> JobRecord:
         """The job once it is done, or as it stands after `timeout` seconds (status "queued"/"running")."""
-        job = await self.get_job(job_id)
+        # A job this process runs is read from memory, where each change is made before it is written to the
+        # store: it saves two reads of the store per waited exec.
+        live = self._live_jobs.get(job_id)
+        job = live or await self.get_job(job_id)
         event = self._job_done.get(job_id)
         if job.status not in JOB_DONE and event is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, timeout))
-            job = await self.get_job(job_id)
+            job = live or await self.get_job(job_id)
         return job
 
     # files, patches, resources, terminals

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import os
 import shutil
+import sqlite3
 import tempfile
 import time
 
@@ -174,6 +175,15 @@ async def test_sqlite_store_survives_reopen_and_claims_atomically(root):
     assert (await store.create_job_idempotent(JobRecord(job_id="j2", sandbox_id="a", command="c"), dup)
             ).resource_id == "j1"
     assert await store.get_job("j2") is None  # the losing job was never written
+    third = JobRecord(job_id="j3", sandbox_id="a", command="c")
+    assert await store.create_job_idempotent(third, dup, touched_at=9.0) is not None  # key taken: no touch
+    assert (await store.get_sandbox("a")).last_heartbeat == 0.0 and await store.get_job("j3") is None
+    assert await store.create_job_idempotent(third, None, touched_at=9.0) is None  # written with the touch
+    assert (await store.get_sandbox("a")).last_heartbeat == 9.0 and (await store.get_job("j3")).command == "c"
+    rival = sqlite3.connect(path, timeout=0.1)  # one orchestrator owns the file while it has it open
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        rival.execute("SELECT count(*) FROM jobs").fetchone()
+    rival.close()
     assert await store.insert_sandbox(SandboxRecord(sandbox_id="a", image="other")) is False
     await store.close()
     reopened = SQLiteStore(path)

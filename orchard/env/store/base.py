@@ -105,10 +105,11 @@ class StateStore(Protocol):
         ...
 
     async def create_job_idempotent(
-        self, job: JobRecord, claim: IdempotencyRecord | None
+        self, job: JobRecord, claim: IdempotencyRecord | None, *, touched_at: float | None = None
     ) -> IdempotencyRecord | None:
-        """Insert `job` and, atomically with it, `claim` (resource_id = the job id). When the key exists
-        nothing is written and the existing record is returned."""
+        """Insert `job` and, atomically with it, `claim` (resource_id = the job id) and, with `touched_at`,
+        `touch_sandbox(job.sandbox_id, touched_at)`. When the key exists nothing is written and the existing
+        record is returned."""
         ...
 
     async def complete_idempotency(self, key: str, status_code: int, response: str) -> None: ...

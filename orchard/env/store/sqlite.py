@@ -45,6 +45,9 @@ class SQLiteStore:
         # The orchestrator calls the store from its event-loop thread only; isolation_level=None lets us
         # bracket multi-statement writes with explicit BEGIN IMMEDIATE.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        # One orchestrator owns the file: an exclusive lock makes each commit ~6 us of CPU cheaper (no shared
+        # wal-index to lock) and makes a second orchestrator on the same file fail instead of interleaving.
+        self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
@@ -73,12 +76,15 @@ class SQLiteStore:
     async def delete_sandbox(self, sandbox_id: str) -> None:
         self._db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
 
-    async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
+    def _touch(self, sandbox_id: str, last_heartbeat: float) -> bool:
         cur = self._db.execute(
             "UPDATE sandboxes SET data = json_set(data, '$.last_heartbeat', ?) WHERE sandbox_id = ?",
             (last_heartbeat, sandbox_id),
         )
         return cur.rowcount == 1
+
+    async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
+        return self._touch(sandbox_id, last_heartbeat)
 
     # jobs
     def _put_job(self, record: JobRecord) -> None:
@@ -122,7 +128,7 @@ class SQLiteStore:
         return await self.get_idempotency(record.key)
 
     async def create_job_idempotent(
-        self, job: JobRecord, claim: IdempotencyRecord | None
+        self, job: JobRecord, claim: IdempotencyRecord | None, *, touched_at: float | None = None
     ) -> IdempotencyRecord | None:
         self._db.execute("BEGIN IMMEDIATE")
         try:
@@ -130,6 +136,8 @@ class SQLiteStore:
                 self._db.execute("ROLLBACK")
                 return await self.get_idempotency(claim.key)
             self._put_job(job)
+            if touched_at is not None:
+                self._touch(job.sandbox_id, touched_at)
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
