@@ -56,7 +56,9 @@ class SQLiteStore:
     # sandboxes
     async def put_sandbox(self, record: SandboxRecord) -> None:
         self._db.execute(
-            "INSERT OR REPLACE INTO sandboxes (sandbox_id, data) VALUES (?, ?)", (record.sandbox_id, _dump(record))
+            "INSERT INTO sandboxes (sandbox_id, data) VALUES (?, ?)"
+            " ON CONFLICT (sandbox_id) DO UPDATE SET data = excluded.data",
+            (record.sandbox_id, _dump(record)),
         )
 
     async def insert_sandbox(self, record: SandboxRecord) -> bool:
@@ -88,8 +90,12 @@ class SQLiteStore:
 
     # jobs
     def _put_job(self, record: JobRecord) -> None:
+        # An upsert updates a known job's row in place; INSERT OR REPLACE would delete it and insert it again,
+        # rewriting the primary-key and status index pages too: twice the CPU of each job's status change.
         self._db.execute(
-            "INSERT OR REPLACE INTO jobs (job_id, sandbox_id, status, completed_at, data) VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO jobs (job_id, sandbox_id, status, completed_at, data) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (job_id) DO UPDATE SET sandbox_id = excluded.sandbox_id, status = excluded.status,"
+            " completed_at = excluded.completed_at, data = excluded.data",
             (record.job_id, record.sandbox_id, record.status, record.completed_at, _dump(record)),
         )
 
