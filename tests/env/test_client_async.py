@@ -204,3 +204,15 @@ async def test_httpx_transport_path_keeps_the_same_retries():
         sb = AsyncSandbox(client, "s", {}, owned=False)
         job = await sb.exec("echo x")
     assert job.ok and job.stdout == "x\n" and len(seen) == 2 and seen[0] == seen[1] and seen[0]
+
+
+async def test_aiohttp_path_goes_through_a_proxy_from_the_environment_as_httpx_does(monkeypatch):
+    async with ScriptedServer([(200, {}, b'{"status": "healthy"}')]) as proxy:
+        for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        async with AsyncSandboxClient("http://svc.invalid:8000", "k", auto_cleanup=False) as client:
+            assert (await client.health())["status"] == "healthy"
+    line, headers, _ = proxy.seen[0]
+    assert line == "GET http://svc.invalid:8000/health HTTP/1.1"  # the absolute form a proxy is sent
+    assert headers["x-api-key"] == "k"

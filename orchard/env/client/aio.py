@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ from orchard.env.errors import NotFoundError, SandboxConnectionError, SandboxErr
 _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
 """What aiohttp raises when no answer came (connection refused, reset or dropped, read timeout): retried,
 like httpx's `TransportError`. HTTP error statuses are answers, not exceptions (`raise_for_status=False`)."""
+
+
+_PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 
 
 def _encode(payload: Any) -> bytes:
@@ -93,7 +97,10 @@ class AsyncSandboxClient:
             # A session belongs to the loop it was made in: a client used again under a new asyncio.run
             # gets a new one (the old loop, and its connections, are gone).
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=15.0)
-            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector,
+            # httpx honours HTTP(S)_PROXY / ALL_PROXY / NO_PROXY; aiohttp does with trust_env, at the cost of
+            # reading the environment on every request, so only when a proxy is configured at all.
+            proxied = any(os.environ.get(name) for name in _PROXY_VARIABLES)
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector, trust_env=proxied,
                                                   raise_for_status=False, auto_decompress=True)
             self._session_loop = loop
         return self._session
