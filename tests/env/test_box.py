@@ -428,3 +428,20 @@ async def test_without_a_compiler_the_backend_runs_the_python_box(base_dir, monk
     assert (await b.exec("p", ExecRequest("echo py"))).stdout == b"py\n"
     assert not b._agents["p"].box.compiled
     await b.close()
+
+
+async def test_a_compiled_box_that_cannot_start_falls_back_to_the_python_box(base_dir):
+    broken = os.path.join(base_dir, "not-a-program")
+    Path(broken).write_bytes(b"\x7fELF garbage")  # executable bits, but exec fails (ENOEXEC)
+    os.chmod(broken, 0o755)
+    workspace = Workspace(os.path.join(base_dir, "ws2"), uid=RUN_AS[0] if RUN_AS else None,
+                          gid=RUN_AS[1] if RUN_AS else None)  # fmt: skip
+    os.mkdir(workspace.root, 0o700)
+    if IS_ROOT:
+        os.chown(workspace.root, TEST_UID, TEST_UID)
+    agent = SandboxAgent(Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, box_binary=broken), box=True)
+    assert agent.box is not None and agent.box.compiled
+    r = await agent.exec(ExecRequest("echo via python"))
+    assert (r.exit_code, r.stdout) == (0, b"via python\n"), r
+    assert agent.box is not None and not agent.box.compiled and agent.box.starts == 1
+    await agent.kill_all()

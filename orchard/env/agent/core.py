@@ -70,8 +70,9 @@ class SandboxAgent:
             same workspace and uid), so an image without git can still take patches. Defaults to `isolation`.
         box: under bubblewrap, run commands through one long-lived isolated process per sandbox (the box,
             `orchard.env.agent.box`, started on the first command) instead of a fresh bubblewrap per command.
-            Same isolation and exec rules, a fraction of the cost. Falls back to a bubblewrap per command
-            when the image has no python3 or the box cannot start. Terminals always get their own bubblewrap.
+            Same isolation and exec rules, a fraction of the cost. The box is the compiled one when
+            `isolation.box_binary` is set, else (or when that one cannot start) the Python one; without
+            python3 in the image, or when no box can start, each command gets a bubblewrap of its own. Terminals always get their own bubblewrap.
     """
 
     def __init__(
@@ -125,6 +126,16 @@ class SandboxAgent:
         """The sandbox's box, when commands run through one (None: a bubblewrap or process group each)."""
         return self._box
 
+    def _fallback_box(self, failed: Box, error: BoxUnavailableError) -> Box | None:
+        """What runs the commands after `failed` could not start: the Python box after a compiled one (when
+        the image has python3), else a bubblewrap per command (None)."""
+        python = self.isolation.box_python() if failed.compiled else None
+        if python is not None:
+            logger.warning("%s; the sandbox's commands go through the Python box instead", error)
+            return Box(self.isolation, python=python)
+        logger.warning("%s; each command gets a bubblewrap of its own from now on", error)
+        return None
+
     async def _run(self, isolation: Isolation, argv: list[str], request: ExecRequest) -> ExecResult:
         cwd = isolation.resolve_cwd(request.cwd)
         env = {**isolation.base_env(), **self.env, **request.env}
@@ -137,8 +148,9 @@ class SandboxAgent:
                 )  # fmt: skip
             except BoxUnavailableError as e:
                 if self._box is box:
-                    logger.warning("%s; each command gets a bubblewrap of its own from now on", e)
-                    self._box = None
+                    self._box = self._fallback_box(box, e)
+                    if self._box is not None:
+                        return await self._run(isolation, argv, request)
         launch = isolation.launch(argv, cwd=cwd, env=env, timeout_s=request.timeout_s)
         try:
             return await run_captured(
