@@ -216,3 +216,12 @@ async def test_aiohttp_path_goes_through_a_proxy_from_the_environment_as_httpx_d
     line, headers, _ = proxy.seen[0]
     assert line == "GET http://svc.invalid:8000/health HTTP/1.1"  # the absolute form a proxy is sent
     assert headers["x-api-key"] == "k"
+
+
+def test_importing_orchard_env_does_not_import_aiohttp():
+    import subprocess
+    import sys
+
+    code = "import sys, orchard.env; print('aiohttp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr  # loaded by the first AsyncSandboxClient, not by the import

@@ -14,9 +14,8 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import httpx
 
 from orchard.env.client._common import (
@@ -36,9 +35,16 @@ from orchard.env.client._common import (
 from orchard.env.client.sync import EXEC_GRACE_S
 from orchard.env.errors import NotFoundError, SandboxConnectionError, SandboxError, WaitTimeoutError
 
-_TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
-"""What aiohttp raises when no answer came (connection refused, reset or dropped, read timeout): retried,
-like httpx's `TransportError`. HTTP error statuses are answers, not exceptions (`raise_for_status=False`)."""
+if TYPE_CHECKING:
+    import aiohttp
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What an attempt raises when no answer came (connection refused, reset or dropped, read timeout): retried.
+    aiohttp is imported here, on first use, not with `orchard.env` (it costs ~0.1 s to import); HTTP error
+    statuses are answers, not exceptions (`raise_for_status=False`)."""
+    import aiohttp
+
+    return (httpx.TransportError, aiohttp.ClientError, OSError, TimeoutError)
 
 
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
@@ -89,9 +95,12 @@ class AsyncSandboxClient:
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        self._retried = _transport_errors()
         self._owned: dict[str, AsyncSandbox] = {}
 
     def _aiohttp(self) -> aiohttp.ClientSession:
+        import aiohttp
+
         loop = asyncio.get_running_loop()
         if self._session is None or self._session_loop is not loop or self._session.closed:
             # A session belongs to the loop it was made in: a client used again under a new asyncio.run
@@ -106,6 +115,8 @@ class AsyncSandboxClient:
         return self._session
 
     def _timeout(self, read_timeout: float) -> aiohttp.ClientTimeout:
+        import aiohttp
+
         # As the httpx path's `httpx.Timeout(read_timeout, connect=10.0)`: 10 s to connect, `read_timeout`
         # between bytes of the answer and for a free connection; no bound on the whole exchange.
         timeout = self._timeouts.get(read_timeout)
@@ -118,8 +129,8 @@ class AsyncSandboxClient:
 
     async def _send(self, method: str, path: str, body: bytes | None, params: dict[str, Any] | None,
                     headers: dict[str, str], read_timeout: float) -> tuple[int, str | None, bytes]:
-        """One attempt: (status, Retry-After header or None, body). Raises one of `_TRANSPORT_ERRORS` (or
-        `httpx.TransportError` on the httpx path) when no answer came."""
+        """One attempt: (status, Retry-After header or None, body). Raises one of `_transport_errors()` when no
+        answer came."""
         if self._httpx is not None:
             response = await self._httpx.request(method, path, content=body, params=params, headers=headers,
                                                  timeout=httpx.Timeout(read_timeout, connect=10.0))
@@ -138,7 +149,7 @@ class AsyncSandboxClient:
             body = _encode(json)
             headers["Content-Type"] = "application/json"
         read_timeout = timeout or self.timeout
-        retried = (httpx.TransportError, *_TRANSPORT_ERRORS)
+        retried = self._retried
         last: BaseException | None = None
         for attempt in range(self.retry.max_attempts):
             final = attempt == self.retry.max_attempts - 1
