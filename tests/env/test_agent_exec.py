@@ -393,8 +393,8 @@ async def test_isolation_uid_readonly_host_writable_workspace(workspace_dir, mod
     agent = make_agent(workspace_dir, mode, hide=(os.path.dirname(workspace_dir),))
     assert agent.isolation.privileged == (IS_ROOT and mode in (BUBBLEWRAP, *BOXES))
     # no privilege to gain: no capabilities, set-uid programs inert
-    r = await agent.exec(ExecRequest("grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status"))
-    assert r.stdout.split()[1::2] == [b"0000000000000000", b"0000000000000000", b"1"], r
+    r = await agent.exec(ExecRequest("grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs)' /proc/self/status"))
+    assert r.stdout.split()[1::2] == [b"0000000000000000"] * 5 + [b"1"], r
     r = await agent.exec(ExecRequest("id -u; id -g"))
     uid, gid = (int(x) for x in r.stdout.split())
     assert uid != 0 and gid != 0

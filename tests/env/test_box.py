@@ -199,6 +199,14 @@ async def test_box_killed_between_commands_restarts_transparently(base_dir, kind
     # the OOM killer (or anything else) kills the box itself while it waits
     inner = [p for p in first if Path(f"/proc/{p}/cmdline").read_bytes().startswith(box_head(box))]
     assert len(inner) == 1
+    # the box runs as the sandbox's uid with no capability in any set (the compiled box started by a
+    # root bubblewrap drops to it by itself, setpriv does it for the Python box)
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{inner[0]}/status").read_text().splitlines())
+    if IS_ROOT:
+        assert status["Uid"].split() == [str(TEST_UID)] * 4 and status["Gid"].split() == [str(TEST_UID)] * 4
+        assert status["Groups"].split() in ([], [str(TEST_UID)]), status["Groups"]
+    caps = [status[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")]
+    assert caps == ["0000000000000000"] * 5 and status["NoNewPrivs"].strip() == "1", status
     os.kill(inner[0], signal.SIGKILL)
     assert await gone(first)  # bubblewrap ends the namespace when the box dies
     r = await agent.exec(ExecRequest("echo two"))
@@ -445,3 +453,20 @@ async def test_a_compiled_box_that_cannot_start_falls_back_to_the_python_box(bas
     assert (r.exit_code, r.stdout) == (0, b"via python\n"), r
     assert agent.box is not None and not agent.box.compiled and agent.box.starts == 1
     await agent.kill_all()
+
+
+@needs_compiled_box
+@pytest.mark.parametrize(
+    "args, why",
+    [(["--user", "0:0"], b"non-root"), (["--user", "12"], b"UID:GID"), (["--user", "x:1"], b"UID:GID"),
+     (["extra"], b"usage")],
+)  # fmt: skip
+def test_compiled_box_refuses_a_bad_command_line(args, why):
+    done = subprocess.run([box_binary(), *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+    assert done.returncode == 3 and why in done.stderr and done.stdout == b"", done
+
+
+def test_switches_user_needs_an_unlimited_launch(base_dir):
+    agent = make_agent(base_dir, box=False)
+    with pytest.raises(ValueError, match="switches_user"):
+        agent.isolation.launch(["true"], cwd="/", env={}, timeout_s=None, switches_user=True)

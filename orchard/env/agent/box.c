@@ -24,7 +24,12 @@
    (the rest read and dropped); wait for the main process or the timeout; then SIGKILL every other process
    of the pid namespace (pid 1 is bubblewrap's init, which reaps them) until none is left, drain the pipes,
    and empty /tmp and /dev/shm. A command killed by signal N reports 128 + N; a timeout 124; a command that
-   could not start 127 with "cannot run '<argv0>': <reason>" or "cannot enter '<cwd>': <reason>". */
+   could not start 127 with "cannot run '<argv0>': <reason>" or "cannot enter '<cwd>': <reason>".
+
+   `box --user UID:GID`, started as root by a root-started bubblewrap, first drops to the sandbox's uid the
+   way `setpriv --reuid --regid --clear-groups --inh-caps=-all --bounding-set=-all` would (empty bounding,
+   inheritable and ambient capability sets, no supplementary groups, no_new_privs), and refuses to go on if
+   any step fails or root can be regained; the service then needs no setpriv exec per sandbox (~2 ms). */
 
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -32,12 +37,15 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <grp.h>
+#include <linux/capability.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -516,7 +524,48 @@ static void put_f64(unsigned char *at, double x) {
     memcpy(at, &bits, 8);
 }
 
-int main(void) {
+static void fail_start(const char *what) {
+    dprintf(2, "orchard box: %s: %s\n", what, strerror(errno));
+    _exit(3);
+}
+
+/* Become `uid`:`gid` for good, with no capability left in any set (see the header). */
+static void drop_to(const char *spec) {
+    char *end;
+    unsigned long uid = strtoul(spec, &end, 10), gid;
+    if (end == spec || *end != ':') {
+        errno = EINVAL;
+        fail_start("--user needs UID:GID");
+    }
+    gid = strtoul(end + 1, &end, 10);
+    if (*end || uid == 0 || gid == 0 || uid > 0xfffffffeUL || gid > 0xfffffffeUL) {
+        errno = EINVAL;
+        fail_start("--user needs a non-root UID:GID");
+    }
+    for (int cap = 0; cap < 64; cap++)
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) fail_start("dropping the bounding set");
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+        fail_start("clearing ambient capabilities");
+    if (setgroups(0, NULL) < 0) fail_start("setgroups");
+    if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0) fail_start("setresgid");
+    if (setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0) fail_start("setresuid");
+    struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    if (syscall(SYS_capset, &head, data) < 0) fail_start("clearing capabilities");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail_start("no_new_privs");
+    if (setuid(0) == 0 || getuid() != (uid_t)uid || geteuid() != (uid_t)uid || getgid() != (gid_t)gid) {
+        errno = EPERM;
+        fail_start("the uid switch did not hold");
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "--user") == 0) drop_to(argv[2]);
+    else if (argc != 1) {
+        errno = EINVAL;
+        fail_start("usage: box [--user UID:GID]");
+    }
     pid_t me = getpid();
     if (syscall(SYS_close_range, 3U, ~0U, 0U) < 0)
         for (int fd = 3; fd < 65536; fd++) close(fd);

@@ -242,7 +242,12 @@ class Box:
     async def _start(self) -> None:
         iso = self.isolation
         argv = [BOX_MOUNT] if self.compiled else [self.python, "-S", "-I", "-c", _BOOT]
-        launch = iso.launch(argv, cwd="/", env=iso.base_env(), timeout_s=None, limited=False)
+        switches_user = self.compiled and iso.privileged and iso.run_as is not None
+        if switches_user:
+            assert iso.run_as is not None
+            argv += ["--user", f"{iso.run_as[0]}:{iso.run_as[1]}"]  # it drops to the uid itself: no setpriv
+        launch = iso.launch(argv, cwd="/", env=iso.base_env(), timeout_s=None, limited=False,
+                            switches_user=switches_user)  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         tree = launch.tree_factory()
         try:

@@ -441,6 +441,7 @@ class Isolation:
         timeout_s: float | None,
         tty: bool = False,
         limited: bool = True,
+        switches_user: bool = False,
     ) -> Launch:
         """A launch of `argv` in the sandbox.
 
@@ -452,10 +453,15 @@ class Isolation:
             tty: the process's stdin is a terminal that should become its controlling terminal.
             limited: apply the sandbox's rlimits to the process; False for the box, which applies them to
                 each command it starts (`command_rlimits`) instead.
+            switches_user: `argv` drops to the sandbox's uid by itself, as `setpriv` would (the compiled box's
+                `--user`); a root-started bubblewrap then runs it without setpriv. Needs `limited=False`.
         """
+        if switches_user and limited:
+            raise ValueError("switches_user needs limited=False (nothing would apply the rlimits)")
         popen: dict[str, Any] = {"env": dict(env), "start_new_session": True}
         if self._inner_tools is not None:
-            return self._launch_privileged(argv, popen, cwd=cwd, timeout_s=timeout_s, tty=tty, limited=limited)
+            return self._launch_privileged(argv, popen, cwd=cwd, timeout_s=timeout_s, tty=tty, limited=limited,
+                                           switches_user=switches_user)  # fmt: skip
         extra = _BWRAP_OWN_PROCESSES if self.mode == BUBBLEWRAP else 0
         rlimits = _rlimits(self.limits, timeout_s, extra_pids=extra, per_uid=self.run_as is not None) if limited else []
         wrap: list[str] = []
@@ -513,8 +519,10 @@ class Isolation:
         timeout_s: float | None,
         tty: bool,
         limited: bool = True,
+        switches_user: bool = False,
     ) -> Launch:
-        """bubblewrap started as root; inside, setpriv and prlimit drop to the sandbox's uid and limits.
+        """bubblewrap started as root; inside, setpriv and prlimit drop to the sandbox's uid and limits (or
+        `argv` itself does, `switches_user`).
 
         bubblewrap's own processes are root's, so the uid's RLIMIT_NPROC counts the command's alone.
         """
@@ -522,8 +530,8 @@ class Isolation:
         setpriv, prlimit = self._inner_tools
         uid, gid = self.run_as
         rlimits = _rlimits(self.limits, timeout_s, extra_pids=0, per_uid=True) if limited else []
-        inner = [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
-                 "--bounding-set=-all", "--"]  # fmt: skip
+        inner = [] if switches_user else [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                                          "--inh-caps=-all", "--bounding-set=-all", "--"]  # fmt: skip
         if rlimits:
             inner += [prlimit, *(f"--{_PRLIMIT_NAMES[w]}={v}" for w, v in rlimits), "--"]
         if tty:
