@@ -413,6 +413,9 @@ CASES = [
     ("POST", "/sandboxes", {"Idempotency-Key": "SIDE-k1"}, {"sandbox_id": "SIDE-f", "extra": 1}),
     ("POST", "/sandboxes", {"Idempotency-Key": "SIDE-k1"}, {"sandbox_id": "SIDE-f", "extra": 1}),  # replayed
     ("POST", "/sandboxes", {"Idempotency-Key": "SIDE-k1"}, {"sandbox_id": "SIDE-g"}),  # reused key: 422
+    # the same retried through FastAPI (a content type the direct path leaves to it): the same fingerprint
+    ("POST", "/sandboxes", {"Idempotency-Key": "SIDE-k1", "content-type": "application/json; charset=utf-8"},
+     b'{"sandbox_id": "SIDE-f", "extra": 1}'),
     ("POST", "/sandboxes", {"X-API-Key": None}, {"sandbox_id": "SIDE-h"}),  # 401
     ("POST", "/sandboxes", {"X-API-Key": "wrong"}, {"sandbox_id": "SIDE-h"}),  # 403
     ("POST", "/sandboxes/SIDE-a/exec", {}, {"command": "echo one", "wait": True}),
@@ -430,6 +433,8 @@ CASES = [
     ("POST", "/sandboxes/SIDE-a/exec", {"Idempotency-Key": "SIDE-k2"}, {"command": "echo four", "wait": True}),
     ("POST", "/sandboxes/SIDE-a/exec", {"Idempotency-Key": "SIDE-k2"}, {"command": "echo four"}),  # same job
     ("POST", "/sandboxes/SIDE-a/exec", {"Idempotency-Key": "SIDE-k2"}, {"command": "echo five"}),  # 422
+    ("POST", "/sandboxes/SIDE-a/exec", {"Idempotency-Key": "SIDE-k2", "content-type": "application/json; charset=utf-8"},
+     b'{"command": "echo four", "wait": true}'),  # through FastAPI: still the first job
     ("GET", "/jobs/JOB", {}, None),
     ("GET", "/jobs/JOB/wait", {}, None),
     ("GET", "/jobs/JOB/wait?timeout=2.5", {}, None),
@@ -476,11 +481,15 @@ async def test_direct_hot_calls_answer_exactly_as_fastapi(tmp_path):
                     else:
                         kwargs = {} if body is None else {"json": json.loads(json.dumps(body).replace("SIDE", side))}
                     response = await http.request(method, path, headers=sent, **kwargs)
-                    if response.status_code == 200 and "job_id" in response.json():
-                        jobs[side].append(response.json()["job_id"])
+                    job_id = response.json().get("job_id") if response.status_code == 200 else None
+                    if job_id is not None:
+                        jobs[side].append(job_id)
+                    jobs.setdefault(side + "-k2", []).extend([job_id] if "SIDE-k2" in headers.values() else [])
                     jobs.setdefault(side + "-answers", []).append(_normal(response, side))
         for case, direct, plain in zip(CASES, jobs["direct-answers"], jobs["plain-answers"], strict=True):
             assert direct == plain, case
+        for side in ("direct", "plain"):  # one job for every attempt with key k2 that was answered 200
+            assert len(set(jobs[side + "-k2"]) - {None}) == 1 and jobs[side + "-k2"].count(None) == 1
         statuses = {a[0] for a in jobs["plain-answers"]}
         assert statuses == {200, 400, 401, 403, 404, 409, 422}  # the cases reach every kind of answer
         # the valid calls were answered directly; the malformed and unauthorised ones went to FastAPI
