@@ -72,8 +72,13 @@ class UploadFileRequest(BaseModel):
     mode: int | None = Field(None, description="Permission bits, e.g. 493 (0o755).")
 
 
+# Built once: json.dumps with any option builds a new encoder on every call.
+_FINGERPRINT_JSON = json.JSONEncoder(sort_keys=True, default=str)
+_RESPONSE_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # Starlette's
+
+
 def _fingerprint(method: str, path: str, body: dict[str, Any]) -> str:
-    payload = json.dumps([method, path, body], sort_keys=True, default=str)
+    payload = _FINGERPRINT_JSON.encode([method, path, body])
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -397,7 +402,7 @@ class _ServiceApp(FastAPI):
             await super().__call__(scope, replay, send)
             return
         status, content, extra = answer
-        body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        body = _RESPONSE_JSON.encode(content).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
                                 *((k.lower().encode(), v.encode()) for k, v in extra.items())]})
