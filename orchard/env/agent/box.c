@@ -84,7 +84,7 @@ struct request {
 
 struct buffer {
     unsigned char *data;
-    size_t len, cap;
+    size_t len, cap, size; /* kept bytes, the most to keep, allocated bytes */
     int truncated;
 };
 
@@ -282,10 +282,20 @@ fail:;
     _exit(127);
 }
 
+/* Keep what fits under the cap; the buffer grows as output arrives (a large cap costs nothing unused). */
 static void keep(struct buffer *b, const unsigned char *chunk, size_t n) {
     size_t room = b->cap > b->len ? b->cap - b->len : 0;
     size_t k = n < room ? n : room;
     if (k) {
+        if (b->len + k > b->size) {
+            size_t size = b->size ? b->size : CHUNK;
+            while (size < b->len + k) size *= 2;
+            if (size > b->cap) size = b->cap;
+            unsigned char *grown = realloc(b->data, size);
+            if (!grown) _exit(3); /* the service reports the box's death; the next command starts afresh */
+            b->data = grown;
+            b->size = size;
+        }
         memcpy(b->data + b->len, chunk, k);
         b->len += k;
     }
@@ -358,7 +368,7 @@ static void reply(int code, int flags, const struct buffer *out, const struct bu
 }
 
 static void not_started(const struct request *r, const char *failure, int flags) {
-    struct buffer none = {NULL, 0, 0, 0};
+    struct buffer none = {NULL, 0, 0, 0, 0};
     const char *colon = strchr(failure, ':');
     int chdir_failed = colon && (size_t)(colon - failure) == 5 && strncmp(failure, "chdir", 5) == 0;
     const char *why = colon ? colon + 1 : failure;
@@ -367,7 +377,7 @@ static void not_started(const struct request *r, const char *failure, int flags)
                      chdir_failed ? r->cwd : r->argv[0], why);
     if (n < 0) n = 0;
     if ((size_t)n >= sizeof msg) n = sizeof msg - 1;
-    struct buffer err = {(unsigned char *)msg, (size_t)n < r->cap ? (size_t)n : r->cap, 0, 0};
+    struct buffer err = {(unsigned char *)msg, (size_t)n < r->cap ? (size_t)n : r->cap, 0, 0, 0};
     reply(127, flags | NOT_STARTED, &none, &err);
 }
 
@@ -407,11 +417,7 @@ static void run(const struct request *r, pid_t me, int wake_r) {
     failure[flen] = 0;
     close(report[0]);
 
-    struct buffer bufs[2] = {{NULL, 0, r->cap, 0}, {NULL, 0, r->cap, 0}};
-    for (int i = 0; i < 2; i++) {
-        bufs[i].data = malloc(r->cap ? r->cap : 1);
-        if (!bufs[i].data) _exit(3);
-    }
+    struct buffer bufs[2] = {{NULL, 0, r->cap, 0, 0}, {NULL, 0, r->cap, 0, 0}};
     fcntl(out[0], F_SETFL, O_NONBLOCK);
     fcntl(err[0], F_SETFL, O_NONBLOCK);
     int open_out = 1, open_err = 1;
