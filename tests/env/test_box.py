@@ -121,6 +121,7 @@ SAME = [
     ExecRequest("printf 123456; printf abcdef >&2", max_output_bytes=5),
     ExecRequest("head -c 300000 /dev/zero | tr '\\0' x", max_output_bytes=100_000),
     ExecRequest("printf x", max_output_bytes=0),
+    ExecRequest("echo a cap over 4 GiB", max_output_bytes=1 << 33),  # kept as 4 GiB - 1 by the box
     ExecRequest("yes | head -n 3"),  # SIGPIPE has its default action again in the command
     ExecRequest("ulimit -v; ulimit -t"),  # (ulimit -u is one higher in a box: the box is one of the uid's)
     ExecRequest("ls /tmp /dev/shm; echo $(hostname)"),
