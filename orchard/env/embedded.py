@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib
 import ipaddress
 import os
@@ -256,6 +257,11 @@ def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
               "commands in its sandboxes", file=sys.stderr, flush=True)
     server = _server(Path(root_dir), api_key, backend, orchestrator_options, log_level)
     sock = _bind(host, port)
+    # What exists now (modules, the app, its schemas) lives as long as the process: leaving it out of the
+    # garbage collector's full passes saves ~2 % of the CPU per request. Not in `serve()`'s thread: that
+    # process is the caller's.
+    gc.collect()
+    gc.freeze()
 
     async def main() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
