@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,8 @@ def compiled_box(cache: str | os.PathLike[str] | None = None) -> str | None:
     compiler = find_compiler()
     if compiler is None:
         return _remember("", None, "no C compiler (cc, gcc, clang) on PATH")
-    source = BOX_C.read_bytes()
-    version = _compiler_version(compiler)
-    digest = hashlib.sha256(source + b"\0" + version.encode() + b"\0" + " ".join(_FLAGS).encode()).hexdigest()
     directory = Path(cache) if cache is not None else cache_dir()
-    target = directory / f"box-{digest[:20]}"
+    target = directory / f"box-{_digest(compiler)}"
     key = str(target)
     with _lock:
         if key in _built:
@@ -118,12 +116,16 @@ def install_box(directory: str | os.PathLike[str], binary: str | None = None) ->
     return target
 
 
-def _compiler_version(compiler: str) -> str:
+@lru_cache(maxsize=8)
+def _digest(compiler: str) -> str:
+    """Names the binary: a hash of the source, the compiler (path and version line) and the flags."""
     try:
         done = subprocess.run([compiler, "--version"], capture_output=True, timeout=30, check=False)
+        version = done.stdout.decode(errors="replace").partition("\n")[0]
     except (OSError, subprocess.SubprocessError):
-        return compiler
-    return compiler + "\n" + done.stdout.decode(errors="replace").splitlines()[0] if done.stdout else compiler
+        version = ""
+    parts = (BOX_C.read_bytes(), compiler.encode(), version.encode(), " ".join(_FLAGS).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
 def _remember(key: str, value: None, why: str) -> None:
