@@ -6,8 +6,9 @@ box, `orchard.env.agent.box_client`, which then starts the sandbox's commands; a
 
     bwrap --unshare-user --unshare-pid --unshare-net --unshare-ipc --unshare-uts --die-with-parent
           --new-session --tmpfs / <the image's top-level entries, read-only> --tmpfs <service dir>
-          --bind <home> /home --ro-bind <passwd> /etc/passwd --ro-bind <group> /etc/group --proc /proc
-          --dev /dev --tmpfs /tmp --bind <workspace> <mount> --remount-ro / --chdir <cwd> -- <command>
+          --bind <home> /home --ro-bind <passwd> /etc/passwd --ro-bind <group> /etc/group
+          [--ro-bind <compiled box> /.orchard-box] --proc /proc --dev /dev --tmpfs /tmp
+          --bind <workspace> <mount> --remount-ro / --chdir <cwd> -- <command>
 
 started as the sandbox's own non-root uid (when the service is root, each sandbox gets a uid of its own, so
 the processes of one sandbox cannot signal or read another's). When the service is root and the image has
