@@ -507,21 +507,26 @@ class Orchestrator:
                           fingerprint: str = "") -> JobRecord:
         """Queue a command; returns its job (status "queued"). With a `key` already seen, returns the job that
         key started instead of starting another."""
-        if key is not None:
-            existing = await self.store.get_idempotency(key)
-            if existing is not None:
-                return await self._job_for_claim(existing, fingerprint)
         timeout = params.timeout_seconds if params.timeout_seconds is not None else self.default_exec_timeout_s
-        if not timeout > 0:
-            raise BadRequestError(f"timeout_seconds must be > 0, got {params.timeout_seconds!r}")
-        if params.max_output_bytes is not None and params.max_output_bytes < 1:
-            raise BadRequestError(f"max_output_bytes must be >= 1, got {params.max_output_bytes!r}")
-        if (isinstance(params.command, list) and not params.command) or params.command == "":
-            raise BadRequestError("command must be a non-empty string or list")
-        record = await self._ready_sandbox(sandbox_id)
-        if self.max_pending_execs is not None and self.pending_execs >= self.max_pending_execs:
-            raise ServiceUnavailable(f"{self.pending_execs} execs are waiting for a slot; retry later",
-                                     retry_after_s=self.retry_after_s)
+        try:
+            if not timeout > 0:
+                raise BadRequestError(f"timeout_seconds must be > 0, got {params.timeout_seconds!r}")
+            if params.max_output_bytes is not None and params.max_output_bytes < 1:
+                raise BadRequestError(f"max_output_bytes must be >= 1, got {params.max_output_bytes!r}")
+            if (isinstance(params.command, list) and not params.command) or params.command == "":
+                raise BadRequestError("command must be a non-empty string or list")
+            record = await self._ready_sandbox(sandbox_id)
+            if self.max_pending_execs is not None and self.pending_execs >= self.max_pending_execs:
+                raise ServiceUnavailable(f"{self.pending_execs} execs are waiting for a slot; retry later",
+                                         retry_after_s=self.retry_after_s)
+        except SandboxError:
+            # A retry of an exec that already started gets its job, whatever became of the sandbox or the queue
+            # since. A new key is found out by `create_job_idempotent` below, so the common first attempt
+            # costs no extra read of the store.
+            existing = await self.store.get_idempotency(key) if key is not None else None
+            if existing is None:
+                raise
+            return await self._job_for_claim(existing, fingerprint)
         now = self.clock()
         command = params.command if isinstance(params.command, str) else shlex.join(params.command)
         job = JobRecord(job_id=str(uuid.uuid4()), sandbox_id=sandbox_id, command=command, created_at=now)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from orchard.env.backends.local import LocalBackend
-from orchard.env.errors import BadRequestError, ConflictError, IdempotencyKeyReuseError
+from orchard.env.errors import BadRequestError, ConflictError, IdempotencyKeyReuseError, NotFoundError
 from orchard.env.orchestrator import (
     CreateParams,
     ExecParams,
@@ -141,6 +141,15 @@ async def test_concurrent_submits_with_one_key_start_one_job(orch):
     assert await orch.read_file("idem", "ran.txt") == b"x\n"
     with pytest.raises(IdempotencyKeyReuseError):
         await orch.submit_exec("idem", params, key="k1", fingerprint="other")
+    await orch.delete_sandbox("idem")
+    # a retry after the sandbox is gone still gets its job; a new request gets the 404
+    assert (await orch.submit_exec("idem", params, key="k1", fingerprint="f")).job_id == jobs[0].job_id
+    with pytest.raises(IdempotencyKeyReuseError):
+        await orch.submit_exec("idem", params, key="k1", fingerprint="other")
+    with pytest.raises(NotFoundError):
+        await orch.submit_exec("idem", params, key="k2", fingerprint="f")
+    with pytest.raises(BadRequestError):  # invalid, and no job of its own: refused as before
+        await orch.submit_exec("idem", ExecParams(command=""), key="k3", fingerprint="f")
 
 
 async def test_idempotent_replays_client_errors_but_not_server_errors(orch):
