@@ -99,28 +99,32 @@ class AsyncSandboxClient:
         self._owned: dict[str, AsyncSandbox] = {}
 
     def _aiohttp(self) -> aiohttp.ClientSession:
+        session = self._session
+        if session is not None and self._session_loop is asyncio.get_running_loop() and not session.closed:
+            return session
+        return self._new_session()
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        # A session belongs to the loop it was made in: a client used again under a new asyncio.run gets a
+        # new one (the old loop, and its connections, are gone).
         import aiohttp
 
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session_loop is not loop or self._session.closed:
-            # A session belongs to the loop it was made in: a client used again under a new asyncio.run
-            # gets a new one (the old loop, and its connections, are gone).
-            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=15.0)
-            # httpx honours HTTP(S)_PROXY / ALL_PROXY / NO_PROXY; aiohttp does with trust_env, at the cost of
-            # reading the environment on every request, so only when a proxy is configured at all.
-            proxied = any(os.environ.get(name) for name in _PROXY_VARIABLES)
-            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector, trust_env=proxied,
-                                                  raise_for_status=False, auto_decompress=True)
-            self._session_loop = loop
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=15.0)
+        # httpx honours HTTP(S)_PROXY / ALL_PROXY / NO_PROXY; aiohttp does with trust_env, at the cost of
+        # reading the environment on every request, so only when a proxy is configured at all.
+        proxied = any(os.environ.get(name) for name in _PROXY_VARIABLES)
+        self._session = aiohttp.ClientSession(headers=self._headers, connector=connector, trust_env=proxied,
+                                              raise_for_status=False, auto_decompress=True)
+        self._session_loop = asyncio.get_running_loop()
         return self._session
 
     def _timeout(self, read_timeout: float) -> aiohttp.ClientTimeout:
-        import aiohttp
-
         # As the httpx path's `httpx.Timeout(read_timeout, connect=10.0)`: 10 s to connect, `read_timeout`
         # between bytes of the answer and for a free connection; no bound on the whole exchange.
         timeout = self._timeouts.get(read_timeout)
         if timeout is None:
+            import aiohttp
+
             timeout = aiohttp.ClientTimeout(total=None, connect=read_timeout, sock_connect=10.0,
                                             sock_read=read_timeout)
             if len(self._timeouts) < 64:
