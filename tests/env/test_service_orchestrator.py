@@ -24,6 +24,7 @@ from orchard.env.orchestrator import (
     parse_memory_mb,
 )
 from orchard.env.store import IdempotencyRecord, JobRecord, SandboxRecord, SQLiteStore
+from orchard.env.store.sqlite import DELETE_OLD_JOBS, DELETE_OLD_KEYS
 
 
 class Clock:
@@ -189,6 +190,9 @@ async def test_sqlite_store_survives_reopen_and_claims_atomically(root):
     assert (await store.get_sandbox("a")).last_heartbeat == 0.0 and await store.get_job("j3") is None
     assert await store.create_job_idempotent(third, None, touched_at=9.0) is None  # written with the touch
     assert (await store.get_sandbox("a")).last_heartbeat == 9.0 and (await store.get_job("j3")).command == "c"
+    for query in (DELETE_OLD_JOBS, DELETE_OLD_KEYS):  # what the reaper runs every few seconds
+        (*_, plan), = store._db.execute("EXPLAIN QUERY PLAN " + query, (1.0,)).fetchall()
+        assert "USING INDEX" in plan, plan  # reads the rows it deletes, not every row kept
     rival = sqlite3.connect(path, timeout=0.1)  # one orchestrator owns the file while it has it open
     with pytest.raises(sqlite3.OperationalError, match="locked"):
         rival.execute("SELECT count(*) FROM jobs").fetchone()
@@ -266,3 +270,26 @@ def test_job_view_is_a_detached_copy_of_every_field():
     # no field holds a container, which is what makes the shallow copy equal to asdict's deep one
     types = [str(f.type) for f in dataclasses.fields(JobRecord)]
     assert not [t for t in types if any(c in t for c in ("dict", "list", "set", "tuple", "Record"))], types
+
+
+async def test_sqlite_store_opens_a_file_of_the_earlier_schema(root):
+    path = f"{root}/old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE sandboxes (sandbox_id TEXT PRIMARY KEY, data TEXT NOT NULL);
+        CREATE TABLE jobs (job_id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, status TEXT NOT NULL,
+                           completed_at REAL, data TEXT NOT NULL);
+        CREATE INDEX jobs_status ON jobs (status);
+        CREATE TABLE idempotency (key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, created_at REAL NOT NULL,
+                                  resource_id TEXT, status_code INTEGER, response TEXT);
+    """)
+    old.execute("INSERT INTO jobs VALUES ('j', 's', 'running', NULL, ?)",
+                ('{"job_id": "j", "sandbox_id": "s", "command": "c", "status": "running"}',))
+    old.commit()
+    old.close()
+    store = SQLiteStore(path)
+    indexes = {row[0] for row in store._db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")
+               if not row[0].startswith("sqlite_autoindex")}
+    assert indexes == {"jobs_completed", "idempotency_created"}
+    assert [j.job_id for j in await store.list_jobs(("queued", "running"))] == ["j"]
+    await store.close()

@@ -3,6 +3,11 @@
 WAL with `synchronous=NORMAL` makes every commit durable against a crash of the orchestrator process (the
 write is in the log before the call returns); only a power loss can drop the last commits. A record is stored as
 JSON beside the few columns queries filter on, so adding a field needs no migration.
+
+Jobs are indexed by `completed_at` once they have completed, idempotency keys by `created_at`: the reaper's
+retention deletes (every few seconds) read only the rows they remove, and a job's first two writes (queued,
+running) touch no index. Finding the jobs still queued or running scans the table, which only `reconcile`
+does, once at start.
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ CREATE TABLE IF NOT EXISTS sandboxes (sandbox_id TEXT PRIMARY KEY, data TEXT NOT
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, status TEXT NOT NULL,
     completed_at REAL, data TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status);
+DROP INDEX IF EXISTS jobs_status;
+CREATE INDEX IF NOT EXISTS jobs_completed ON jobs (completed_at) WHERE completed_at IS NOT NULL;
 CREATE TABLE IF NOT EXISTS idempotency (
     key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, created_at REAL NOT NULL,
     resource_id TEXT, status_code INTEGER, response TEXT);
+CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency (created_at);
 """
+
+DELETE_OLD_JOBS = "DELETE FROM jobs WHERE completed_at IS NOT NULL AND completed_at < ?"
+DELETE_OLD_KEYS = "DELETE FROM idempotency WHERE created_at < ?"
 
 
 def _dump(record: object) -> str:
@@ -115,8 +125,7 @@ class SQLiteStore:
         return [JobRecord(**json.loads(r[0])) for r in rows]
 
     async def delete_jobs_completed_before(self, before: float) -> int:
-        cur = self._db.execute("DELETE FROM jobs WHERE completed_at IS NOT NULL AND completed_at < ?", (before,))
-        return cur.rowcount
+        return self._db.execute(DELETE_OLD_JOBS, (before,)).rowcount
 
     # idempotency
     def _insert_claim(self, record: IdempotencyRecord) -> bool:
@@ -174,7 +183,7 @@ class SQLiteStore:
         self._db.execute("DELETE FROM idempotency WHERE key = ?", (key,))
 
     async def delete_idempotency_before(self, before: float) -> int:
-        return self._db.execute("DELETE FROM idempotency WHERE created_at < ?", (before,)).rowcount
+        return self._db.execute(DELETE_OLD_KEYS, (before,)).rowcount
 
     async def close(self) -> None:
         self._db.close()
