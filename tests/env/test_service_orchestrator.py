@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import sqlite3
@@ -12,6 +13,8 @@ import tempfile
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchard.env.backends.local import LocalBackend
 from orchard.env.errors import BadRequestError, ConflictError, IdempotencyKeyReuseError, NotFoundError
@@ -293,3 +296,43 @@ async def test_sqlite_store_opens_a_file_of_the_earlier_schema(root):
     assert indexes == {"jobs_completed", "idempotency_created"}
     assert [j.job_id for j in await store.list_jobs(("queued", "running"))] == ["j"]
     await store.close()
+
+
+_STORE_OPS = st.lists(st.tuples(st.sampled_from(["put", "insert", "delete", "touch", "job", "job-key"]),
+                                st.sampled_from(["a", "b", "c"]), st.integers(0, 9)), max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_STORE_OPS)
+def test_sqlite_store_reads_match_its_file_after_any_writes(ops):
+    """The store answers sandbox reads from memory: after any sequence of writes they equal the file's rows,
+    and a record a caller got (and changed) is a copy."""
+
+    async def run() -> None:
+        store = SQLiteStore(":memory:")
+        for n, (op, sid, value) in enumerate(ops):
+            record = SandboxRecord(sandbox_id=sid, image=f"img{value}", env={"V": str(value)}, created_at=value)
+            if op == "put":
+                await store.put_sandbox(record)
+            elif op == "insert":
+                await store.insert_sandbox(record)
+            elif op == "delete":
+                await store.delete_sandbox(sid)
+            elif op == "touch":
+                await store.touch_sandbox(sid, float(value))
+            else:  # a job with the sandbox's touch, committed or (a key already taken) rolled back
+                claim = IdempotencyRecord(key=f"k{value}", fingerprint="f", created_at=0.0) if op == "job-key" else None
+                job = JobRecord(job_id=f"j{n}", sandbox_id=sid, command="c")
+                await store.create_job_idempotent(job, claim, touched_at=100.0 + value)
+            rows = {r.sandbox_id: r for r in (SandboxRecord(**json.loads(data)) for data, in
+                                              store._db.execute("SELECT data FROM sandboxes"))}
+            assert await store.list_sandboxes() == [rows[k] for k in sorted(rows)]
+            for key in "abc":
+                assert await store.get_sandbox(key) == rows.get(key)
+            got = await store.get_sandbox(sid)
+            if got is not None:
+                got.env["V"], got.status = "changed", "changed"
+                assert await store.get_sandbox(sid) == rows[sid]  # the caller's copy, not the store's
+        await store.close()
+
+    asyncio.run(run())

@@ -39,6 +39,12 @@ def _dump(record: object) -> str:
     return json.dumps(vars(record))  # records hold only JSON scalars and flat str dicts
 
 
+def _copy(record: SandboxRecord) -> SandboxRecord:
+    clone = SandboxRecord(**vars(record))
+    clone.env = dict(record.env)
+    return clone
+
+
 class SQLiteStore:
     """`StateStore` on one SQLite file (or `":memory:"` for a store that dies with the process).
 
@@ -62,6 +68,10 @@ class SQLiteStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        # The sandboxes table, mirrored in memory after every commit: the exclusive lock means no one else
+        # writes the file, so reads (two per exec) need neither a query nor JSON parsing. Callers get copies.
+        self._sandboxes = {r.sandbox_id: r for r in (SandboxRecord(**json.loads(data)) for data, in
+                                                     self._db.execute("SELECT data FROM sandboxes"))}
 
     # sandboxes
     async def put_sandbox(self, record: SandboxRecord) -> None:
@@ -70,33 +80,46 @@ class SQLiteStore:
             " ON CONFLICT (sandbox_id) DO UPDATE SET data = excluded.data",
             (record.sandbox_id, _dump(record)),
         )
+        self._sandboxes[record.sandbox_id] = _copy(record)
 
     async def insert_sandbox(self, record: SandboxRecord) -> bool:
         cur = self._db.execute(
             "INSERT OR IGNORE INTO sandboxes (sandbox_id, data) VALUES (?, ?)", (record.sandbox_id, _dump(record))
         )
-        return cur.rowcount == 1
+        if cur.rowcount != 1:
+            return False
+        self._sandboxes[record.sandbox_id] = _copy(record)
+        return True
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
-        row = self._db.execute("SELECT data FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)).fetchone()
-        return SandboxRecord(**json.loads(row[0])) if row else None
+        record = self._sandboxes.get(sandbox_id)
+        return _copy(record) if record is not None else None
 
     async def list_sandboxes(self) -> list[SandboxRecord]:
-        rows = self._db.execute("SELECT data FROM sandboxes ORDER BY sandbox_id").fetchall()
-        return [SandboxRecord(**json.loads(r[0])) for r in rows]
+        return [_copy(self._sandboxes[k]) for k in sorted(self._sandboxes)]
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         self._db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
+        self._sandboxes.pop(sandbox_id, None)
 
     def _touch(self, sandbox_id: str, last_heartbeat: float) -> bool:
+        """Write the heartbeat; the caller mirrors it (`_touched`) once it is committed."""
         cur = self._db.execute(
             "UPDATE sandboxes SET data = json_set(data, '$.last_heartbeat', ?) WHERE sandbox_id = ?",
             (last_heartbeat, sandbox_id),
         )
         return cur.rowcount == 1
 
+    def _touched(self, sandbox_id: str, last_heartbeat: float) -> None:
+        record = self._sandboxes.get(sandbox_id)
+        if record is not None:
+            record.last_heartbeat = last_heartbeat
+
     async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
-        return self._touch(sandbox_id, last_heartbeat)
+        if not self._touch(sandbox_id, last_heartbeat):
+            return False
+        self._touched(sandbox_id, last_heartbeat)
+        return True
 
     # jobs
     def _put_job(self, record: JobRecord) -> None:
@@ -157,6 +180,8 @@ class SQLiteStore:
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+        if touched_at is not None:
+            self._touched(job.sandbox_id, touched_at)
         return None
 
     async def complete_idempotency(self, key: str, status_code: int, response: str) -> None:
