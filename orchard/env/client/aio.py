@@ -109,7 +109,9 @@ class AsyncSandboxClient:
         # new one (the old loop, and its connections, are gone).
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=15.0)
+        # Idle connections are closed after 4 s, before a server's own keep-alive timeout (uvicorn's default is
+        # 5 s) can close one under a request about to be sent on it.
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=4.0)
         # httpx honours HTTP(S)_PROXY / ALL_PROXY / NO_PROXY; aiohttp does with trust_env, at the cost of
         # reading the environment on every request, so only when a proxy is configured at all.
         proxied = any(os.environ.get(name) for name in _PROXY_VARIABLES)
