@@ -89,8 +89,10 @@ class ScriptedServer:
     """A loopback HTTP/1.1 server that answers the i-th request with `answers[i]` (status, headers, body) or,
     for None, closes the connection without a byte; it records each request's line, headers and body."""
 
-    def __init__(self, answers: list[tuple[int, dict[str, str], bytes] | None]) -> None:
+    def __init__(self, answers: list[tuple[int, dict[str, str], bytes] | None], *, close_after: bool = False) -> None:
         self.answers = list(answers)
+        self.close_after = close_after  # close each connection after its answer, as an expired keep-alive does
+        self.connections = 0
         self.seen: list[tuple[str, dict[str, str], bytes]] = []
         self.url = ""
         self._server: asyncio.Server | None = None
@@ -105,6 +107,7 @@ class ScriptedServer:
         self._server.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 head = (await reader.readuntil(b"\r\n\r\n")).decode()
@@ -120,6 +123,8 @@ class ScriptedServer:
                          *(f"{k}: {v}" for k, v in extra.items())]
                 writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
                 await writer.drain()
+                if self.close_after:
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         writer.close()
@@ -225,3 +230,13 @@ def test_importing_orchard_env_does_not_import_aiohttp():
     code = "import sys, orchard.env; print('aiohttp' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr  # loaded by the first AsyncSandboxClient, not by the import
+
+
+async def test_a_connection_the_server_closed_is_not_reused():
+    ok = (200, {}, b'{"status": "healthy"}')
+    async with ScriptedServer([ok, ok, ok], close_after=True) as server, AsyncSandboxClient(
+            server.url, "k", retry=RetryPolicy(max_attempts=1), auto_cleanup=False) as client:
+        for _ in range(3):  # one attempt each: a stale pooled connection would fail it
+            assert (await client.health())["status"] == "healthy"
+            await asyncio.sleep(0.05)  # the server's close arrives before the next request
+    assert len(server.seen) == 3 and server.connections == 3
