@@ -1,6 +1,7 @@
 """The REST API of the sandbox service, wire-compatible with Orchard Env's (see `docs/env-api.md`).
 
-`create_app(orchestrator, api_keys)` returns a FastAPI app; `orchard.env.embedded` runs it under uvicorn. Every
+`create_app(orchestrator, api_keys)` returns a FastAPI app (whose hot calls skip FastAPI's stack when they
+are authorised and valid: `_ServiceApp`); `orchard.env.embedded` runs it under uvicorn. Every
 route but `/` and `/health` needs an API key in `X-API-Key`, compared in constant time. The PTY WebSocket takes
 the key from the `X-API-Key` header, a `Sec-WebSocket-Protocol: api_key.<key>` entry, or the first message —
 never from the URL (a key in a query string ends up in logs; such connections are refused).
