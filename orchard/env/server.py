@@ -138,7 +138,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
                 await orchestrator.close()
 
     app = _ServiceApp(title="orchard sandbox service", version=API_VERSION, lifespan=lifespan,
-                  description="Orchard-Env-compatible sandbox API (see docs/env-api.md).")
+                      description="Orchard-Env-compatible sandbox API (see docs/env-api.md).")
     app.state.orchestrator = orchestrator
     auth = [Depends(require_key)]
     ns = orchestrator.namespace
@@ -276,8 +276,8 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
             return 200, {"success": True, "path": body.path, "size": size}
 
         key = _check_idempotency_key(idempotency_key)
-        fingerprint = _fingerprint(request.method, request.url.path, {"path": body.path, "mode": body.mode,
-                                             "sha256": hashlib.sha256(data).hexdigest()})
+        fingerprint = _fingerprint(request.method, request.url.path,
+                                   {"path": body.path, "mode": body.mode, "sha256": hashlib.sha256(data).hexdigest()})
         return replay(*await orchestrator.idempotent(key, fingerprint, upload))
 
     @app.get("/sandboxes/{sandbox_id}/files", dependencies=auth)
