@@ -164,6 +164,13 @@ def _top_level_args(rootfs: str) -> tuple[str, ...]:
     return tuple(args)
 
 
+@lru_cache(maxsize=16)
+def _host_program(name: str) -> str | None:
+    """`shutil.which(name)` on the service's PATH, looked up once per process (an Isolation is made for every
+    sandbox, and each lookup stats every PATH directory)."""
+    return shutil.which(name)
+
+
 @lru_cache(maxsize=64)
 def rootfs_tools(rootfs: str) -> tuple[str, str] | None:
     """Sandbox paths of `setpriv` and `prlimit` in the image, or None if it lacks either."""
@@ -382,9 +389,9 @@ class Isolation:
             if privileged is True and self._inner_tools is None:
                 raise ValueError(f"privileged=True needs setpriv and prlimit in the image at {self.rootfs!r}")
         self.privileged = self._inner_tools is not None
-        self.bwrap = bwrap or shutil.which("bwrap") or "bwrap"
+        self.bwrap = bwrap or _host_program("bwrap") or "bwrap"
         self._prefix: list[str] | None = None
-        tools = (shutil.which("setpriv"), shutil.which("prlimit")) if use_exec_wrappers else (None, None)
+        tools = (_host_program("setpriv"), _host_program("prlimit")) if use_exec_wrappers else (None, None)
         self._tools: tuple[str, str] | None = tools if None not in tools else None  # type: ignore[assignment]
 
     # -- paths --------------------------------------------------------------------------------------------
