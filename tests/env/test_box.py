@@ -421,6 +421,45 @@ def test_compiled_box_is_built_once_and_cached(tmp_path, monkeypatch):
         box_build.install_box(tmp_path / "reachable", str(tmp_path / "missing"))
 
 
+@needs_compiled_box
+def test_a_cache_others_can_write_is_not_trusted(tmp_path, monkeypatch):
+    # a cached binary starts as root in a root service's sandboxes: one anybody could have replaced is rebuilt
+    monkeypatch.setattr(box_build, "_built", {})
+    first = Path(box_build.compiled_box(tmp_path))
+    first.write_bytes(b"#!/bin/sh\necho planted\n")
+    first.chmod(0o777)
+    monkeypatch.setattr(box_build, "_built", {})
+    again = Path(box_build.compiled_box(tmp_path))
+    assert again == first and again.read_bytes()[:4] == b"\x7fELF" and again.stat().st_mode & 0o777 == 0o755
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setattr(box_build, "_built", {})
+    elsewhere = Path(box_build.compiled_box(shared))
+    assert elsewhere.parent != shared and os.listdir(shared) == []  # built in a private directory instead
+    assert (elsewhere.parent.stat().st_mode & 0o777) == 0o700
+
+
+@needs_compiled_box
+def test_an_installed_copy_with_other_bytes_is_replaced(tmp_path):
+    binary = box_binary()
+    target = tmp_path / "box" / os.path.basename(binary)
+    target.parent.mkdir()
+    target.write_bytes(b"x" * os.path.getsize(binary))  # same size, other bytes
+    assert box_build.install_box(tmp_path / "box", binary) == str(target)
+    assert target.read_bytes() == Path(binary).read_bytes()
+    assert (target.parent.stat().st_mode & 0o777) == 0o711
+
+
+def test_box_source_compiles_without_warnings(tmp_path):
+    compiler = box_build.find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    done = subprocess.run([*compiler, *box_build.FLAGS, "-Werror", "-o", str(tmp_path / "box"), str(box_build.BOX_C)],
+                          capture_output=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+
+
 def test_a_failing_compiler_gives_no_compiled_box(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(box_build, "_built", {})
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")

@@ -2,10 +2,13 @@
 
 `compiled_box()` compiles `box.c` with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`),
 statically linked so that it runs in any image, into a per-user cache (`$ORCHARD_CACHE_DIR`, else
-`$XDG_CACHE_HOME/orchard`, else `~/.cache/orchard`), named by a hash of the source and the compiler, and
-returns its path; later calls (and later processes) reuse it. Without a compiler, or when the build fails,
-it returns None and logs why once: the service then runs the Python box (`box.py`) under the image's
-python3, which behaves the same and costs ~10 ms more CPU per sandbox.
+`$XDG_CACHE_HOME/orchard`, else `~/.cache/orchard`), named by a hash of the source, the compiler and the flags,
+and returns its path; later calls (and later processes) reuse it. Under a root service the box starts as root
+inside its sandbox before it drops to the sandbox's uid, so a cached binary is only trusted when it and its
+directory belong to this user and nobody else can write them (else the box is built into a private temporary
+directory). Without a compiler, or when the build fails, it returns None and logs why once: the service then
+runs the Python box (`box.py`) under the image's python3, which behaves the same and costs ~10 ms more CPU per
+sandbox.
 
 `install_box(directory)` copies the binary into a directory the sandboxes' uids can reach (the cache is
 usually private to the service's user), mode 0755, and returns the copy's path. bubblewrap binds it
@@ -14,10 +17,13 @@ read-only at `BOX_MOUNT` in each sandbox.
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import logging
 import os
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -30,7 +36,8 @@ BOX_C = Path(__file__).with_name("box.c")
 BOX_MOUNT = "/.orchard-box"
 """Where the compiled box is bound (read-only) in a sandbox."""
 
-_FLAGS = ("-O2", "-static", "-s", "-Wall", "-Wextra", "-Werror")
+FLAGS = ("-O2", "-static", "-s", "-Wall", "-Wextra")
+"""How the box is built (the tests add -Werror: a new compiler's new warning must not cost a user the box)."""
 _lock = threading.Lock()
 _built: dict[str, str | None] = {}
 
@@ -44,12 +51,14 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "orchard"
 
 
-def find_compiler() -> str | None:
-    """The C compiler to build the box with: `$CC`, else the first of cc, gcc, clang on PATH."""
-    for name in ([os.environ["CC"]] if os.environ.get("CC") else []) + ["cc", "gcc", "clang"]:
-        found = shutil.which(name)
+def find_compiler() -> tuple[str, ...] | None:
+    """The C compiler's command to build the box with: `$CC` (which may carry arguments, e.g.
+    "ccache gcc"), else the first of cc, gcc, clang on PATH; None without one."""
+    candidates = [shlex.split(os.environ["CC"])] if os.environ.get("CC", "").strip() else []
+    for command in [*candidates, ["cc"], ["gcc"], ["clang"]]:
+        found = shutil.which(command[0])
         if found:
-            return found
+            return (found, *command[1:])
     return None
 
 
@@ -57,35 +66,29 @@ def compiled_box(cache: str | os.PathLike[str] | None = None) -> str | None:
     """Path of the compiled box (built on first use and cached), or None where it cannot be built.
 
     Args:
-        cache: directory to keep the binary in (default: `cache_dir()`).
+        cache: directory to keep the binary in (default: `cache_dir()`); one that is not this user's alone is
+            not used (the box is then built into a private temporary directory).
     """
     compiler = find_compiler()
     if compiler is None:
         return _remember("", None, "no C compiler (cc, gcc, clang) on PATH")
     directory = Path(cache) if cache is not None else cache_dir()
-    target = directory / f"box-{_digest(compiler)}"
-    key = str(target)
+    name = f"box-{_digest(compiler)}"
+    key = str(directory / name)
     with _lock:
         if key in _built:
             return _built[key]
-        if target.is_file() and os.access(target, os.X_OK):
-            _built[key] = str(target)
-            return str(target)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".box-", dir=directory)
-            os.close(fd)
-            try:
-                done = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(BOX_C)], capture_output=True,
-                                      timeout=120, check=False)  # fmt: skip
-                if done.returncode != 0:
-                    why = done.stderr.decode(errors="replace").strip()[-2000:]
-                    return _remember(key, None, f"{compiler} failed to build the box: {why}")
-                os.chmod(tmp, 0o755)
-                os.replace(tmp, target)  # atomic: concurrent builders race harmlessly
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _private(directory, stat.S_ISDIR):
+                log.warning("orchard: %s is not this user's alone; the compiled box is built into a private "
+                            "temporary directory instead", directory)  # fmt: skip
+                directory = Path(tempfile.mkdtemp(prefix="orchard-box-"))
+            target = directory / name
+            if not (target.exists() and _private(target, stat.S_ISREG) and os.access(target, os.X_OK)):
+                why = _build(compiler, target)
+                if why is not None:
+                    return _remember(key, None, why)
         except (OSError, subprocess.SubprocessError) as e:
             return _remember(key, None, f"cannot build the box in {str(directory)!r}: {e}")
         _built[key] = str(target)
@@ -93,17 +96,19 @@ def compiled_box(cache: str | os.PathLike[str] | None = None) -> str | None:
 
 
 def install_box(directory: str | os.PathLike[str], binary: str | None = None) -> str | None:
-    """Copy the compiled box (`binary`, default `compiled_box()`) into `directory` (created if missing),
-    mode 0755, and return the copy's path; None if there is no compiled box."""
+    """Copy the compiled box (`binary`, default `compiled_box()`) into `directory` (created if missing, made
+    mode 0711 so sandbox uids can reach the copy), mode 0755, and return the copy's path; None if there is no
+    compiled box. An existing copy is replaced unless its bytes are the binary's."""
     if binary is None:
         binary = compiled_box()
     if binary is None:
         return None
     if not os.path.isfile(binary):
         raise ValueError(f"binary must be an existing file, got {binary!r}")
-    os.makedirs(directory, mode=0o711, exist_ok=True)
+    os.makedirs(directory, exist_ok=True)
+    os.chmod(directory, 0o711)  # whatever the umask made of it
     target = os.path.join(directory, os.path.basename(binary))
-    if not os.path.isfile(target) or os.path.getsize(target) != os.path.getsize(binary):
+    if not (os.path.isfile(target) and not os.path.islink(target) and filecmp.cmp(binary, target, shallow=False)):
         fd, tmp = tempfile.mkstemp(prefix=".box-", dir=directory)
         os.close(fd)
         try:
@@ -116,21 +121,46 @@ def install_box(directory: str | os.PathLike[str], binary: str | None = None) ->
     return target
 
 
-@lru_cache(maxsize=8)
-def _digest(compiler: str) -> str:
-    """Names the binary: a hash of the source, the compiler (path and version line) and the flags."""
+def _build(compiler: tuple[str, ...], target: Path) -> str | None:
+    """Compile into `target` (atomically: concurrent builders race harmlessly); why it failed, or None."""
+    fd, tmp = tempfile.mkstemp(prefix=".box-", dir=target.parent)
+    os.close(fd)
     try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, timeout=30, check=False)
+        done = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(BOX_C)], capture_output=True, timeout=120,
+                              check=False)  # fmt: skip
+        if done.returncode != 0:
+            return f"{' '.join(compiler)} failed to build the box: {done.stderr.decode(errors='replace')[-2000:]}"
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _private(path: Path, kind: object) -> bool:
+    """Whether `path` is of `kind` (stat.S_ISDIR / S_ISREG), not a symlink, this user's, and writable by
+    no one else."""
+    st = os.lstat(path)
+    return bool(kind(st.st_mode)) and st.st_uid == os.geteuid() and not st.st_mode & 0o022  # type: ignore[operator]
+
+
+@lru_cache(maxsize=8)
+def _digest(compiler: tuple[str, ...]) -> str:
+    """Names the binary: a hash of the source, the compiler (command and version line) and the flags."""
+    try:
+        done = subprocess.run([*compiler, "--version"], capture_output=True, timeout=30, check=False)
         version = done.stdout.decode(errors="replace").partition("\n")[0]
     except (OSError, subprocess.SubprocessError):
         version = ""
-    parts = (BOX_C.read_bytes(), compiler.encode(), version.encode(), " ".join(_FLAGS).encode())
+    parts = (BOX_C.read_bytes(), " ".join(compiler).encode(), version.encode(), " ".join(FLAGS).encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
 def _remember(key: str, value: None, why: str) -> None:
     if key not in _built:
-        log.warning("orchard: the compiled box is unavailable (%s); sandboxes run the Python box instead, "
-                    "which costs ~10 ms more CPU per sandbox", why)  # fmt: skip
+        log.warning("orchard: the compiled box is unavailable (%s); sandboxes run the Python box instead "
+                    "(~10 ms more CPU per sandbox; a bubblewrap per command where the image has no python3)",
+                    why)  # fmt: skip
     _built[key] = value
     return value

@@ -249,7 +249,11 @@ class LocalBackend:
         self._sweep_trash()
         self.box_binary = None
         if box and self.isolation == BUBBLEWRAP:
-            self.box_binary = install_box(os.path.join(self.root_dir, _BOX_DIR))
+            try:
+                self.box_binary = install_box(os.path.join(self.root_dir, _BOX_DIR))
+            except (OSError, ValueError) as e:
+                logger.warning("cannot install the compiled box under %s (%s); sandboxes run the Python box",
+                               self.root_dir, e)  # fmt: skip
         _raise_open_files_limit()
         # Without bubblewrap nothing ties a command to the service's life: end what a killed predecessor on
         # this root_dir left running. (Under bubblewrap, --die-with-parent already did.)
