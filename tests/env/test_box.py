@@ -158,6 +158,11 @@ async def test_missing_program_and_cwd_report_127(base_dir, kind, cpu):
     assert r.exit_code == 127 and r.stderr == b"cannot run 'no-such-program-xyz': No such file or directory\n"
     r = await agent.exec(ExecRequest(["true"], cwd="/no/such/dir"))
     assert r.exit_code == 127 and r.stderr == b"cannot enter '/no/such/dir': No such file or directory\n", r
+    # quoted as Python's repr quotes, and capped like any stderr
+    r = await agent.exec(ExecRequest(["it's-not-there"]))
+    assert r.stderr == b'cannot run "it\'s-not-there": No such file or directory\n', r
+    r = await agent.exec(ExecRequest(["no-such-program-xyz"], max_output_bytes=10))
+    assert (r.exit_code, r.stderr) == (127, b"cannot run"), r
     # the program is looked up on the command's PATH, not the box's
     r = await agent.exec(ExecRequest(["ls", "-d", "/"], env={"PATH": "/nowhere"}))
     assert r.exit_code == 127 and b"cannot run 'ls'" in r.stderr, r
@@ -171,6 +176,49 @@ async def test_each_command_gets_an_empty_tmp(base_dir, kind):
     assert (r.exit_code, r.stdout) == (0, b"a\n"), r
     r = await agent.exec(ExecRequest("ls -A /tmp /dev/shm"))
     assert r.stdout == b"/dev/shm:\n\n/tmp:\n", r
+    await agent.kill_all()
+
+
+@KINDS
+async def test_scratch_space_a_box_cannot_empty_gets_a_fresh_box(base_dir, kind):
+    agent = make_agent(base_dir, box=True, kind=kind)
+    # a directory its owner made read-only: its file cannot be unlinked by the same uid
+    r = await agent.exec(ExecRequest("mkdir /tmp/ro && touch /tmp/ro/f && chmod 555 /tmp/ro && echo made"))
+    assert (r.exit_code, r.stdout) == (0, b"made\n"), r
+    r = await agent.exec(ExecRequest("ls -A /tmp"))
+    assert (r.exit_code, r.stdout, agent.box.starts) == (0, b"", 2), r  # a fresh box, a fresh /tmp
+    # a tree deeper than PATH_MAX (4096 bytes of "d/"), which recursion or nftw cannot walk
+    deep = "import os\nos.chdir('/dev/shm')\nfor _ in range(2100):\n    os.mkdir('d')\n    os.chdir('d')\n"
+    r = await agent.exec(ExecRequest(["python3", "-c", deep]))
+    assert r.exit_code == 0, r
+    r = await agent.exec(ExecRequest("ls -A /tmp /dev/shm; echo alive"))
+    assert r.stdout == b"/dev/shm:\n\n/tmp:\nalive\n", r
+    await agent.kill_all()
+
+
+@KINDS
+async def test_commands_start_with_every_signal_at_its_default(base_dir, kind):
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a service started under nohup, say
+    try:
+        agent = make_agent(base_dir, box=True, kind=kind)
+        r = await agent.exec(ExecRequest("grep -E '^Sig(Ign|Blk)' /proc/self/status"))
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    blocked, ignored = (int(x, 16) for x in r.stdout.split()[1::2])
+    # signals 32 and 33 are glibc's own (below SIGRTMIN): posix_spawn, which the Python box uses, leaves them
+    # ignored in the child, and no program can use them
+    assert blocked == 0 and ignored & ~(0b11 << 31) == 0, r
+    await agent.kill_all()
+
+
+@KINDS
+async def test_a_request_over_the_box_limit_is_refused(base_dir, kind, monkeypatch):
+    monkeypatch.setattr(box_client, "MAX_REQUEST_BYTES", 4096)
+    agent = make_agent(base_dir, box=True, kind=kind)
+    with pytest.raises(ValueError, match="at most 4096 bytes"):
+        await agent.exec(ExecRequest(["cat"], stdin=b"x" * 5000))
+    r = await agent.exec(ExecRequest(["cat"], stdin=b"x" * 3000))
+    assert (r.exit_code, len(r.stdout)) == (0, 3000), r
     await agent.kill_all()
 
 
@@ -499,7 +547,7 @@ async def test_a_compiled_box_that_cannot_start_falls_back_to_the_python_box(bas
 @pytest.mark.parametrize(
     "args, why",
     [(["--user", "0:0"], b"non-root"), (["--user", "12"], b"UID:GID"), (["--user", "x:1"], b"UID:GID"),
-     (["extra"], b"usage")],
+     (["extra"], b"usage"), ([], b"pid namespace")],
 )  # fmt: skip
 def test_compiled_box_refuses_a_bad_command_line(args, why):
     done = subprocess.run([box_binary(), *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=10)

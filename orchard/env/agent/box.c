@@ -16,15 +16,18 @@
        op 'T' (times): nothing more
      box -> service   once at start: "OBX1" + u32 pid of the box (in its pid namespace)
                       per run: i32 exit code, u8 flags (1 timed out, 2 stdout truncated, 4 stderr truncated,
-                      8 could not start), u32 stdout length, u32 stderr length, then both blobs
+                      8 could not start: stderr is then "<stage>:<reason>", stage start, chdir or exec, and
+                      the service words the message; 16 the box exits after this answer), u32 stdout length,
+                      u32 stderr length, then both blobs
                       per times: f64 the box's own CPU seconds, f64 those of the commands it reaped
 
    Per command: a child in a session of its own, with the default signal dispositions, every rlimit, the cwd,
    the environment and the program looked up on the command's PATH; stdout and stderr kept up to the cap
    (the rest read and dropped); wait for the main process or the timeout; then SIGKILL every other process
    of the pid namespace (pid 1 is bubblewrap's init, which reaps them) until none is left, drain the pipes,
-   and empty /tmp and /dev/shm. A command killed by signal N reports 128 + N; a timeout 124; a command that
-   could not start 127 with "cannot run '<argv0>': <reason>" or "cannot enter '<cwd>': <reason>".
+   and empty /tmp and /dev/shm (if that fails, the box exits after answering: the next command gets a fresh
+   namespace). A command killed by signal N reports 128 + N; a timeout 124; one that could not start 127.
+   Requests are at most 1 GiB. The box refuses to run anywhere but as pid 2 (under bubblewrap's init).
 
    `box --user UID:GID`, started as root by a root-started bubblewrap, first drops to the sandbox's uid the
    way `setpriv --reuid --regid --clear-groups --inh-caps=-all --bounding-set=-all` would (empty bounding,
@@ -59,7 +62,8 @@
 #define OUT_TRUNC 2
 #define ERR_TRUNC 4
 #define NOT_STARTED 8
-#define MAX_REQUEST (256u << 20)
+#define BOX_ENDS 16
+#define MAX_REQUEST (1u << 30) /* box_client.MAX_REQUEST_BYTES */
 #define MAX_LIMITS 16
 #define CHUNK 65536
 #define DRAIN_S 2.0
@@ -97,9 +101,10 @@ static void on_child(int sig) {
     errno = saved;
 }
 
+/* A malformed request: the service sees the socket close, reports it, and starts a fresh box. */
 static void die(const char *why) {
-    (void)why;
-    _exit(2); /* a malformed request: the service sees the socket close and restarts the box */
+    dprintf(2, "orchard box: %s\n", why);
+    _exit(2);
 }
 
 static double now(void) {
@@ -351,8 +356,19 @@ static int remove_entry(const char *path, const struct stat *st, int kind, struc
     return 0;
 }
 
-static void empty_dir(const char *path) {
+/* Empty `path` (not crossing mounts); returns whether it is empty now. What cannot be removed this way (a
+   tree deeper than PATH_MAX, a directory its owner made read-only) is left, and the caller then ends the
+   box after answering, so that the next command starts in a fresh namespace with fresh scratch space. */
+static int empty_dir(const char *path) {
     nftw(path, remove_entry, 32, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+    DIR *d = opendir(path);
+    if (!d) return errno == ENOENT;
+    struct dirent *e;
+    int empty = 1;
+    while (empty && (e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) empty = 0;
+    closedir(d);
+    return empty;
 }
 
 static void reply(int code, int flags, const struct buffer *out, const struct buffer *err) {
@@ -367,21 +383,16 @@ static void reply(int code, int flags, const struct buffer *out, const struct bu
     write_all(1, err->data, err->len);
 }
 
-static void not_started(const struct request *r, const char *failure, int flags) {
+/* A command that could not start: stderr carries "<stage>:<reason>" (stage start, chdir or exec), whatever the
+   cap; the service words the message ("cannot run 'ls': ...") as it does for a bubblewrap per command. */
+static void not_started(const char *failure, int flags) {
     struct buffer none = {NULL, 0, 0, 0, 0};
-    const char *colon = strchr(failure, ':');
-    int chdir_failed = colon && (size_t)(colon - failure) == 5 && strncmp(failure, "chdir", 5) == 0;
-    const char *why = colon ? colon + 1 : failure;
-    char msg[8192];
-    int n = snprintf(msg, sizeof msg, "cannot %s '%s': %s\n", chdir_failed ? "enter" : "run",
-                     chdir_failed ? r->cwd : r->argv[0], why);
-    if (n < 0) n = 0;
-    if ((size_t)n >= sizeof msg) n = sizeof msg - 1;
-    struct buffer err = {(unsigned char *)msg, (size_t)n < r->cap ? (size_t)n : r->cap, 0, 0, 0};
+    struct buffer err = {(unsigned char *)failure, strlen(failure), 0, 0, 0};
     reply(127, flags | NOT_STARTED, &none, &err);
 }
 
-static void run(const struct request *r, pid_t me, int wake_r) {
+/* Run one command and answer; returns 0 when the box must end after this answer (scratch space not emptied). */
+static int run(const struct request *r, pid_t me, int wake_r) {
     int out[2], err[2], in[2] = {-1, -1}, report[2];
     if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 || pipe2(report, O_CLOEXEC) < 0) _exit(3);
     if (r->has_stdin) {
@@ -397,8 +408,8 @@ static void run(const struct request *r, pid_t me, int wake_r) {
         close(out[0]); close(out[1]); close(err[0]); close(err[1]); close(report[0]); close(report[1]);
         close(in[0]);
         if (in[1] >= 0) close(in[1]);
-        not_started(r, failure, 0);
-        return;
+        not_started(failure, 0);
+        return 1;
     }
     if (pid == 0) child(r, in[0], out[1], err[1], report[1]);
     close(in[0]);
@@ -503,18 +514,19 @@ static void run(const struct request *r, pid_t me, int wake_r) {
     }
     close(out[0]);
     close(err[0]);
-    empty_dir("/tmp");
-    empty_dir("/dev/shm");
+    int clean = empty_dir("/tmp");
+    clean &= empty_dir("/dev/shm");
     int flags = (timed_out ? TIMED_OUT : 0) | (bufs[0].truncated ? OUT_TRUNC : 0) |
-                (bufs[1].truncated ? ERR_TRUNC : 0);
+                (bufs[1].truncated ? ERR_TRUNC : 0) | (clean ? 0 : BOX_ENDS);
     if (flen) {
-        not_started(r, failure, flags);
+        not_started(failure, flags);
     } else {
         int code = timed_out ? 124 : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
         reply(code, flags, &bufs[0], &bufs[1]);
     }
     free(bufs[0].data);
     free(bufs[1].data);
+    return clean;
 }
 
 static double cpu_seconds(int who) {
@@ -573,6 +585,10 @@ int main(int argc, char **argv) {
         fail_start("usage: box [--user UID:GID]");
     }
     pid_t me = getpid();
+    if (me != 2) { /* under bubblewrap the box is pid 2 (its init is 1); on a host it would kill and delete */
+        errno = EPERM;
+        fail_start("not in a sandbox's pid namespace (pid is not 2)");
+    }
     if (syscall(SYS_close_range, 3U, ~0U, 0U) < 0)
         for (int fd = 3; fd < 65536; fd++) close(fd);
     int wake[2];
@@ -610,9 +626,10 @@ int main(int argc, char **argv) {
             struct request r;
             memset(&r, 0, sizeof r);
             parse(buf + 1, size - 1, &r);
-            run(&r, me, wake[0]);
+            int clean = run(&r, me, wake[0]);
             free(r.argv);
             free(r.env);
+            if (!clean) return 0;
         } else {
             die("unknown op");
         }

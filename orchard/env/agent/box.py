@@ -1,15 +1,15 @@
 """The box: one long-lived process per sandbox that runs its commands, inside the sandbox's bubblewrap.
 
-This file is a program, not a library module. The service (`orchard.env.agent.box_client`) starts it as
-`python3 -S -I -c <this file's text>` under the sandbox's bubblewrap namespaces, as the sandbox's uid, with
-the image's own interpreter; it therefore imports only C modules (`posix` rather than `os`, `_signal`
-rather than `signal`; no json, no subprocess: each of those costs milliseconds of start-up per sandbox) and
-keeps to syntax that Python 3.6 accepts. Nothing here runs in the service's process.
+This file is a program, not a library module. The service (`orchard.env.agent.box_client`) starts the
+image's own `python3 -S -I` under the sandbox's bubblewrap namespaces, as the sandbox's uid, with a few
+lines of boot code that read this program from the socket; it therefore imports only C modules (`posix`
+rather than `os`, `_signal` rather than `signal`; no json, no subprocess: each of those costs milliseconds of
+start-up per sandbox) and keeps to syntax that Python 3.6 accepts. Nothing here runs in the service's process.
 
 Protocol: that of the compiled box, `box.c`, whose header states it (a request is a u32 length, an op byte
 and fixed fields, then blocks of NUL-terminated strings; the answers are fixed-size fields and raw bytes).
-The service runs this Python box only where the compiled one cannot be built (no C compiler); the image's
-python3 then runs it, and the service sends it this file compiled (or as source) over the socket first.
+The service runs this Python box only where the compiled one cannot be built (no C compiler) or cannot
+start; it sends it this file compiled (or as source, for another python's bytecode) over the socket first.
 
 `own` are the sandbox's fixed rlimits (pids, memory): the box puts them on itself at its first command, and
 then starts commands with posix_spawn (vfork; the limits are inherited), cheaper than a Python fork;
@@ -39,12 +39,17 @@ except ImportError:  # pragma: no cover - interpreters without it
 
 _READY = b"OBX1"
 _HEADER = ">iBII"
-_TIMED_OUT, _OUT_TRUNC, _ERR_TRUNC, _NOT_STARTED = 1, 2, 4, 8
+_TIMED_OUT, _OUT_TRUNC, _ERR_TRUNC, _NOT_STARTED, _ENDS = 1, 2, 4, 8, 16
 _READ = 1 << 16
 _DRAIN_S = 2.0
 _SETTLE_S = 2.0
 _SCRATCH = ("/tmp", "/dev/shm")
 _SPAWN = getattr(os, "posix_spawnp", None)
+_ALL_SIGNALS = sorted(
+    int(n)
+    for n in (_sig.valid_signals() if hasattr(_sig, "valid_signals") else range(1, 32))
+    if n not in (_sig.SIGKILL, _sig.SIGSTOP)
+)
 
 
 def _read_exact(fd, n):
@@ -93,24 +98,33 @@ def _end_all_others(me, wait_s):
         select.select([], [], [], 0.001)
 
 
-def _empty_dir(path, top):
+def _empty_dir(path):
+    """Empty `path` without recursion; returns whether it is empty now (see box.c's empty_dir)."""
+    stack, dirs = [path], []
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                    dirs.append(entry.path)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+    for d in reversed(dirs):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
     try:
-        entries = list(os.scandir(path))
+        return not os.listdir(path)
     except OSError:
-        return
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                _empty_dir(entry.path, False)
-            else:
-                os.unlink(entry.path)
-        except OSError:
-            pass
-    if not top:
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
+        return False
 
 
 def _execvpe(name, argv, env):
@@ -134,11 +148,13 @@ def _child(req, stdin_r, out_w, err_w, report_w):
     stage = "start"
     try:
         os.setsid()
-        # Python ignores SIGPIPE and SIGXFSZ; a command expects the defaults (as subprocess restores them).
-        for name in ("SIGPIPE", "SIGXFSZ"):
-            if hasattr(_sig, name):
-                _sig.signal(getattr(_sig, name), _sig.SIG_DFL)
-        _sig.signal(_sig.SIGCHLD, _sig.SIG_DFL)
+        # Every signal back to its default (Python ignores SIGPIPE and SIGXFSZ; the service may have been
+        # started with others ignored), as the compiled box does.
+        for signum in _ALL_SIGNALS:
+            try:
+                _sig.signal(signum, _sig.SIG_DFL)
+            except (OSError, ValueError):
+                pass
         os.dup2(stdin_r, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
@@ -194,7 +210,7 @@ def _spawn(req, stdin_r, out_w, err_w):
     else:
         os.unsetenv("PATH")
     actions = [(os.POSIX_SPAWN_DUP2, stdin_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
-    sigdef = [getattr(_sig, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGCHLD") if hasattr(_sig, n)]
+    sigdef = _ALL_SIGNALS
     argv = req["argv"]
     try:
         return _SPAWN(argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=sigdef), None
@@ -216,11 +232,15 @@ def _run(req, me, wake_r, state):
         failure = failure.encode("utf-8", "replace") if failure else b""
     else:
         report_r, report_w = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            pid, failure = None, f"start:{e.strerror or e}".encode("utf-8", "replace")
         if pid == 0:
             _child(req, stdin_r, out_w, err_w, report_w)
         os.close(report_w)
-        failure = _read_all(report_r)
+        if pid is not None:
+            failure = _read_all(report_r)
         os.close(report_r)
     for fd in (stdin_r, out_w, err_w):
         os.close(fd)
@@ -229,7 +249,7 @@ def _run(req, me, wake_r, state):
             os.close(stdin_w)
         os.close(out_r)
         os.close(err_r)
-        return _not_started(req, failure, 0)
+        return _not_started(failure, 0)
     kept = {out_r: bytearray(), err_r: bytearray()}
     truncated = {out_r: False, err_r: False}
     poller = select.poll()
@@ -314,21 +334,18 @@ def _run(req, me, wake_r, state):
                 os.read(wake_r, 512)
     os.close(out_r)
     os.close(err_r)
-    for path in _SCRATCH:
-        _empty_dir(path, True)
+    state["clean"] = all([_empty_dir(path) for path in _SCRATCH])
     flags = (_TIMED_OUT if timed_out else 0) | (_OUT_TRUNC if truncated[out_r] else 0)
-    flags |= _ERR_TRUNC if truncated[err_r] else 0
+    flags |= (_ERR_TRUNC if truncated[err_r] else 0) | (0 if state["clean"] else _ENDS)
     out, err = bytes(kept[out_r]), bytes(kept[err_r])
     if failure:
-        return _not_started(req, failure, flags)
+        return _not_started(failure, flags)
     return (124 if timed_out else _status_code(status)), flags, out, err
 
 
-def _not_started(req, failure, flags):
-    stage, _, why = failure.decode("utf-8", "replace").partition(":")
-    what = req["argv"][0] if stage != "chdir" else req["cwd"]
-    err = "cannot {} {!r}: {}\n".format("enter" if stage == "chdir" else "run", what, why).encode()
-    return 127, flags | _NOT_STARTED, b"", err[: req["cap"]]
+def _not_started(failure, flags):
+    """127 with "<stage>:<reason>" on stderr, whatever the cap; the service words the message."""
+    return 127, flags | _NOT_STARTED, b"", failure[:4000]
 
 
 def _read_all(fd):
@@ -399,8 +416,11 @@ def main():
             kids = resource.getrusage(resource.RUSAGE_CHILDREN)
             _write_all(1, struct.pack(">dd", own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime))
             continue
+        state["clean"] = True
         code, flags, out, err = _run(_decode(buf), me, wake_r, state)
         _write_all(1, struct.pack(_HEADER, code, flags, len(out), len(err)) + out + err)
+        if not state["clean"]:
+            return  # scratch space not emptied: the next command gets a fresh namespace
 
 
 if __name__ == "__main__":

@@ -74,7 +74,11 @@ def _box_program(source: str, magic: bytes) -> bytes:
 
 _READY = b"OBX1"
 _HEADER = struct.Struct(">iBII")
-_TIMED_OUT, _OUT_TRUNC, _ERR_TRUNC = 1, 2, 4
+_TIMED_OUT, _OUT_TRUNC, _ERR_TRUNC, _NOT_STARTED, _ENDS = 1, 2, 4, 8, 16
+MAX_REQUEST_BYTES = 1 << 30
+"""The most a request may frame (argv, env, cwd and stdin together); box.c's MAX_REQUEST."""
+_MAX_FAILURE = 4000
+"""The most a box says about a command that could not start ("<stage>:<reason>")."""
 _START_TIMEOUT_S = 20.0
 _BOX_MIN_AS = 256 << 20
 """A memory (address-space) limit this large is put on the box itself too; a smaller one only on commands."""
@@ -175,9 +179,12 @@ class Box:
                     _recv_exact(loop, sock, _HEADER.size), timeout_s + _WATCHDOG_SLACK_S
                 )
                 code, flags, n_out, n_err = _HEADER.unpack(header)
-                if n_out > max_output_bytes or n_err > max_output_bytes:
+                err_cap = _MAX_FAILURE if flags & _NOT_STARTED else max_output_bytes
+                if n_out > max_output_bytes or n_err > err_cap:
                     raise BackendError(f"the box answered {n_out} + {n_err} bytes, over the cap")
                 body = await asyncio.wait_for(_recv_exact(loop, sock, n_out + n_err), _WATCHDOG_SLACK_S)
+                if flags & _ENDS:
+                    await self._stop()  # it could not clean up after the command: the next one starts afresh
             except TimeoutError:
                 await self._stop()
                 return ExecResult(exit_code=TIMEOUT_EXIT_CODE, stdout=b"", stderr=b"", timed_out=True,
@@ -190,10 +197,13 @@ class Box:
             except BaseException:
                 await self._stop()  # cancelled (client gone, service stopping): the command must not go on
                 raise
+        stderr = body[n_out:]
+        if flags & _NOT_STARTED:
+            stderr = _not_started_message(stderr, argv[0], cwd)[:max_output_bytes]
         return ExecResult(
             exit_code=code,
             stdout=body[:n_out],
-            stderr=body[n_out:],
+            stderr=stderr,
             stdout_truncated=bool(flags & _OUT_TRUNC),
             stderr_truncated=bool(flags & _ERR_TRUNC),
             timed_out=bool(flags & _TIMED_OUT),
@@ -341,8 +351,20 @@ def encode_run(
         parts.append(struct.pack(">II", len(data), len(joined)) + joined)
     data = stdin or b""
     parts.append(struct.pack(">II", 0, len(data)))
-    body = b"".join(parts)
-    return struct.pack(">I", len(body) + len(data)) + body + data
+    size = sum(map(len, parts)) + len(data)
+    if size > MAX_REQUEST_BYTES:
+        raise ValueError(f"stdin, env and argv of a command must total at most {MAX_REQUEST_BYTES} bytes in a box, "
+                         f"got {size}")  # fmt: skip
+    return b"".join([struct.pack(">I", size), *parts, data])
+
+
+def _not_started_message(failure: bytes, program: str, cwd: str) -> bytes:
+    """How a command that could not start is reported, from the box's "<stage>:<reason>" (the same words as a
+    bubblewrap per command: `cannot run 'ls': No such file or directory`)."""
+    stage, _, why = failure.decode("utf-8", "replace").partition(":")
+    if stage == "chdir":
+        return f"cannot enter {cwd!r}: {why}\n".encode("utf-8", "surrogateescape")
+    return f"cannot run {program!r}: {why}\n".encode("utf-8", "surrogateescape")
 
 
 async def _ask_times(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[float, float]:
