@@ -541,6 +541,10 @@ async def test_a_compiled_box_that_cannot_start_falls_back_to_the_python_box(bas
     assert (r.exit_code, r.stdout) == (0, b"via python\n"), r
     assert agent.box is not None and not agent.box.compiled and agent.box.starts == 1
     await agent.kill_all()
+    # later sandboxes with the same binary go straight to the Python box
+    again = SandboxAgent(Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, box_binary=broken), box=True)
+    assert again.box is not None and not again.box.compiled
+    await again.kill_all()
 
 
 @needs_compiled_box

@@ -209,7 +209,8 @@ def _spawn(req, stdin_r, out_w, err_w):
         os.putenv("PATH", env["PATH"])
     else:
         os.unsetenv("PATH")
-    actions = [(os.POSIX_SPAWN_DUP2, stdin_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+    dup2 = os.POSIX_SPAWN_DUP2
+    actions = [(dup2, stdin_r, 0), (dup2, out_w, 1), (dup2, err_w, 2)]
     sigdef = _ALL_SIGNALS
     argv = req["argv"]
     try:

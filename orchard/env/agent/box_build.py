@@ -2,13 +2,13 @@
 
 `compiled_box()` compiles `box.c` with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`),
 statically linked so that it runs in any image, into a per-user cache (`$ORCHARD_CACHE_DIR`, else
-`$XDG_CACHE_HOME/orchard`, else `~/.cache/orchard`), named by a hash of the source, the compiler and the flags,
-and returns its path; later calls (and later processes) reuse it. Under a root service the box starts as root
-inside its sandbox before it drops to the sandbox's uid, so a cached binary is only trusted when it and its
-directory belong to this user and nobody else can write them (else the box is built into a private temporary
-directory). Without a compiler, or when the build fails, it returns None and logs why once: the service then
-runs the Python box (`box.py`) under the image's python3, which behaves the same and costs ~10 ms more CPU per
-sandbox.
+`$XDG_CACHE_HOME/orchard`, else `~/.cache/orchard`), named by a hash of the source, the compiler and the
+flags, and returns its path; later calls (and later processes) reuse it. Under a root service the box starts
+as root inside its sandbox before it drops to the sandbox's uid, so a cached binary is only trusted when it
+and its directory belong to this user and nobody else can write them (else the box is built into a private
+temporary directory). Without a compiler, or when the build fails, it returns None and logs why once: the
+service then runs the Python box (`box.py`) under the image's python3, which behaves the same and costs
+~10 ms more CPU per sandbox.
 
 `install_box(directory)` copies the binary into a directory the sandboxes' uids can reach (the cache is
 usually private to the service's user), mode 0755, and returns the copy's path. bubblewrap binds it
@@ -108,7 +108,9 @@ def install_box(directory: str | os.PathLike[str], binary: str | None = None) ->
     os.makedirs(directory, exist_ok=True)
     os.chmod(directory, 0o711)  # whatever the umask made of it
     target = os.path.join(directory, os.path.basename(binary))
-    if not (os.path.isfile(target) and not os.path.islink(target) and filecmp.cmp(binary, target, shallow=False)):
+    same = os.path.isfile(target) and not os.path.islink(target)
+    same = same and filecmp.cmp(binary, target, shallow=False)
+    if not same:
         fd, tmp = tempfile.mkstemp(prefix=".box-", dir=directory)
         os.close(fd)
         try:
@@ -129,7 +131,8 @@ def _build(compiler: tuple[str, ...], target: Path) -> str | None:
         done = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(BOX_C)], capture_output=True, timeout=120,
                               check=False)  # fmt: skip
         if done.returncode != 0:
-            return f"{' '.join(compiler)} failed to build the box: {done.stderr.decode(errors='replace')[-2000:]}"
+            why = done.stderr.decode(errors="replace")[-2000:]
+            return f"{' '.join(compiler)} failed to build the box: {why}"
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
         return None
@@ -142,7 +145,8 @@ def _private(path: Path, kind: object) -> bool:
     """Whether `path` is of `kind` (stat.S_ISDIR / S_ISREG), not a symlink, this user's, and writable by
     no one else."""
     st = os.lstat(path)
-    return bool(kind(st.st_mode)) and st.st_uid == os.geteuid() and not st.st_mode & 0o022  # type: ignore[operator]
+    is_kind = bool(kind(st.st_mode))  # type: ignore[operator]
+    return is_kind and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 @lru_cache(maxsize=8)

@@ -104,6 +104,17 @@ class BoxCpu:
     boxes = 0
 
 
+_FAILED_BINARIES: set[str] = set()
+"""Compiled boxes that could not start in this process: later sandboxes go straight to the Python box."""
+
+
+def compiled_box_failed(binary: str) -> bool:
+    """Remember that the compiled box `binary` could not start; True the first time (to log it once)."""
+    first = binary not in _FAILED_BINARIES
+    _FAILED_BINARIES.add(binary)
+    return first
+
+
 class BoxUnavailableError(BackendError):
     """The box could not be started (no usable python3 in the image, bubblewrap failed); callers fall back
     to starting each command with its own bubblewrap."""
@@ -122,7 +133,7 @@ class Box:
     def __init__(self, isolation: Isolation, python: str | None = None) -> None:
         if not isinstance(isolation, Isolation):
             raise ValueError(f"isolation must be an Isolation, got {type(isolation).__name__}")
-        self.compiled = python is None and isolation.box_binary is not None
+        self.compiled = python is None and isolation.box_binary not in (None, *_FAILED_BINARIES)
         """Whether this is the compiled box (else the Python one)."""
         if not self.compiled:
             python = python or isolation.box_python()
@@ -353,8 +364,8 @@ def encode_run(
     parts.append(struct.pack(">II", 0, len(data)))
     size = sum(map(len, parts)) + len(data)
     if size > MAX_REQUEST_BYTES:
-        raise ValueError(f"stdin, env and argv of a command must total at most {MAX_REQUEST_BYTES} bytes in a box, "
-                         f"got {size}")  # fmt: skip
+        raise ValueError(f"stdin, env and argv of a command must total at most {MAX_REQUEST_BYTES} bytes "
+                         f"in a box, got {size}")  # fmt: skip
     return b"".join([struct.pack(">I", size), *parts, data])
 
 

@@ -11,7 +11,7 @@ import logging
 import math
 from dataclasses import replace
 
-from orchard.env.agent.box_client import Box, BoxUnavailableError
+from orchard.env.agent.box_client import Box, BoxUnavailableError, compiled_box_failed
 from orchard.env.agent.files import Workspace
 from orchard.env.agent.isolation import BUBBLEWRAP, Isolation
 from orchard.env.agent.process import ProcessTree, run_captured
@@ -72,7 +72,8 @@ class SandboxAgent:
             `orchard.env.agent.box`, started on the first command) instead of a fresh bubblewrap per command.
             Same isolation and exec rules, a fraction of the cost. The box is the compiled one when
             `isolation.box_binary` is set, else (or when that one cannot start) the Python one; without
-            python3 in the image, or when no box can start, each command gets a bubblewrap of its own. Terminals always get their own bubblewrap.
+            python3 in the image, or when no box can start, each command gets a bubblewrap of its own.
+            Terminals always get their own bubblewrap.
     """
 
     def __init__(
@@ -130,8 +131,10 @@ class SandboxAgent:
         """What runs the commands after `failed` could not start: the Python box after a compiled one (when
         the image has python3), else a bubblewrap per command (None)."""
         python = self.isolation.box_python() if failed.compiled else None
+        binary = self.isolation.box_binary
+        if failed.compiled and binary is not None and compiled_box_failed(binary):
+            logger.warning("%s; sandboxes run the Python box instead (logged once)", error)
         if python is not None:
-            logger.warning("%s; the sandbox's commands go through the Python box instead", error)
             return Box(self.isolation, python=python)
         logger.warning("%s; each command gets a bubblewrap of its own from now on", error)
         return None
