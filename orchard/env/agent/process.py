@@ -126,21 +126,78 @@ class _Capture:
             self.drained.set_result(None)
 
 
-class _PipeReader(asyncio.Protocol):
-    """Feeds one output pipe of a process into its `_Capture`."""
+class _Pipes:
+    """The command's stdin, stdout and stderr, watched by the running loop; the one owner of their fds.
 
-    def __init__(self, capture: _Capture, fd: int) -> None:
+    Plain readers and writers rather than the loop's pipe transports: a transport closes its fd itself, later,
+    while `subprocess.Popen`'s file object would close the same fd number again when collected (uvloop),
+    by then perhaps someone else's. Here each fd is closed once, by closing its file object.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen[bytes], capture: _Capture,
+                 stdin: bytes | None) -> None:  # fmt: skip
+        self.loop = loop
         self.capture = capture
-        self.fd = fd
+        self.readers: dict[int, tuple[int, Any]] = {}  # fd -> (1 stdout / 2 stderr, file object)
+        self.writer: tuple[int, Any, memoryview] | None = None  # fd, file object, bytes still to write
+        for n, pipe in ((1, proc.stdout), (2, proc.stderr)):
+            fd = pipe.fileno()  # type: ignore[union-attr]
+            os.set_blocking(fd, False)
+            self.readers[fd] = (n, pipe)
+            loop.add_reader(fd, self._readable, fd)
+        if proc.stdin is not None:
+            if stdin:
+                fd = proc.stdin.fileno()
+                os.set_blocking(fd, False)
+                self.writer = (fd, proc.stdin, memoryview(stdin))
+                loop.add_writer(fd, self._writable)
+            else:
+                proc.stdin.close()  # EOF at once
 
-    def data_received(self, data: bytes) -> None:
-        self.capture.pipe_data_received(self.fd, data)
+    def _readable(self, fd: int) -> None:
+        n, _ = self.readers[fd]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.capture.pipe_data_received(n, data)
+            return
+        self._drop_reader(fd)
+        self.capture.pipe_connection_lost(n, None)
 
-    def eof_received(self) -> bool:
-        return False
+    def _writable(self) -> None:
+        assert self.writer is not None
+        fd, pipe, data = self.writer
+        try:
+            data = data[os.write(fd, data[: 1 << 16]) :]
+        except BlockingIOError:
+            return
+        except OSError:  # the command closed its stdin: the rest is dropped
+            data = data[:0]
+        self.writer = (fd, pipe, data)
+        if not data:
+            self._drop_writer()  # closing the pipe is the command's EOF
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.capture.pipe_connection_lost(self.fd, exc)
+    def _drop_reader(self, fd: int) -> None:
+        _, pipe = self.readers.pop(fd)
+        self.loop.remove_reader(fd)
+        pipe.close()
+
+    def _drop_writer(self) -> None:
+        assert self.writer is not None
+        fd, pipe, _ = self.writer
+        self.writer = None
+        self.loop.remove_writer(fd)
+        pipe.close()
+
+    def close(self) -> None:
+        for fd in list(self.readers):
+            self._drop_reader(fd)
+        if self.writer is not None:
+            self._drop_writer()
 
 
 def validate_limits(timeout_s: float, max_output_bytes: int) -> None:
@@ -208,17 +265,10 @@ async def run_captured(
     tree.attach(proc.pid)
     if on_start is not None:
         on_start(tree)
-    transports: list[asyncio.BaseTransport] = []
+    pipes: _Pipes | None = None
     timed_out = False
     try:
-        for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
-            transport, _ = await loop.connect_read_pipe(lambda fd=fd: _PipeReader(capture, fd), pipe)
-            transports.append(transport)
-        if proc.stdin is not None:
-            writer, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, proc.stdin)
-            transports.append(writer)
-            writer.write(stdin or b"")  # a command that does not read it: EPIPE, which only closes the pipe
-            writer.write_eof()  # type: ignore[attr-defined]
+        pipes = _Pipes(loop, proc, capture, stdin)
         if not await wait_pidfd(pidfd, timeout_s):
             timed_out = True
             tree.kill()
@@ -237,9 +287,9 @@ async def run_captured(
         tree.cleanup()
         raise
     finally:
-        for transport in transports:
-            transport.close()
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipes is not None:
+            pipes.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):  # those _Pipes did not take (it failed half-way)
             if pipe is not None:
                 pipe.close()
         os.close(pidfd)
