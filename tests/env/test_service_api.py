@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import time
 import uuid
 
@@ -350,6 +351,7 @@ def test_cli_serve_prints_url_and_key_and_serves(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) in (0, -15)  # uvicorn re-raises SIGTERM after a graceful shutdown
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # the direct path for hot calls answers exactly as FastAPI does

@@ -17,6 +17,7 @@ read-only at `BOX_MOUNT` in each sandbox.
 
 from __future__ import annotations
 
+import atexit
 import filecmp
 import hashlib
 import logging
@@ -84,6 +85,8 @@ def compiled_box(cache: str | os.PathLike[str] | None = None) -> str | None:
                 log.warning("orchard: %s is not this user's alone; the compiled box is built into a private "
                             "temporary directory instead", directory)  # fmt: skip
                 directory = Path(tempfile.mkdtemp(prefix="orchard-box-"))
+                # sandboxes run the copy install_box makes, never this one: it may go with the process
+                atexit.register(shutil.rmtree, directory, True)
             target = directory / name
             if not (target.exists() and _private(target, stat.S_ISREG) and os.access(target, os.X_OK)):
                 why = _build(compiler, target)
