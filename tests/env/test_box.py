@@ -562,3 +562,25 @@ def test_switches_user_needs_an_unlimited_launch(base_dir):
     agent = make_agent(base_dir, box=False)
     with pytest.raises(ValueError, match="switches_user"):
         agent.isolation.launch(["true"], cwd="/", env={}, timeout_s=None, switches_user=True)
+
+
+@needs_compiled_box
+async def test_a_compiled_box_that_started_before_is_not_given_up_for_one_failure(base_dir):
+    binary = os.path.join(base_dir, "box")
+    shutil.copyfile(box_binary(), binary)
+    os.chmod(binary, 0o755)
+    workspace = Workspace(os.path.join(base_dir, "ws3"), uid=RUN_AS[0] if RUN_AS else None,
+                          gid=RUN_AS[1] if RUN_AS else None)  # fmt: skip
+    os.mkdir(workspace.root, 0o700)
+    if IS_ROOT:
+        os.chown(workspace.root, TEST_UID, TEST_UID)
+    # a copy of the box of its own, which the test can break
+    agent = SandboxAgent(Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, box_binary=binary), box=True)
+    assert (await agent.exec(ExecRequest("echo one"))).stdout == b"one\n" and agent.box.compiled
+    await agent.box.kill()
+    os.chmod(binary, 0)  # the restart fails (exec refused) ...
+    r = await agent.exec(ExecRequest("echo two"))
+    assert (r.exit_code, r.stdout) == (0, b"two\n") and not agent.box.compiled  # ... this sandbox goes on
+    os.chmod(binary, 0o755)
+    assert box_client.Box(agent.isolation).compiled  # a transient failure: later sandboxes keep the binary
+    await agent.kill_all()

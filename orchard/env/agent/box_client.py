@@ -106,13 +106,17 @@ class BoxCpu:
 
 _FAILED_BINARIES: set[str] = set()
 """Compiled boxes that could not start in this process: later sandboxes go straight to the Python box."""
+_STARTED_BINARIES: set[str] = set()
+"""Compiled boxes that have started in this process: a later failure of one is taken as transient."""
 
 
 def compiled_box_failed(binary: str) -> bool:
-    """Remember that the compiled box `binary` could not start; True the first time (to log it once)."""
-    first = binary not in _FAILED_BINARIES
+    """Remember that the compiled box `binary` could not start, unless it has started before in this process
+    (then the failure is the sandbox's, not the binary's); True when it is newly remembered (to log it once)."""
+    if binary in _STARTED_BINARIES or binary in _FAILED_BINARIES:
+        return False
     _FAILED_BINARIES.add(binary)
-    return first
+    return True
 
 
 class BoxUnavailableError(BackendError):
@@ -294,6 +298,8 @@ class Box:
             ready = await asyncio.wait_for(_recv_exact(loop, ours, len(_READY) + 4), _START_TIMEOUT_S)
             if ready[: len(_READY)] != _READY:
                 raise EOFError
+            if self.compiled and iso.box_binary is not None:
+                _STARTED_BINARIES.add(iso.box_binary)
         except (TimeoutError, EOFError, OSError) as e:
             err = b""
             if self._proc.stderr is not None:

@@ -132,8 +132,11 @@ class SandboxAgent:
         the image has python3), else a bubblewrap per command (None)."""
         python = self.isolation.box_python() if failed.compiled else None
         binary = self.isolation.box_binary
-        if failed.compiled and binary is not None and compiled_box_failed(binary):
-            logger.warning("%s; sandboxes run the Python box instead (logged once)", error)
+        if failed.compiled and binary is not None:
+            if compiled_box_failed(binary):
+                logger.warning("%s; sandboxes run the Python box from now on (logged once)", error)
+            else:
+                logger.warning("%s; this sandbox runs the Python box", error)
         if python is not None:
             return Box(self.isolation, python=python)
         logger.warning("%s; each command gets a bubblewrap of its own from now on", error)
