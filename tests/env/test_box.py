@@ -48,15 +48,16 @@ def base_dir():
 
 
 def make_agent(
-    base: str, *, box: bool, privileged: bool | None = None, kind: str = "python", **kw
+    base: str, *, box: bool, privileged: bool | None = None, kind: str = "python", binary: str | None = None, **kw
 ) -> SandboxAgent:
+    """An agent on `base`/ws; `kind` "compiled" binds `binary` (default: the tests' compiled box)."""
     ws = os.path.join(base, "ws")
     if not os.path.isdir(ws):
         os.mkdir(ws, 0o700)
         if IS_ROOT:
             os.chown(ws, TEST_UID, TEST_UID)
     workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
-    binary = box_binary() if box and kind == "compiled" else None
+    binary = (binary or box_binary()) if box and kind == "compiled" else None
     iso = Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, privileged=privileged, box_binary=binary, **kw)
     agent = SandboxAgent(iso, env={"AGENT_VAR": "from-agent"}, box=box)
     assert agent.box is None or agent.box.compiled == (kind == "compiled")
@@ -530,19 +531,14 @@ async def test_a_compiled_box_that_cannot_start_falls_back_to_the_python_box(bas
     broken = os.path.join(base_dir, "not-a-program")
     Path(broken).write_bytes(b"\x7fELF garbage")  # executable bits, but exec fails (ENOEXEC)
     os.chmod(broken, 0o755)
-    workspace = Workspace(os.path.join(base_dir, "ws2"), uid=RUN_AS[0] if RUN_AS else None,
-                          gid=RUN_AS[1] if RUN_AS else None)  # fmt: skip
-    os.mkdir(workspace.root, 0o700)
-    if IS_ROOT:
-        os.chown(workspace.root, TEST_UID, TEST_UID)
-    agent = SandboxAgent(Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, box_binary=broken), box=True)
+    agent = make_agent(base_dir, box=True, kind="compiled", binary=broken)
     assert agent.box is not None and agent.box.compiled
     r = await agent.exec(ExecRequest("echo via python"))
     assert (r.exit_code, r.stdout) == (0, b"via python\n"), r
     assert agent.box is not None and not agent.box.compiled and agent.box.starts == 1
     await agent.kill_all()
     # later sandboxes with the same binary go straight to the Python box
-    again = SandboxAgent(Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, box_binary=broken), box=True)
+    again = SandboxAgent(agent.isolation, box=True)
     assert again.box is not None and not again.box.compiled
     await again.kill_all()
 
@@ -569,13 +565,7 @@ async def test_a_compiled_box_that_started_before_is_not_given_up_for_one_failur
     binary = os.path.join(base_dir, "box")
     shutil.copyfile(box_binary(), binary)
     os.chmod(binary, 0o755)
-    workspace = Workspace(os.path.join(base_dir, "ws3"), uid=RUN_AS[0] if RUN_AS else None,
-                          gid=RUN_AS[1] if RUN_AS else None)  # fmt: skip
-    os.mkdir(workspace.root, 0o700)
-    if IS_ROOT:
-        os.chown(workspace.root, TEST_UID, TEST_UID)
-    # a copy of the box of its own, which the test can break
-    agent = SandboxAgent(Isolation(workspace, mode=BUBBLEWRAP, run_as=RUN_AS, box_binary=binary), box=True)
+    agent = make_agent(base_dir, box=True, kind="compiled", binary=binary)  # a copy the test can break
     assert (await agent.exec(ExecRequest("echo one"))).stdout == b"one\n" and agent.box.compiled
     await agent.box.kill()
     os.chmod(binary, 0)  # the restart fails (exec refused) ...
