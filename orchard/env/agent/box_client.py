@@ -333,9 +333,9 @@ class Box:
             tree.kill()
             await tree.settle(5.0)
         finally:
-            tree.release()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
+            tree.release()
 
 
 def encode_run(

@@ -61,6 +61,7 @@ from functools import lru_cache
 from pathlib import PurePosixPath
 from typing import Any
 
+from orchard.env.agent import reaper
 from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.files import Workspace
 from orchard.env.agent.process import PidfdProcess, ProcessTree, wait_pidfd
@@ -133,12 +134,15 @@ def probe_bubblewrap(
     kwargs: dict[str, Any] = {}
     if run_as is not None and os.geteuid() == 0 and not privileged:
         kwargs.update(user=run_as[0], group=run_as[1], extra_groups=[])
+    reaper.adopt_orphans()  # the probe's sandbox init, like every other, is reaped here
     try:
         r = subprocess.run(
             argv, capture_output=True, timeout=30, cwd="/", env={"PATH": DEFAULT_PATH}, **kwargs
         )
     except (OSError, subprocess.SubprocessError) as e:
         return f"bwrap could not run: {e}"
+    finally:
+        reaper.reap_orphans(wait_s=1.0)
     if r.returncode != 0:
         return f"bwrap failed (exit {r.returncode}): {r.stderr.decode(errors='replace').strip()}"
     return None
@@ -190,7 +194,9 @@ class BubblewrapTree(PidfdProcess):
 
     bubblewrap exits when the command does, and its init dies with it (--die-with-parent); the kernel then
     kills the rest of the namespace. `settle` waits for the init to be gone, which only happens once every
-    other process of the namespace has been reaped: bubblewrap reports the init's pid on `--info-fd`.
+    other process of the namespace has been reaped: bubblewrap reports the init's pid on `--info-fd`. The
+    outer bubblewrap does not wait for its init, so the init ends as an orphan of this process (a child
+    subreaper, see `reaper`), which reaps it here.
     """
 
     def __init__(self, info_fd: int) -> None:
@@ -226,12 +232,17 @@ class BubblewrapTree(PidfdProcess):
         except OSError:
             return  # already gone
         try:
-            await wait_pidfd(pidfd, timeout_s)
+            exited = await wait_pidfd(pidfd, timeout_s)
         finally:
             os.close(pidfd)
+        if exited:
+            reaper.reap_init(pid)
+        reaper.sweep_now_and_then()
 
     def release(self) -> None:
         super().release()
+        if self._init is not None:
+            reaper.reap_init(self._init)  # gone by now unless `settle` was skipped (a cancelled exec)
         if self._info_fd >= 0:
             os.close(self._info_fd)
             self._info_fd = -1
@@ -263,6 +274,7 @@ class MarkedGroupTree(PidfdProcess):
         deadline = time.monotonic() + timeout_s
         while kill_marked(self.needle, self.uid) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+        reaper.reap_orphans()  # the command's children that came to this process (see `reaper`)
 
 
 def marker_needle(prefix: str) -> bytes:
@@ -389,6 +401,10 @@ class Isolation:
             if privileged is True and self._inner_tools is None:
                 raise ValueError(f"privileged=True needs setpriv and prlimit in the image at {self.rootfs!r}")
         self.privileged = self._inner_tools is not None
+        if mode == PROCESS_GROUP and self.run_as is not None:
+            reaper.track_uid(self.run_as[0])
+        if mode == BUBBLEWRAP or self.run_as is not None:
+            reaper.adopt_orphans()  # the orphans of sandboxes are this process's to reap (see `reaper`)
         self.bwrap = bwrap or _host_program("bwrap") or "bwrap"
         self._prefix: list[str] | None = None
         tools = (_host_program("setpriv"), _host_program("prlimit")) if use_exec_wrappers else (None, None)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from orchard.env.agent import reaper
 from orchard.env.backends.base import ExecResult
 
 TIMEOUT_EXIT_CODE = 124
@@ -66,6 +67,7 @@ class PidfdProcess:
 
     def attach(self, pid: int) -> None:
         self.pid = pid
+        reaper.claim(pid)  # its exit status is the launcher's, not for `reaper` to take
         try:
             self._pidfd = os.pidfd_open(pid)
         except OSError:
@@ -82,6 +84,8 @@ class PidfdProcess:
         return None
 
     def release(self) -> None:
+        if self.pid is not None:
+            reaper.unclaim(self.pid)
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

@@ -1,0 +1,156 @@
+"""Orphans of sandboxes are reaped: bubblewrap's inits (which it leaves to whoever adopts them) and the
+left-behind children of process-group commands, so no zombie holds a pid or a sandbox uid's pids limit.
+Exit statuses that belong to a launcher (claimed pids, ordinary children) are never taken."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from orchard.env.agent import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, SandboxAgent, Workspace, reaper
+from orchard.env.agent.isolation import probe_bubblewrap
+from orchard.env.backends.base import ExecRequest
+
+IS_ROOT = os.geteuid() == 0
+TEST_UID = 201_361
+RUN_AS = (TEST_UID, TEST_UID) if IS_ROOT else None
+BWRAP_PROBLEM = probe_bubblewrap(RUN_AS)
+needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="a uid of its own per sandbox needs root")
+
+
+@pytest.fixture
+def ws():
+    base = tempfile.mkdtemp(prefix="orchard-reaper-")
+    os.chmod(base, 0o711)
+    path = os.path.join(base, "ws")
+    os.mkdir(path, 0o700)
+    if IS_ROOT:
+        os.chown(path, TEST_UID, TEST_UID)
+    yield path
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def agent(ws: str, mode: str, **kw) -> SandboxAgent:
+    workspace = Workspace(ws, uid=RUN_AS[0] if RUN_AS else None, gid=RUN_AS[1] if RUN_AS else None)
+    return SandboxAgent(Isolation(workspace, mode=mode, run_as=RUN_AS, **kw), box=False)
+
+
+def zombie_children() -> list[int]:
+    out = []
+    for path in glob.glob("/proc/self/task/*/children"):
+        with open(path) as f:
+            for pid in f.read().split():
+                try:
+                    with open(f"/proc/{pid}/stat") as s:
+                        if s.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            out.append(int(pid))
+                except OSError:
+                    continue
+    return out
+
+
+def zombies_of_uid(uid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def exited_child(uid: int | None = None) -> int:
+    """A child of this process that has exited (a zombie until waited for), as `uid` if given."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if uid is not None:
+                os.setgid(uid)
+                os.setuid(uid)
+        finally:
+            os._exit(7)
+    deadline = time.monotonic() + 5
+    while pid not in zombie_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pid
+
+
+@needs_bwrap
+@pytest.mark.parametrize("privileged", [None, False], ids=["root-started", "userns"])
+async def test_bubblewrap_inits_are_reaped_after_each_command(ws, privileged):
+    before = set(zombie_children())
+    a = agent(ws, BUBBLEWRAP, privileged=privileged)
+    assert reaper.adopting()  # a bubblewrap sandbox makes this process adopt orphans
+    for _ in range(20):
+        r = await a.exec(ExecRequest("true & true & wait; echo ok"))
+        assert (r.exit_code, r.stdout) == (0, b"ok\n"), r
+    # the outer bubblewrap exits before its init; that init came here and was reaped, so none is left over
+    # for the host's pid 1 (which some hosts reap late, and a service that is pid 1 in a container never)
+    assert set(zombie_children()) - before == set()
+    if IS_ROOT:
+        assert zombies_of_uid(TEST_UID) == []
+
+
+@needs_bwrap
+@needs_root
+async def test_earlier_commands_do_not_eat_a_user_namespace_sandboxs_pids_limit(ws):
+    # In a user namespace the init runs as the sandbox's uid: each one left unreaped counted against the
+    # sandbox's RLIMIT_NPROC until the host got round to it, and forks failed after a few commands.
+    a = agent(ws, BUBBLEWRAP, privileged=False, limits=Limits(pids=6, memory_mb=1024))
+    for i in range(12):
+        r = await a.exec(ExecRequest("(true); (true); echo ok"))
+        assert (r.exit_code, r.stdout, r.stderr) == (0, b"ok\n", b""), (i, r)
+
+
+@needs_root
+async def test_left_behind_children_of_a_process_group_command_are_reaped(ws):
+    before = set(zombie_children())
+    a = agent(ws, PROCESS_GROUP)
+    assert reaper.adopting()
+    r = await a.exec(ExecRequest("sleep 30 & sleep 30 & echo started"))
+    assert (r.exit_code, r.stdout) == (0, b"started\n"), r
+    # the two sleeps outlived their shell, came to this process (a subreaper) and were killed at the end
+    # of the exec; their zombies are reaped, not left holding the sandbox uid's pids
+    assert zombies_of_uid(TEST_UID) == []
+    assert set(zombie_children()) - before == set()
+
+
+@needs_root
+def test_a_claimed_child_is_left_to_its_launcher():
+    assert reaper.adopt_orphans()
+    reaper.track_uid(TEST_UID)
+    pid = exited_child(TEST_UID)
+    reaper.claim(pid)
+    try:
+        assert reaper.reap_orphans() == 0
+        assert pid in zombie_children()
+    finally:
+        reaper.unclaim(pid)
+    assert reaper.reap_orphans() == 1
+    assert pid not in zombie_children()
+
+
+def test_an_ordinary_child_is_never_taken():
+    pid = exited_child()
+    assert not reaper.reap_init(pid)  # not the init of a deeper pid namespace
+    assert reaper.reap_orphans() == 0  # nor of a sandbox's uid
+    assert os.waitpid(pid, 0) == (pid, 7 << 8)  # its exit status is still there for its launcher
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="pid"):
+        reaper.reap_init(0)
+    with pytest.raises(ValueError, match="uid"):
+        reaper.track_uid(0)
+    with pytest.raises(ValueError, match="wait_s"):
+        reaper.reap_orphans(wait_s=-1)
