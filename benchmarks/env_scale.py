@@ -46,8 +46,9 @@ def machine_busy() -> float:
 
 
 def box_cpu(url: str, key: str) -> dict[str, float]:
-    """CPU seconds the service's closed boxes reported (sandboxes' own CPU: bubblewrap's init does not pass
-    it on to the service's children times); empty without boxes (a bubblewrap per command)."""
+    """CPU seconds the service's closed boxes reported, their own and their commands' (all of which is also
+    in the service's reaped children's times: it reaps each sandbox's init, which reaped the box, which
+    reaped its commands); empty without boxes (a bubblewrap per command)."""
     import httpx
 
     health = httpx.get(f"{url}/resources", headers={"X-API-Key": key}, timeout=30).json()["backend_health"]
@@ -134,10 +135,18 @@ def main() -> None:
             rows[op] = percentiles(samples)
             print(f"{op:<7} {len(samples):6d} {rows[op]['p50']:8.3f} {rows[op]['p90']:8.3f} {max(samples):8.3f}")
     client_cpu = (client_after.ru_utime + client_after.ru_stime) - (client_before.ru_utime + client_before.ru_stime)
+    reaped = service_after[1] - service_before[1]
+    inside = boxes.get("boxes", 0.0) + boxes.get("commands", 0.0)
+    box_part = (f"boxes {boxes.get('boxes', 0.0):.1f} and their commands {boxes.get('commands', 0.0):.1f} "
+                f"({boxes.get('boxes_closed', 0)} boxes reported)")  # fmt: skip
+    if not boxes:
+        sandboxes = "bubblewrap and the commands"
+    elif reaped >= inside:  # the service reaped the sandboxes' inits, and with them the boxes' times
+        sandboxes = f"bubblewrap {reaped - inside:.1f}, {box_part}"
+    else:  # a service that is no subreaper: the inits (and the boxes' times) went to the host's pid 1
+        sandboxes = f"bubblewrap's outer processes; {box_part}"
     print(f"cpu seconds: client {client_cpu:.1f}, service process {service_after[0] - service_before[0]:.1f}, "
-          f"its reaped children (bubblewrap's outer processes) {service_after[1] - service_before[1]:.1f}, "
-          f"boxes {boxes.get('boxes', 0.0):.1f} and their commands {boxes.get('commands', 0.0):.1f} "
-          f"({boxes.get('boxes_closed', 0)} boxes reported)")
+          f"its reaped children {reaped:.1f} ({sandboxes})")
     cores = os.cpu_count() or 1
     print(f"machine busy {busy:.1f} CPU-seconds during the run ({100 * busy / (cores * wall):.0f} % of "
           f"{cores} CPUs; every process and kernel thread, other work on the machine included)")

@@ -8,8 +8,8 @@ user-namespace sandbox it runs as the sandbox's uid, so it counts against that u
 sandbox's own earlier commands would eat its pids limit.
 
 The same holds for what a process-group sandbox's command leaves behind. So a process that launches
-bubblewrap sandboxes, or process-group sandboxes with uids of their own, makes itself a child subreaper (`adopt_orphans`, called by
-`Isolation`) and reaps what it adopts:
+bubblewrap sandboxes, or process-group sandboxes with uids of their own, makes itself a child subreaper
+(`adopt_orphans`, called by `Isolation`) and reaps what it adopts:
 
 - the init of a pid namespace below its own (`reap_init` after a launch's namespace is gone, and a sweep
   now and then); no process this service forks itself can be that, so its exit status is nobody else's;
