@@ -500,6 +500,24 @@ def test_an_installed_copy_with_other_bytes_is_replaced(tmp_path):
     assert (target.parent.stat().st_mode & 0o777) == 0o711
 
 
+@needs_compiled_box
+def test_temporary_files_of_a_killed_build_or_copy_are_removed(tmp_path, monkeypatch):
+    old, fresh = tmp_path / ".box-killedbuild", tmp_path / ".box-buildingnow"
+    for p in (old, fresh):
+        p.write_bytes(b"half a binary")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setattr(box_build, "_built", {})
+    built = box_build.compiled_box(tmp_path)
+    # the hour-old one was left by a killed build; the fresh one may be a concurrent builder's
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(built), fresh.name])
+    reachable = tmp_path / "reachable"
+    reachable.mkdir()
+    (reachable / ".box-killedcopy").write_bytes(b"half a copy")
+    os.utime(reachable / ".box-killedcopy", (time.time() - 3600, time.time() - 3600))
+    box_build.install_box(reachable, built)
+    assert os.listdir(reachable) == [os.path.basename(built)]
+
+
 def test_box_source_compiles_without_warnings(tmp_path):
     compiler = box_build.find_compiler()
     if compiler is None:

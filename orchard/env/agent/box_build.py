@@ -18,6 +18,7 @@ read-only at `BOX_MOUNT` in each sandbox.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import filecmp
 import hashlib
 import logging
@@ -28,6 +29,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -114,6 +116,7 @@ def install_box(directory: str | os.PathLike[str], binary: str | None = None) ->
     same = os.path.isfile(target) and not os.path.islink(target)
     same = same and filecmp.cmp(binary, target, shallow=False)
     if not same:
+        _remove_stale_temps(Path(directory))
         fd, tmp = tempfile.mkstemp(prefix=".box-", dir=directory)
         os.close(fd)
         try:
@@ -126,8 +129,22 @@ def install_box(directory: str | os.PathLike[str], binary: str | None = None) ->
     return target
 
 
+_STALE_TEMP_S = 600.0
+"""A `.box-*` temporary file this old is left over from a build or copy that was killed (each takes seconds)."""
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Remove `.box-*` temporary files that builds or copies killed half-way left in `directory`."""
+    cutoff = time.time() - _STALE_TEMP_S
+    for leftover in directory.glob(".box-*"):
+        with contextlib.suppress(OSError):
+            if not leftover.is_symlink() and leftover.is_file() and leftover.stat().st_mtime < cutoff:
+                leftover.unlink()
+
+
 def _build(compiler: tuple[str, ...], target: Path) -> str | None:
     """Compile into `target` (atomically: concurrent builders race harmlessly); why it failed, or None."""
+    _remove_stale_temps(target.parent)
     fd, tmp = tempfile.mkstemp(prefix=".box-", dir=target.parent)
     os.close(fd)
     try:
