@@ -85,10 +85,33 @@ def exited_child(uid: int | None = None) -> int:
     return pid
 
 
+def zombie_sandbox_inits() -> set[int]:
+    """Zombies anywhere on the machine that are the init of a deeper pid namespace than this process's."""
+    depth = len(status_field(os.getpid(), "NSpid"))
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            nspid = status_field(int(entry), "NSpid")
+            if len(nspid) > depth and nspid[-1] == "1" and status_field(int(entry), "State")[:1] == ["Z"]:
+                out.add(int(entry))
+    return out
+
+
+def status_field(pid: int, name: str) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return line.split()[1:]
+    except OSError:
+        pass
+    return []
+
+
 @needs_bwrap
 @pytest.mark.parametrize("privileged", [None, False], ids=["root-started", "userns"])
 async def test_bubblewrap_inits_are_reaped_after_each_command(ws, privileged):
-    before = set(zombie_children())
+    before = zombie_sandbox_inits()
     a = agent(ws, BUBBLEWRAP, privileged=privileged)
     assert reaper.adopting()  # a bubblewrap sandbox makes this process adopt orphans
     for _ in range(20):
@@ -96,7 +119,7 @@ async def test_bubblewrap_inits_are_reaped_after_each_command(ws, privileged):
         assert (r.exit_code, r.stdout) == (0, b"ok\n"), r
     # the outer bubblewrap exits before its init; that init came here and was reaped, so none is left over
     # for the host's pid 1 (which some hosts reap late, and a service that is pid 1 in a container never)
-    assert set(zombie_children()) - before == set()
+    assert zombie_sandbox_inits() - before == set()
     if IS_ROOT:
         assert zombies_of_uid(TEST_UID) == []
 
@@ -131,20 +154,31 @@ def test_a_claimed_child_is_left_to_its_launcher():
     reaper.track_uid(TEST_UID)
     pid = exited_child(TEST_UID)
     reaper.claim(pid)
+    reaper.claim(pid)  # claims count: the pid, reused, was claimed again before the first claim ended
     try:
-        assert reaper.reap_orphans() == 0
+        reaper.reap_orphans()
+        reaper.unclaim(pid)
+        assert not reaper.reap_child_of_uid(pid, TEST_UID)
+        reaper.reap_orphans()
         assert pid in zombie_children()
     finally:
         reaper.unclaim(pid)
-    assert reaper.reap_orphans() == 1
+    reaper.reap_orphans()
     assert pid not in zombie_children()
 
 
 def test_an_ordinary_child_is_never_taken():
     pid = exited_child()
     assert not reaper.reap_init(pid)  # not the init of a deeper pid namespace
-    assert reaper.reap_orphans() == 0  # nor of a sandbox's uid
+    reaper.reap_orphans()  # nor of a sandbox's uid
     assert os.waitpid(pid, 0) == (pid, 7 << 8)  # its exit status is still there for its launcher
+
+
+def test_a_failed_probe_leaves_the_process_as_it_was(monkeypatch):
+    monkeypatch.setattr(reaper, "_adopting", None)
+    assert probe_bubblewrap(bwrap="/bin/false") is not None
+    assert not reaper.adopting()  # a service that falls back to process groups adopts nothing
+    reaper.adopt_orphans()
 
 
 def test_bad_arguments_are_refused():

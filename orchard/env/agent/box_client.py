@@ -31,6 +31,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from orchard.env.agent import reaper
 from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.isolation import Isolation
 from orchard.env.agent.process import TIMEOUT_EXIT_CODE, ProcessTree, validate_limits
@@ -276,8 +277,10 @@ class Box:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         tree = launch.tree_factory()
         try:
-            self._proc = subprocess.Popen(launch.argv, stdin=theirs, stdout=theirs, stderr=subprocess.PIPE,
-                                          **launch.popen)  # fmt: skip
+            with reaper.spawning():  # claimed (by attach) before any reaper of this process can look at it
+                self._proc = subprocess.Popen(launch.argv, stdin=theirs, stdout=theirs, stderr=subprocess.PIPE,
+                                              **launch.popen)  # fmt: skip
+                tree.attach(self._proc.pid)
         except OSError as e:
             ours.close()
             tree.release()
@@ -285,7 +288,6 @@ class Box:
         finally:
             theirs.close()
             launch.close()
-        tree.attach(self._proc.pid)
         self._tree = tree
         self.starts += 1
         self._sock = ours

@@ -134,7 +134,10 @@ def probe_bubblewrap(
     kwargs: dict[str, Any] = {}
     if run_as is not None and os.geteuid() == 0 and not privileged:
         kwargs.update(user=run_as[0], group=run_as[1], extra_groups=[])
-    reaper.adopt_orphans()  # the probe's sandbox init, like every other, is reaped here
+    # the probe's sandbox init, like every other, comes to this process and is reaped here; the process
+    # stays a subreaper only if it was one before (an Isolation makes it one when it needs to be)
+    was_adopting = reaper.adopting()
+    reaper.adopt_orphans()
     try:
         r = subprocess.run(
             argv, capture_output=True, timeout=30, cwd="/", env={"PATH": DEFAULT_PATH}, **kwargs
@@ -143,6 +146,8 @@ def probe_bubblewrap(
         return f"bwrap could not run: {e}"
     finally:
         reaper.reap_orphans(wait_s=1.0)
+        if not was_adopting:
+            reaper.stop_adopting()
     if r.returncode != 0:
         return f"bwrap failed (exit {r.returncode}): {r.stderr.decode(errors='replace').strip()}"
     return None
@@ -203,6 +208,7 @@ class BubblewrapTree(PidfdProcess):
         super().__init__()
         self._info_fd = info_fd
         self._init: int | None = None
+        self._init_reaped = False
 
     def kill(self) -> None:
         self.kill_main()
@@ -225,7 +231,7 @@ class BubblewrapTree(PidfdProcess):
 
     async def settle(self, timeout_s: float) -> None:
         pid = self._init_pid()
-        if pid is None:
+        if pid is None or self._init_reaped:
             return
         try:
             pidfd = os.pidfd_open(pid)
@@ -236,16 +242,22 @@ class BubblewrapTree(PidfdProcess):
         finally:
             os.close(pidfd)
         if exited:
-            reaper.reap_init(pid)
+            self._init_reaped = reaper.reap_init(pid)
         reaper.sweep_now_and_then()
 
     def release(self) -> None:
         super().release()
-        if self._init is not None:
-            reaper.reap_init(self._init)  # gone by now unless `settle` was skipped (a cancelled exec)
+        if self._init is None:
+            reaper.reap_soon()  # `settle` was skipped (a cancelled exec): the init is still dying
+        elif not self._init_reaped:
+            self._init_reaped = reaper.reap_init(self._init)
         if self._info_fd >= 0:
             os.close(self._info_fd)
             self._info_fd = -1
+
+
+_REAP_KILLED_S = 0.5
+"""How long a process-group exec waits for the processes it killed to be reaped (they die in milliseconds)."""
 
 
 class MarkedGroupTree(PidfdProcess):
@@ -255,6 +267,7 @@ class MarkedGroupTree(PidfdProcess):
         super().__init__()
         self.needle = f"\x00{MARK_VAR}={mark}\x00".encode()
         self.uid = uid
+        self._killed: set[int] = set()
 
     def kill(self) -> None:
         self.kill_main()
@@ -266,15 +279,25 @@ class MarkedGroupTree(PidfdProcess):
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        kill_marked(self.needle, self.uid)
+        kill_marked(self.needle, self.uid, self._killed)
 
     async def settle(self, timeout_s: float) -> None:
         # Killed processes cannot fork any more, so repeated passes reach a fixed point even under a fork
         # bomb; a child forked during the previous pass is caught by the next.
         deadline = time.monotonic() + timeout_s
-        while kill_marked(self.needle, self.uid) and time.monotonic() < deadline:
+        while kill_marked(self.needle, self.uid, self._killed) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        reaper.reap_orphans()  # the command's children that came to this process (see `reaper`)
+        if self.uid is not None and reaper.adopting():
+            # What was killed came to this process (see `reaper`); one stops being seen as marked before it
+            # has finished exiting, so wait (briefly) until each is reaped or gone.
+            deadline = time.monotonic() + min(timeout_s, _REAP_KILLED_S)
+            while True:
+                self._killed = {p for p in self._killed
+                                if not reaper.reap_child_of_uid(p, self.uid) and os.path.exists(f"/proc/{p}")}  # fmt: skip
+                if not self._killed or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.005)
+        reaper.reap_orphans()  # and what ended by itself after its shell did
 
 
 def marker_needle(prefix: str) -> bytes:
@@ -282,8 +305,9 @@ def marker_needle(prefix: str) -> bytes:
     return f"\x00{MARK_VAR}={prefix}".encode()
 
 
-def kill_marked(needle: bytes, uid: int | None) -> int:
-    """SIGKILL every live process (of `uid`, if given) whose environment contains `needle`; the count."""
+def kill_marked(needle: bytes, uid: int | None, killed: set[int] | None = None) -> int:
+    """SIGKILL every live process (of `uid`, if given) whose environment contains `needle`; the count. Their
+    pids are added to `killed`, if given."""
     n = 0
     me = os.getpid()
     for entry in os.listdir("/proc"):
@@ -300,6 +324,8 @@ def kill_marked(needle: bytes, uid: int | None) -> int:
             try:
                 os.kill(int(entry), signal.SIGKILL)
                 n += 1
+                if killed is not None:
+                    killed.add(int(entry))
             except (ProcessLookupError, PermissionError):
                 pass
     return n

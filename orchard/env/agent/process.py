@@ -251,22 +251,23 @@ async def run_captured(
     # subprocess.Popen rather than the loop's subprocess support: Popen starts the child with vfork where it
     # can (uvloop's libuv forks the whole service, ~1 ms more per command), and a pidfd tells the exit
     # without a watcher thread per child.
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen_kwargs)  # fmt: skip
-    except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
-        tree.release()
-        return ExecResult(
-            exit_code=127,
-            stdout=b"",
-            stderr=f"cannot run {argv[0]!r}: {e.strerror}\n".encode(),
-            duration_s=time.monotonic() - start,
-        )
-    except BaseException:
-        tree.release()
-        raise
+    with reaper.spawning():  # claimed (by attach) before any reaper of this process can look at it
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen_kwargs)  # fmt: skip
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+            tree.release()
+            return ExecResult(
+                exit_code=127,
+                stdout=b"",
+                stderr=f"cannot run {argv[0]!r}: {e.strerror}\n".encode(),
+                duration_s=time.monotonic() - start,
+            )
+        except BaseException:
+            tree.release()
+            raise
+        tree.attach(proc.pid)
     pidfd = os.pidfd_open(proc.pid)
-    tree.attach(proc.pid)
     if on_start is not None:
         on_start(tree)
     pipes: _Pipes | None = None

@@ -17,6 +17,7 @@ import termios
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from orchard.env.agent import reaper
 from orchard.env.agent.isolation import Launch
 from orchard.env.agent.process import ProcessTree, wait_pidfd
 
@@ -76,7 +77,9 @@ class LocalPty:
             popen: dict[str, Any] = dict(launch.popen)
             # subprocess.Popen, not the event loop's subprocess support: uvloop runs preexec_fn before it
             # makes the child a session leader with the terminal on stdin, too early to take the terminal.
-            proc = subprocess.Popen(launch.argv, stdin=slave, stdout=slave, stderr=slave, **popen)
+            with reaper.spawning():  # claimed (by attach) before any reaper of this process can look at it
+                proc = subprocess.Popen(launch.argv, stdin=slave, stdout=slave, stderr=slave, **popen)
+                tree.attach(proc.pid)
         except BaseException:
             os.close(master)
             os.close(slave)
@@ -84,7 +87,6 @@ class LocalPty:
             raise
         os.close(slave)
         os.set_blocking(master, False)
-        tree.attach(proc.pid)
         return cls(master, proc, tree, on_close)
 
     @property

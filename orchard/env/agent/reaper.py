@@ -15,7 +15,8 @@ bubblewrap sandboxes, or process-group sandboxes with uids of their own, makes i
   now and then); no process this service forks itself can be that, so its exit status is nobody else's;
 - zombies running as the uid of a process-group sandbox (`track_uid`; a root service gives each sandbox a
   uid of its own), the children that its commands left behind and the kill ended (`reap_orphans` after each
-  such command); the main processes the agent waits for itself are claimed (`claim`) and never taken.
+  such command); the main processes the agent waits for itself are claimed while it spawns them
+  (`spawning`, `claim`) until it has waited for them, and never taken.
 
 Being a subreaper is a property of the whole process. Other orphans of an embedding program (one that runs
 the local backend in-process) come to it too and are not reaped here, because their exit status may be
@@ -24,18 +25,25 @@ somebody's to collect; they stay zombies until that program waits for them or ex
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import ctypes
-import glob
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 __all__ = [
     "adopt_orphans",
     "adopting",
     "claim",
+    "reap_child_of_uid",
     "reap_init",
     "reap_orphans",
+    "reap_soon",
+    "spawning",
+    "stop_adopting",
     "sweep_now_and_then",
     "track_uid",
     "unclaim",
@@ -44,11 +52,31 @@ __all__ = [
 _PR_SET_CHILD_SUBREAPER = 36
 _SWEEP_EVERY_S = 2.0
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _adopting: bool | None = None  # None: not tried yet
-_claimed: set[int] = set()
+_claimed: collections.Counter[int] = collections.Counter()  # counted: a reused pid may be claimed twice
 _tracked: set[int] = set()
 _last_sweep = 0.0
+_depth: int | None = None  # how many pid namespaces deep this process is
+
+
+def _forget_after_fork() -> None:
+    # a forked child is no subreaper (the kernel does not pass the flag on) and has none of these children
+    global _adopting, _last_sweep, _depth
+    _adopting, _last_sweep, _depth = None, 0.0, None
+    _claimed.clear()
+    _tracked.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _set_subreaper(on: bool) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def adopt_orphans() -> bool:
@@ -56,12 +84,17 @@ def adopt_orphans() -> bool:
     global _adopting
     with _lock:
         if _adopting is None:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                _adopting = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-            except (OSError, AttributeError):
-                _adopting = False
+            _adopting = _set_subreaper(True)
         return _adopting
+
+
+def stop_adopting() -> None:
+    """Undo `adopt_orphans` (for a caller that adopted only for a moment, like the bubblewrap probe)."""
+    global _adopting
+    with _lock:
+        if _adopting:
+            _set_subreaper(False)
+        _adopting = None
 
 
 def adopting() -> bool:
@@ -69,19 +102,36 @@ def adopting() -> bool:
     return bool(_adopting)
 
 
-def claim(pid: int) -> None:
-    """`pid` is a child the caller will wait for itself: never reap it here."""
+@contextlib.contextmanager
+def spawning() -> Iterator[None]:
+    """Hold off every reaper of this process while the caller starts a child and `claim`s it, so a child
+    that exits at once is not taken before it is claimed."""
     with _lock:
-        _claimed.add(pid)
+        yield
+
+
+def claim(pid: int) -> None:
+    """`pid` is a child the caller will wait for itself: never reap it here (until `unclaim`)."""
+    with _lock:
+        _claimed[pid] += 1
 
 
 def unclaim(pid: int) -> None:
     """The caller has waited for `pid` (or gives it up)."""
     with _lock:
-        _claimed.discard(pid)
+        if _claimed[pid] <= 1:
+            del _claimed[pid]
+        else:
+            _claimed[pid] -= 1
 
 
-_DEPTH: int | None = None  # how many pid namespaces deep this process is
+def track_uid(uid: int) -> None:
+    """`uid` is a process-group sandbox's own: exited children of this process that run as it are what its
+    commands left behind, for `reap_orphans` to reap (claimed ones aside)."""
+    if not isinstance(uid, int) or uid <= 0:
+        raise ValueError(f"uid must be a positive int (a sandbox's own, not root's), got {uid!r}")
+    with _lock:
+        _tracked.add(uid)
 
 
 def _status_field(pid: int, name: str) -> list[str] | None:
@@ -95,28 +145,42 @@ def _status_field(pid: int, name: str) -> list[str] | None:
     return None
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first, then ppid, ...)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _zombie_child(pid: int) -> bool:
     """Whether `pid` is an exited, unreaped child of this process (then only this process can reap it, so
     the pid cannot be reused under us)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[0] == "Z" and int(fields[1]) == os.getpid()
+    fields = _stat(pid)
+    return fields is not None and fields[0] == "Z" and int(fields[1]) == os.getpid()
 
 
 def _is_deeper_init(pid: int) -> bool:
-    global _DEPTH
-    if _DEPTH is None:
-        _DEPTH = len(_status_field(os.getpid(), "NSpid") or ["x"])
+    global _depth
+    if _depth is None:
+        _depth = len(_status_field(os.getpid(), "NSpid") or ["x"])
     nspid = _status_field(pid, "NSpid")
-    return nspid is not None and len(nspid) > _DEPTH and nspid[-1] == "1"
+    return nspid is not None and len(nspid) > _depth and nspid[-1] == "1"
 
 
-def _reap(pid: int) -> bool:
+def _of_uid(pid: int, uids: set[int] | frozenset[int]) -> bool:
+    uid = _status_field(pid, "Uid")
+    return bool(uids) and uid is not None and int(uid[0]) in uids
+
+
+def _reap_if(pid: int, *, init: bool, uids: set[int] | frozenset[int]) -> bool:
+    """Reap `pid` if, checked under the lock, it is an exited unclaimed child of this process that is a
+    deeper namespace's init (`init`) or runs as one of `uids`; whether it did."""
     with _lock:
-        if pid in _claimed:
+        if pid in _claimed or not _zombie_child(pid):
+            return False
+        if not ((init and _is_deeper_init(pid)) or _of_uid(pid, uids)):
             return False
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
@@ -130,27 +194,40 @@ def reap_init(pid: int) -> bool:
     process's (a sandbox init that bubblewrap orphaned); whether it did."""
     if not isinstance(pid, int) or pid <= 0:
         raise ValueError(f"pid must be a positive int, got {pid!r}")
-    return _zombie_child(pid) and _is_deeper_init(pid) and _reap(pid)
+    return _reap_if(pid, init=True, uids=frozenset())
+
+
+def reap_child_of_uid(pid: int, uid: int) -> bool:
+    """Reap `pid` if it is an exited, unclaimed child of this process running as tracked `uid`."""
+    if not isinstance(pid, int) or pid <= 0:
+        raise ValueError(f"pid must be a positive int, got {pid!r}")
+    return uid in _tracked and _reap_if(pid, init=False, uids=frozenset((uid,)))
 
 
 def _children() -> list[int]:
+    me = os.getpid()
     out: list[int] = []
-    for path in glob.glob("/proc/self/task/*/children"):
+    found = False
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        tasks = []
+    for tid in tasks:
         try:
-            with open(path) as f:
+            with open(f"/proc/{me}/task/{tid}/children") as f:
+                found = True
                 out += [int(p) for p in f.read().split()]
         except (OSError, ValueError):
             continue
+    if found:
+        return out
+    # a kernel without CONFIG_PROC_CHILDREN: every process's parent, from /proc/<pid>/stat
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None and int(fields[1]) == me:
+                out.append(int(entry))
     return out
-
-
-def track_uid(uid: int) -> None:
-    """`uid` is a process-group sandbox's own: exited children of this process that run as it are what its
-    commands left behind, for `reap_orphans` to reap (claimed ones aside)."""
-    if not isinstance(uid, int) or uid <= 0:
-        raise ValueError(f"uid must be a positive int (a sandbox's own, not root's), got {uid!r}")
-    with _lock:
-        _tracked.add(uid)
 
 
 def reap_orphans(*, wait_s: float = 0.0) -> int:
@@ -166,18 +243,13 @@ def reap_orphans(*, wait_s: float = 0.0) -> int:
     while True:
         exiting = False
         for pid in _children():
-            if not _zombie_child(pid):
-                exiting = exiting or (wait_s > 0 and _is_deeper_init(pid))
-            elif _is_deeper_init(pid) or _of_tracked_uid(pid):
-                n += _reap(pid)
+            if _zombie_child(pid):
+                n += _reap_if(pid, init=True, uids=_tracked)
+            elif wait_s > 0 and _is_deeper_init(pid):
+                exiting = True
         if not exiting or time.monotonic() >= deadline:
             return n
         time.sleep(0.005)
-
-
-def _of_tracked_uid(pid: int) -> bool:
-    uid = _status_field(pid, "Uid")
-    return bool(_tracked) and uid is not None and int(uid[0]) in _tracked
 
 
 def sweep_now_and_then() -> int:
@@ -190,3 +262,16 @@ def sweep_now_and_then() -> int:
         return 0
     _last_sweep = now
     return reap_orphans()
+
+
+def reap_soon(delays_s: tuple[float, ...] = (0.05, 0.5, 2.0)) -> None:
+    """`reap_orphans()` after each of `delays_s` on the running event loop (none: nothing): for a launch
+    that was killed and let go without waiting for its namespace (a cancelled exec)."""
+    if not _adopting:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    for delay in delays_s:
+        loop.call_later(delay, reap_orphans)
