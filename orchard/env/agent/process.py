@@ -64,10 +64,12 @@ class PidfdProcess:
     def __init__(self) -> None:
         self.pid: int | None = None
         self._pidfd: int | None = None
+        self._claimed = False
 
     def attach(self, pid: int) -> None:
         self.pid = pid
         reaper.claim(pid)  # its exit status is the launcher's, not for `reaper` to take
+        self._claimed = True
         try:
             self._pidfd = os.pidfd_open(pid)
         except OSError:
@@ -84,8 +86,9 @@ class PidfdProcess:
         return None
 
     def release(self) -> None:
-        if self.pid is not None:
+        if self.pid is not None and self._claimed:
             reaper.unclaim(self.pid)
+            self._claimed = False
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

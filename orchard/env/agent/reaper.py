@@ -119,8 +119,8 @@ def claim(pid: int) -> None:
 def unclaim(pid: int) -> None:
     """The caller has waited for `pid` (or gives it up)."""
     with _lock:
-        if _claimed[pid] <= 1:
-            del _claimed[pid]
+        if _claimed.get(pid, 0) <= 1:
+            _claimed.pop(pid, None)
         else:
             _claimed[pid] -= 1
 
