@@ -7,7 +7,9 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 
 import pytest
@@ -189,3 +191,28 @@ def test_bad_arguments_are_refused():
         reaper.track_uid(0)
     with pytest.raises(ValueError, match="wait_s"):
         reaper.reap_orphans(wait_s=-1)
+
+
+def test_a_forked_child_starts_afresh():
+    reaper.adopt_orphans()
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with reaper.spawning():  # another thread holds the lock at the fork; the child will not have it
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(5)  # an inherited, held lock would hang the child: end it as a failure
+            reaper.claim(1234)
+            reaper.unclaim(1234)
+            os._exit(0 if not reaper.adopting() else 3)  # nor is it a subreaper: the kernel did not pass it on
+    finally:
+        done.set()
+        t.join()
+    assert os.waitpid(pid, 0)[1] == 0

@@ -61,8 +61,10 @@ _depth: int | None = None  # how many pid namespaces deep this process is
 
 
 def _forget_after_fork() -> None:
-    # a forked child is no subreaper (the kernel does not pass the flag on) and has none of these children
-    global _adopting, _last_sweep, _depth
+    # a forked child is no subreaper (the kernel does not pass the flag on) and has none of these children;
+    # the lock may have been held by a thread the child does not have
+    global _lock, _adopting, _last_sweep, _depth
+    _lock = threading.RLock()
     _adopting, _last_sweep, _depth = None, 0.0, None
     _claimed.clear()
     _tracked.clear()
