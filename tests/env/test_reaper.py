@@ -43,17 +43,19 @@ def agent(ws: str, mode: str, **kw) -> SandboxAgent:
     return SandboxAgent(Isolation(workspace, mode=mode, run_as=RUN_AS, **kw), box=False)
 
 
+def is_zombie(pid: int | str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
 def zombie_children() -> list[int]:
     out = []
     for path in glob.glob("/proc/self/task/*/children"):
         with open(path) as f:
-            for pid in f.read().split():
-                try:
-                    with open(f"/proc/{pid}/stat") as s:
-                        if s.read().rsplit(")", 1)[1].split()[0] == "Z":
-                            out.append(int(pid))
-                except OSError:
-                    continue
+            out += [int(pid) for pid in f.read().split() if is_zombie(pid)]
     return out
 
 
@@ -62,10 +64,8 @@ def zombies_of_uid(uid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    with open(f"/proc/{entry}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                            out.append(int(entry))
+                if os.stat(f"/proc/{entry}").st_uid == uid and is_zombie(entry):
+                    out.append(int(entry))
             except OSError:
                 continue
     return out
@@ -94,7 +94,7 @@ def zombie_sandbox_inits() -> set[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             nspid = status_field(int(entry), "NSpid")
-            if len(nspid) > depth and nspid[-1] == "1" and status_field(int(entry), "State")[:1] == ["Z"]:
+            if len(nspid) > depth and nspid[-1] == "1" and is_zombie(entry):
                 out.add(int(entry))
     return out
 
