@@ -12,6 +12,7 @@ from orchard.data.curation import (
     shortest_successful_per_task,
     token_count,
 )
+from orchard.data.group import RolloutGroup, stack_groups, trainable
 from orchard.data.io import (
     from_hf_dataset,
     iter_jsonl,
@@ -53,6 +54,7 @@ __all__ = [
     "RenderReport",
     "RenderedSample",
     "Role",
+    "RolloutGroup",
     "TerminationReason",
     "ToolCall",
     "ToolCallIssue",
@@ -74,9 +76,11 @@ __all__ = [
     "render_trajectory",
     "render_turns",
     "shortest_successful_per_task",
+    "stack_groups",
     "table_to_trajectories",
     "to_hf_dataset",
     "token_count",
+    "trainable",
     "trajectories_to_table",
     "write_jsonl",
     "write_parquet",

@@ -276,6 +276,13 @@ class Trajectory:
         group_id: the rollout group (same task, same policy version) advantages are computed within.
         termination_reason: one of :data:`TERMINATION_REASONS`; default ``done``.
         metadata: free JSON-native data (site, model version, timings...).
+        samples: the rollout's training samples (`orchard.data.RenderedSample`), as the harness recorded them: one
+            rendered sequence for an in-process agent loop, the recording proxy's samples (prefix-merged) for a
+            harness program. Derived tensors: not serialized by ``to_dict`` and not compared; empty when the
+            rollout failed or nothing was recorded.
+
+    What the sampling functions read (BAR's ``reward`` / ``terminated`` / ``length``, a group's validity and
+    evaluation pass) are the properties :attr:`valid`, :attr:`passed`, :attr:`terminated` and :attr:`length`.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -286,6 +293,7 @@ class Trajectory:
     group_id: str | None = None
     termination_reason: TerminationReason = "done"
     metadata: dict[str, Any] = field(default_factory=dict)
+    samples: list[Any] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.messages, list):
@@ -317,6 +325,32 @@ class Trajectory:
     def is_env_error(self) -> bool:
         """True when the environment failed: drop the rollout, do not score it."""
         return self.termination_reason == "env_error"
+
+    @property
+    def valid(self) -> bool:
+        """Scored and not an environment failure: the only rollouts that may be scored or trained on."""
+        return not self.is_env_error and self.reward is not None
+
+    @property
+    def passed(self) -> bool:
+        """The evaluation's success: ``reward_components["passed"] > 0`` where the verifier reports a pass rule of
+        its own (the Claw domain's ``task_score >= 0.75``, which is not its RL reward), else ``reward > 0``.
+        False for a rollout that is not :attr:`valid`."""
+        if not self.valid:
+            return False
+        if "passed" in self.reward_components:
+            return self.reward_components["passed"] > 0
+        return self.reward is not None and self.reward > 0
+
+    @property
+    def terminated(self) -> bool:
+        """True when the agent ended the rollout itself (``done``), False when a budget or an error cut it."""
+        return self.termination_reason == "done"
+
+    @property
+    def length(self) -> int:
+        """Assistant turns (BAR prefers shorter rollouts among equals)."""
+        return self.num_steps
 
     @property
     def assistant_indices(self) -> list[int]:

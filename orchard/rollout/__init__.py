@@ -5,8 +5,10 @@ Names load lazily (``orchard --help`` imports this package's CLI and must stay f
 - engines: `Engine`, `SamplingParams`, `GenerateRequest`, `GenerateResult`, `Completion`, `HFEngine`,
   `VLLMEngine` (GPU extra), `OpenAIEngine`, `ScriptedEngine`
 - serving: `build_app`, `serve_in_thread`, `RecordingProxy`, `CallRecord`
+- serving: `serve_app` (any ASGI app on the caller's event loop)
 - acting: `AgentLoop`, `PromptBuilder`, `Harness`, `Observation`, `InvalidToolCall`, `EnvironmentFailure`,
   `ShellHarness`, `parse_tool_calls`, `ParsedOutput`
+- one interface for every harness path: `Rollouts`, `AgentLoopRollouts`
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ _EXPORTS = {
     "serve_in_thread": "server",
     "RecordingProxy": "proxy",
     "CallRecord": "proxy",
+    "serve_app": "serving",
+    "Rollouts": "rollouts",
+    "AgentLoopRollouts": "rollouts",
     "AgentLoop": "agent_loop",
     "PromptBuilder": "agent_loop",
     "Harness": "harness",

@@ -48,8 +48,9 @@ class BARRollout(Protocol):
 
     ``reward`` (float; positive when ``> 0``) or ``success`` (bool; wins when present), ``terminated`` (True when
     the episode ended on its own, False when it was truncated by a turn / token / time limit) and ``length``
-    (tokens or turns; shorter is preferred). Pass ``positive=``, ``terminated=``, ``length=`` key functions to
-    read any other rollout type.
+    (tokens or turns; shorter is preferred), and optionally ``valid`` (False: an environment failure, discarded).
+    `orchard.data.Trajectory` has all of these. Pass ``positive=``, ``terminated=``, ``length=``, ``valid=`` key
+    functions to read any other rollout type.
     """
 
     reward: float
@@ -180,6 +181,10 @@ def _default_length(rollout: object) -> float:
     return _read(rollout, "length")
 
 
+def _default_valid(rollout: object) -> bool:
+    return bool(_read(rollout, "valid")) if _has(rollout, "valid") else True
+
+
 def balanced_subset(
     positive: Sequence[bool],
     terminated: Sequence[bool],
@@ -257,7 +262,7 @@ class _BARRun(Generic[R]):
         self._positive = positive or _default_positive
         self._terminated = terminated or _default_terminated
         self._length = length or _default_length
-        self._valid = valid
+        self._valid = valid or _default_valid
         self.pool: list[R] = []
         self.discarded: list[R] = []
         self.pos: list[bool] = []
@@ -382,6 +387,7 @@ def bar_select(
         length: key function, rollout -> length (shorter preferred); default reads ``length``.
         valid: optional key function, rollout -> usable. A rollout it rejects (its sandbox died, the judge
             failed) goes to ``result.discarded``, never into the pool: an environment failure is not a negative.
+            Default reads ``valid`` where the rollout has it (`orchard.data.Trajectory` does), else keeps all.
 
     Returns:
         :class:`BARResult` with the selection (exactly ``config.n`` or none), the pool, the reason and counts.

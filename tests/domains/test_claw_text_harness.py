@@ -18,16 +18,12 @@ from orchard.domains.claw import text_harness, text_rollout, world
 from orchard.domains.claw.convention import TEXT_SYSTEM
 from orchard.domains.claw.tasks import TEMPLATES, make_task
 from orchard.domains.claw.teacher import TeacherEngine
-from orchard.domains.claw.text_rollout import (
-    TextEpisode,
-    run_text_episodes,
-    serve_app,
-    summarize_text_episodes,
-)
+from orchard.domains.claw.text_rollout import run_text_episodes, summarize_text_episodes
 from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.env.embedded import serve
 from orchard.rollout.engine import Completion, GenerateResult
 from orchard.rollout.proxy import RecordingProxy
+from orchard.rollout.serving import serve_app
 
 RUN_ID = "texttest"
 MALFORMED = "Let me look at the mail first."
@@ -128,27 +124,27 @@ def batch(tokenizer, service):
                     await proxy.aclose()
 
         episodes, engine, sessions_after, sandboxes_after = asyncio.run(main())
-    return {"episodes": episodes, "solved": solved, "engine": engine, "argvs": argvs, "api_key": service.api_key,
+    return {"episodes": episodes, "tasks": tasks, "solved": solved, "engine": engine, "argvs": argvs, "api_key": service.api_key,
             "sessions_after": sessions_after, "sandboxes_after": sandboxes_after}
 
 
 @pytest.mark.slow
 def test_teacher_solves_every_template_through_the_program(batch):
     episodes = batch["episodes"]
-    assert [e.task.id for e in episodes[: len(batch["solved"])]] == [t.id for t in batch["solved"]]
-    for episode in episodes[: len(batch["solved"])]:
-        task = episode.task
-        assert episode.termination_reason == "done", (task.id, episode.error, episode.messages[-2:])
-        assert episode.reward == 1.0 and episode.trainable, (task.id, episode.reward_components)
+    assert [e.task_id for e in episodes[: len(batch["solved"])]] == [t.id for t in batch["solved"]]
+    for episode, task in zip(episodes, batch["solved"], strict=False):
+        meta, messages = episode.metadata, [m.to_openai() for m in episode.messages]
+        assert episode.termination_reason == "done", (task.id, meta["error"], messages[-2:])
+        assert episode.reward == 1.0 and episode.valid, (task.id, episode.reward_components)
         assert episode.reward_components["passed"] == 1.0 and episode.reward_components["safety"] == 1.0
         # len(plan) tool turns then the Final turn; 2 + 2 * len(plan) + 1 messages.
-        assert episode.steps == len(task.plan) + 1 and episode.tool_calls == len(task.plan)
-        assert episode.format_errors == 0
-        assert len(episode.messages) == 2 + 2 * len(task.plan) + 1
-        assert episode.messages[0] == {"role": "system", "content": TEXT_SYSTEM}
-        assert episode.messages[1] == {"role": "user", "content": task.prompt}
-        assert episode.messages[-1]["content"].startswith("Final:")
-        for observation in episode.messages[3:-1:2]:
+        assert meta["steps"] == episode.num_steps == len(task.plan) + 1 and meta["tool_calls"] == len(task.plan)
+        assert meta["format_errors"] == 0 and meta["harness"] == "text"
+        assert len(messages) == 2 + 2 * len(task.plan) + 1
+        assert messages[0] == {"role": "system", "content": TEXT_SYSTEM}
+        assert messages[1] == {"role": "user", "content": task.prompt}
+        assert messages[-1]["content"].startswith("Final:")
+        for observation in messages[3:-1:2]:
             assert observation["role"] == "user" and observation["content"].startswith("Observation: ")
             assert not observation["content"].startswith("Observation: error"), (task.id, observation)
     # Every session's calls were taken out of the proxy, and every sandbox was deleted.
@@ -162,20 +158,20 @@ def test_proxy_samples_equal_rendering_the_conversation(batch, tokenizer):
         if episode.termination_reason == "env_error":
             continue
         # Text only (no token ids): the template's own ids of every assistant turn.
-        traj = Trajectory(messages=[Message.from_dict(m) for m in episode.messages])
+        traj = Trajectory(messages=[Message.from_dict(m.to_openai()) for m in episode.messages])
         reference = render_turns(traj, tokenizer)
-        assert len(episode.samples) == len(reference) == episode.steps, episode.task.id
+        assert len(episode.samples) == len(reference) == episode.metadata["steps"], episode.task_id
         for k, (got, want) in enumerate(zip(episode.samples, reference, strict=True)):
-            assert torch.equal(got.input_ids, want.input_ids), (episode.task.id, k)
-            assert torch.equal(got.action_mask, want.action_mask), (episode.task.id, k)
+            assert torch.equal(got.input_ids, want.input_ids), (episode.task_id, k)
+            assert torch.equal(got.action_mask, want.action_mask), (episode.task_id, k)
             assert torch.equal(got.turn_index[got.action_mask], torch.full_like(got.turn_index[got.action_mask], k))
             # The prompt is masked, the sampled output (ending in the end-of-turn token) supervised.
             n_out = int(got.action_mask.sum())
             assert n_out > 0 and bool(got.action_mask[-n_out:].all()) and not got.action_mask[:-n_out].any()
             assert got.input_ids[-1].item() == tokenizer.eos_token_id
             assert bool(got.logprob_mask[got.action_mask].all())
-        # The episode's trajectory carries the recorded ids, so it renders to the same samples too.
-        for got, want in zip(episode.samples, render_turns(episode.trajectory(), tokenizer), strict=True):
+        # The trajectory's assistant turns carry the recorded ids, so it renders to the same samples too.
+        for got, want in zip(episode.samples, render_turns(episode, tokenizer), strict=True):
             assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.old_logprobs, want.old_logprobs)
 
 
@@ -183,12 +179,13 @@ def test_proxy_samples_equal_rendering_the_conversation(batch, tokenizer):
 def test_malformed_replies_end_in_format_error_with_reward_minus_one(batch, tokenizer):
     episode = batch["episodes"][-3]
     assert episode.termination_reason == "format_error"
-    assert episode.reward == -1.0 and episode.trainable
+    assert episode.reward == -1.0 and episode.valid
     # Nothing was done: completion 0 (the stock check fails), so the verdict fails.
     assert episode.reward_components["completion"] == 0.0 and episode.reward_components["passed"] == 0.0
-    assert (episode.steps, episode.format_errors, episode.tool_calls) == (3, 3, 0)
-    assert [m["content"] for m in episode.messages[2::2]] == [MALFORMED] * 3
-    assert all(m["content"].startswith("Observation: error: expected") for m in episode.messages[3::2])
+    meta = episode.metadata
+    assert (meta["steps"], meta["format_errors"], meta["tool_calls"]) == (3, 3, 0)
+    assert [m.content for m in episode.messages[2::2]] == [MALFORMED] * 3
+    assert all(m.content.startswith("Observation: error: expected") for m in episode.messages[3::2])
     # The sampling log-probs travel through the proxy onto the action tokens (-0.5 each), 0 on the prompt.
     expected_ids = tokenizer.encode(MALFORMED + tokenizer.eos_token, add_special_tokens=False)
     for sample in episode.samples:
@@ -199,26 +196,27 @@ def test_malformed_replies_end_in_format_error_with_reward_minus_one(batch, toke
 
 @pytest.mark.slow
 def test_valid_calls_without_an_end_run_out_of_steps(batch):
-    episode = batch["episodes"][-2]
+    episode, task = batch["episodes"][-2], batch["tasks"][-2]
+    meta = episode.metadata
     # The default budget: 6 turns, each a valid call (no format error), then step_budget; the stock is unchanged.
-    assert (episode.termination_reason, episode.steps, episode.tool_calls, episode.format_errors) == (
+    assert (episode.termination_reason, meta["steps"], meta["tool_calls"], meta["format_errors"]) == (
         "step_budget", 6, 6, 0)
     assert len(episode.samples) == 6
     assert episode.reward == -1.0 and episode.reward_components["completion"] == 0.0
     # Each observation is the world's listing of this task's initial inventory, run in the sandbox.
-    listing = world.apply_tool(copy.deepcopy(episode.task.state), "list_items", {})
-    assert [m["content"] for m in episode.messages[3::2]] == [f"Observation: {listing}"] * 6
+    listing = world.apply_tool(copy.deepcopy(task.state), "list_items", {})
+    assert [m.content for m in episode.messages[3::2]] == [f"Observation: {listing}"] * 6
 
 
 @pytest.mark.slow
 def test_sandbox_deleted_mid_run_is_env_error_and_unscored(batch):
     episode = batch["episodes"][-1]
     assert batch["engine"].doomed_at_call == 1
-    assert episode.termination_reason == "env_error" and not episode.trainable
+    assert episode.termination_reason == "env_error" and not episode.valid
     assert episode.reward is None and episode.reward_components == {}
-    assert episode.error.startswith("sandbox: NotFoundError"), episode.error
+    assert episode.metadata["error"].startswith("sandbox: NotFoundError"), episode.metadata["error"]
     # The first call ran its tool; the second answer could not.
-    assert (episode.steps, episode.tool_calls) == (2, 1)
+    assert (episode.metadata["steps"], episode.metadata["tool_calls"]) == (2, 1)
     metrics = summarize_text_episodes(batch["episodes"])
     assert metrics["text/env_errors"] == 1.0 and metrics["text/format_error_episodes"] == 1.0
     # 9 solved + 2 failed are scored (the env_error is not): success 9 / 11.
@@ -248,13 +246,13 @@ def test_a_program_that_reports_nothing_gives_env_errors_and_cleans_up(tokenizer
                 await proxy.aclose()
 
     episodes, sessions, sandboxes = asyncio.run(main())
-    assert [(e.task.id, e.group_index, e.session_id) for e in episodes] == [
+    assert [(e.task_id, e.metadata["group_index"], e.metadata["session_id"]) for e in episodes] == [
         (tasks[0].id, 0, "textcrash-0"), (tasks[0].id, 1, "textcrash-1"),
         (tasks[1].id, 0, "textcrash-2"), (tasks[1].id, 1, "textcrash-3")]
     for e in episodes:
-        assert e.termination_reason == "env_error" and e.reward is None and not e.trainable
-        assert "no report (exit 2)" in e.error and "model_url" in e.error, e.error
-        assert e.samples == [] and e.steps == 0
+        assert e.termination_reason == "env_error" and e.reward is None and not e.valid
+        assert "no report (exit 2)" in e.metadata["error"] and "model_url" in e.metadata["error"], e.metadata
+        assert e.samples == [] and e.metadata["steps"] == 0
     assert sessions == [] and not [s for s in sandboxes if s.startswith("textcrash")]
 
 
@@ -281,13 +279,12 @@ def test_serve_app_runs_on_the_callers_loop_and_leaves_signals_alone():
 
 
 def test_summary_counts_by_hand():
-    task = make_task("add_event", 1)
-    episodes = [
-        TextEpisode(task, "a", 0, "done", steps=2, reward=1.0),
-        TextEpisode(task, "b", 1, "format_error", steps=3, format_errors=3, reward=-1.0),
-        TextEpisode(task, "c", 2, "step_budget", steps=6, format_errors=1, reward=-1.0),
-        TextEpisode(task, "d", 3, "env_error", steps=1),
-    ]
+    def episode(reason, steps, format_errors=0, reward=None):
+        return Trajectory(reward=reward, termination_reason=reason, task_id="t",
+                          metadata={"steps": steps, "format_errors": format_errors})
+
+    episodes = [episode("done", 2, reward=1.0), episode("format_error", 3, 3, reward=-1.0),
+                episode("step_budget", 6, 1, reward=-1.0), episode("env_error", 1)]
     metrics = summarize_text_episodes(episodes)
     # scored: a, b, c -> 1 pass / 3; steps (2 + 3 + 6 + 1) / 4 = 3; format errors 3 + 1 = 4.
     assert metrics == {
@@ -298,7 +295,7 @@ def test_summary_counts_by_hand():
     assert summarize_text_episodes([]) == {
         "text/episodes": 0.0, "text/env_errors": 0.0, "text/format_error_episodes": 0.0,
         "text/format_errors": 0.0, "text/success_rate": 0.0, "text/mean_steps": 0.0}
-    with pytest.raises(ValueError, match="episodes"):
+    with pytest.raises(ValueError, match="trajectories"):
         summarize_text_episodes([{"reward": 1.0}])
 
 

@@ -14,13 +14,14 @@ One batch (`run_text_episodes`)::
     samples = proxy.samples(session id)                # then the session is dropped from the proxy
     delete every sandbox (always, errors and cancellation included)
 
-Where the proxy runs: on the caller's event loop (uvicorn's ``Server.serve()`` as an asyncio task, see
-`serve_app`), not in a thread. The engine behind it (`HFEngine` batches per event loop) then shares the loop with
+Where the proxy runs: on the caller's event loop (`orchard.rollout.serving.serve_app`), not in a thread. The engine behind it (`HFEngine` batches per event loop) then shares the loop with
 the caller's other rollouts, and nothing crosses threads. The child process blocks nothing: it is awaited.
 
 Environment failures (a sandbox that could not be created, prepared or verified; the program's own ``env_error``s;
 an episode the program never reported, e.g. because it crashed or ran past its time) give ``env_error`` with
-``reward = None``: the caller drops them, never scores them 0 (`TextEpisode.trainable`).
+``reward = None``: the caller drops them, never scores them 0 (`Trajectory.valid` is False).
+
+`ClawTextRollouts` wraps all of this as an `orchard.rollout.Rollouts`, the interface the stages take.
 """
 
 from __future__ import annotations
@@ -31,19 +32,19 @@ import json
 import math
 import os
 import secrets
-import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchard.data import Message, RenderedSample, Trajectory
+from orchard.data import Message, RenderedSample, Trajectory, merge_prefix_samples
 from orchard.domains.claw.harness import prepare_sandbox, verify_sandbox
 from orchard.domains.claw.tasks import ClawTask
 from orchard.rollout.agent_loop import ENV_ERRORS
 from orchard.rollout.proxy import RecordingProxy
+from orchard.rollout.serving import serve_app
 
 KEY_ENV = "ORCHARD_TEXT_HARNESS_ENV_KEY"
 """The environment variable that hands the sandbox service's key to the child process."""
@@ -55,24 +56,8 @@ VERIFY_ERRORS: tuple[type[BaseException], ...] = (*ENV_ERRORS, ValueError)
 
 
 @dataclass
-class TextEpisode:
-    """One episode of the text harness, with the proxy's record of it.
-
-    Fields:
-        task: the task played.
-        session_id: the proxy session of its model calls; also its sandbox's id.
-        group_index: which member of the task's group (0 .. group_size - 1).
-        termination_reason: ``done``, ``step_budget``, ``time_budget``, ``format_error`` or ``env_error``.
-        steps: assistant turns (model calls the program completed).
-        format_errors: turns the program could not parse.
-        tool_calls: tools run in the sandbox.
-        messages: the conversation as the program kept it (OpenAI chat dicts).
-        samples: the proxy's training samples, one per recorded call, in order (`RecordingProxy.samples`).
-        reward: +1 when the verifier passed the sandbox, -1 otherwise; None for ``env_error``.
-        reward_components: the verdict's completion, robustness, safety, score, passed ({} for ``env_error``).
-        error: what failed, for ``env_error``; else None.
-        wall_s: the program's wall time for the episode (0 when it never ran).
-    """
+class _Episode:
+    """One episode's state while the batch runs (becomes a `Trajectory` at the end)."""
 
     task: ClawTask
     session_id: str
@@ -82,28 +67,21 @@ class TextEpisode:
     format_errors: int = 0
     tool_calls: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)
-    samples: list[RenderedSample] = field(default_factory=list)
     reward: float | None = None
     reward_components: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     wall_s: float = 0.0
 
-    @property
-    def trainable(self) -> bool:
-        """Scored and not an environment failure: the only episodes a trainer may use. (``time_budget`` episodes
-        are scored like any other; a recipe that follows the paper's "timeouts dropped" drops them as well.)"""
-        return self.termination_reason != "env_error" and self.reward is not None
+    def trajectory(self, samples: list[RenderedSample]) -> Trajectory:
+        """The episode as a `Trajectory` whose ``samples`` are the proxy's, one per recorded call, in order.
 
-    def trajectory(self) -> Trajectory:
-        """The episode as a `Trajectory` (no tools: the text harness lists them in its system prompt).
-
-        When the proxy recorded exactly one call per assistant turn, each assistant message carries that call's
-        sampled ids and log-probs, so `orchard.data.render_turns` of the trajectory equals ``samples``.
+        When the proxy recorded exactly one call per assistant turn, each assistant message also carries that
+        call's sampled ids and log-probs, so `orchard.data.render_turns` of the trajectory equals ``samples``.
         """
         messages = [Message.from_dict(m) for m in self.messages]
         turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
-        if turns and len(turns) == len(self.samples):
-            for i, sample in zip(turns, self.samples, strict=True):
+        if turns and len(turns) == len(samples):
+            for i, sample in zip(turns, samples, strict=True):
                 action = sample.action_mask
                 messages[i].token_ids = sample.input_ids[action].tolist()
                 messages[i].logprobs = sample.old_logprobs[action].tolist()
@@ -112,53 +90,8 @@ class TextEpisode:
             task_id=self.task.id, group_id=self.task.id, termination_reason=self.termination_reason,  # type: ignore[arg-type]
             metadata={"harness": "text", "session_id": self.session_id, "group_index": self.group_index,
                       "steps": self.steps, "format_errors": self.format_errors, "tool_calls": self.tool_calls,
-                      "error": self.error, "wall_s": self.wall_s, "recorded_calls": len(self.samples)})
-
-
-def _quiet_server(app: Any, shutdown_timeout_s: int) -> Any:
-    """A uvicorn server that leaves the process's signal handlers alone (Ctrl-C stays the caller's)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
-                                 timeout_graceful_shutdown=shutdown_timeout_s))
-
-
-@contextlib.asynccontextmanager
-async def serve_app(
-    app: Any, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout_s: int = 30
-) -> AsyncIterator[str]:
-    """Serve an ASGI app (e.g. ``RecordingProxy.app``) on the running event loop for the block; yields its URL.
-
-    The server is an asyncio task of the caller's loop, so an engine behind the app runs on that loop too.
-    ``port=0`` picks a free port. Leaving the block stops the server: requests still in flight (e.g. of a child
-    that was killed) get up to ``shutdown_timeout_s`` (default 30) to finish, then are cancelled.
-    """
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
-    if isinstance(shutdown_timeout_s, bool) or not isinstance(shutdown_timeout_s, int) or shutdown_timeout_s < 1:
-        raise ValueError(f"shutdown_timeout_s must be an int >= 1, got {shutdown_timeout_s!r}")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        server = _quiet_server(app, shutdown_timeout_s)
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        try:
-            while not server.started:
-                if task.done():
-                    task.result()
-                    raise RuntimeError(f"the server on {host}:{port} stopped before it started")
-                await asyncio.sleep(0.01)
-            bound = sock.getsockname()[1]
-            yield f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
-        finally:
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                await task
+                      "error": self.error, "wall_s": self.wall_s, "recorded_calls": len(samples)},
+            samples=list(samples))
 
 
 def _program_env(env_key: str | None) -> dict[str, str]:
@@ -217,16 +150,20 @@ async def run_text_episodes(
     program_timeout_s: float | None = None,
     run_id: str | None = None,
     keep_sessions: bool = False,
-) -> list[TextEpisode]:
+) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task through the text-harness program; verify; return them.
 
     Episode ``i`` plays ``tasks[i // group_size]`` (group member ``i % group_size``); its proxy session and its
-    sandbox are both named ``f"{run_id}-{i}"``. Results come in that order.
+    sandbox are both named ``f"{run_id}-{i}"``. Results come in that order, one `Trajectory` each: reward +1 / -1
+    from the verifier (None for ``env_error``), ``reward_components`` the verdict's parts, ``samples`` the proxy's
+    training samples (one per recorded call; `orchard.data.merge_prefix_samples` chains them), and
+    ``metadata`` with ``harness="text"``, ``session_id``, ``group_index``, ``steps``, ``format_errors``,
+    ``tool_calls``, ``error``, ``wall_s`` and ``recorded_calls``.
 
     Args:
         tasks: the tasks (`ClawTask`), at least one.
         client: an ``orchard.env.AsyncSandboxClient``; sandboxes are created, prepared, verified and deleted here.
-        proxy: the `RecordingProxy` in front of the policy; its samples become `TextEpisode.samples`.
+        proxy: the `RecordingProxy` in front of the policy; its samples become `Trajectory.samples`.
         proxy_url: where the program reaches the proxy; None (default) serves ``proxy.app`` on this event loop on a
             free loopback port for the duration of the call (`serve_app`).
         env_url, env_key: the sandbox service as the program reaches it; default the client's URL and key. The key
@@ -274,12 +211,12 @@ async def run_text_episodes(
     env_url = env_url or client.base_url
     env_key = env_key if env_key is not None else client.api_key
 
-    episodes = [TextEpisode(task, f"{run_id}-{i}", i % group_size, "env_error")
+    episodes = [_Episode(task, f"{run_id}-{i}", i % group_size, "env_error")
                 for i, task in enumerate(t for t in tasks for _ in range(group_size))]
     sandboxes: dict[str, Any] = {}
     semaphore = asyncio.Semaphore(concurrency)
 
-    async def prepare(episode: TextEpisode) -> None:
+    async def prepare(episode: _Episode) -> None:
         async with semaphore:
             try:
                 sandbox = await client.create(sandbox_id=episode.session_id)
@@ -290,7 +227,7 @@ async def run_text_episodes(
             except ENV_ERRORS as exc:
                 episode.error = f"prepare: {type(exc).__name__}: {exc}"
 
-    async def verify(episode: TextEpisode) -> None:
+    async def verify(episode: _Episode) -> None:
         async with semaphore:
             try:
                 verdict = await asyncio.wait_for(
@@ -334,37 +271,74 @@ async def run_text_episodes(
                 e.error, e.wall_s = result.get("error"), float(result.get("wall_s", 0.0))
             await asyncio.gather(*(verify(e) for e in ready if e.termination_reason != "env_error"))
     finally:
-        for e in episodes:
-            e.samples = proxy.samples(e.session_id)
-            if not keep_sessions:
+        samples = {e.session_id: proxy.samples(e.session_id) for e in episodes}
+        if not keep_sessions:
+            for e in episodes:
                 proxy.pop_session(e.session_id)
         await asyncio.shield(asyncio.gather(*(s.delete() for s in sandboxes.values()), return_exceptions=True))
-    return episodes
+    return [e.trajectory(samples[e.session_id]) for e in episodes]
 
 
-def summarize_text_episodes(episodes: Sequence[TextEpisode]) -> dict[str, float]:
-    """Counts and rates of a batch, under ``text/`` keys.
+class ClawTextRollouts:
+    """`orchard.rollout.Rollouts` of the text harness: a `RecordingProxy` in front of the engine for each call, the
+    program run by `run_text_episodes`, each trajectory's per-call samples chained by prefix into as few sequences
+    as the conversation allows (`orchard.data.merge_prefix_samples`).
+
+    Args:
+        client: the ``AsyncSandboxClient``; env_url / env_key: the service as the program reaches it (default the
+            client's).
+        tokenizer: the policy's chat tokenizer (the proxy records token ids with it).
+        **kwargs: the rest of `run_text_episodes`'s keywords (``concurrency``, ``max_steps``, ``max_tokens``,
+            ``max_time_s``, ...).
+    """
+
+    def __init__(self, client: Any, tokenizer: Any, *, env_url: str | None = None, env_key: str | None = None,
+                 **kwargs: Any) -> None:
+        for name in ("tasks", "proxy", "group_size", "temperature", "client"):
+            if name in kwargs:
+                raise ValueError(f"kwargs may not set {name!r}: it is an argument of the call or of this class")
+        self.client, self.tokenizer, self.env_url, self.env_key, self.kwargs = client, tokenizer, env_url, env_key, kwargs
+
+    async def __call__(self, engine: Any, tasks: Sequence[ClawTask], *, group_size: int, temperature: float,
+                       max_tokens: int | None = None) -> list[Trajectory]:
+        kwargs = dict(self.kwargs)
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        proxy = RecordingProxy(engine, self.tokenizer)
+        try:
+            trajectories = await run_text_episodes(
+                tasks, client=self.client, proxy=proxy, env_url=self.env_url, env_key=self.env_key,
+                group_size=group_size, temperature=temperature, **kwargs)
+        finally:
+            await proxy.aclose()
+        for traj in trajectories:
+            traj.samples = merge_prefix_samples(traj.samples)
+        return trajectories
+
+
+def summarize_text_episodes(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Counts and rates of a batch of `run_text_episodes` trajectories, under ``text/`` keys.
 
     ``episodes``, ``env_errors``, ``format_error_episodes`` (ended by ``format_error``), ``format_errors`` (malformed
     turns, all episodes), ``success_rate`` (passed / scored episodes; 0 when none was scored), ``mean_steps`` (over
     all episodes), and ``termination/<reason>`` for each reason seen. An empty batch gives zeros.
     """
-    if isinstance(episodes, (str, bytes)) or not isinstance(episodes, Sequence):
-        raise ValueError(f"episodes must be a sequence of TextEpisode, got {type(episodes).__name__}")
-    for i, e in enumerate(episodes):
-        if not isinstance(e, TextEpisode):
-            raise ValueError(f"episodes[{i}] must be a TextEpisode, got {type(e).__name__}")
-    n = len(episodes)
-    scored = [e for e in episodes if e.trainable]
+    if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence):
+        raise ValueError(f"trajectories must be a sequence of Trajectory, got {type(trajectories).__name__}")
+    for i, t in enumerate(trajectories):
+        if not isinstance(t, Trajectory):
+            raise ValueError(f"trajectories[{i}] must be a Trajectory, got {type(t).__name__}")
+    n = len(trajectories)
+    scored = [t for t in trajectories if t.valid]
     out = {
         "text/episodes": float(n),
-        "text/env_errors": float(sum(e.termination_reason == "env_error" for e in episodes)),
-        "text/format_error_episodes": float(sum(e.termination_reason == "format_error" for e in episodes)),
-        "text/format_errors": float(sum(e.format_errors for e in episodes)),
-        "text/success_rate": sum(e.reward == 1.0 for e in scored) / len(scored) if scored else 0.0,
-        "text/mean_steps": sum(e.steps for e in episodes) / n if n else 0.0,
+        "text/env_errors": float(sum(t.is_env_error for t in trajectories)),
+        "text/format_error_episodes": float(sum(t.termination_reason == "format_error" for t in trajectories)),
+        "text/format_errors": float(sum(t.metadata.get("format_errors", 0) for t in trajectories)),
+        "text/success_rate": sum(t.passed for t in scored) / len(scored) if scored else 0.0,
+        "text/mean_steps": sum(t.metadata.get("steps", t.num_steps) for t in trajectories) / n if n else 0.0,
     }
-    for e in episodes:
-        key = f"text/termination/{e.termination_reason}"
+    for t in trajectories:
+        key = f"text/termination/{t.termination_reason}"
         out[key] = out.get(key, 0.0) + 1.0
     return out

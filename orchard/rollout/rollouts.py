@@ -1,0 +1,67 @@
+"""One interface for every harness path: ``await rollouts(engine, tasks, group_size=..., temperature=...)``.
+
+A recipe's stages (``orchard.stages``) do not care how an episode was played. Whether the harness is an in-process
+agent loop (`AgentLoopRollouts`) or a program we do not control whose model calls the recording proxy turns into
+training data (e.g. the Claw domain's text harness), a :class:`Rollouts` returns the same thing: one `Trajectory`
+per episode, task-major (``group_size`` consecutive episodes per task), each with ``task_id`` / ``group_id`` set,
+its reward scored by the domain's verifier, and its training samples in ``Trajectory.samples``. Environment
+failures come back as ``env_error`` trajectories (never scored 0, never trained on).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from orchard.data import Trajectory, render_trajectory
+from orchard.rollout.agent_loop import AgentLoop
+from orchard.rollout.engine import Engine, SamplingParams
+from orchard.rollout.harness import Harness
+
+__all__ = ["AgentLoopRollouts", "Rollouts"]
+
+
+@runtime_checkable
+class Rollouts(Protocol):
+    """Plays ``group_size`` episodes of every task with ``engine``; returns them task-major as trajectories."""
+
+    async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
+                       max_tokens: int | None = None) -> list[Trajectory]: ...
+
+
+class AgentLoopRollouts:
+    """`Rollouts` of an in-process `Harness` through the `AgentLoop`; each scored trajectory rendered to one sample.
+
+    Args:
+        client: an ``orchard.env.AsyncSandboxClient``.
+        harness: the domain's `Harness`.
+        tokenizer: the policy's chat tokenizer (rendering uses it too).
+        max_tokens: per assistant turn when a call gives none. Default 512.
+        seed: seeds each call's start jitter (a fresh draw per call). Default None.
+        **loop_kwargs: the rest of `AgentLoop`'s keywords (``max_steps``, ``max_time_s``, ``concurrency``, ...);
+            ``progress`` defaults to False here.
+    """
+
+    def __init__(self, client: Any, harness: Harness, tokenizer: Any, *, max_tokens: int = 512,
+                 seed: int | None = None, **loop_kwargs: Any) -> None:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        for name in ("engine", "client", "harness", "tokenizer", "sampling", "seed"):
+            if name in loop_kwargs:
+                raise ValueError(f"loop_kwargs may not set {name!r}: it is an argument of the call or of this class")
+        self.client, self.harness, self.tokenizer = client, harness, tokenizer
+        self.max_tokens = max_tokens
+        self.loop_kwargs = {"progress": False, **loop_kwargs}
+        self._rng = random.Random(seed)
+
+    async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
+                       max_tokens: int | None = None) -> list[Trajectory]:
+        sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens or self.max_tokens)
+        loop = AgentLoop(engine, self.client, self.harness, self.tokenizer, sampling=sampling,
+                         seed=self._rng.randrange(2**31), **self.loop_kwargs)
+        trajectories = await loop.run_many(tasks, group_size=group_size)
+        for traj in trajectories:
+            if traj.valid and traj.has_token_ids:
+                traj.samples = [render_trajectory(traj, self.tokenizer)]
+        return trajectories

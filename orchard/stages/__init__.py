@@ -1,0 +1,42 @@
+"""orchard.stages: what every recipe repeats, once (layer 6, beside the domains; never imports a domain).
+
+A recipe composes these with its domain's choices (tasks, harnesses, teacher, verifier) in one screen::
+
+    harnesses = {"react": AgentLoopRollouts(client, harness, tokenizer, ...), "text": ClawTextRollouts(...)}
+    results["base"] = await evaluate(harnesses, engine, heldout, attempts=3, temperature=1.0)
+    samples, stats = await demonstrations(harnesses, teacher, train_tasks)
+    sft_stage(model, samples, cfg.sft, pad_id=..., seed=..., output_dir=...)
+    await rl_stage(model, engine, harnesses, train_tasks, cfg.rl, rollout=cfg.rollout, ...)
+
+- configs: `RolloutConfig`, `EvalConfig`, `SFTConfig`, `RLConfig` (typed, a doc line per field), `derived_keys`
+- evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table`
+- SFT: `demonstrations` (a teacher through the same harnesses), `sft_stage`
+- RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
+  `trajectory_reward`
+- reporting: `RunLog` (metrics.jsonl + timestamped console lines), `plot_learning_curve`
+"""
+
+from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, derived_keys
+from orchard.stages.evaluate import evaluate, format_table, success_row
+from orchard.stages.report import RunLog, plot_learning_curve
+from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
+from orchard.stages.sft import demonstrations, sft_stage
+
+__all__ = [
+    "EvalConfig",
+    "RLConfig",
+    "RolloutConfig",
+    "RunLog",
+    "SFTConfig",
+    "demonstrations",
+    "derived_keys",
+    "evaluate",
+    "format_table",
+    "group_batch",
+    "plot_learning_curve",
+    "rl_stage",
+    "rollout_groups",
+    "sft_stage",
+    "success_row",
+    "trajectory_reward",
+]

@@ -1,0 +1,137 @@
+"""The stages' typed configs: what every recipe's YAML fills for rollouts, evaluation, SFT and RL.
+
+A recipe embeds these dataclasses in its own config (next to its domain's model and task fields); each field has a
+doc line under it (``python recipes/<name>.py --show-config`` prints them with the values that will run). Fields a
+stage derives (the trainers' ``total_steps``, ``seed``, ``output_dir``, ``resume``) are set by the stage, never by
+the user: `DERIVED` lists their dotted names for the config loader to refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchard.train.objective import LossTerm
+from orchard.train.trainer import OptimConfig, TrainConfig
+
+__all__ = ["DERIVED", "EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "derived_keys"]
+
+REWARDS = ("outcome", "score")
+GROUP_FILTERS = ("all_equal", "none")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _positive_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+@dataclass
+class RolloutConfig:
+    max_steps: int = 6
+    """Assistant turns per episode."""
+    max_tokens: int = 96
+    """Tokens per assistant turn."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    concurrency: int = 32
+    """Episodes in flight at once (and concurrent sandboxes)."""
+    max_time_s: float = 600.0
+    """Wall-clock budget of one episode; an episode over it ends as time_budget (the paper: 10 minutes)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "max_tokens", "concurrency"):
+            _positive_int(name, getattr(self, name))
+        _positive_number("max_time_s", self.max_time_s)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+
+
+@dataclass
+class EvalConfig:
+    attempts: int = 3
+    """Episodes per held-out task (pass@k and pass^k use k = attempts)."""
+    temperature: float = 1.0
+    """Sampling temperature of evaluation episodes."""
+    harnesses: list[str] = field(default_factory=lambda: ["react", "text"])
+    """Harnesses evaluated."""
+
+    def __post_init__(self) -> None:
+        _positive_int("attempts", self.attempts)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not self.harnesses:
+            raise ValueError("harnesses must name at least one harness, got []")
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = True
+    """Run the SFT stage."""
+    epochs: float = 2.0
+    """Passes over the demonstrations (sets train.total_steps)."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        global_batch_size=16, micro_batch_size=16, optim=OptimConfig(lr=1e-5, min_lr=1e-6)))
+    """Trainer settings (objective: sft; total_steps, seed, output_dir and resume are set by the stage)."""
+
+    def __post_init__(self) -> None:
+        _positive_number("epochs", self.epochs)
+
+
+@dataclass
+class RLConfig:
+    enabled: bool = True
+    """Run the RL stage."""
+    steps: int = 150
+    """Rollout batches (each followed by ppo_epochs x mini_batches optimizer steps)."""
+    tasks_per_step: int = 8
+    """Tasks per rollout batch (paper: 8)."""
+    group_size: int = 8
+    """Episodes per task, N (paper: 8)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (1: one on-policy update per batch)."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (the batch is split into this many shuffled mini-batches)."""
+    use_bar: bool = False
+    """Select each group with Balanced Adaptive Rollout (generate up to bar_n_max, keep group_size)."""
+    bar_n_max: int = 16
+    """BAR budget of episodes per task (paper: 16)."""
+    bar_stride: int = 16
+    """BAR episodes generated per round (paper: 16)."""
+    reward: str = "outcome"
+    """Trajectory reward: "outcome" (the verifier's +1 / -1, the paper's) or "score" (2 x the verifier's score
+    component - 1: partial credit; success is still judged by the evaluation's pass rule)."""
+    group_filter: str = "all_equal"
+    """Dynamic sampling: "all_equal" drops groups whose trained rewards are all equal (no GRPO signal), "none"
+    keeps every group with two or more trained members."""
+    drop_timeouts: bool = True
+    """Episodes ended by the wall-clock budget do not train (the paper's "timeouts dropped")."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        global_batch_size=64, micro_batch_size=16, optim=OptimConfig(lr=1e-6, min_lr=1e-7),
+        objective=[LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})]))
+    """Trainer settings (objective: policy; total_steps = steps x ppo_epochs x mini_batches, set by the stage)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "tasks_per_step", "group_size", "ppo_epochs", "mini_batches", "bar_n_max",
+                     "bar_stride"):
+            _positive_int(name, getattr(self, name))
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {list(REWARDS)}, got {self.reward!r}")
+        if self.group_filter not in GROUP_FILTERS:
+            raise ValueError(f"group_filter must be one of {list(GROUP_FILTERS)}, got {self.group_filter!r}")
+        if self.use_bar and self.bar_n_max < self.group_size:
+            raise ValueError(f"bar_n_max must be >= group_size when use_bar, got {self.bar_n_max} < {self.group_size}")
+
+
+DERIVED = ("total_steps", "seed", "output_dir", "resume")
+"""`TrainConfig` fields a stage sets itself (from epochs / steps, the run's seed and output directory)."""
+
+
+def derived_keys(*prefixes: str) -> set[str]:
+    """Dotted names of the derived trainer fields under each stage prefix, e.g. ``derived_keys("sft", "rl")``."""
+    return {f"{p}.train.{name}" for p in prefixes for name in DERIVED}

@@ -1,0 +1,76 @@
+"""Evaluation: success, pass@k and pass^k of a policy on held-out tasks, per harness.
+
+``k = attempts`` episodes per task. Environment failures are counted (``env_errors``) and never scored; a task
+counts only when all its ``k`` attempts were scored (a task with an environment failure would otherwise bias
+pass@k), and ``tasks`` says how many did. Success is each trajectory's evaluation pass rule (`Trajectory.passed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from orchard.data import Trajectory
+from orchard.rollout.rollouts import Rollouts
+from orchard.sampling import avg_at_k, pass_at_k, pass_hat_k
+
+__all__ = ["evaluate", "format_table", "success_row"]
+
+
+def success_row(trajectories: Sequence[Trajectory], attempts: int) -> dict[str, float]:
+    """One stage and harness: ``success`` (avg@k), ``pass@k``, ``pass^k``, ``tasks`` (fully scored), ``env_errors``.
+
+    Trajectories are grouped by ``task_id``; zero fully scored tasks give 0.0 rates.
+    """
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ValueError(f"attempts must be an int >= 1, got {attempts!r}")
+    by_task: dict[str | None, list[bool]] = {}
+    env_errors = 0
+    for i, t in enumerate(trajectories):
+        if not isinstance(t, Trajectory):
+            raise ValueError(f"trajectories[{i}] must be a Trajectory, got {type(t).__name__}")
+        if not t.valid:
+            env_errors += 1
+            continue
+        by_task.setdefault(t.task_id, []).append(t.passed)
+    full = [v for v in by_task.values() if len(v) == attempts]
+    n = np.full(len(full), attempts)
+    c = np.array([sum(v) for v in full])
+    return {
+        "success": avg_at_k(full) if full else 0.0,
+        f"pass@{attempts}": float(np.mean(pass_at_k(n, c, attempts))) if full else 0.0,
+        f"pass^{attempts}": float(np.mean(pass_hat_k(n, c, attempts))) if full else 0.0,
+        "tasks": len(full),
+        "env_errors": env_errors,
+    }
+
+
+async def evaluate(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequence[Any], *, attempts: int,
+                   temperature: float) -> dict[str, dict[str, float]]:
+    """``attempts`` episodes of every task through each harness; one `success_row` per harness name."""
+    if not harnesses:
+        raise ValueError("harnesses must name at least one Rollouts, got none")
+    if not tasks:
+        raise ValueError("tasks must hold at least one task, got none")
+    rows = {}
+    for name, rollouts in harnesses.items():
+        trajectories = await rollouts(engine, tasks, group_size=attempts, temperature=temperature)
+        rows[name] = success_row(trajectories, attempts)
+    return rows
+
+
+def format_table(results: Mapping[str, Mapping[str, Mapping[str, float]]], attempts: int) -> str:
+    """``results[stage][harness] = success_row(...)`` as an aligned text table (counts as integers)."""
+    keys = ("success", f"pass@{attempts}", f"pass^{attempts}", "tasks", "env_errors")
+    width = max(len(k) for k in keys) + 1
+    stage_w = max([len("stage"), *(len(s) for s in results)])
+    harness_w = max([len("harness"), *(len(h) for by in results.values() for h in by)])
+    lines = [f"{'stage':<{stage_w}}  {'harness':<{harness_w}} " + "".join(f"{k:>{width}}" for k in keys)]
+    for stage, by_harness in results.items():
+        for harness, row in by_harness.items():
+            cells = [f"{row[k]:>{width}.3f}" if k not in ("tasks", "env_errors") else f"{int(row[k]):>{width}d}"
+                     for k in keys]
+            lines.append(f"{stage:<{stage_w}}  {harness:<{harness_w}} " + "".join(cells))
+    return "\n".join(lines)

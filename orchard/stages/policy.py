@@ -1,0 +1,82 @@
+"""The policy a recipe trains and the engine that samples it: a local checkpoint, or a tiny random Qwen3 for CPU."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["ModelConfig", "load_policy", "make_engine", "save_policy"]
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Local HF checkpoint directory (weights and tokenizer); null builds a tiny random Qwen3 and an offline
+    tokenizer from the domain's text."""
+    vocab_size: int = 1024
+    """Offline tokenizer's vocabulary size (tiny model only)."""
+    split_words: bool = False
+    """Offline tokenizer: False lets BPE merges span words, so the fixed prompts cost a few tokens (tiny only)."""
+    hidden_size: int = 128
+    """Tiny model width."""
+    num_layers: int = 4
+    """Tiny model depth."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the trained model and the HF engine."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Rollout engine: hf (this process, CPU or GPU) or vllm (GPU extra)."""
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of vllm.LLM (tensor_parallel_size, gpu_memory_utilization, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"path must be a local checkpoint directory, got {self.path!r} (no such directory)")
+        for name in ("vocab_size", "hidden_size", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.hidden_size % 4:
+            raise ValueError(f"hidden_size must be a multiple of 4 (4 attention heads), got {self.hidden_size}")
+        if self.engine == "vllm" and self.path is None:
+            raise ValueError("engine=vllm needs path (vLLM loads a checkpoint)")
+
+
+def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[Any, Any]:
+    """``(model, tokenizer)``: from ``cfg.path``, or a tiny random Qwen3 with an offline tokenizer trained on
+    ``corpus`` (the domain's text)."""
+    if cfg.path is not None:
+        from transformers import AutoTokenizer
+
+        from orchard.train.model import load_causal_lm
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
+        return load_causal_lm(cfg.path, dtype=cfg.dtype), tokenizer
+    from orchard.data.tokenizer import build_chat_tokenizer
+    from orchard.train.tiny import tiny_qwen3
+
+    tokenizer = build_chat_tokenizer(list(corpus), vocab_size=cfg.vocab_size, split_words=cfg.split_words)
+    h = cfg.hidden_size
+    model = tiny_qwen3(tokenizer, seed=seed, hidden_size=h, intermediate_size=3 * h,
+                       num_hidden_layers=cfg.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=h // 4)
+    return model, tokenizer
+
+
+def make_engine(cfg: ModelConfig, model: Any, tokenizer: Any, *, seed: int) -> Any:
+    """The rollout engine: vLLM on ``cfg.path`` (GPU extra), or an `HFEngine` over a copy of ``model``."""
+    if cfg.engine == "vllm":
+        from orchard.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(cfg.path, **cfg.vllm_kwargs)
+    from orchard.rollout.hf_engine import HFEngine
+
+    return HFEngine(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64, seed=seed)
+
+
+def save_policy(model: Any, tokenizer: Any, path: str | Path) -> None:
+    """A checkpoint ``ModelConfig.path`` can load (e.g. to start RL from the SFT model with ``sft.enabled=false``)."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -1,0 +1,75 @@
+"""What a run reports: metrics.jsonl, timestamped console lines, the learning-curve plot."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from orchard.train.metrics import JsonlLogger
+
+__all__ = ["RunLog", "plot_learning_curve"]
+
+
+class RunLog:
+    """Appends metrics to ``<output_dir>/metrics.jsonl`` (a fresh file per run) and prints progress lines that
+    start with the seconds since the run began."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)
+        self._jsonl = JsonlLogger(self.path)
+        self.started = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._jsonl.log(metrics, step)
+
+    def print(self, message: str) -> None:
+        print(f"[{self.elapsed_s:6.0f}s] {message}", flush=True)
+
+    def close(self) -> None:
+        self._jsonl.close()
+
+
+def plot_learning_curve(sft_history: Sequence[Mapping[str, float]], rl_history: Sequence[Mapping[str, float]],
+                        results: Mapping[str, Mapping[str, Mapping[str, float]]], path: str | Path) -> None:
+    """SFT loss per step (left); RL success per step over the episodes that trained and, where they differ
+    (BAR), over every episode generated, with the held-out success of each stage as lines (right)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib: pip install 'orchard[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_sft.plot(range(1, len(sft_history) + 1), [m["loss/total"] for m in sft_history])
+    ax_sft.set(title="SFT loss", xlabel="step", ylabel="token-mean NLL")
+    steps = np.arange(1, len(rl_history) + 1)
+    window = max(1, len(rl_history) // 10)
+    series: list[tuple[str, str]] = [("rl/success", "train rollouts (trained groups)")]
+    if any(m.get("rl/success_generated") != m.get("rl/success") for m in rl_history):
+        series.append(("rl/success_generated", "train rollouts (all generated)"))
+    for key, label in series:
+        values = [m[key] for m in rl_history]
+        if not values:
+            continue
+        line = ax_rl.plot(steps, values, alpha=0.3, label=label)[0]
+        smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+        ax_rl.plot(steps[window - 1:], smooth, color=line.get_color(), label=f"{label}, {window}-step mean")
+    for stage, style in (("base", ":"), ("sft", "--"), ("rl", "-")):
+        for i, (harness, row) in enumerate(results.get(stage, {}).items()):
+            ax_rl.axhline(row["success"], linestyle=style, color=f"C{i + 2}", label=f"held-out {stage} ({harness})")
+    ax_rl.set(title="RL success", xlabel="RL step", ylabel="success rate", ylim=(-0.02, 1.02))
+    ax_rl.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
