@@ -1,5 +1,6 @@
 """orchard.data: the trajectory schema, rendering to training tensors, IO and curation (layer 2)."""
 
+from orchard.data.batch import collate, merge_prefix_samples
 from orchard.data.curation import (
     ToolCallIssue,
     cap_per_key,
@@ -29,8 +30,6 @@ from orchard.data.render import (
     RenderedSample,
     RenderReport,
     TurnMismatch,
-    collate,
-    merge_prefix_samples,
     render_trajectory,
     render_turns,
 )

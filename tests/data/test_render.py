@@ -12,7 +12,6 @@ from orchard.data import (
     RenderedSample,
     RenderReport,
     Trajectory,
-    collate,
     render_trajectory,
     render_turns,
 )
@@ -439,48 +438,6 @@ def test_prefix_break_detected_and_render_turns_exact(tokenizer):
     assert tok.decode(turns[1].input_ids[turns[1].action_mask]) == "two<|im_end|>"
 
 
-def _sample(ids, mask, lps, turn):
-    return RenderedSample(
-        input_ids=torch.tensor(ids),
-        action_mask=torch.tensor(mask, dtype=torch.bool),
-        turn_index=torch.tensor(turn),
-        old_logprobs=torch.tensor(lps, dtype=torch.float32),
-        logprob_mask=torch.tensor(mask, dtype=torch.bool),
-        report=RenderReport(),
-    )
-
-
-def test_collate_hand_case():
-    a = _sample([5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.25], [-1, 0, 0])
-    b = _sample([8, 9, 10, 11, 12], [0, 0, 1, 0, 1], [0.0, 0.0, -1.0, 0.0, -2.0], [-1, -1, 0, -1, 1])
-    batch = collate([a, b], pad_id=99, advantages=[2.0, -1.0])
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 99, 99], [8, 9, 10, 11, 12]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
-    assert batch["action_mask"].tolist() == [
-        [False, True, True, False, False],
-        [False, False, True, False, True],
-    ]
-    assert batch["turn_index"].tolist() == [[-1, 0, 0, -1, -1], [-1, -1, 0, -1, 1]]
-    assert batch["old_logprobs"].tolist() == [[0.0, -0.5, -0.25, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0, -2.0]]
-    # advantages broadcast on action tokens only: row 0 -> 2.0 at positions 1, 2; row 1 -> -1.0 at 2, 4.
-    assert batch["advantages"].tolist() == [[0.0, 2.0, 2.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0, -1.0]]
-    padded = collate([a], pad_id=0, pad_to_multiple_of=8)
-    assert padded["input_ids"].shape == (1, 8) and "advantages" not in padded
-    empty = collate([_sample([], [], [], [])], pad_id=0)
-    assert empty["input_ids"].shape == (1, 1) and not empty["attention_mask"].any()
-
-
-def test_collate_of_rendered_batch(tokenizer):
-    tok = tokenizer
-    samples = [render_trajectory(sampled_trajectory(tok), tok), *render_turns(sampled_trajectory(tok), tok)]
-    batch = collate(samples, tok.pad_token_id)
-    for b, s in enumerate(samples):
-        n = len(s)
-        assert batch["input_ids"][b, :n].tolist() == s.input_ids.tolist()
-        assert (batch["input_ids"][b, n:] == tok.pad_token_id).all() and not batch["action_mask"][b, n:].any()
-        assert int(batch["attention_mask"][b].sum()) == n
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -495,24 +452,11 @@ def test_render_validation(tokenizer, kwargs, match):
         render_trajectory(Trajectory(messages=MESSAGES), tokenizer, **kwargs)
 
 
-def test_render_and_collate_reject_bad_inputs(tokenizer):
+def test_render_rejects_bad_inputs(tokenizer):
     with pytest.raises(ValueError, match="traj must be a Trajectory"):
         render_trajectory(MESSAGES, tokenizer)
     with pytest.raises(ValueError, match="chat_template"):
         render_trajectory(Trajectory(), object())
-    s = render_trajectory(Trajectory(messages=MESSAGES), tokenizer)
-    with pytest.raises(ValueError, match="non-empty sequence"):
-        collate([], 0)
-    with pytest.raises(ValueError, match=r"samples\[1\]"):
-        collate([s, "x"], 0)
-    with pytest.raises(ValueError, match="pad_id"):
-        collate([s], -1)
-    with pytest.raises(ValueError, match=r"advantages must have shape \[B\]=\[1\]"):
-        collate([s], 0, advantages=[1.0, 2.0])
-    with pytest.raises(ValueError, match="finite"):
-        collate([s], 0, advantages=[float("nan")])
-    with pytest.raises(ValueError, match="pad_to_multiple_of"):
-        collate([s], 0, pad_to_multiple_of=0)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
