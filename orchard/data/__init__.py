@@ -26,9 +26,11 @@ from orchard.data.io import (
 )
 from orchard.data.render import (
     MISMATCH_POLICIES,
+    TRUNCATIONS,
     MismatchPolicy,
     RenderedSample,
     RenderReport,
+    Truncation,
     TurnMismatch,
     render_trajectory,
     render_turns,
@@ -47,6 +49,7 @@ __all__ = [
     "MISMATCH_POLICIES",
     "ROLES",
     "TERMINATION_REASONS",
+    "TRUNCATIONS",
     "Message",
     "MismatchPolicy",
     "RenderReport",
@@ -56,6 +59,7 @@ __all__ = [
     "ToolCall",
     "ToolCallIssue",
     "Trajectory",
+    "Truncation",
     "TurnMismatch",
     "cap_per_key",
     "check_tool_calls",

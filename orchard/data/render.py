@@ -26,7 +26,7 @@ template's end-of-turn token is kept as context, not as an action.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +36,9 @@ from orchard.data.schema import Message, Trajectory
 
 MismatchPolicy = Literal["use_sampled", "retokenize", "drop", "raise"]
 MISMATCH_POLICIES: tuple[str, ...] = ("use_sampled", "retokenize", "drop", "raise")
+
+Truncation = Literal["right", "left"]
+TRUNCATIONS: tuple[str, ...] = ("right", "left")
 
 
 @dataclass
@@ -83,12 +86,17 @@ class RenderReport:
             prefix of the longer one (the sequence there is an approximation; use :func:`render_turns`).
         truncated: True when ``max_len`` cut the sequence.
         full_length: the length before truncation.
+        cut: ``(start, stop)``, the positions of the untruncated rendering that truncation removed (``right``:
+            ``(max_len, full_length)``; ``left``: from the end of the system prompt on); None when nothing was
+            cut. Positions in ``mismatches`` index the untruncated rendering; one at ``p >= stop`` is at
+            ``p - (stop - start)`` in the sample.
     """
 
     mismatches: list[TurnMismatch] = field(default_factory=list)
     prefix_breaks: list[int] = field(default_factory=list)
     truncated: bool = False
     full_length: int = 0
+    cut: tuple[int, int] | None = None
 
     @property
     def num_mismatched_tokens(self) -> int:
@@ -158,16 +166,44 @@ class _Builder:
         self.logprobs.extend(lps + [0.0] * (n - known))
         self.lp_known.extend([True] * known + [False] * (n - known))
 
-    def build(self, max_len: int | None, report: RenderReport, traj: Trajectory) -> RenderedSample:
-        report.full_length = len(self.ids)
-        end = len(self.ids) if max_len is None else min(max_len, len(self.ids))
-        report.truncated = end < len(self.ids)
+    def build(
+        self,
+        max_len: int | None,
+        report: RenderReport,
+        traj: Trajectory,
+        *,
+        truncation: str = "right",
+        head: Callable[[list[int]], int] | None = None,
+    ) -> RenderedSample:
+        """The tensors, cut to ``max_len``: the tail (``right``), or the tokens after the first ``head(ids)``
+        (``left``: the oldest after the system prompt). Both cuts remove one contiguous span, so every kept
+        position carries exactly the values it has in the untruncated rendering."""
+        n = len(self.ids)
+        report.full_length = n
+        start = stop = n
+        if max_len is not None and n > max_len:
+            if truncation == "left":
+                kept_head = head(self.ids) if head is not None else 0
+                if kept_head > max_len:
+                    raise ValueError(
+                        f"max_len={max_len} is shorter than the system prompt ({kept_head} tokens), which "
+                        "truncation='left' always keeps; raise max_len or shorten the system prompt"
+                    )
+                start, stop = kept_head, n - (max_len - kept_head)
+            else:
+                start = max_len
+            report.truncated = True
+            report.cut = (start, stop)
+
+        def kept(values: list[Any]) -> list[Any]:
+            return values[:start] + values[stop:]
+
         return RenderedSample(
-            input_ids=torch.tensor(self.ids[:end], dtype=torch.long),
-            action_mask=torch.tensor(self.action[:end], dtype=torch.bool),
-            turn_index=torch.tensor(self.turn[:end], dtype=torch.long),
-            old_logprobs=torch.tensor(self.logprobs[:end], dtype=torch.float32),
-            logprob_mask=torch.tensor(self.lp_known[:end], dtype=torch.bool),
+            input_ids=torch.tensor(kept(self.ids), dtype=torch.long),
+            action_mask=torch.tensor(kept(self.action), dtype=torch.bool),
+            turn_index=torch.tensor(kept(self.turn), dtype=torch.long),
+            old_logprobs=torch.tensor(kept(self.logprobs), dtype=torch.float32),
+            logprob_mask=torch.tensor(kept(self.lp_known), dtype=torch.bool),
             report=report,
             reward=traj.reward,
             task_id=traj.task_id,
@@ -175,7 +211,7 @@ class _Builder:
         )
 
 
-def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any) -> None:
+def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any, truncation: Any) -> None:
     if not isinstance(traj, Trajectory):
         raise ValueError(f"traj must be a Trajectory, got {type(traj).__name__}")
     if not hasattr(tokenizer, "apply_chat_template") or getattr(tokenizer, "chat_template", None) is None:
@@ -186,6 +222,8 @@ def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any) -> No
         raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"on_mismatch must be one of {list(MISMATCH_POLICIES)}, got {on_mismatch!r}")
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {list(TRUNCATIONS)}, got {truncation!r}")
 
 
 def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], gen: bool) -> str:
@@ -218,6 +256,32 @@ def _suffix(prev: str, new: str, message_index: int, report: RenderReport) -> st
             break
         common += 1
     return new[common:]
+
+
+def _system_head(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> Callable[[list[int]], int]:
+    """For left truncation: a function of the rendered ids giving how many leading tokens are the system prompt.
+
+    The system prompt is the template's rendering of the first message when that is a system message (with
+    ``tools``, so a template that lists the tools in the system turn keeps them too); without one nothing is kept.
+    Its tokens must begin the rendered ids: a template whose system turn does not end on a token boundary (its
+    last token merges with what follows) cannot keep it exactly, and that is a ``ValueError``.
+    """
+
+    def head(ids: list[int]) -> int:
+        if not messages or messages[0]["role"] != "system":
+            return 0
+        system = _encode(tokenizer, _template(tokenizer, messages[:1], tools, gen=False))
+        if ids[: len(system)] != system:
+            raise ValueError(
+                "truncation='left' keeps the system prompt, but the tokens of the template's rendering of the "
+                "first system message do not begin the rendered sequence (its last token merges with the next "
+                "turn); use truncation='right'"
+            )
+        return len(system)
+
+    return head
 
 
 def _eot_token(tokenizer: Any, eot_token: str | None) -> tuple[str, int]:
@@ -365,6 +429,7 @@ def render_trajectory(
     tokenizer: Any,
     *,
     max_len: int | None = None,
+    truncation: Truncation = "right",
     on_mismatch: MismatchPolicy = "use_sampled",
     eot_token: str | None = None,
 ) -> RenderedSample | None:
@@ -375,7 +440,18 @@ def render_trajectory(
             tokenized from their text (the SFT path; their log-probs are unknown).
         tokenizer: a transformers tokenizer with a chat template (``apply_chat_template``) whose end-of-turn token
             is a single token.
-        max_len: keep the first ``max_len`` tokens (``report.truncated`` says if any were cut); None keeps all.
+        max_len: cut the sequence to ``max_len`` tokens (``report.truncated`` and ``report.cut`` say what was
+            cut); None keeps all.
+        truncation: which tokens ``max_len`` cuts. ``right`` (default) keeps the first ``max_len`` tokens.
+            ``left`` keeps the system prompt (the tokens of the template's rendering of the first message when
+            it is a system message, tool list included) and then the last ``max_len - len(system)`` tokens,
+            cutting the oldest turns after the system prompt. The paper's SFT (Claw and SWE, 64K context) uses
+            left truncation; keeping the system prompt is our reading of it (the task and tools stay in view).
+            The cut is at token granularity: the kept tail may begin inside a turn, even inside an assistant
+            turn, whose remaining tokens stay actions (one of them is then trained on the system prompt as its
+            left context). Every kept token carries exactly its ``input_ids``, ``action_mask``, ``turn_index``
+            (turns keep their untruncated numbers), ``old_logprobs`` and ``logprob_mask`` of the untruncated
+            rendering. A system prompt longer than ``max_len`` is a ``ValueError`` (nothing sensible fits).
         on_mismatch: what to do when a turn's sampled ids disagree with the template's tokenization of its text
             (or the template is not prefix-consistent):
             ``use_sampled`` (default) keeps the sampled ids and their log-probs and reports;
@@ -387,7 +463,7 @@ def render_trajectory(
     Returns:
         The sample, or None when ``on_mismatch="drop"`` and the trajectory has a mismatch or prefix break.
     """
-    _check_args(traj, tokenizer, max_len, on_mismatch)
+    _check_args(traj, tokenizer, max_len, on_mismatch, truncation)
     eot_text, eot_id = _eot_token(tokenizer, eot_token)
     messages = traj.openai_messages()
     report = RenderReport()
@@ -414,7 +490,8 @@ def render_trajectory(
                 f"({[(m.turn, m.kind, m.positions[:8]) for m in report.mismatches]}), "
                 f"prefix breaks at messages {report.prefix_breaks}"
             )
-    return out.build(max_len, report, traj)
+    head = _system_head(tokenizer, messages, traj.tools)
+    return out.build(max_len, report, traj, truncation=truncation, head=head)
 
 
 def render_turns(
@@ -422,6 +499,7 @@ def render_turns(
     tokenizer: Any,
     *,
     max_len: int | None = None,
+    truncation: Truncation = "right",
     on_mismatch: MismatchPolicy = "use_sampled",
     eot_token: str | None = None,
 ) -> list[RenderedSample]:
@@ -431,11 +509,13 @@ def render_turns(
     ``k``'s sampled ids (or the template's ids of its text when none were recorded), all with
     ``turn_index == k``. This is what a recording proxy sees call by call, and it is exact for templates that are
     not prefix-consistent (e.g. ones that drop earlier reasoning). Mismatches are found and handled as in
-    :func:`render_trajectory` (``drop`` drops only the offending turns' samples).
+    :func:`render_trajectory` (``drop`` drops only the offending turns' samples); ``max_len`` and ``truncation``
+    apply to each sample as there (``left`` keeps the system prompt and the turn's newest tokens).
     """
-    _check_args(traj, tokenizer, max_len, on_mismatch)
+    _check_args(traj, tokenizer, max_len, on_mismatch, truncation)
     eot_text, eot_id = _eot_token(tokenizer, eot_token)
     messages = traj.openai_messages()
+    head = _system_head(tokenizer, messages, traj.tools)
     samples: list[RenderedSample] = []
     turn = -1
     for i, message in enumerate(traj.messages):
@@ -454,5 +534,5 @@ def render_turns(
                 continue
             if on_mismatch == "raise":
                 raise ValueError(f"turn {turn} (message {i}) does not render consistently: {report}")
-        samples.append(out.build(max_len, report, traj))
+        samples.append(out.build(max_len, report, traj, truncation=truncation, head=head))
     return samples

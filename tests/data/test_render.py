@@ -383,7 +383,124 @@ def test_max_len_truncates(tokenizer):
     assert len(cut) == 50 and cut.report.truncated and cut.report.full_length == len(full)
     for name in ("input_ids", "action_mask", "turn_index", "old_logprobs", "logprob_mask"):
         assert torch.equal(getattr(cut, name), getattr(full, name)[:50])
+    assert cut.report.cut == (50, len(full))
     assert not render_trajectory(traj, tok, max_len=len(full)).report.truncated
+
+
+FIELDS = ("input_ids", "action_mask", "turn_index", "old_logprobs", "logprob_mask")
+
+
+def _system_len(tok, traj):
+    """Tokens of the template's rendering of the first (system) message, tool list included."""
+    return len(encode(tok, template_text(tok, traj, upto=1)))
+
+
+def _assert_head_plus_tail(cut, full, head):
+    """``cut`` is ``full``'s first ``head`` tokens then its last ``len(cut) - head``, every field bit for bit."""
+    tail = len(cut) - head
+    for name in FIELDS:
+        a, b = getattr(cut, name), getattr(full, name)
+        assert torch.equal(a[:head], b[:head]), name
+        assert torch.equal(a[head:], b[len(b) - tail :]), name
+
+
+def test_left_truncation_keeps_system_prompt_and_newest_turns(tokenizer):
+    tok = tokenizer
+    traj = sampled_trajectory(tok)
+    full = render_trajectory(traj, tok)
+    n, h = len(full), _system_len(tok, traj)
+    last = encode(tok, ACTIONS[2])
+    # Budget = system prompt + the last turn's action ids + the template's "\n" after its <|im_end|>: the cut
+    # lands exactly on the last turn's start, so the kept tail is that turn and nothing older.
+    cut = render_trajectory(traj, tok, max_len=h + len(last) + 1, truncation="left")
+    assert len(cut) == h + len(last) + 1
+    assert cut.report.truncated and cut.report.full_length == n
+    assert cut.report.cut == (h, n - len(last) - 1)
+    _assert_head_plus_tail(cut, full, h)
+    assert tok.decode(cut.input_ids[:h]) == template_text(tok, traj, upto=1)  # "<|im_start|>system\n...# Tools..."
+    assert not cut.action_mask[:h].any()
+    assert cut.input_ids[h:-1].tolist() == last and cut.action_mask[h:-1].all()
+    assert (cut.turn_index[h:-1] == 2).all()  # turn numbers are those of the whole trajectory, not renumbered
+    assert cut.old_logprobs[h:-1].tolist() == traj.messages[7].logprobs
+    assert tok.decode(cut.input_ids[-1:]) == "\n" and not cut.action_mask[-1]
+    # Three tokens less: the cut falls inside the last turn; its remaining len(last) - 3 tokens stay actions
+    # with their own log-probs (token granularity, no whole-turn rounding).
+    inside = render_trajectory(traj, tok, max_len=h + len(last) - 2, truncation="left")
+    _assert_head_plus_tail(inside, full, h)
+    assert int(inside.action_mask.sum()) == len(last) - 3
+    assert inside.old_logprobs[inside.action_mask].tolist() == traj.messages[7].logprobs[3:]
+    # Nothing to cut: left and right truncation are the untruncated rendering.
+    for truncation in ("left", "right"):
+        whole = render_trajectory(traj, tok, max_len=n, truncation=truncation)
+        assert not whole.report.truncated and whole.report.cut is None
+        _assert_head_plus_tail(whole, full, n)
+
+
+def test_left_truncation_edges(tokenizer):
+    tok = tokenizer
+    traj = sampled_trajectory(tok)
+    full = render_trajectory(traj, tok)
+    h = _system_len(tok, traj)
+    # Exactly the system prompt fits: that is the sample (no action token, a defined degenerate answer).
+    only_system = render_trajectory(traj, tok, max_len=h, truncation="left")
+    assert torch.equal(only_system.input_ids, full.input_ids[:h]) and not only_system.action_mask.any()
+    with pytest.raises(ValueError, match=rf"max_len={h - 1} is shorter than the system prompt \({h} tokens\)"):
+        render_trajectory(traj, tok, max_len=h - 1, truncation="left")
+    # No system message: nothing is pinned, left truncation keeps the last max_len tokens.
+    no_system = sampled_trajectory(tok, MESSAGES[1:])
+    no_system.tools = []
+    plain = render_trajectory(no_system, tok)
+    tail = render_trajectory(no_system, tok, max_len=7, truncation="left")
+    assert tail.report.cut == (0, len(plain) - 7)
+    _assert_head_plus_tail(tail, plain, 0)
+
+
+# Plain concatenation: the system text "You are a help" and the user's "ful" merge into the token "Ġhelpful", so
+# the system prompt does not end on a token boundary and cannot be kept exactly.
+CONCAT_TEMPLATE = (
+    "{%- for m in messages -%}{{- m.content -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_left_truncation_refuses_a_system_prompt_split_inside_a_token(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CONCAT_TEMPLATE
+    traj = Trajectory(messages=[{"role": "system", "content": "You are a help"}, {"role": "user", "content": "ful"}])
+    assert len(render_trajectory(traj, tok)) == 4  # You / Ġare / Ġa / Ġhelpful
+    with pytest.raises(ValueError, match="do not begin the rendered sequence"):
+        render_trajectory(traj, tok, max_len=3, truncation="left")
+    assert len(render_trajectory(traj, tok, max_len=3)) == 3  # right truncation does not need the boundary
+
+
+def test_render_turns_left_truncation(tokenizer):
+    tok = tokenizer
+    traj = sampled_trajectory(tok)
+    h = _system_len(tok, traj)
+    for full, cut in zip(
+        render_turns(traj, tok), render_turns(traj, tok, max_len=h + 10, truncation="left"), strict=True
+    ):
+        assert len(cut) == min(len(full), h + 10)
+        _assert_head_plus_tail(cut, full, h if cut.report.truncated else len(cut))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=conversations(), with_tools=st.booleans(), extra=st.integers(0, 200))
+def test_left_truncation_keeps_exact_suffix_on_random_conversations(tokenizer, msgs, with_tools, extra):
+    # Property: for any budget from the system prompt's length up, the left-truncated rendering is the
+    # untruncated one's system prompt followed by its last max_len - h tokens, every field bit for bit.
+    tok = tokenizer
+    actions = [_reference_action_text(m) for m in msgs if m["role"] == "assistant"]
+    traj = sampled_trajectory(tok, msgs, actions)
+    traj.tools = TOOLS if with_tools else []
+    full = render_trajectory(traj, tok)
+    h = _system_len(tok, traj)
+    max_len = h + extra
+    cut = render_trajectory(traj, tok, max_len=max_len, truncation="left")
+    assert len(cut) == min(len(full), max_len)
+    assert cut.report.truncated == (len(full) > max_len)
+    _assert_head_plus_tail(cut, full, h if cut.report.truncated else len(cut))
+    assert torch.equal(cut.logprob_mask, cut.action_mask)  # every sampled turn's log-probs stay known
 
 
 def test_render_turns_is_prompt_plus_sampled_ids(tokenizer):
@@ -444,6 +561,7 @@ def test_prefix_break_detected_and_render_turns_exact(tokenizer):
         (dict(max_len=0), "max_len"),
         (dict(max_len=True), "max_len"),
         (dict(on_mismatch="ignore"), "on_mismatch must be one of"),
+        (dict(truncation="middle"), "truncation must be one of"),
         (dict(eot_token="<tool_call>x"), "single token"),
     ],
 )
