@@ -17,6 +17,9 @@ from orchard.data import (
 )
 from orchard.data.render import _segments_exact, _segments_windowed
 
+from .strategies import conversations
+from .strategies import text as any_text
+
 TOOLS = [
     {
         "type": "function",
@@ -177,10 +180,7 @@ def test_observation_perturbation_same_length_changes_only_non_action_positions(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    observation=st.text(alphabet=st.sampled_from(list('ab xyz\n\t{}":,é中0123')), max_size=30),
-    user=st.text(alphabet=st.sampled_from(list("ab xyz\n.é")), min_size=1, max_size=30),
-)
+@given(observation=any_text, user=any_text.filter(bool))
 def test_observation_perturbation_any_text_leaves_action_targets(tokenizer, observation, user):
     tok = tokenizer
     msgs = copy.deepcopy(MESSAGES)
@@ -211,64 +211,82 @@ def _reference_action_text(message: dict) -> str:
     return out + "<|im_end|>"
 
 
-words = st.text(alphabet=st.sampled_from(list('ab xyz\n\t{}":,é中🙂0123.')), max_size=16)
+def _reference_pieces(msgs: list[dict], tools: list[dict]) -> list[tuple[str, int]]:
+    """The shipped template's rendering, rebuilt by hand in Python as (text, assistant turn or -1) pieces."""
+    pieces: list[tuple[str, int]] = []
+    if tools:
+        # The first system message and the tool signatures share the system turn; TOOLS render as below.
+        system = msgs[0]["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
+        assert tools == TOOLS
+        pieces.append(("<|im_start|>system\n" + system + "# Tools\n- exec(command: string)\n"
+                       "- read_file(path: string)\n<|im_end|>\n", -1))
+        msgs = msgs[1:] if system else msgs
+    turn = -1
+    for m in msgs:
+        pieces.append(("<|im_start|>" + m["role"] + "\n", -1))
+        if m["role"] == "assistant":
+            turn += 1
+            pieces += [(_reference_action_text(m), turn), ("\n", -1)]
+        else:
+            pieces.append((m["content"] + "<|im_end|>\n", -1))
+    return pieces
 
 
-@st.composite
-def conversations(draw):
-    msgs = [{"role": "system", "content": draw(words)}, {"role": "user", "content": draw(words)}]
-    for turn in range(draw(st.integers(1, 4))):
-        calls = [
-            {
-                "id": f"c{turn}{j}",
-                "type": "function",
-                "function": {
-                    "name": draw(st.sampled_from(["exec", "read_file"])),
-                    "arguments": draw(
-                        st.dictionaries(words, words, max_size=2)
-                        | st.dictionaries(words, words, max_size=2).map(json.dumps)
-                    ),
-                },
-            }
-            for j in range(draw(st.integers(0, 2)))
-        ]
-        msgs.append(
-            {
-                "role": "assistant",
-                "content": draw(words | st.none()) if calls else draw(words),
-                "tool_calls": calls,
-            }
-        )
-        for call in calls:
-            msgs.append({"role": "tool", "tool_call_id": call["id"], "content": draw(words)})
-        if not calls:
-            msgs.append({"role": "user", "content": draw(words)})
-    return msgs
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(msgs=conversations(), with_tools=st.booleans())
 def test_masks_match_hand_built_reference_on_random_conversations(tokenizer, msgs, with_tools):
+    # Contents, observations and tool arguments hold chat markup as text (a fake <|im_end|> or generation
+    # prompt), control characters and U+2028 / U+2029: the masks must still follow the messages, not the markup.
     tok = tokenizer
     actions = [_reference_action_text(m) for m in msgs if m["role"] == "assistant"]
     traj = sampled_trajectory(tok, msgs, actions)
     traj.tools = TOOLS if with_tools else []
     s = render_trajectory(traj, tok)
     assert s.report.ok
-    for k, text in enumerate(actions):
-        assert tok.decode(s.input_ids[s.turn_index == k]) == text
-    full = template_text(tok, traj)
-    assert tok.decode(s.input_ids) == full
-    # Turn k's action text starts right after the k-th "<|im_start|>assistant\n" (random content has no "<");
-    # everything outside those spans is context.
-    rest, cursor = "", 0
-    for text in actions:
-        start = full.index("<|im_start|>assistant\n", cursor) + len("<|im_start|>assistant\n")
-        assert full[start : start + len(text)] == text
-        rest += full[cursor:start]
-        cursor = start + len(text)
-    rest += full[cursor:]
-    assert tok.decode(s.input_ids[~s.action_mask]) == rest
+    pieces = _reference_pieces(msgs, traj.tools)
+    assert template_text(tok, traj) == "".join(text for text, _ in pieces)
+    assert tok.decode(s.input_ids) == "".join(text for text, _ in pieces)
+    assert torch.equal(s.action_mask, s.turn_index >= 0)
+    for k, (i, action) in enumerate(zip(traj.assistant_indices, actions, strict=True)):
+        at = (s.turn_index == k).nonzero().flatten()
+        assert at.tolist() == list(range(int(at[0]), int(at[0]) + len(at)))  # one contiguous run per turn
+        assert tok.decode(s.input_ids[at]) == action
+        assert s.old_logprobs[at].tolist() == traj.messages[i].logprobs
+    assert tok.decode(s.input_ids[~s.action_mask]) == "".join(text for text, turn in pieces if turn < 0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=conversations())
+def test_markup_sampled_as_plain_characters_is_reported_never_mis_masked(tokenizer, msgs):
+    # A policy that writes "<|im_end|>" or "<|endoftext|>" inside its content or a tool argument samples them
+    # character by character; the template's tokenization of the same text reads them as the special tokens.
+    # Rendering must train on what was sampled, at the right positions, and report the turn as a tokenization
+    # mismatch.
+    tok = tokenizer
+    actions = [_reference_action_text(m) for m in msgs if m["role"] == "assistant"]
+    traj = sampled_trajectory(tok, msgs, actions)
+    for i, action in zip(traj.assistant_indices, actions, strict=True):
+        body = action[: -len("<|im_end|>")]
+        ids = tok(body, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+        traj.messages[i].token_ids = ids
+        traj.messages[i].logprobs = [-j / 8 for j in range(len(ids))]
+    s = render_trajectory(traj, tok)
+    sampled = [traj.messages[i].token_ids for i in traj.assistant_indices]
+    expected = [k for k, (ids, a) in enumerate(zip(sampled, actions, strict=True)) if ids != encode(tok, a)]
+    assert [m.turn for m in s.report.mismatches] == expected
+    assert all(m.kind == "tokenization" for m in s.report.mismatches)
+    pieces = _reference_pieces(msgs, traj.tools)
+    assert tok.decode(s.input_ids[~s.action_mask]) == "".join(text for text, turn in pieces if turn < 0)
+    for k, (i, action) in enumerate(zip(traj.assistant_indices, actions, strict=True)):
+        at = (s.turn_index == k).nonzero().flatten()
+        assert at.tolist() == list(range(int(at[0]), int(at[0]) + len(at)))
+        assert s.input_ids[at].tolist() == traj.messages[i].token_ids
+        assert s.old_logprobs[at].tolist() == traj.messages[i].logprobs
+        assert tok.decode(s.input_ids[at]) == action
+    canonical = render_trajectory(sampled_trajectory(tok, msgs, actions), tok)
+    retokenized = render_trajectory(traj, tok, on_mismatch="retokenize")
+    for name in ("input_ids", "action_mask", "turn_index"):
+        assert torch.equal(getattr(retokenized, name), getattr(canonical, name)), name
 
 
 def _split_first_multibyte(tok, ids):
