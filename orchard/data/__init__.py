@@ -1,5 +1,6 @@
 """orchard.data: the trajectory schema, rendering to training tensors, IO and curation (layer 2)."""
 
+from orchard.data.batch import collate, merge_prefix_samples
 from orchard.data.curation import (
     ToolCallIssue,
     cap_per_key,
@@ -26,12 +27,12 @@ from orchard.data.io import (
 )
 from orchard.data.render import (
     MISMATCH_POLICIES,
+    TRUNCATIONS,
     MismatchPolicy,
     RenderedSample,
     RenderReport,
+    Truncation,
     TurnMismatch,
-    collate,
-    merge_prefix_samples,
     render_trajectory,
     render_turns,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "MISMATCH_POLICIES",
     "ROLES",
     "TERMINATION_REASONS",
+    "TRUNCATIONS",
     "Message",
     "MismatchPolicy",
     "RenderReport",
@@ -59,6 +61,7 @@ __all__ = [
     "ToolCall",
     "ToolCallIssue",
     "Trajectory",
+    "Truncation",
     "TurnMismatch",
     "cap_per_key",
     "check_tool_calls",

@@ -26,7 +26,7 @@ template's end-of-turn token is kept as context, not as an action.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +36,9 @@ from orchard.data.schema import Message, Trajectory
 
 MismatchPolicy = Literal["use_sampled", "retokenize", "drop", "raise"]
 MISMATCH_POLICIES: tuple[str, ...] = ("use_sampled", "retokenize", "drop", "raise")
+
+Truncation = Literal["right", "left"]
+TRUNCATIONS: tuple[str, ...] = ("right", "left")
 
 
 @dataclass
@@ -83,12 +86,17 @@ class RenderReport:
             prefix of the longer one (the sequence there is an approximation; use :func:`render_turns`).
         truncated: True when ``max_len`` cut the sequence.
         full_length: the length before truncation.
+        cut: ``(start, stop)``, the positions of the untruncated rendering that truncation removed (``right``:
+            ``(max_len, full_length)``; ``left``: from the end of the system prompt on); None when nothing was
+            cut. Positions in ``mismatches`` index the untruncated rendering; one at ``p >= stop`` is at
+            ``p - (stop - start)`` in the sample.
     """
 
     mismatches: list[TurnMismatch] = field(default_factory=list)
     prefix_breaks: list[int] = field(default_factory=list)
     truncated: bool = False
     full_length: int = 0
+    cut: tuple[int, int] | None = None
 
     @property
     def num_mismatched_tokens(self) -> int:
@@ -158,16 +166,44 @@ class _Builder:
         self.logprobs.extend(lps + [0.0] * (n - known))
         self.lp_known.extend([True] * known + [False] * (n - known))
 
-    def build(self, max_len: int | None, report: RenderReport, traj: Trajectory) -> RenderedSample:
-        report.full_length = len(self.ids)
-        end = len(self.ids) if max_len is None else min(max_len, len(self.ids))
-        report.truncated = end < len(self.ids)
+    def build(
+        self,
+        max_len: int | None,
+        report: RenderReport,
+        traj: Trajectory,
+        *,
+        truncation: str = "right",
+        head: Callable[[list[int]], int] | None = None,
+    ) -> RenderedSample:
+        """The tensors, cut to ``max_len``: the tail (``right``), or the tokens after the first ``head(ids)``
+        (``left``: the oldest after the system prompt). Both cuts remove one contiguous span, so every kept
+        position carries exactly the values it has in the untruncated rendering."""
+        n = len(self.ids)
+        report.full_length = n
+        start = stop = n
+        if max_len is not None and n > max_len:
+            if truncation == "left":
+                kept_head = head(self.ids) if head is not None else 0
+                if kept_head > max_len:
+                    raise ValueError(
+                        f"max_len={max_len} is shorter than the system prompt ({kept_head} tokens), which "
+                        "truncation='left' always keeps; raise max_len or shorten the system prompt"
+                    )
+                start, stop = kept_head, n - (max_len - kept_head)
+            else:
+                start = max_len
+            report.truncated = True
+            report.cut = (start, stop)
+
+        def kept(values: list[Any]) -> list[Any]:
+            return values[:start] + values[stop:]
+
         return RenderedSample(
-            input_ids=torch.tensor(self.ids[:end], dtype=torch.long),
-            action_mask=torch.tensor(self.action[:end], dtype=torch.bool),
-            turn_index=torch.tensor(self.turn[:end], dtype=torch.long),
-            old_logprobs=torch.tensor(self.logprobs[:end], dtype=torch.float32),
-            logprob_mask=torch.tensor(self.lp_known[:end], dtype=torch.bool),
+            input_ids=torch.tensor(kept(self.ids), dtype=torch.long),
+            action_mask=torch.tensor(kept(self.action), dtype=torch.bool),
+            turn_index=torch.tensor(kept(self.turn), dtype=torch.long),
+            old_logprobs=torch.tensor(kept(self.logprobs), dtype=torch.float32),
+            logprob_mask=torch.tensor(kept(self.lp_known), dtype=torch.bool),
             report=report,
             reward=traj.reward,
             task_id=traj.task_id,
@@ -175,7 +211,7 @@ class _Builder:
         )
 
 
-def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any) -> None:
+def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any, truncation: Any) -> None:
     if not isinstance(traj, Trajectory):
         raise ValueError(f"traj must be a Trajectory, got {type(traj).__name__}")
     if not hasattr(tokenizer, "apply_chat_template") or getattr(tokenizer, "chat_template", None) is None:
@@ -186,6 +222,8 @@ def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any) -> No
         raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"on_mismatch must be one of {list(MISMATCH_POLICIES)}, got {on_mismatch!r}")
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {list(TRUNCATIONS)}, got {truncation!r}")
 
 
 def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], gen: bool) -> str:
@@ -218,6 +256,32 @@ def _suffix(prev: str, new: str, message_index: int, report: RenderReport) -> st
             break
         common += 1
     return new[common:]
+
+
+def _system_head(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> Callable[[list[int]], int]:
+    """For left truncation: a function of the rendered ids giving how many leading tokens are the system prompt.
+
+    The system prompt is the template's rendering of the first message when that is a system message (with
+    ``tools``, so a template that lists the tools in the system turn keeps them too); without one nothing is kept.
+    Its tokens must begin the rendered ids: a template whose system turn does not end on a token boundary (its
+    last token merges with what follows) cannot keep it exactly, and that is a ``ValueError``.
+    """
+
+    def head(ids: list[int]) -> int:
+        if not messages or messages[0]["role"] != "system":
+            return 0
+        system = _encode(tokenizer, _template(tokenizer, messages[:1], tools, gen=False))
+        if ids[: len(system)] != system:
+            raise ValueError(
+                "truncation='left' keeps the system prompt, but the tokens of the template's rendering of the "
+                "first system message do not begin the rendered sequence (its last token merges with the next "
+                "turn); use truncation='right'"
+            )
+        return len(system)
+
+    return head
 
 
 def _eot_token(tokenizer: Any, eot_token: str | None) -> tuple[str, int]:
@@ -365,6 +429,7 @@ def render_trajectory(
     tokenizer: Any,
     *,
     max_len: int | None = None,
+    truncation: Truncation = "right",
     on_mismatch: MismatchPolicy = "use_sampled",
     eot_token: str | None = None,
 ) -> RenderedSample | None:
@@ -375,7 +440,18 @@ def render_trajectory(
             tokenized from their text (the SFT path; their log-probs are unknown).
         tokenizer: a transformers tokenizer with a chat template (``apply_chat_template``) whose end-of-turn token
             is a single token.
-        max_len: keep the first ``max_len`` tokens (``report.truncated`` says if any were cut); None keeps all.
+        max_len: cut the sequence to ``max_len`` tokens (``report.truncated`` and ``report.cut`` say what was
+            cut); None keeps all.
+        truncation: which tokens ``max_len`` cuts. ``right`` (default) keeps the first ``max_len`` tokens.
+            ``left`` keeps the system prompt (the tokens of the template's rendering of the first message when
+            it is a system message, tool list included) and then the last ``max_len - len(system)`` tokens,
+            cutting the oldest turns after the system prompt. The paper's SFT (Claw and SWE, 64K context) uses
+            left truncation; keeping the system prompt is our reading of it (the task and tools stay in view).
+            The cut is at token granularity: the kept tail may begin inside a turn, even inside an assistant
+            turn, whose remaining tokens stay actions (one of them is then trained on the system prompt as its
+            left context). Every kept token carries exactly its ``input_ids``, ``action_mask``, ``turn_index``
+            (turns keep their untruncated numbers), ``old_logprobs`` and ``logprob_mask`` of the untruncated
+            rendering. A system prompt longer than ``max_len`` is a ``ValueError`` (nothing sensible fits).
         on_mismatch: what to do when a turn's sampled ids disagree with the template's tokenization of its text
             (or the template is not prefix-consistent):
             ``use_sampled`` (default) keeps the sampled ids and their log-probs and reports;
@@ -387,7 +463,7 @@ def render_trajectory(
     Returns:
         The sample, or None when ``on_mismatch="drop"`` and the trajectory has a mismatch or prefix break.
     """
-    _check_args(traj, tokenizer, max_len, on_mismatch)
+    _check_args(traj, tokenizer, max_len, on_mismatch, truncation)
     eot_text, eot_id = _eot_token(tokenizer, eot_token)
     messages = traj.openai_messages()
     report = RenderReport()
@@ -414,7 +490,8 @@ def render_trajectory(
                 f"({[(m.turn, m.kind, m.positions[:8]) for m in report.mismatches]}), "
                 f"prefix breaks at messages {report.prefix_breaks}"
             )
-    return out.build(max_len, report, traj)
+    head = _system_head(tokenizer, messages, traj.tools)
+    return out.build(max_len, report, traj, truncation=truncation, head=head)
 
 
 def render_turns(
@@ -422,6 +499,7 @@ def render_turns(
     tokenizer: Any,
     *,
     max_len: int | None = None,
+    truncation: Truncation = "right",
     on_mismatch: MismatchPolicy = "use_sampled",
     eot_token: str | None = None,
 ) -> list[RenderedSample]:
@@ -431,11 +509,13 @@ def render_turns(
     ``k``'s sampled ids (or the template's ids of its text when none were recorded), all with
     ``turn_index == k``. This is what a recording proxy sees call by call, and it is exact for templates that are
     not prefix-consistent (e.g. ones that drop earlier reasoning). Mismatches are found and handled as in
-    :func:`render_trajectory` (``drop`` drops only the offending turns' samples).
+    :func:`render_trajectory` (``drop`` drops only the offending turns' samples); ``max_len`` and ``truncation``
+    apply to each sample as there (``left`` keeps the system prompt and the turn's newest tokens).
     """
-    _check_args(traj, tokenizer, max_len, on_mismatch)
+    _check_args(traj, tokenizer, max_len, on_mismatch, truncation)
     eot_text, eot_id = _eot_token(tokenizer, eot_token)
     messages = traj.openai_messages()
+    head = _system_head(tokenizer, messages, traj.tools)
     samples: list[RenderedSample] = []
     turn = -1
     for i, message in enumerate(traj.messages):
@@ -454,117 +534,5 @@ def render_turns(
                 continue
             if on_mismatch == "raise":
                 raise ValueError(f"turn {turn} (message {i}) does not render consistently: {report}")
-        samples.append(out.build(max_len, report, traj))
+        samples.append(out.build(max_len, report, traj, truncation=truncation, head=head))
     return samples
-
-
-def collate(
-    samples: Sequence[RenderedSample],
-    pad_id: int,
-    *,
-    advantages: Sequence[float] | torch.Tensor | None = None,
-    pad_to_multiple_of: int = 1,
-) -> dict[str, torch.Tensor]:
-    """Right-pad rendered samples into a batch.
-
-    Args:
-        samples: B rendered samples (lengths may differ).
-        pad_id: token id written into padding positions of ``input_ids``.
-        advantages: optional per-sample advantages, shape ``[B]``; broadcast over each row's action tokens.
-        pad_to_multiple_of: round T up to a multiple of this (e.g. 8 for tensor cores); default 1.
-
-    Returns:
-        ``input_ids`` [B, T] long (``pad_id`` in padding), ``attention_mask`` [B, T] long (1 on real tokens),
-        ``action_mask`` [B, T] bool, ``old_logprobs`` [B, T] float32 (0 where unknown or padding),
-        ``logprob_mask`` [B, T] bool, ``turn_index`` [B, T] long (-1 on non-action and padding), and with
-        ``advantages`` also ``advantages`` [B, T] float32 (``adv_b`` on row b's action tokens, 0 elsewhere).
-        T is the longest sample rounded up to ``pad_to_multiple_of`` (at least 1, so an all-empty batch is
-        ``[B, 1]`` of padding).
-    """
-    if isinstance(samples, RenderedSample) or not isinstance(samples, Sequence) or len(samples) == 0:
-        raise ValueError(
-            f"samples must be a non-empty sequence of RenderedSample, got {type(samples).__name__}"
-        )
-    for b, s in enumerate(samples):
-        if not isinstance(s, RenderedSample):
-            raise ValueError(f"samples[{b}] must be a RenderedSample, got {type(s).__name__}")
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
-        raise ValueError(f"pad_id must be a non-negative int, got {pad_id!r}")
-    if (
-        isinstance(pad_to_multiple_of, bool)
-        or not isinstance(pad_to_multiple_of, int)
-        or pad_to_multiple_of < 1
-    ):
-        raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of!r}")
-    B = len(samples)
-    adv_B = None
-    if advantages is not None:
-        adv_B = torch.as_tensor(advantages, dtype=torch.float32).flatten()
-        if adv_B.shape[0] != B:
-            raise ValueError(
-                f"advantages must have shape [B]=[{B}], got {list(torch.as_tensor(advantages).shape)}"
-            )
-        if not torch.isfinite(adv_B).all():
-            raise ValueError("advantages must be finite")
-    T = max(1, max(len(s) for s in samples))
-    T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
-    batch = {
-        "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
-        "attention_mask": torch.zeros((B, T), dtype=torch.long),
-        "action_mask": torch.zeros((B, T), dtype=torch.bool),
-        "old_logprobs": torch.zeros((B, T), dtype=torch.float32),
-        "logprob_mask": torch.zeros((B, T), dtype=torch.bool),
-        "turn_index": torch.full((B, T), -1, dtype=torch.long),
-    }
-    for b, s in enumerate(samples):
-        n = len(s)
-        batch["input_ids"][b, :n] = s.input_ids
-        batch["attention_mask"][b, :n] = 1
-        batch["action_mask"][b, :n] = s.action_mask
-        batch["old_logprobs"][b, :n] = s.old_logprobs
-        batch["logprob_mask"][b, :n] = s.logprob_mask
-        batch["turn_index"][b, :n] = s.turn_index
-    if adv_B is not None:
-        batch["advantages"] = adv_B[:, None] * batch["action_mask"].float()  # [B, T]
-    return batch
-
-
-def merge_prefix_samples(samples: Sequence[RenderedSample]) -> list[RenderedSample]:
-    """Merge consecutive per-call samples of one session whose sequences extend each other.
-
-    A harness that re-sends the whole conversation on every call produces, through a recording proxy, one sample
-    per call: call ``k``'s prompt plus its sampled ids. When call ``k+1``'s ``input_ids`` begin with all of call
-    ``k``'s (the earlier output came back token for token), the two are one sequence: the merged sample keeps the
-    longer ids and carries both calls' action masks, turn indices and log-probs, so each action token is trained
-    once and the shared context is computed once. Where the ids diverge (the harness rewrote history, or
-    re-tokenizing the earlier output gave other ids), the samples stay separate, which is always exact.
-
-    Args:
-        samples: the calls of ONE session, in call order.
-
-    Returns:
-        Fewer or equally many samples, in order; the action tokens of the input are each present exactly once.
-    """
-    if isinstance(samples, RenderedSample) or not isinstance(samples, Sequence):
-        raise ValueError(f"samples must be a sequence of RenderedSample, got {type(samples).__name__}")
-    merged: list[RenderedSample] = []
-    for i, sample in enumerate(samples):
-        if not isinstance(sample, RenderedSample):
-            raise ValueError(f"samples[{i}] must be a RenderedSample, got {type(sample).__name__}")
-        if merged:
-            last = merged[-1]
-            n = last.input_ids.numel()
-            if sample.input_ids.numel() >= n and torch.equal(sample.input_ids[:n], last.input_ids):
-                action = sample.action_mask.clone()
-                action[:n] |= last.action_mask
-                turn = sample.turn_index.clone()
-                turn[:n] = torch.where(last.action_mask, last.turn_index, turn[:n])
-                logp = sample.old_logprobs.clone()
-                logp[:n] = torch.where(last.action_mask, last.old_logprobs, logp[:n])
-                known = sample.logprob_mask.clone()
-                known[:n] = torch.where(last.action_mask, last.logprob_mask, known[:n])
-                merged[-1] = RenderedSample(sample.input_ids, action, turn, logp, known, sample.report,
-                                            sample.reward, sample.task_id, sample.group_id)
-                continue
-        merged.append(sample)
-    return merged

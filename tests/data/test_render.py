@@ -12,11 +12,13 @@ from orchard.data import (
     RenderedSample,
     RenderReport,
     Trajectory,
-    collate,
     render_trajectory,
     render_turns,
 )
 from orchard.data.render import _segments_exact, _segments_windowed
+
+from .strategies import conversations
+from .strategies import text as any_text
 
 TOOLS = [
     {
@@ -178,10 +180,7 @@ def test_observation_perturbation_same_length_changes_only_non_action_positions(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    observation=st.text(alphabet=st.sampled_from(list('ab xyz\n\t{}":,é中0123')), max_size=30),
-    user=st.text(alphabet=st.sampled_from(list("ab xyz\n.é")), min_size=1, max_size=30),
-)
+@given(observation=any_text, user=any_text.filter(bool))
 def test_observation_perturbation_any_text_leaves_action_targets(tokenizer, observation, user):
     tok = tokenizer
     msgs = copy.deepcopy(MESSAGES)
@@ -212,64 +211,82 @@ def _reference_action_text(message: dict) -> str:
     return out + "<|im_end|>"
 
 
-words = st.text(alphabet=st.sampled_from(list('ab xyz\n\t{}":,é中🙂0123.')), max_size=16)
+def _reference_pieces(msgs: list[dict], tools: list[dict]) -> list[tuple[str, int]]:
+    """The shipped template's rendering, rebuilt by hand in Python as (text, assistant turn or -1) pieces."""
+    pieces: list[tuple[str, int]] = []
+    if tools:
+        # The first system message and the tool signatures share the system turn; TOOLS render as below.
+        system = msgs[0]["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
+        assert tools == TOOLS
+        pieces.append(("<|im_start|>system\n" + system + "# Tools\n- exec(command: string)\n"
+                       "- read_file(path: string)\n<|im_end|>\n", -1))
+        msgs = msgs[1:] if system else msgs
+    turn = -1
+    for m in msgs:
+        pieces.append(("<|im_start|>" + m["role"] + "\n", -1))
+        if m["role"] == "assistant":
+            turn += 1
+            pieces += [(_reference_action_text(m), turn), ("\n", -1)]
+        else:
+            pieces.append((m["content"] + "<|im_end|>\n", -1))
+    return pieces
 
 
-@st.composite
-def conversations(draw):
-    msgs = [{"role": "system", "content": draw(words)}, {"role": "user", "content": draw(words)}]
-    for turn in range(draw(st.integers(1, 4))):
-        calls = [
-            {
-                "id": f"c{turn}{j}",
-                "type": "function",
-                "function": {
-                    "name": draw(st.sampled_from(["exec", "read_file"])),
-                    "arguments": draw(
-                        st.dictionaries(words, words, max_size=2)
-                        | st.dictionaries(words, words, max_size=2).map(json.dumps)
-                    ),
-                },
-            }
-            for j in range(draw(st.integers(0, 2)))
-        ]
-        msgs.append(
-            {
-                "role": "assistant",
-                "content": draw(words | st.none()) if calls else draw(words),
-                "tool_calls": calls,
-            }
-        )
-        for call in calls:
-            msgs.append({"role": "tool", "tool_call_id": call["id"], "content": draw(words)})
-        if not calls:
-            msgs.append({"role": "user", "content": draw(words)})
-    return msgs
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(msgs=conversations(), with_tools=st.booleans())
 def test_masks_match_hand_built_reference_on_random_conversations(tokenizer, msgs, with_tools):
+    # Contents, observations and tool arguments hold chat markup as text (a fake <|im_end|> or generation
+    # prompt), control characters and U+2028 / U+2029: the masks must still follow the messages, not the markup.
     tok = tokenizer
     actions = [_reference_action_text(m) for m in msgs if m["role"] == "assistant"]
     traj = sampled_trajectory(tok, msgs, actions)
     traj.tools = TOOLS if with_tools else []
     s = render_trajectory(traj, tok)
     assert s.report.ok
-    for k, text in enumerate(actions):
-        assert tok.decode(s.input_ids[s.turn_index == k]) == text
-    full = template_text(tok, traj)
-    assert tok.decode(s.input_ids) == full
-    # Turn k's action text starts right after the k-th "<|im_start|>assistant\n" (random content has no "<");
-    # everything outside those spans is context.
-    rest, cursor = "", 0
-    for text in actions:
-        start = full.index("<|im_start|>assistant\n", cursor) + len("<|im_start|>assistant\n")
-        assert full[start : start + len(text)] == text
-        rest += full[cursor:start]
-        cursor = start + len(text)
-    rest += full[cursor:]
-    assert tok.decode(s.input_ids[~s.action_mask]) == rest
+    pieces = _reference_pieces(msgs, traj.tools)
+    assert template_text(tok, traj) == "".join(text for text, _ in pieces)
+    assert tok.decode(s.input_ids) == "".join(text for text, _ in pieces)
+    assert torch.equal(s.action_mask, s.turn_index >= 0)
+    for k, (i, action) in enumerate(zip(traj.assistant_indices, actions, strict=True)):
+        at = (s.turn_index == k).nonzero().flatten()
+        assert at.tolist() == list(range(int(at[0]), int(at[0]) + len(at)))  # one contiguous run per turn
+        assert tok.decode(s.input_ids[at]) == action
+        assert s.old_logprobs[at].tolist() == traj.messages[i].logprobs
+    assert tok.decode(s.input_ids[~s.action_mask]) == "".join(text for text, turn in pieces if turn < 0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=conversations())
+def test_markup_sampled_as_plain_characters_is_reported_never_mis_masked(tokenizer, msgs):
+    # A policy that writes "<|im_end|>" or "<|endoftext|>" inside its content or a tool argument samples them
+    # character by character; the template's tokenization of the same text reads them as the special tokens.
+    # Rendering must train on what was sampled, at the right positions, and report the turn as a tokenization
+    # mismatch.
+    tok = tokenizer
+    actions = [_reference_action_text(m) for m in msgs if m["role"] == "assistant"]
+    traj = sampled_trajectory(tok, msgs, actions)
+    for i, action in zip(traj.assistant_indices, actions, strict=True):
+        body = action[: -len("<|im_end|>")]
+        ids = tok(body, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+        traj.messages[i].token_ids = ids
+        traj.messages[i].logprobs = [-j / 8 for j in range(len(ids))]
+    s = render_trajectory(traj, tok)
+    sampled = [traj.messages[i].token_ids for i in traj.assistant_indices]
+    expected = [k for k, (ids, a) in enumerate(zip(sampled, actions, strict=True)) if ids != encode(tok, a)]
+    assert [m.turn for m in s.report.mismatches] == expected
+    assert all(m.kind == "tokenization" for m in s.report.mismatches)
+    pieces = _reference_pieces(msgs, traj.tools)
+    assert tok.decode(s.input_ids[~s.action_mask]) == "".join(text for text, turn in pieces if turn < 0)
+    for k, (i, action) in enumerate(zip(traj.assistant_indices, actions, strict=True)):
+        at = (s.turn_index == k).nonzero().flatten()
+        assert at.tolist() == list(range(int(at[0]), int(at[0]) + len(at)))
+        assert s.input_ids[at].tolist() == traj.messages[i].token_ids
+        assert s.old_logprobs[at].tolist() == traj.messages[i].logprobs
+        assert tok.decode(s.input_ids[at]) == action
+    canonical = render_trajectory(sampled_trajectory(tok, msgs, actions), tok)
+    retokenized = render_trajectory(traj, tok, on_mismatch="retokenize")
+    for name in ("input_ids", "action_mask", "turn_index"):
+        assert torch.equal(getattr(retokenized, name), getattr(canonical, name)), name
 
 
 def _split_first_multibyte(tok, ids):
@@ -384,7 +401,124 @@ def test_max_len_truncates(tokenizer):
     assert len(cut) == 50 and cut.report.truncated and cut.report.full_length == len(full)
     for name in ("input_ids", "action_mask", "turn_index", "old_logprobs", "logprob_mask"):
         assert torch.equal(getattr(cut, name), getattr(full, name)[:50])
+    assert cut.report.cut == (50, len(full))
     assert not render_trajectory(traj, tok, max_len=len(full)).report.truncated
+
+
+FIELDS = ("input_ids", "action_mask", "turn_index", "old_logprobs", "logprob_mask")
+
+
+def _system_len(tok, traj):
+    """Tokens of the template's rendering of the first (system) message, tool list included."""
+    return len(encode(tok, template_text(tok, traj, upto=1)))
+
+
+def _assert_head_plus_tail(cut, full, head):
+    """``cut`` is ``full``'s first ``head`` tokens then its last ``len(cut) - head``, every field bit for bit."""
+    tail = len(cut) - head
+    for name in FIELDS:
+        a, b = getattr(cut, name), getattr(full, name)
+        assert torch.equal(a[:head], b[:head]), name
+        assert torch.equal(a[head:], b[len(b) - tail :]), name
+
+
+def test_left_truncation_keeps_system_prompt_and_newest_turns(tokenizer):
+    tok = tokenizer
+    traj = sampled_trajectory(tok)
+    full = render_trajectory(traj, tok)
+    n, h = len(full), _system_len(tok, traj)
+    last = encode(tok, ACTIONS[2])
+    # Budget = system prompt + the last turn's action ids + the template's "\n" after its <|im_end|>: the cut
+    # lands exactly on the last turn's start, so the kept tail is that turn and nothing older.
+    cut = render_trajectory(traj, tok, max_len=h + len(last) + 1, truncation="left")
+    assert len(cut) == h + len(last) + 1
+    assert cut.report.truncated and cut.report.full_length == n
+    assert cut.report.cut == (h, n - len(last) - 1)
+    _assert_head_plus_tail(cut, full, h)
+    assert tok.decode(cut.input_ids[:h]) == template_text(tok, traj, upto=1)  # "<|im_start|>system\n...# Tools..."
+    assert not cut.action_mask[:h].any()
+    assert cut.input_ids[h:-1].tolist() == last and cut.action_mask[h:-1].all()
+    assert (cut.turn_index[h:-1] == 2).all()  # turn numbers are those of the whole trajectory, not renumbered
+    assert cut.old_logprobs[h:-1].tolist() == traj.messages[7].logprobs
+    assert tok.decode(cut.input_ids[-1:]) == "\n" and not cut.action_mask[-1]
+    # Three tokens less: the cut falls inside the last turn; its remaining len(last) - 3 tokens stay actions
+    # with their own log-probs (token granularity, no whole-turn rounding).
+    inside = render_trajectory(traj, tok, max_len=h + len(last) - 2, truncation="left")
+    _assert_head_plus_tail(inside, full, h)
+    assert int(inside.action_mask.sum()) == len(last) - 3
+    assert inside.old_logprobs[inside.action_mask].tolist() == traj.messages[7].logprobs[3:]
+    # Nothing to cut: left and right truncation are the untruncated rendering.
+    for truncation in ("left", "right"):
+        whole = render_trajectory(traj, tok, max_len=n, truncation=truncation)
+        assert not whole.report.truncated and whole.report.cut is None
+        _assert_head_plus_tail(whole, full, n)
+
+
+def test_left_truncation_edges(tokenizer):
+    tok = tokenizer
+    traj = sampled_trajectory(tok)
+    full = render_trajectory(traj, tok)
+    h = _system_len(tok, traj)
+    # Exactly the system prompt fits: that is the sample (no action token, a defined degenerate answer).
+    only_system = render_trajectory(traj, tok, max_len=h, truncation="left")
+    assert torch.equal(only_system.input_ids, full.input_ids[:h]) and not only_system.action_mask.any()
+    with pytest.raises(ValueError, match=rf"max_len={h - 1} is shorter than the system prompt \({h} tokens\)"):
+        render_trajectory(traj, tok, max_len=h - 1, truncation="left")
+    # No system message: nothing is pinned, left truncation keeps the last max_len tokens.
+    no_system = sampled_trajectory(tok, MESSAGES[1:])
+    no_system.tools = []
+    plain = render_trajectory(no_system, tok)
+    tail = render_trajectory(no_system, tok, max_len=7, truncation="left")
+    assert tail.report.cut == (0, len(plain) - 7)
+    _assert_head_plus_tail(tail, plain, 0)
+
+
+# Plain concatenation: the system text "You are a help" and the user's "ful" merge into the token "Ġhelpful", so
+# the system prompt does not end on a token boundary and cannot be kept exactly.
+CONCAT_TEMPLATE = (
+    "{%- for m in messages -%}{{- m.content -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_left_truncation_refuses_a_system_prompt_split_inside_a_token(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CONCAT_TEMPLATE
+    traj = Trajectory(messages=[{"role": "system", "content": "You are a help"}, {"role": "user", "content": "ful"}])
+    assert len(render_trajectory(traj, tok)) == 4  # You / Ġare / Ġa / Ġhelpful
+    with pytest.raises(ValueError, match="do not begin the rendered sequence"):
+        render_trajectory(traj, tok, max_len=3, truncation="left")
+    assert len(render_trajectory(traj, tok, max_len=3)) == 3  # right truncation does not need the boundary
+
+
+def test_render_turns_left_truncation(tokenizer):
+    tok = tokenizer
+    traj = sampled_trajectory(tok)
+    h = _system_len(tok, traj)
+    for full, cut in zip(
+        render_turns(traj, tok), render_turns(traj, tok, max_len=h + 10, truncation="left"), strict=True
+    ):
+        assert len(cut) == min(len(full), h + 10)
+        _assert_head_plus_tail(cut, full, h if cut.report.truncated else len(cut))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=conversations(), with_tools=st.booleans(), extra=st.integers(0, 200))
+def test_left_truncation_keeps_exact_suffix_on_random_conversations(tokenizer, msgs, with_tools, extra):
+    # Property: for any budget from the system prompt's length up, the left-truncated rendering is the
+    # untruncated one's system prompt followed by its last max_len - h tokens, every field bit for bit.
+    tok = tokenizer
+    actions = [_reference_action_text(m) for m in msgs if m["role"] == "assistant"]
+    traj = sampled_trajectory(tok, msgs, actions)
+    traj.tools = TOOLS if with_tools else []
+    full = render_trajectory(traj, tok)
+    h = _system_len(tok, traj)
+    max_len = h + extra
+    cut = render_trajectory(traj, tok, max_len=max_len, truncation="left")
+    assert len(cut) == min(len(full), max_len)
+    assert cut.report.truncated == (len(full) > max_len)
+    _assert_head_plus_tail(cut, full, h if cut.report.truncated else len(cut))
+    assert torch.equal(cut.logprob_mask, cut.action_mask)  # every sampled turn's log-probs stay known
 
 
 def test_render_turns_is_prompt_plus_sampled_ids(tokenizer):
@@ -439,54 +573,13 @@ def test_prefix_break_detected_and_render_turns_exact(tokenizer):
     assert tok.decode(turns[1].input_ids[turns[1].action_mask]) == "two<|im_end|>"
 
 
-def _sample(ids, mask, lps, turn):
-    return RenderedSample(
-        input_ids=torch.tensor(ids),
-        action_mask=torch.tensor(mask, dtype=torch.bool),
-        turn_index=torch.tensor(turn),
-        old_logprobs=torch.tensor(lps, dtype=torch.float32),
-        logprob_mask=torch.tensor(mask, dtype=torch.bool),
-        report=RenderReport(),
-    )
-
-
-def test_collate_hand_case():
-    a = _sample([5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.25], [-1, 0, 0])
-    b = _sample([8, 9, 10, 11, 12], [0, 0, 1, 0, 1], [0.0, 0.0, -1.0, 0.0, -2.0], [-1, -1, 0, -1, 1])
-    batch = collate([a, b], pad_id=99, advantages=[2.0, -1.0])
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 99, 99], [8, 9, 10, 11, 12]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
-    assert batch["action_mask"].tolist() == [
-        [False, True, True, False, False],
-        [False, False, True, False, True],
-    ]
-    assert batch["turn_index"].tolist() == [[-1, 0, 0, -1, -1], [-1, -1, 0, -1, 1]]
-    assert batch["old_logprobs"].tolist() == [[0.0, -0.5, -0.25, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0, -2.0]]
-    # advantages broadcast on action tokens only: row 0 -> 2.0 at positions 1, 2; row 1 -> -1.0 at 2, 4.
-    assert batch["advantages"].tolist() == [[0.0, 2.0, 2.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0, -1.0]]
-    padded = collate([a], pad_id=0, pad_to_multiple_of=8)
-    assert padded["input_ids"].shape == (1, 8) and "advantages" not in padded
-    empty = collate([_sample([], [], [], [])], pad_id=0)
-    assert empty["input_ids"].shape == (1, 1) and not empty["attention_mask"].any()
-
-
-def test_collate_of_rendered_batch(tokenizer):
-    tok = tokenizer
-    samples = [render_trajectory(sampled_trajectory(tok), tok), *render_turns(sampled_trajectory(tok), tok)]
-    batch = collate(samples, tok.pad_token_id)
-    for b, s in enumerate(samples):
-        n = len(s)
-        assert batch["input_ids"][b, :n].tolist() == s.input_ids.tolist()
-        assert (batch["input_ids"][b, n:] == tok.pad_token_id).all() and not batch["action_mask"][b, n:].any()
-        assert int(batch["attention_mask"][b].sum()) == n
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         (dict(max_len=0), "max_len"),
         (dict(max_len=True), "max_len"),
         (dict(on_mismatch="ignore"), "on_mismatch must be one of"),
+        (dict(truncation="middle"), "truncation must be one of"),
         (dict(eot_token="<tool_call>x"), "single token"),
     ],
 )
@@ -495,24 +588,11 @@ def test_render_validation(tokenizer, kwargs, match):
         render_trajectory(Trajectory(messages=MESSAGES), tokenizer, **kwargs)
 
 
-def test_render_and_collate_reject_bad_inputs(tokenizer):
+def test_render_rejects_bad_inputs(tokenizer):
     with pytest.raises(ValueError, match="traj must be a Trajectory"):
         render_trajectory(MESSAGES, tokenizer)
     with pytest.raises(ValueError, match="chat_template"):
         render_trajectory(Trajectory(), object())
-    s = render_trajectory(Trajectory(messages=MESSAGES), tokenizer)
-    with pytest.raises(ValueError, match="non-empty sequence"):
-        collate([], 0)
-    with pytest.raises(ValueError, match=r"samples\[1\]"):
-        collate([s, "x"], 0)
-    with pytest.raises(ValueError, match="pad_id"):
-        collate([s], -1)
-    with pytest.raises(ValueError, match=r"advantages must have shape \[B\]=\[1\]"):
-        collate([s], 0, advantages=[1.0, 2.0])
-    with pytest.raises(ValueError, match="finite"):
-        collate([s], 0, advantages=[float("nan")])
-    with pytest.raises(ValueError, match="pad_to_multiple_of"):
-        collate([s], 0, pad_to_multiple_of=0)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
