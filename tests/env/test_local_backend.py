@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import pytest
+from _box import needs_root, requires
 
 from orchard.env.agent.isolation import BUBBLEWRAP, PROCESS_GROUP, Limits, probe_bubblewrap
 from orchard.env.backends.base import (
@@ -28,8 +29,7 @@ from orchard.env.backends.local import DEFAULT_UID_RANGE, LocalBackend
 
 IS_ROOT = os.geteuid() == 0
 BWRAP_PROBLEM = probe_bubblewrap((DEFAULT_UID_RANGE[0],) * 2 if IS_ROOT else None)
-needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-sandbox uids need root")
+needs_bwrap = requires(BWRAP_PROBLEM, "bubblewrap")
 MODES = [
     pytest.param(True, marks=needs_bwrap, id="bubblewrap"),
     pytest.param(False, id="process-group"),
