@@ -40,7 +40,8 @@ def connect_command(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def weak_service():
-    with serve(backend="local-process-group", allow_weak_isolation=True) as svc:
+    # a child process: the opt-in travels on its command line, the URL comes back on its printed line
+    with serve(backend="local-process-group", allow_weak_isolation=True, in_process=False) as svc:
         yield svc
 
 
