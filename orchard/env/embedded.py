@@ -6,8 +6,13 @@
     with serve(tmp_dir, in_process=False) as svc:  # as a child process (svc.process), e.g. to kill it
         ...
 
-`orchard env serve` runs the same thing in the foreground. Layout under `root_dir`: `state.sqlite3` (the
+`orchard env serve` runs the same thing in the foreground and prints `SANDBOX_BASE_URL=...` and
+`SANDBOX_API_KEY=...` lines, the variables the clients read. Layout under `root_dir`: `state.sqlite3` (the
 orchestrator's store) and `sandboxes/` (the backend's root). Restarting on the same `root_dir` keeps sandboxes.
+
+Fail closed: where bubblewrap does not work the local backend falls back to process groups, which cannot block
+a sandbox's network; a create with `block_network: true` is then refused (501) unless the service was started
+with `allow_weak_isolation=True` (`--allow-weak-isolation`). Every sandbox reports its `isolation`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import importlib
 import ipaddress
 import os
 import secrets
+import shlex
 import socket
 import subprocess
 import sys
@@ -34,8 +40,12 @@ from typing import Any
 from orchard.env.backends.base import Backend
 
 API_KEY_ENV = "ORCHARD_ENV_API_KEY"
-READY_PREFIX = "ORCHARD_ENV_URL="
-KEY_PREFIX = "ORCHARD_ENV_API_KEY="
+"""The key `serve(in_process=False)` hands its child (not on the command line: /proc/*/cmdline is
+world-readable), and that `orchard env serve` uses when `--api-key` is not given."""
+READY_PREFIX = "SANDBOX_BASE_URL="
+KEY_PREFIX = "SANDBOX_API_KEY="
+"""The lines the service prints once it listens: the variables the clients read (`export` them as printed)."""
+BACKENDS = ("local", "local-per-command", "local-process-group")
 
 
 @dataclass
@@ -54,18 +64,20 @@ class EmbeddedService:
         return iter((self.url, self.api_key))
 
 
-def make_backend(root_dir: Path, backend: str = "local") -> Backend:
+def make_backend(root_dir: Path, backend: str = "local", *, allow_weak_isolation: bool = False) -> Backend:
     """The backend named by `backend`: "local" (LocalBackend under `root_dir/sandboxes`, commands run by
-    each sandbox's box), "local-per-command" (the same with a bubblewrap per command, `box=False`) or
-    "module:factory", a callable taking the sandboxes directory."""
+    each sandbox's box), "local-per-command" (the same with a bubblewrap per command, `box=False`),
+    "local-process-group" (the process-group fallback, without trying bubblewrap) or "module:factory", a
+    callable taking the sandboxes directory. `allow_weak_isolation` goes to the LocalBackend (see there)."""
     sandboxes = Path(root_dir) / "sandboxes"
-    if backend in ("local", "local-per-command"):
+    if backend in BACKENDS:
         from orchard.env.backends.local import LocalBackend
 
-        return LocalBackend(sandboxes, box=backend == "local")
+        return LocalBackend(sandboxes, box=backend == "local", allow_weak_isolation=allow_weak_isolation,
+                            use_bwrap=False if backend == "local-process-group" else None)
     module, _, attr = backend.partition(":")
     if not module or not attr:
-        raise ValueError(f"backend must be 'local', 'local-per-command' or 'module:factory', got {backend!r}")
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or 'module:factory', got {backend!r}")
     return getattr(importlib.import_module(module), attr)(sandboxes)
 
 
@@ -106,7 +118,8 @@ def _run(main: Any) -> None:
     run(main)
 
 
-def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any], log_level: str) -> Any:
+def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any], log_level: str,
+            allow_weak_isolation: bool) -> Any:
     import uvicorn
 
     from orchard.env.orchestrator import Orchestrator
@@ -119,7 +132,12 @@ def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any],
     os.chmod(root_dir, 0o711)
     state = root_dir / "state.sqlite3"
     os.close(os.open(state, os.O_CREAT | os.O_WRONLY, 0o600))
-    orchestrator = Orchestrator(make_backend(root_dir, backend), SQLiteStore(state), **options)
+    made = make_backend(root_dir, backend, allow_weak_isolation=allow_weak_isolation)
+    if getattr(made, "isolation", None) == "process-group":
+        print(f"WARNING: sandboxes are not isolated ({getattr(made, 'isolation_warning', '')}); "
+              + ("they run as process groups on the host (--allow-weak-isolation)" if allow_weak_isolation
+                 else "a sandbox with block_network=true will be refused"), file=sys.stderr, flush=True)
+    orchestrator = Orchestrator(made, SQLiteStore(state), **options)
     app = create_app(orchestrator, [api_key])
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="websockets-sansio",
                             timeout_keep_alive=30, backlog=4096, lifespan="on",
@@ -138,6 +156,7 @@ def serve(
     backend: str = "local",
     log_level: str = "warning",
     startup_timeout_s: float = 30.0,
+    allow_weak_isolation: bool = False,
     **orchestrator_options: Any,
 ) -> Iterator[EmbeddedService]:
     """Run the embedded service for the duration of the `with` block.
@@ -149,7 +168,10 @@ def serve(
         api_key: None = a fresh random key.
         in_process: True = uvicorn on a background thread of this process; False = a child process
             (`python -m orchard.env.embedded`), stopped with SIGTERM (SIGKILL after 10 s) on exit.
-        backend: "local", "local-per-command" or "module:factory" (see `make_backend`).
+        backend: "local", "local-per-command", "local-process-group" or "module:factory" (see `make_backend`).
+        allow_weak_isolation: where the local backend has no bubblewrap, still create sandboxes with
+            `block_network: true` (their network is not blocked; they report `isolation: "process-group"` and
+            `block_network: false`). Default False: such a create is refused with 501.
         orchestrator_options: keyword arguments of `Orchestrator` (e.g. `heartbeat_timeout_s=60`).
     """
     api_key = api_key or secrets.token_urlsafe(24)
@@ -157,17 +179,15 @@ def serve(
         if root_dir is None:
             root_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="orchard-env-"))
         root = Path(root_dir)
-        if in_process:
-            yield from _serve_thread(root, host, port, api_key, backend, log_level, startup_timeout_s,
-                                     orchestrator_options)
-        else:
-            yield from _serve_child(root, host, port, api_key, backend, log_level, startup_timeout_s,
-                                    orchestrator_options)
+        serve_in = _serve_thread if in_process else _serve_child
+        yield from serve_in(root, host, port, api_key, backend, log_level, startup_timeout_s,
+                            allow_weak_isolation, orchestrator_options)
 
 
 def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
-                  startup_timeout_s: float, options: dict[str, Any]) -> Iterator[EmbeddedService]:
-    server = _server(root, api_key, backend, options, log_level)
+                  startup_timeout_s: float, allow_weak_isolation: bool,
+                  options: dict[str, Any]) -> Iterator[EmbeddedService]:
+    server = _server(root, api_key, backend, options, log_level, allow_weak_isolation)
     sock = _bind(host, port)
     failure: list[BaseException] = []
 
@@ -195,9 +215,12 @@ def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, 
 
 
 def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
-                 startup_timeout_s: float, options: dict[str, Any]) -> Iterator[EmbeddedService]:
+                 startup_timeout_s: float, allow_weak_isolation: bool,
+                 options: dict[str, Any]) -> Iterator[EmbeddedService]:
     argv = [sys.executable, "-m", "orchard.env.embedded", "--root", str(root), "--host", host, "--port",
             str(port), "--backend", backend, "--log-level", log_level, "--parent-pid", str(os.getpid())]
+    if allow_weak_isolation:
+        argv.append("--allow-weak-isolation")
     for name, value in options.items():
         argv += ["--option", f"{name}={value}"]
     env = {**os.environ, API_KEY_ENV: api_key}  # not on the command line: /proc/*/cmdline is world-readable
@@ -212,7 +235,7 @@ def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, l
                 raise RuntimeError("the embedded service exited before it was ready:\n" + "".join(service.output))
             service.output.append(line)
             if line.startswith(READY_PREFIX):
-                service.url = line[len(READY_PREFIX):].strip()
+                service.url = parse_printed(line, READY_PREFIX)
             if time.monotonic() > deadline:
                 raise RuntimeError("the embedded service did not start in time:\n" + "".join(service.output))
         # Keep draining its output so the child never blocks on a full pipe.
@@ -242,11 +265,21 @@ def _parse_option(text: str) -> tuple[str, Any]:
     return name, value
 
 
+def parse_printed(line: str, prefix: str) -> str:
+    """The value of a `NAME=value` line the service printed (`prefix` is "NAME="; the value is shell-quoted
+    where it needs to be, so that the line can be exported as is)."""
+    if not line.startswith(prefix):
+        raise ValueError(f"line must start with {prefix!r}, got {line!r}")
+    words = shlex.split(line[len(prefix):])
+    return words[0] if words else ""
+
+
 def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                 backend: str = "local", log_level: str = "warning", parent_pid: int | None = None,
-                **orchestrator_options: Any) -> None:
-    """Serve in the foreground until SIGINT/SIGTERM; first prints `ORCHARD_ENV_URL=...` and
-    `ORCHARD_ENV_API_KEY=...` lines (what `orchard env serve` shows).
+                allow_weak_isolation: bool = False, **orchestrator_options: Any) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM; first prints `SANDBOX_BASE_URL=...` and
+    `SANDBOX_API_KEY=...` lines (what `orchard env serve` shows: the variables the clients read, quoted for a
+    shell where they need to be). `allow_weak_isolation`: see `serve`.
 
     With ``parent_pid``, also shut down (gracefully: sandboxes' processes are ended) once this process is no
     longer that process's child — the parent died, even by SIGKILL, which leaves it no chance to stop us.
@@ -255,7 +288,7 @@ def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
     if not _is_loopback(host):
         print(f"WARNING: binding {host}, not loopback: anyone who can reach it and holds the key can run "
               "commands in its sandboxes", file=sys.stderr, flush=True)
-    server = _server(Path(root_dir), api_key, backend, orchestrator_options, log_level)
+    server = _server(Path(root_dir), api_key, backend, orchestrator_options, log_level, allow_weak_isolation)
     sock = _bind(host, port)
     # What exists now (modules, the app, its schemas) lives as long as the process: leaving it out of the
     # garbage collector's full passes saves ~2 % of the CPU per request. Not in `serve()`'s thread: that
@@ -268,8 +301,8 @@ def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started:
-            print(f"{READY_PREFIX}{_url(sock, host)}", flush=True)
-            print(f"{KEY_PREFIX}{api_key}", flush=True)
+            print(f"{READY_PREFIX}{shlex.quote(_url(sock, host))}", flush=True)
+            print(f"{KEY_PREFIX}{shlex.quote(api_key)}", flush=True)
         while parent_pid is not None and not task.done():
             if os.getppid() != parent_pid:  # re-parented: the process that started us is gone
                 server.should_exit = True
@@ -290,10 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--option", action="append", default=[], help="Orchestrator keyword, name=value")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer our parent (serve() passes its own pid)")
+    parser.add_argument("--allow-weak-isolation", action="store_true",
+                        help="create block_network sandboxes even without bubblewrap (their network is open)")
     args = parser.parse_args(argv)
     options = dict(_parse_option(o) for o in args.option)
     run_forever(args.root, host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV),
-                backend=args.backend, log_level=args.log_level, parent_pid=args.parent_pid, **options)
+                backend=args.backend, log_level=args.log_level, parent_pid=args.parent_pid,
+                allow_weak_isolation=args.allow_weak_isolation, **options)
     return 0
 
 

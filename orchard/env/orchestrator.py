@@ -1,7 +1,9 @@
 """The orchestrator: sandbox lifecycle, the job store, exec scheduling, idempotency, the reaper.
 
 It owns ids, state and queues; a `Backend` owns the sandboxes themselves. The REST API (`orchard.env.server`)
-is a thin layer over this class, so everything here is tested through real HTTP too.
+is a thin layer over this class: it parses requests into `CreateParams` / `ExecParams` and shows records as
+JSON; nothing here knows HTTP beyond the status code each `SandboxError` carries. Everything here is tested
+through real HTTP too.
 
 Scheduling. Execs in one sandbox run one at a time, in arrival order (an `asyncio.Lock` per sandbox, as a shell
 session would). Across sandboxes at most `max_concurrent_execs` run at once (a semaphore); the rest wait in
@@ -40,7 +42,9 @@ from orchard.env.backends.base import (
     BackendError,
     CapacityError,
     ExecRequest,
+    ExecResult,
     FileInfo,
+    IsolationUnavailableError,
     PathEscapeError,
     PtySession,
     Resources,
@@ -123,46 +127,6 @@ def parse_memory_mb(value: str | None) -> int | None:
     return max(1, -(-int(n_bytes) // (1 << 20)))
 
 
-def sandbox_view(record: SandboxRecord, namespace: str) -> dict[str, Any]:
-    """A sandbox as the API shows it (Orchard Env's fields, then ours)."""
-    return {
-        "sandbox_id": record.sandbox_id,
-        "namespace": namespace,
-        "image": record.image,
-        "pod_name": record.sandbox_id,
-        "block_network": record.block_network,
-        "cpu": record.cpu or "",
-        "memory": record.memory or "",
-        "timeout": record.timeout,
-        "created_at": record.created_at,
-        "ready": record.status == "ready",
-        "status": record.status,
-        "status_message": record.status_message,
-        "last_heartbeat": record.last_heartbeat,
-        "heartbeat_timeout": record.heartbeat_timeout,
-        "expires_at": record.expires_at,
-    }
-
-
-def job_view(record: JobRecord) -> dict[str, Any]:
-    # a job's fields are all scalars: a shallow copy is what `dataclasses.asdict` gives, without its
-    # recursive deep copy (which showed in the service's CPU profile of every exec)
-    return dict(vars(record))
-
-
-def file_view(info: FileInfo) -> dict[str, Any]:
-    name = info.path.rstrip("/").rsplit("/", 1)[-1] or info.path
-    modified = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(info.mtime))
-    return {
-        "name": name,
-        "path": info.path,
-        "type": "directory" if info.is_dir else "file",
-        "size": int(info.size),
-        "modified": modified,
-        "mode": info.mode,
-    }
-
-
 @contextlib.contextmanager
 def backend_errors(sandbox_id: str) -> Iterator[None]:
     """Translate a backend's exceptions into API errors (PathEscapeError first: it is also a ValueError)."""
@@ -178,6 +142,10 @@ def backend_errors(sandbox_id: str) -> Iterator[None]:
         raise BadRequestError(f"{type(exc).__name__}: {exc}") from exc
     except CapacityError as exc:
         raise ServiceUnavailable(f"backend at capacity: {exc}") from exc
+    except IsolationUnavailableError as exc:
+        # not retryable (501, not 503): nothing changes until the operator fixes the machine or opts in
+        raise ServerError(str(exc), status_code=501,
+                          detail={"error": "isolation_unavailable", "message": str(exc)}) from exc
     except ValueError as exc:
         raise BadRequestError(str(exc)) from exc
     except BackendError as exc:
@@ -201,6 +169,11 @@ class Orchestrator:
         max_output_bytes: per-stream output cap of an exec (the request may lower it). Default 1 MiB.
         retry_after_s: the `Retry-After` sent with a 503. Default 1.
         clock: epoch-seconds clock (tests pass a fake one).
+
+    Attributes:
+        sandbox_response: how the API shows a sandbox (set by the HTTP layer, `create_app`). After a restart,
+            a create whose answer was lost with the previous process is answered with it; while it is None,
+            such a create's Idempotency-Key is forgotten instead.
     """
 
     def __init__(
@@ -254,10 +227,21 @@ class Orchestrator:
         self._reaper: asyncio.Task[None] | None = None
         self.pending_execs = 0
         self.running_execs = 0
+        self.sandbox_response: Callable[[SandboxRecord], dict[str, Any]] | None = None
 
     @property
     def namespace(self) -> str:
         return getattr(self.backend, "name", "local")
+
+    @property
+    def isolation(self) -> str:
+        """How the backend isolates sandboxes ("bubblewrap", "process-group", ...; "unknown" if it does not say)."""
+        return getattr(self.backend, "isolation", "unknown")
+
+    @property
+    def blocks_network(self) -> bool:
+        """Whether a sandbox created with `block_network` really has no network."""
+        return bool(getattr(self.backend, "blocks_network", True))
 
     # life of the orchestrator itself
     async def start(self, *, reaper: bool = True) -> None:
@@ -315,8 +299,8 @@ class Orchestrator:
             report["orphans_deleted"].append(sandbox_id)
         for claim in await self.store.list_idempotency(pending_only=True):
             made = await self.store.get_sandbox(claim.resource_id) if claim.resource_id else None
-            if made is not None and made.status == "ready":
-                await self.store.complete_idempotency(claim.key, 200, json.dumps(sandbox_view(made, self.namespace)))
+            if made is not None and made.status == "ready" and self.sandbox_response is not None:
+                await self.store.complete_idempotency(claim.key, 200, json.dumps(self.sandbox_response(made)))
             else:
                 await self.store.delete_idempotency(claim.key)
         logger.info("reconciled: %s", {k: len(v) for k, v in report.items()})
@@ -645,8 +629,9 @@ class Orchestrator:
         return job
 
     # files, patches, resources, terminals
-    async def apply_patch(self, sandbox_id: str, patch: str, timeout: float = 30.0) -> dict[str, Any]:
-        """`git apply` a unified diff in the workspace, serialised with the sandbox's execs."""
+    async def apply_patch(self, sandbox_id: str, patch: str, timeout: float = 30.0) -> ExecResult:
+        """`git apply` a unified diff in the workspace, serialised with the sandbox's execs; past `timeout`
+        seconds the result is exit code 124 with `timed_out` set."""
         if not isinstance(patch, str) or not patch.strip():
             raise BadRequestError("patch must be a non-empty unified diff")
         if not timeout > 0:
@@ -655,13 +640,9 @@ class Orchestrator:
         async with self._lock(sandbox_id), self._slots:
             try:
                 with backend_errors(sandbox_id):
-                    result = await asyncio.wait_for(self.backend.apply_patch(sandbox_id, patch), timeout)
+                    return await asyncio.wait_for(self.backend.apply_patch(sandbox_id, patch), timeout)
             except TimeoutError:
-                return {"success": False, "stdout": "", "stderr": "", "exit_code": 124,
-                        "error": f"apply_patch timed out after {timeout:g}s"}
-        return {"success": result.exit_code == 0, "stdout": result.stdout.decode("utf-8", errors="replace"),
-                "stderr": result.stderr.decode("utf-8", errors="replace"), "exit_code": result.exit_code,
-                "error": None}
+                return ExecResult(exit_code=124, stdout=b"", stderr=b"", timed_out=True, duration_s=timeout)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> int:
         await self._ready_sandbox(sandbox_id)

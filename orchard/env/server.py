@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import shlex
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -30,8 +31,10 @@ from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
 from pydantic import BaseModel, Field
 
+from orchard.env.backends.base import ExecResult, FileInfo
 from orchard.env.errors import AuthError, BadRequestError, SandboxError, ServiceUnavailable
-from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator, file_view, job_view, sandbox_view
+from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator
+from orchard.env.store.base import JobRecord, SandboxRecord
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,58 @@ class UploadFileRequest(BaseModel):
 # Built once: json.dumps with any option builds a new encoder on every call.
 _FINGERPRINT_JSON = json.JSONEncoder(sort_keys=True, default=str)
 _RESPONSE_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # Starlette's
+
+
+
+def sandbox_view(record: SandboxRecord, namespace: str, isolation: str = "unknown",
+                 blocks_network: bool = True) -> dict[str, Any]:
+    """A sandbox as the API shows it (Orchard Env's fields, then ours). `block_network` is what is enforced:
+    true only where the backend blocks the network (`blocks_network`); `isolation` names how."""
+    return {
+        "sandbox_id": record.sandbox_id,
+        "namespace": namespace,
+        "image": record.image,
+        "pod_name": record.sandbox_id,
+        "block_network": record.block_network and blocks_network,
+        "cpu": record.cpu or "",
+        "memory": record.memory or "",
+        "timeout": record.timeout,
+        "created_at": record.created_at,
+        "ready": record.status == "ready",
+        "status": record.status,
+        "status_message": record.status_message,
+        "last_heartbeat": record.last_heartbeat,
+        "heartbeat_timeout": record.heartbeat_timeout,
+        "expires_at": record.expires_at,
+        "isolation": isolation,
+    }
+
+
+def job_view(record: JobRecord) -> dict[str, Any]:
+    # a job's fields are all scalars: a shallow copy is what `dataclasses.asdict` gives, without its
+    # recursive deep copy (which showed in the service's CPU profile of every exec)
+    return dict(vars(record))
+
+
+def file_view(info: FileInfo) -> dict[str, Any]:
+    name = info.path.rstrip("/").rsplit("/", 1)[-1] or info.path
+    modified = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(info.mtime))
+    return {
+        "name": name,
+        "path": info.path,
+        "type": "directory" if info.is_dir else "file",
+        "size": int(info.size),
+        "modified": modified,
+        "mode": info.mode,
+    }
+
+
+def patch_view(result: ExecResult, timeout: float) -> dict[str, Any]:
+    error = f"apply_patch timed out after {timeout:g}s" if result.timed_out else None
+    return {"success": result.exit_code == 0 and not result.timed_out,
+            "stdout": result.stdout.decode("utf-8", errors="replace"),
+            "stderr": result.stderr.decode("utf-8", errors="replace"), "exit_code": result.exit_code,
+            "error": error}
 
 
 def _fingerprint(method: str, path: str, body: dict[str, Any]) -> str:
@@ -143,6 +198,11 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     auth = [Depends(require_key)]
     ns = orchestrator.namespace
 
+    def view(record: SandboxRecord) -> dict[str, Any]:
+        return sandbox_view(record, ns, orchestrator.isolation, orchestrator.blocks_network)
+
+    orchestrator.sandbox_response = view
+
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code or 500, content={"detail": exc.detail},
@@ -180,7 +240,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
 
         async def create() -> tuple[int, dict[str, Any]]:
             record = await orchestrator.create_sandbox(params)
-            return 200, sandbox_view(record, ns)
+            return 200, view(record)
 
         return await orchestrator.idempotent(key, _fingerprint("POST", path, body.model_dump()), create,
                                              resource_id=params.sandbox_id)
@@ -193,15 +253,15 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     @app.get("/sandboxes", dependencies=auth)
     async def list_sandboxes() -> dict[str, Any]:
         records = await orchestrator.store.list_sandboxes()
-        return {"sandboxes": [sandbox_view(r, ns) for r in records]}
+        return {"sandboxes": [view(r) for r in records]}
 
     @app.get("/sandboxes/{sandbox_id}", dependencies=auth)
     async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
-        return sandbox_view(await orchestrator.get_sandbox(sandbox_id), ns)
+        return view(await orchestrator.get_sandbox(sandbox_id))
 
     @app.get("/sandboxes/{sandbox_id}/wait", dependencies=auth)
     async def wait_sandbox(sandbox_id: str, timeout: float = Query(3600, gt=0)) -> dict[str, Any]:
-        return sandbox_view(await orchestrator.wait_sandbox(sandbox_id, timeout), ns)
+        return view(await orchestrator.wait_sandbox(sandbox_id, timeout))
 
     async def do_delete(sandbox_id: str, path: str, idempotency_key: str | None) -> tuple[int, Any]:
         async def delete() -> tuple[int, dict[str, Any]]:
@@ -257,7 +317,8 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     async def apply_patch(sandbox_id: str, body: ApplyPatchRequest, request: Request,
                           idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
         async def patch() -> tuple[int, dict[str, Any]]:
-            return 200, await orchestrator.apply_patch(sandbox_id, body.patch, body.timeout_seconds)
+            result = await orchestrator.apply_patch(sandbox_id, body.patch, body.timeout_seconds)
+            return 200, patch_view(result, body.timeout_seconds)
 
         key = _check_idempotency_key(idempotency_key)
         fingerprint = _fingerprint(request.method, request.url.path, body.model_dump())

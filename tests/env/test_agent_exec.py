@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from _box import box_binary, needs_compiled_box
+from _box import box_binary, needs_compiled_box, needs_root, requires
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,19 +42,17 @@ root."""
 PYBOX = "bubblewrap-pybox"
 """The same through the Python box (what a machine without a C compiler runs)."""
 BOXES = (BOX, PYBOX)
-_skip_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"{BWRAP_PROBLEM}")
+needs_bwrap = requires(BWRAP_PROBLEM, "bubblewrap")
 MODES = [
-    pytest.param(BUBBLEWRAP, marks=_skip_bwrap),
-    pytest.param(BOX, marks=[_skip_bwrap, needs_compiled_box]),
-    pytest.param(PYBOX, marks=_skip_bwrap),
-    pytest.param(USERNS, marks=[_skip_bwrap, pytest.mark.skipif(not IS_ROOT, reason="same as bubblewrap")]),
+    pytest.param(BUBBLEWRAP, marks=needs_bwrap),
+    pytest.param(BOX, marks=[needs_bwrap, needs_compiled_box]),
+    pytest.param(PYBOX, marks=needs_bwrap),
+    pytest.param(USERNS, marks=[needs_bwrap, pytest.mark.skipif(not IS_ROOT, reason="same as bubblewrap")]),
     PROCESS_GROUP,
 ]
 BWRAP_MODES = [m for m in MODES if getattr(m, "values", [m])[0] != PROCESS_GROUP]
-needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
 WRAPPERS = pytest.mark.parametrize("wrappers", [True, False], ids=["setpriv", "preexec"])
 """Start sandboxed processes through setpriv/prlimit exec wrappers, or a Python preexec function."""
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-sandbox uids and RLIMIT_NPROC need root")
 
 
 @pytest.fixture

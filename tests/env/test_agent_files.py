@@ -74,7 +74,10 @@ def test_symlink_inside_is_followed(tree):
     ws, _ = tree
     assert ws.read_file("in_link/f.txt") == b"inside"
     ws.write_file("in_link/new.txt", b"via link")
-    assert (os.path.join(ws.root, "sub", "new.txt")) and ws.read_file("sub/new.txt") == b"via link"
+    # in_link -> sub: the write lands in the link's target directory, not in a new "in_link" directory
+    with open(os.path.join(ws.root, "sub", "new.txt"), "rb") as f:
+        assert f.read() == b"via link"
+    assert os.path.islink(os.path.join(ws.root, "in_link")) and ws.read_file("sub/new.txt") == b"via link"
 
 
 def test_a_component_that_became_a_symlink_is_not_followed(tree):

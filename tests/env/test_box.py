@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _box import box_binary, needs_compiled_box
+from _box import IS_ROOT, box_binary, lacking, needs_compiled_box, requires
 
 from orchard.env.agent import BUBBLEWRAP, Isolation, Limits, SandboxAgent, Workspace, box_build, box_client
 from orchard.env.agent.box_build import BOX_MOUNT
@@ -27,11 +27,10 @@ from orchard.env.agent.isolation import probe_bubblewrap
 from orchard.env.backends.base import ExecRequest, SandboxSpec
 from orchard.env.backends.local import LocalBackend
 
-IS_ROOT = os.geteuid() == 0
 TEST_UID = 201_359
 RUN_AS = (TEST_UID, TEST_UID) if IS_ROOT else None
 BWRAP_PROBLEM = probe_bubblewrap(RUN_AS)
-pytestmark = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
+needs_bwrap = requires(BWRAP_PROBLEM, "bubblewrap")
 PRIVILEGED = pytest.mark.parametrize("privileged", [None, False], ids=["root-started", "userns"])
 """bubblewrap started as root (the command drops to the uid inside) or as the uid in a user namespace."""
 KINDS = pytest.mark.parametrize("kind", [pytest.param("compiled", marks=needs_compiled_box), "python"])
@@ -130,6 +129,7 @@ SAME = [
 ]
 
 
+@needs_bwrap
 @KINDS
 @PRIVILEGED
 @pytest.mark.parametrize(
@@ -151,6 +151,7 @@ async def test_box_gives_the_same_results_as_a_bubblewrap_per_command(base_dir, 
     await box.kill_all()
 
 
+@needs_bwrap
 @KINDS
 @pytest.mark.parametrize("cpu", [None, 1.0], ids=["spawned", "forked"])
 async def test_missing_program_and_cwd_report_127(base_dir, kind, cpu):
@@ -170,6 +171,7 @@ async def test_missing_program_and_cwd_report_127(base_dir, kind, cpu):
     await agent.kill_all()
 
 
+@needs_bwrap
 @KINDS
 async def test_each_command_gets_an_empty_tmp(base_dir, kind):
     agent = make_agent(base_dir, box=True, kind=kind)
@@ -180,6 +182,7 @@ async def test_each_command_gets_an_empty_tmp(base_dir, kind):
     await agent.kill_all()
 
 
+@needs_bwrap
 @KINDS
 async def test_scratch_space_a_box_cannot_empty_gets_a_fresh_box(base_dir, kind):
     agent = make_agent(base_dir, box=True, kind=kind)
@@ -197,6 +200,7 @@ async def test_scratch_space_a_box_cannot_empty_gets_a_fresh_box(base_dir, kind)
     await agent.kill_all()
 
 
+@needs_bwrap
 @KINDS
 async def test_commands_start_with_every_signal_at_its_default(base_dir, kind):
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a service started under nohup, say
@@ -212,6 +216,7 @@ async def test_commands_start_with_every_signal_at_its_default(base_dir, kind):
     await agent.kill_all()
 
 
+@needs_bwrap
 @KINDS
 async def test_a_request_over_the_box_limit_is_refused(base_dir, kind, monkeypatch):
     monkeypatch.setattr(box_client, "MAX_REQUEST_BYTES", 4096)
@@ -223,6 +228,7 @@ async def test_a_request_over_the_box_limit_is_refused(base_dir, kind, monkeypat
     await agent.kill_all()
 
 
+@needs_bwrap
 @KINDS
 async def test_memory_limit_applies_to_commands_not_the_box(base_dir, kind):
     agent = make_agent(base_dir, box=True, limits=Limits(memory_mb=64), kind=kind)
@@ -236,6 +242,7 @@ async def test_memory_limit_applies_to_commands_not_the_box(base_dir, kind):
 # -- restarts --------------------------------------------------------------------------------------------
 
 
+@needs_bwrap
 @KINDS
 @PRIVILEGED
 async def test_box_killed_between_commands_restarts_transparently(base_dir, kind, privileged):
@@ -265,6 +272,7 @@ async def test_box_killed_between_commands_restarts_transparently(base_dir, kind
     assert await gone(descendants(box.pid) | first)
 
 
+@needs_bwrap
 @KINDS
 async def test_command_that_kills_the_box_gets_137_and_the_next_command_runs(base_dir, kind):
     agent = make_agent(base_dir, box=True, kind=kind)
@@ -275,6 +283,7 @@ async def test_command_that_kills_the_box_gets_137_and_the_next_command_runs(bas
     await agent.kill_all()
 
 
+@needs_bwrap
 async def test_box_that_cannot_start_falls_back_to_a_bubblewrap_per_command(base_dir):
     agent = make_agent(base_dir, box=True)
     agent._box = box_client.Box(agent.isolation, python="/bin/false")  # an interpreter that dies at once
@@ -284,6 +293,7 @@ async def test_box_that_cannot_start_falls_back_to_a_bubblewrap_per_command(base
     assert make_agent(base_dir, box=True, rootfs=empty).box is None
 
 
+@needs_bwrap
 async def test_box_compiles_its_source_when_the_image_python_cannot_read_the_bytecode(base_dir, monkeypatch):
     sent = []
     real = box_client._box_program
@@ -307,6 +317,7 @@ _HANGS = _HELLO + "time.sleep(1000)\n"
 _LIES = _HELLO + "os.write(1, struct.pack('>iBII', 0, 0, 1 << 30, 0))\ntime.sleep(1000)\n"
 
 
+@needs_bwrap
 async def test_watchdog_kills_a_box_that_never_answers(base_dir, monkeypatch):
     monkeypatch.setattr(box_client, "BOX_SOURCE", _HANGS)
     monkeypatch.setattr(box_client, "_WATCHDOG_SLACK_S", 0.5)
@@ -318,6 +329,7 @@ async def test_watchdog_kills_a_box_that_never_answers(base_dir, monkeypatch):
     await agent.kill_all()
 
 
+@needs_bwrap
 async def test_an_answer_over_the_cap_is_refused(base_dir, monkeypatch):
     monkeypatch.setattr(box_client, "BOX_SOURCE", _LIES)
     agent = make_agent(base_dir, box=True)
@@ -340,6 +352,7 @@ def _uid(pid: int) -> int | None:
         return None
 
 
+@needs_bwrap
 async def test_delete_and_close_leave_no_process(base_dir):
     b = LocalBackend(os.path.join(base_dir, "sb"))
     compiled = box_build.compiled_box() is not None
@@ -360,6 +373,7 @@ async def test_delete_and_close_leave_no_process(base_dir):
         assert all(uid_procs(u) == set() for u in b._load_uids().values())
 
 
+@needs_bwrap
 async def test_sandboxes_run_concurrently_in_boxes_of_their_own(base_dir):
     b = LocalBackend(os.path.join(base_dir, "sb"), limits=Limits(pids=32))
     n = 6
@@ -377,6 +391,7 @@ async def test_sandboxes_run_concurrently_in_boxes_of_their_own(base_dir):
     await b.close()
 
 
+@needs_bwrap
 async def test_boxes_of_a_killed_service_die_with_it(base_dir):
     root = os.path.join(base_dir, "sb")
     script = (
@@ -407,6 +422,7 @@ async def test_boxes_of_a_killed_service_die_with_it(base_dir):
 # -- the compiled box ------------------------------------------------------------------------------------
 
 
+@needs_bwrap
 @needs_compiled_box
 async def test_compiled_box_runs_in_an_image_without_python(base_dir):
     empty = tempfile.mkdtemp(dir=base_dir)  # no python3, no shell: only the bound box runs there
@@ -419,6 +435,7 @@ async def test_compiled_box_runs_in_an_image_without_python(base_dir):
     await agent.kill_all()
 
 
+@needs_bwrap
 @needs_compiled_box
 async def test_compiled_box_ends_on_a_malformed_request_and_the_next_command_runs(base_dir, monkeypatch):
     agent = make_agent(base_dir, box=True, kind="compiled")
@@ -521,7 +538,7 @@ def test_temporary_files_of_a_killed_build_or_copy_are_removed(tmp_path, monkeyp
 def test_box_source_compiles_without_warnings(tmp_path):
     compiler = box_build.find_compiler()
     if compiler is None:
-        pytest.skip("no C compiler")
+        lacking("a C compiler", "none found")
     done = subprocess.run([*compiler, *box_build.FLAGS, "-Werror", "-o", str(tmp_path / "box"), str(box_build.BOX_C)],
                           capture_output=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr.decode()
@@ -534,6 +551,7 @@ def test_a_failing_compiler_gives_no_compiled_box(tmp_path, monkeypatch, caplog)
     assert "Python box" in caplog.text and os.listdir(tmp_path) == []
 
 
+@needs_bwrap
 async def test_without_a_compiler_the_backend_runs_the_python_box(base_dir, monkeypatch):
     monkeypatch.setattr(box_build, "_built", {})
     monkeypatch.setattr(box_build, "find_compiler", lambda: None)
@@ -545,6 +563,7 @@ async def test_without_a_compiler_the_backend_runs_the_python_box(base_dir, monk
     await b.close()
 
 
+@needs_bwrap
 async def test_a_compiled_box_that_cannot_start_falls_back_to_the_python_box(base_dir):
     broken = os.path.join(base_dir, "not-a-program")
     Path(broken).write_bytes(b"\x7fELF garbage")  # executable bits, but exec fails (ENOEXEC)
@@ -578,6 +597,7 @@ def test_switches_user_needs_an_unlimited_launch(base_dir):
         agent.isolation.launch(["true"], cwd="/", env={}, timeout_s=None, switches_user=True)
 
 
+@needs_bwrap
 @needs_compiled_box
 async def test_a_compiled_box_that_started_before_is_not_given_up_for_one_failure(base_dir):
     binary = os.path.join(base_dir, "box")

@@ -13,12 +13,14 @@ import tempfile
 import time
 
 import pytest
+from _box import needs_root, requires
 
 from orchard.env.agent.isolation import BUBBLEWRAP, PROCESS_GROUP, Limits, probe_bubblewrap
 from orchard.env.backends.base import (
     Backend,
     ExecRequest,
     ImageNotFoundError,
+    IsolationUnavailableError,
     PathEscapeError,
     SandboxNotFoundError,
     SandboxSpec,
@@ -28,8 +30,7 @@ from orchard.env.backends.local import DEFAULT_UID_RANGE, LocalBackend
 
 IS_ROOT = os.geteuid() == 0
 BWRAP_PROBLEM = probe_bubblewrap((DEFAULT_UID_RANGE[0],) * 2 if IS_ROOT else None)
-needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-sandbox uids need root")
+needs_bwrap = requires(BWRAP_PROBLEM, "bubblewrap")
 MODES = [
     pytest.param(True, marks=needs_bwrap, id="bubblewrap"),
     pytest.param(False, id="process-group"),
@@ -88,6 +89,43 @@ def test_is_a_backend_and_reports_isolation(root_dir, caplog):
     assert "NOT ISOLATED" in caplog.text
 
 
+async def test_a_blocked_network_the_fallback_cannot_enforce_is_refused_unless_allowed(root_dir):
+    strict = LocalBackend(root_dir, use_bwrap=False)
+    assert (strict.isolation, strict.blocks_network) == (PROCESS_GROUP, False)
+    with pytest.raises(IsolationUnavailableError, match="--allow-weak-isolation"):
+        await strict.create("blocked", SandboxSpec(network=False))
+    assert await strict.list_ids() == []  # refused before anything was made
+    await strict.create("open", SandboxSpec(network=True))  # promises nothing it cannot keep
+    weak = LocalBackend(root_dir, use_bwrap=False, allow_weak_isolation=True)
+    await weak.create("blocked", SandboxSpec(network=False))
+    assert (await weak.exec("blocked", ExecRequest("echo ran"))).stdout == b"ran\n"
+    # a service restarted without the opt-in (or, alike, one that lost bubblewrap since the sandbox was made)
+    # does not run commands in a sandbox whose network it cannot block
+    with pytest.raises(IsolationUnavailableError):
+        await strict.exec("blocked", ExecRequest("echo ran"))
+    assert (await strict.exec("open", ExecRequest("echo ran"))).stdout == b"ran\n"
+    with pytest.raises(ValueError, match="allow_weak_isolation"):
+        LocalBackend(root_dir, allow_weak_isolation="yes")  # type: ignore[arg-type]
+    await weak.close()
+    await strict.close()
+
+
+@pytest.mark.parametrize("use_bwrap", MODES)
+async def test_the_directory_a_command_prints_is_one_the_file_api_takes(root_dir, use_bwrap):
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True)
+    await b.create("p", SandboxSpec())
+    await b.write_file("p", "sub/keep", b"")
+    # bubblewrap: /workspace/sub; process groups: the host directory (nothing mounts it at /workspace)
+    here = (await b.exec("p", ExecRequest("cd sub && pwd -P"))).stdout.decode().strip()
+    await b.write_file("p", f"{here}/from-pwd.txt", b"written")
+    assert (await b.exec("p", ExecRequest("cat sub/from-pwd.txt"))).stdout == b"written"
+    assert await b.read_file("p", f"{here}/from-pwd.txt") == b"written"
+    assert (await b.exec("p", ExecRequest("pwd -P", cwd=here))).stdout.decode().strip() == here
+    with pytest.raises(PathEscapeError):
+        await b.read_file("p", f"{here}/../../meta.json")  # the alias does not widen the workspace
+    await b.close()
+
+
 def test_constructor_validation(root_dir):
     with pytest.raises(ValueError, match="use_bwrap"):
         LocalBackend(root_dir, use_bwrap="yes")  # type: ignore[arg-type]
@@ -106,7 +144,7 @@ def test_constructor_validation(root_dir):
 
 @pytest.mark.parametrize("use_bwrap", MODES)
 async def test_lifecycle_files_and_restart(root_dir, use_bwrap):
-    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True)
     spec = SandboxSpec(env={"SPEC_VAR": "spec"})
     await b.create("sb-1", spec)
     await b.create("sb-1", spec)  # idempotent
@@ -129,7 +167,7 @@ async def test_lifecycle_files_and_restart(root_dir, use_bwrap):
     await b.close()
 
     # a restarted service finds its sandboxes and their files
-    b2 = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    b2 = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True)
     assert await b2.list_ids() == ["sb-1", "sb-2"]
     r = await b2.exec("sb-1", ExecRequest(["cat", "out.txt"]))
     assert r.stdout == b"made\n"
@@ -186,7 +224,7 @@ async def test_custom_image_and_workdir(root_dir):
 @needs_root
 @pytest.mark.parametrize("use_bwrap", MODES)
 async def test_sandboxes_have_their_own_uids_and_cannot_see_each_other(root_dir, use_bwrap):
-    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True)
     await b.create("a", SandboxSpec())
     await b.create("b", SandboxSpec())
     await b.write_file("b", "secret.txt", b"b's")
@@ -198,7 +236,7 @@ async def test_sandboxes_have_their_own_uids_and_cannot_see_each_other(root_dir,
     r = await b.exec("a", ExecRequest(["cat", other]))
     assert r.exit_code != 0 and b"b's" not in r.stdout
     # uids survive a restart and are not handed out twice
-    b2 = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    b2 = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True)
     await b2.create("c", SandboxSpec())
     uc = (await b2.exec("c", ExecRequest(["id", "-u"]))).stdout
     assert uc not in (ua, ub)
@@ -207,7 +245,7 @@ async def test_sandboxes_have_their_own_uids_and_cannot_see_each_other(root_dir,
 
 @pytest.mark.parametrize("use_bwrap", MODES)
 async def test_delete_ends_running_commands_and_terminals(root_dir, use_bwrap):
-    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True)
     await b.create("busy", SandboxSpec())
     m = f"{987_000 + os.getpid() % 1000}.{int(time.time() * 1000) % 10**6:06d}"
     task = asyncio.create_task(b.exec("busy", ExecRequest(f"setsid sleep {m} & sleep {m}", timeout_s=60)))
@@ -232,7 +270,7 @@ async def test_delete_ends_running_commands_and_terminals(root_dir, use_bwrap):
 
 @pytest.mark.parametrize("use_bwrap", MODES)
 async def test_concurrent_sandboxes(root_dir, use_bwrap):
-    b = LocalBackend(root_dir, use_bwrap=use_bwrap, limits=Limits(pids=64))
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True, limits=Limits(pids=64))
     n = 12
     await asyncio.gather(*(b.create(f"c{i}", SandboxSpec()) for i in range(n)))
 
@@ -258,7 +296,7 @@ async def test_commands_of_a_killed_service_do_not_survive_it(root_dir, use_bwra
         "from orchard.env.backends.local import LocalBackend\n"
         "from orchard.env.backends.base import ExecRequest, SandboxSpec\n"
         "async def main():\n"
-        f"    b = LocalBackend({root_dir!r}, use_bwrap={use_bwrap!r})\n"
+        f"    b = LocalBackend({root_dir!r}, use_bwrap={use_bwrap!r}, allow_weak_isolation=True)\n"
         "    await b.create('victim', SandboxSpec())\n"
         "    task = asyncio.create_task(b.exec('victim', ExecRequest("
         f"'setsid sleep {m} & sleep {m}', timeout_s=60)))\n"
@@ -275,7 +313,7 @@ async def test_commands_of_a_killed_service_do_not_survive_it(root_dir, use_bwra
         proc.kill()
         proc.wait()
     if not use_bwrap:
-        LocalBackend(root_dir, use_bwrap=False)  # the restarted service
+        LocalBackend(root_dir, use_bwrap=False, allow_weak_isolation=True)  # the restarted service
     deadline = time.monotonic() + 3
     while sleepers(m) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -284,7 +322,7 @@ async def test_commands_of_a_killed_service_do_not_survive_it(root_dir, use_bwra
 
 @pytest.mark.parametrize("use_bwrap", MODES)
 async def test_home_persists_outside_the_workspace(root_dir, use_bwrap):
-    b = LocalBackend(root_dir, use_bwrap=use_bwrap)
+    b = LocalBackend(root_dir, use_bwrap=use_bwrap, allow_weak_isolation=True)
     await b.create("h", SandboxSpec())
     r = await b.exec("h", ExecRequest('echo remembered > "$HOME/note"; echo $HOME'))
     assert r.exit_code == 0, r

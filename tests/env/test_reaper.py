@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from _box import needs_root, requires
 
 from orchard.env.agent import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, SandboxAgent, Workspace, reaper
 from orchard.env.agent.isolation import probe_bubblewrap
@@ -22,8 +23,7 @@ IS_ROOT = os.geteuid() == 0
 TEST_UID = 201_361
 RUN_AS = (TEST_UID, TEST_UID) if IS_ROOT else None
 BWRAP_PROBLEM = probe_bubblewrap(RUN_AS)
-needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bubblewrap unusable: {BWRAP_PROBLEM}")
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="a uid of its own per sandbox needs root")
+needs_bwrap = requires(BWRAP_PROBLEM, "bubblewrap")
 
 
 @pytest.fixture

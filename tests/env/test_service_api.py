@@ -343,8 +343,8 @@ def test_cli_serve_prints_url_and_key_and_serves(tmp_path):
                              "--api-key", "cli-key"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
-        url = next(x for x in lines if x.startswith("ORCHARD_ENV_URL=")).strip().split("=", 1)[1]
-        assert "ORCHARD_ENV_API_KEY=cli-key\n" in lines and url.startswith("http://127.0.0.1:")
+        url = next(x for x in lines if x.startswith("SANDBOX_BASE_URL=")).strip().split("=", 1)[1]
+        assert "SANDBOX_API_KEY=cli-key\n" in lines and url.startswith("http://127.0.0.1:")
         health = httpx.get(url + "/health").json()
         assert health["status"] == "healthy" and health["isolation"] in ("bubblewrap", "process-group")
         assert httpx.get(url + "/resources", headers={"X-API-Key": "cli-key"}).json()["backend"] == "local"

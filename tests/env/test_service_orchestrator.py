@@ -22,10 +22,10 @@ from orchard.env.orchestrator import (
     CreateParams,
     ExecParams,
     Orchestrator,
-    job_view,
     parse_cpu,
     parse_memory_mb,
 )
+from orchard.env.server import job_view
 from orchard.env.store import IdempotencyRecord, JobRecord, SandboxRecord, SQLiteStore
 from orchard.env.store.sqlite import DELETE_OLD_JOBS, DELETE_OLD_KEYS
 

@@ -1,7 +1,9 @@
 """File operations confined to a sandbox's workspace directory.
 
 A path names a file inside the workspace: relative to its root (`src/a.py`), or absolute under the sandbox's
-mount point (`/workspace/src/a.py` when the workspace is mounted at `/workspace`). Anything that would resolve
+mount point (`/workspace/src/a.py` when the workspace is mounted at `/workspace`) or under one of its
+`aliases` (where the sandbox's processes see the workspace without a mount: the process-group mode runs them
+in the host directory itself, so `pwd` prints that, and a path it printed names the same file). Anything that would resolve
 outside the root is refused with `PathEscapeError`: `..` past the root, an absolute path elsewhere, a symlink
 whose target leaves the root, a symlink in a parent directory that does. Symlinks whose target stays inside
 the workspace are followed.
@@ -39,18 +41,24 @@ class Workspace:
         root: host path of the workspace directory (must exist).
         mount: absolute path at which processes in the sandbox see `root` (default "/workspace").
         uid, gid: owner given to files and directories the service creates (None = leave as created).
+        aliases: other absolute paths at which the sandbox's processes see `root` (the process-group mode:
+            `root` itself and its real path), accepted like `mount`.
     """
 
     root: str
     mount: str = "/workspace"
     uid: int | None = None
     gid: int | None = None
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.root):
             raise ValueError(f"root must be an absolute path, got {self.root!r}")
         if not self.mount.startswith("/") or PurePosixPath(self.mount) == PurePosixPath("/"):
             raise ValueError(f"mount must be an absolute path other than '/', got {self.mount!r}")
+        for alias in self.aliases:
+            if not isinstance(alias, str) or not alias.startswith("/") or PurePosixPath(alias) == PurePosixPath("/"):
+                raise ValueError(f"aliases must be absolute paths other than '/', got {alias!r}")
 
     # -- resolution -------------------------------------------------------------------------------------
 
@@ -103,13 +111,18 @@ class Workspace:
     def _relative_parts(self, path: str) -> list[str]:
         if not path.startswith("/"):
             return path.split("/")
-        mount = PurePosixPath(self.mount)
         p = PurePosixPath(os.path.normpath(path))
-        if p == mount:
-            return []
-        if mount in p.parents:
-            return list(p.relative_to(mount).parts)
+        for base in map(PurePosixPath, (self.mount, *self.aliases)):
+            if p == base:
+                return []
+            if base in p.parents:
+                return list(p.relative_to(base).parts)
         raise PathEscapeError(f"absolute path {path!r} is outside the workspace {self.mount!r}")
+
+    def in_workspace(self, path: str) -> bool:
+        """Whether the absolute `path` lies in the workspace (at its mount or an alias), symlinks aside."""
+        p = PurePosixPath(os.path.normpath(path))
+        return any(p == base or base in p.parents for base in map(PurePosixPath, (self.mount, *self.aliases)))
 
     def relative(self, path: str) -> str:
         """The workspace-relative form of `path` ("." for the root), symlinks resolved."""

@@ -454,7 +454,7 @@ class Isolation:
             rel = self.workspace.relative(cwd)  # a relative cwd must stay in the workspace
         else:
             p = PurePosixPath(os.path.normpath(cwd))
-            if p != PurePosixPath(mount) and PurePosixPath(mount) not in p.parents:
+            if not self.workspace.in_workspace(str(p)):
                 return str(p)  # elsewhere in the sandbox's own (read-only or scratch) file system
             rel = self.workspace.relative(str(p))
         host = os.path.join(self.workspace.root, rel)

@@ -31,6 +31,11 @@ class ImageNotFoundError(BackendError, ValueError):
     """The sandbox spec names an image the backend does not know (the API answers 400)."""
 
 
+class IsolationUnavailableError(BackendError):
+    """The backend cannot enforce an isolation the spec asks for (a blocked network without namespaces); the
+    API answers 501 rather than report a property that would not hold."""
+
+
 class CapacityError(BackendError):
     """The backend cannot take another sandbox right now (the API answers 503 with Retry-After)."""
 
@@ -119,8 +124,10 @@ class Backend(Protocol):
 
     Besides the members below, a backend may expose `isolation: str`, a word the service reports on /health
     (the local backend: "bubblewrap", or "process-group" when it had to fall back; Kubernetes: "pod").
-    It is not part of the protocol so that test doubles need not define it; read it with
-    `getattr(backend, "isolation", "unknown")`.
+    It may also expose `blocks_network: bool`, whether a sandbox created with `network=False` really has no
+    network (the local backend: only under bubblewrap); the API reports `block_network` as it is enforced.
+    Neither is part of the protocol so that test doubles need not define them; read them with
+    `getattr(backend, "isolation", "unknown")` and `getattr(backend, "blocks_network", True)`.
     """
 
     name: str

@@ -58,6 +58,7 @@ from orchard.env.backends.base import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    IsolationUnavailableError,
     Resources,
     SandboxNotFoundError,
     SandboxSpec,
@@ -182,6 +183,10 @@ class LocalBackend:
             address space per process, no CPU limit).
         use_bwrap: True requires bubblewrap (BackendError if it cannot create namespaces here), False uses
             the process-group fallback, None (default) probes and falls back with a logged warning.
+        allow_weak_isolation: in the process-group fallback, still create (and run) sandboxes whose spec
+            blocks the network, although nothing blocks it (their commands reach the host's network and
+            files). Default False: such a sandbox is refused with `IsolationUnavailableError`, so that a
+            blocked network is never promised where it would not hold. Irrelevant under bubblewrap.
         uid_range: (first, count) of the uids given to sandboxes when running as root; choose a range no
             account and no /etc/subuid entry of the host uses (default 200000..265535).
         max_sandboxes: `create` raises CapacityError beyond this many sandboxes (None: no limit).
@@ -193,7 +198,9 @@ class LocalBackend:
             compiler and copied to `root_dir/.box/`) where it can be built, else the Python one.
 
     Attributes:
-        isolation: "bubblewrap" or "process-group" (report it on /health).
+        isolation: "bubblewrap" or "process-group" (report it on /health and with every sandbox).
+        blocks_network: whether a sandbox whose spec has `network=False` really has no network (only under
+            bubblewrap).
         bwrap_as_root: bubblewrap is started as root and commands drop to the sandbox's uid inside (a root
             service, images with setpriv and prlimit); otherwise it starts as the sandbox's uid in a user
             namespace. Both give the same isolation; the first costs about half the CPU per command.
@@ -213,6 +220,7 @@ class LocalBackend:
         uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
         max_sandboxes: int | None = None,
         box: bool = True,
+        allow_weak_isolation: bool = False,
     ) -> None:
         if not isinstance(root_dir, str | os.PathLike):
             raise ValueError(f"root_dir must be a path, got {type(root_dir).__name__}")
@@ -231,6 +239,9 @@ class LocalBackend:
             raise ValueError(f"max_sandboxes must be a positive int or None, got {max_sandboxes!r}")
         if not isinstance(box, bool):
             raise ValueError(f"box must be a bool, got {box!r}")
+        if not isinstance(allow_weak_isolation, bool):
+            raise ValueError(f"allow_weak_isolation must be a bool, got {allow_weak_isolation!r}")
+        self.allow_weak_isolation = allow_weak_isolation
         self.box = box
         self.root_dir = os.path.abspath(os.fspath(root_dir))
         os.makedirs(self.root_dir, exist_ok=True)
@@ -246,6 +257,7 @@ class LocalBackend:
         self._uids: dict[str, int] | None = None
         self._next_uid = 0
         self.isolation, self.isolation_warning = self._choose_isolation(use_bwrap)
+        self.blocks_network = self.isolation == BUBBLEWRAP
         self._sweep_trash()
         self.box_binary = None
         if box and self.isolation == BUBBLEWRAP:
@@ -286,6 +298,19 @@ class LocalBackend:
         )
         return PROCESS_GROUP, reason
 
+    def _check_enforceable(self, spec: SandboxSpec) -> None:
+        """Refuse a spec whose blocked network this backend cannot enforce, unless the operator opted in."""
+        if spec.network or self.blocks_network or self.allow_weak_isolation:
+            return
+        raise IsolationUnavailableError(
+            f"block_network=true cannot be enforced: sandboxes run in process groups, not bubblewrap "
+            f"({self.isolation_warning}), so their commands would reach the host's network. Fix: install "
+            "bubblewrap and let it create user namespaces (or run the service as root), then restart the "
+            "service; or create the sandbox with block_network=false; or, accepting that sandboxes are not "
+            "isolated, start the service with `orchard env serve --allow-weak-isolation` "
+            "(LocalBackend(allow_weak_isolation=True), serve(allow_weak_isolation=True))."
+        )
+
     def _sweep_trash(self) -> None:
         for entry in os.scandir(self.root_dir):
             if entry.name.startswith(".trash-"):
@@ -297,6 +322,8 @@ class LocalBackend:
             "backend": self.name,
             "isolation": self.isolation,
             "isolation_warning": self.isolation_warning,
+            "blocks_network": self.blocks_network,
+            "allow_weak_isolation": self.allow_weak_isolation,
             "bubblewrap_started_as": (
                 ("root" if self.bwrap_as_root else "sandbox uid") if self.isolation == BUBBLEWRAP else None
             ),
@@ -377,13 +404,18 @@ class LocalBackend:
         if meta is None:
             raise SandboxNotFoundError(f"no sandbox {sandbox_id!r}")
         spec = SandboxSpec(**meta["spec"])
+        self._check_enforceable(spec)  # e.g. made under bubblewrap by a service restarted without it
         uid = meta.get("uid")
         run_as = (uid, uid) if uid is not None and self.is_root else None
+        root = os.path.join(self._dir(sandbox_id), _WORKSPACE)
         ws = Workspace(
-            os.path.join(self._dir(sandbox_id), _WORKSPACE),
+            root,
             mount=os.path.normpath(spec.workdir),
             uid=run_as[0] if run_as else None,
             gid=run_as[1] if run_as else None,
+            # without a mount namespace commands run in the host directory, so `pwd` prints its path: the
+            # file API takes it (and the real path, should root_dir lie under a symlink) as the workspace too
+            aliases=tuple(dict.fromkeys((root, os.path.realpath(root)))) if self.isolation == PROCESS_GROUP else (),
         )
         image = self.images.resolve(spec.image)
         d = self._dir(sandbox_id)
@@ -421,6 +453,7 @@ class LocalBackend:
         validate_env(spec.env, "spec.env")
         _check_workdir(spec.workdir)
         self._limits_for(spec)  # validates cpu / memory_mb / pids
+        self._check_enforceable(spec)
         image = self.images.resolve(spec.image)
         if spec.image != HOST_IMAGE and self.isolation != BUBBLEWRAP:
             logger.warning("image %r cannot be used without bubblewrap; commands see the host", spec.image)

@@ -23,6 +23,15 @@ DEFAULT_BASE_URL = "http://localhost:8000"
 RETRY_STATUSES = (502, 503, 504)
 
 
+def unreachable_message(base_url: str, method: str, path: str, attempts: int, last: BaseException | None) -> str:
+    """What a client says when the service never answered: the URL it tried, and how to point it elsewhere."""
+    env_url = os.environ.get(BASE_URL_ENV)
+    source = f"${BASE_URL_ENV}={env_url}" if env_url else f"${BASE_URL_ENV} is unset; default {DEFAULT_BASE_URL}"
+    return (f"{method} {base_url}{path}: no answer after {attempts} attempts: {type(last).__name__}: {last}. "
+            f"Is the service running at {base_url}? ({source}.) Start one with `orchard env serve` and export "
+            f"the {BASE_URL_ENV}=... and {API_KEY_ENV}=... lines it prints, or pass base_url= and api_key=.")
+
+
 def resolve_settings(base_url: str | None, api_key: str | None) -> tuple[str, str | None]:
     """Arguments win over `SANDBOX_BASE_URL` / `SANDBOX_API_KEY`; the URL defaults to Orchard Env's
     http://localhost:8000."""

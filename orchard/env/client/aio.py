@@ -30,6 +30,7 @@ from orchard.env.client._common import (
     parse_retry_after,
     pty_init_frame,
     resolve_settings,
+    unreachable_message,
     ws_url,
 )
 from orchard.env.client.sync import EXEC_GRACE_S
@@ -173,8 +174,8 @@ class AsyncSandboxClient:
             if status >= 400:
                 raise error_from_parts(status, content, retry_after)
             return _decode(content)
-        raise SandboxConnectionError(f"{method} {path}: no answer after {self.retry.max_attempts} attempts: "
-                                     f"{type(last).__name__}: {last}") from last
+        raise SandboxConnectionError(
+            unreachable_message(self.base_url, method, path, self.retry.max_attempts, last)) from last
 
     async def health(self) -> dict[str, Any]:
         return await self.request("GET", "/health")

@@ -31,6 +31,7 @@ from orchard.env.client._common import (
     pty_init_frame,
     resolve_settings,
     retry_after_of,
+    unreachable_message,
     ws_url,
 )
 from orchard.env.errors import (
@@ -98,8 +99,8 @@ class SandboxClient:
             if response.status_code >= 400:
                 raise error_from_response(response)
             return response.json()
-        raise SandboxConnectionError(f"{method} {path}: no answer after {self.retry.max_attempts} attempts: "
-                                     f"{type(last).__name__}: {last}") from last
+        raise SandboxConnectionError(
+            unreachable_message(self.base_url, method, path, self.retry.max_attempts, last)) from last
 
     # service
     def health(self) -> dict[str, Any]:
