@@ -13,13 +13,15 @@ recipe starts and stops itself):
     scripts/claw                                    # set-up, then exactly the next line
     python recipes/claw.py --config recipes/configs/claw_tiny.yaml [key=value ...]
 
-Paper setting (Qwen3-30B-A3B-Thinking from a local path, vLLM rollouts on this process's GPUs, DeepSpeed ZeRO-3
-in this one process, a sandbox service already running on Kubernetes or elsewhere):
+Multi-GPU, the paper's setting (Qwen3-30B-A3B-Thinking from a local path; vLLM spreads rollouts over this node's
+GPUs with tensor_parallel_size 4; the trainer is a single-process DeepSpeed ZeRO-3 engine; a sandbox service
+already running on Kubernetes or elsewhere) — this is the launch line as it stands:
 
     SANDBOX_API_KEY=... python recipes/claw.py --config recipes/configs/claw.yaml \\
         model.path=/models/Qwen3-30B-A3B-Thinking env_url=https://sandboxes.example
 
-Rollouts and training share this one process (multi-rank launches are issue-tracked, not yet supported).
+Rollouts and training share this one process; launching several ranks under ``deepspeed`` / ``torchrun`` is not
+supported yet.
 """
 
 from __future__ import annotations
