@@ -45,6 +45,15 @@ from orchard.losses.aggregate import reduce_masked, resolve_agg
 Run = tuple[int, int]
 """A half-open range ``[start, end)`` of step indices."""
 
+CREDIT_TOL = 1e-6
+"""Slack of the credit threshold: a step counts when ``c_t ≥ ε − CREDIT_TOL``.
+
+Credits are differences of probabilities in ``[0, 1]``, so rounding, not the data, decides an exact tie:
+``0.35 − 0.30`` is ``0.04999999999999999`` in float64 and ``0.0499999821`` in float32. ``1e-6`` covers the
+rounding of either precision (float32 rounds a value in ``[0, 1]`` by at most ``6e-8``) and is far below any
+credit that matters next to the paper's ``ε = 0.05``. The same idea as BAR's ``ρ·n`` slack and the Claw pass
+rule's."""
+
 
 def _check_count(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
@@ -109,7 +118,10 @@ def td_credit(values: Tensor | Sequence[float]) -> Tensor:
 
 
 def credit_runs(credit: Tensor | Sequence[float], eps: float = 0.05) -> list[Run]:
-    """Maximal contiguous runs of steps whose credit is at least ``eps``.
+    """Maximal contiguous runs of steps whose credit is at least ``eps`` (up to ``CREDIT_TOL``).
+
+    A credit equal to ``eps`` in exact arithmetic counts even when floating point lands it a hair below:
+    teacher values on a 0.05 grid (0.30, 0.35, …) give credits of exactly ``ε``, and the run stays whole.
 
     Args:
         credit: ``c_0 … c_{N−1}``. Shape: ``[N]``; NaN counts as below ``eps``.
@@ -123,7 +135,7 @@ def credit_runs(credit: Tensor | Sequence[float], eps: float = 0.05) -> list[Run
     credit_t = credit if isinstance(credit, Tensor) else torch.as_tensor(credit, dtype=torch.float64)
     if credit_t.dim() != 1:
         raise ValueError(f"credit must have shape [N], got shape {tuple(credit_t.shape)}")
-    above = (credit_t >= eps).tolist()
+    above = (credit_t >= eps - CREDIT_TOL).tolist()
     runs: list[Run] = []
     start = None
     for t, good in enumerate([*above, False]):

@@ -185,3 +185,16 @@ def test_errors_name_the_argument():
         sft_loss(torch.zeros(3), torch.ones(3))
     with pytest.raises(ValueError, match="mask"):
         sft_loss(torch.zeros(2, 3), torch.ones(2, 2))
+
+
+def test_credit_exactly_eps_counts_despite_rounding():
+    # Teacher values on a 0.05 grid: every credit is 0.05 in exact arithmetic, but float64 gives
+    # 0.35 - 0.30 = 0.04999999999999999 < 0.05, which used to split the run into [(1, 2), (4, 5)].
+    grid = [0.30, 0.35, 0.40, 0.45, 0.50, 0.55, 0.60]
+    assert credit_runs(td_credit(grid)) == [(0, 6)]
+    # float32 rounds harder: 0.35f - 0.30f = 0.0499999821.
+    assert credit_runs(td_credit(torch.tensor(grid, dtype=torch.float32))) == [(0, 6)]
+    # Interpolation on 0.1, 0.15, 0.2, 0.25, 0.3: four credits of 0.05 (was [(0, 1)]).
+    assert credit_runs(td_credit(interpolate_step_values({0: 0.1, 2: 0.2, 4: 0.3}, 4))) == [(0, 4)]
+    # The slack is a rounding allowance, not a looser threshold: 0.0499 stays below eps = 0.05.
+    assert credit_runs([0.0499, 0.05, 0.0499]) == [(1, 2)]
