@@ -39,21 +39,12 @@ AggFn = Callable[[Tensor, Tensor, "float | Tensor | None"], Tensor]
 """An aggregation mode: ``fn(per_token [B, T] with masked positions already zero, mask [B, T] bool,
 normalizer) -> scalar``."""
 
-_AGG_MODES: Registry[AggFn] = Registry("aggregation mode")
+AGG_MODES: Registry[AggFn] = Registry("aggregation mode")
+"""The named ``agg`` modes every loss accepts; add one with ``AGG_MODES.register(name, fn)``.
 
-
-def register_agg_mode(name: str, fn: AggFn) -> AggFn:
-    """Register a new aggregation mode under ``name`` (``ValueError`` if taken).
-
-    ``fn(per_token, mask, normalizer)`` receives the per-token loss ``[B, T]`` with masked positions already
-    set to 0, the bool mask ``[B, T]``, and the caller's normaliser or ``None``; it returns a scalar tensor.
-    """
-    return _AGG_MODES.register(name, fn)
-
-
-def agg_modes() -> list[str]:
-    """Names of the registered aggregation modes."""
-    return _AGG_MODES.names()
+``fn(per_token, mask, normalizer)`` receives the per-token loss ``[B, T]`` with masked positions already set to 0
+(and weighted by a float mask), the bool mask ``[B, T]``, and the caller's normaliser or ``None``; it returns a
+scalar tensor."""
 
 
 def _denominator(default: Tensor, normalizer: float | Tensor | None) -> Tensor | float:
@@ -77,20 +68,20 @@ def _seq_mean_token_sum(x: Tensor, mask: Tensor, normalizer: float | Tensor | No
 
 def _token_sum_norm(x: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
     if normalizer is None:
-        raise ValueError("normalizer is required for mode 'token-sum-norm', got None")
+        raise ValueError("normalizer is required for agg='token-sum-norm', got None")
     return x.sum() / normalizer
 
 
-register_agg_mode("token-mean", _token_mean)
-register_agg_mode("seq-mean-token-mean", _seq_mean_token_mean)
-register_agg_mode("seq-mean-token-sum", _seq_mean_token_sum)
-register_agg_mode("token-sum-norm", _token_sum_norm)
+AGG_MODES.register("token-mean", _token_mean)
+AGG_MODES.register("seq-mean-token-mean", _seq_mean_token_mean)
+AGG_MODES.register("seq-mean-token-sum", _seq_mean_token_sum)
+AGG_MODES.register("token-sum-norm", _token_sum_norm)
 
 
 def aggregate_loss(
     per_token: Tensor,
     mask: Tensor,
-    mode: str = "token-mean",
+    agg: str = "token-mean",
     *,
     normalizer: float | Tensor | None = None,
 ) -> Tensor:
@@ -99,7 +90,7 @@ def aggregate_loss(
     Args:
         per_token: per-token loss. Shape: ``[B, T]``, floating point.
         mask: 1/True where the token counts. Shape: ``[B, T]``; bool, integer or float (nonzero counts).
-        mode: one of ``agg_modes()``; default ``"token-mean"``.
+        agg: one of ``AGG_MODES.names()``; default ``"token-mean"``.
         normalizer: a positive constant replacing the mode's denominator (required by ``"token-sum-norm"``);
             a Python number or a 0-dim tensor (a tensor is not read, so it is not checked for sign).
 
@@ -108,20 +99,17 @@ def aggregate_loss(
     """
     per_token = check_float("per_token", check_bt("per_token", per_token))
     mask = as_bool_mask("mask", mask, "per_token", per_token)
-    fn = resolve_agg(mode, normalizer, arg="mode")
+    fn = resolve_agg(agg, normalizer)
     return fn(zero_outside(mask, per_token), mask, normalizer)
 
 
-def resolve_agg(mode: object, normalizer: object, *, arg: str = "agg") -> AggFn:
-    """Check an aggregation mode and normaliser before any work is done; return the mode's function.
-
-    ``arg`` is the name the caller gave the mode argument, so the error names it.
-    """
-    fn = _AGG_MODES.get(mode, arg)
+def resolve_agg(agg: object, normalizer: object) -> AggFn:
+    """Check an aggregation mode and normaliser before any work is done; return the mode's function."""
+    fn = AGG_MODES.get(agg, "agg")
     if normalizer is not None:
         check_positive_number("normalizer", normalizer, allow_tensor=True)
-    elif mode == "token-sum-norm":
-        raise ValueError(f"normalizer is required for {arg}='token-sum-norm', got None")
+    elif agg == "token-sum-norm":
+        raise ValueError("normalizer is required for agg='token-sum-norm', got None")
     return fn
 
 
