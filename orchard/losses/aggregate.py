@@ -18,6 +18,10 @@ and gradient. Without one, each micro-batch normalises by its own count and the 
 
 Masked positions may hold anything (NaN, ±inf): they are dropped by selection, never multiplied by zero, so
 they change neither the value nor the gradient. A batch with no counted token aggregates to 0.
+
+A mask is also a weight: a nonzero value counts the token and multiplies its loss (``x ← m·x``), while every
+denominator above still counts tokens. A bool or 0/1 mask is the plain case; a float mask of 0.5 halves a
+token's contribution without changing ``D``, so micro-batch invariance is unchanged. Metrics are unweighted.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from torch import Tensor
 
 from orchard._registry import Registry
 from orchard.losses._validation import (
-    as_bool_mask,
+    as_weighted_mask,
     check_bt,
+    check_counted,
     check_float,
+    check_mask_weights,
     check_positive_number,
     zero_outside,
 )
@@ -84,23 +90,30 @@ def aggregate_loss(
     agg: str = "token-mean",
     *,
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> Tensor:
     """Reduce a per-token loss to a scalar over the counted tokens (formulas in the module docstring).
 
     Args:
         per_token: per-token loss. Shape: ``[B, T]``, floating point.
-        mask: 1/True where the token counts. Shape: ``[B, T]``; bool, integer or float (nonzero counts).
+        mask: where the token counts (nonzero) and its weight (the value). Shape: ``[B, T]``; bool, integer or
+            float.
         agg: one of ``AGG_MODES.names()``; default ``"token-mean"``.
         normalizer: a positive constant replacing the mode's denominator (required by ``"token-sum-norm"``);
             a Python number or a 0-dim tensor (a tensor is not read, so it is not checked for sign).
+        validate: check (one device sync) that ``per_token`` is finite where counted and the mask's weights are
+            finite and ``>= 0``; default off, so a NaN at a counted position gives a NaN loss.
 
     Returns:
         A scalar tensor of ``per_token``'s dtype. 0 when no token counts.
     """
     per_token = check_float("per_token", check_bt("per_token", per_token))
-    mask = as_bool_mask("mask", mask, "per_token", per_token)
+    counted, weight = as_weighted_mask("mask", mask, "per_token", per_token)
     fn = resolve_agg(agg, normalizer)
-    return fn(zero_outside(mask, per_token), mask, normalizer)
+    if validate:
+        check_mask_weights("mask", mask)
+        check_counted("per_token", per_token, counted)
+    return reduce_masked(per_token, counted, fn, normalizer, weight)
 
 
 def resolve_agg(agg: object, normalizer: object) -> AggFn:
@@ -113,6 +126,12 @@ def resolve_agg(agg: object, normalizer: object) -> AggFn:
     return fn
 
 
-def reduce_masked(x: Tensor, mask: Tensor, fn: AggFn, normalizer: float | Tensor | None) -> Tensor:
-    """Aggregate an already validated ``x`` over a bool ``mask`` with a function from ``resolve_agg``."""
-    return fn(zero_outside(mask, x), mask, normalizer)
+def reduce_masked(
+    x: Tensor, mask: Tensor, fn: AggFn, normalizer: float | Tensor | None, weight: Tensor | None = None
+) -> Tensor:
+    """Aggregate an already validated ``x`` over a bool ``mask`` with a function from ``resolve_agg``, each
+    counted token's value multiplied by ``weight`` (from ``as_weighted_mask``) when given."""
+    x = zero_outside(mask, x)
+    if weight is not None:
+        x = x * zero_outside(mask, weight)  # [B, T]; selection first, so neither factor's garbage leaks
+    return fn(x, mask, normalizer)

@@ -27,11 +27,12 @@ from torch import Tensor
 
 from orchard._registry import Registry
 from orchard.losses._validation import (
-    as_bool_mask,
+    as_weighted_mask,
     check_bt,
     check_float,
     check_same_shape,
     masked_mean,
+    validate_counted,
     zero_outside,
 )
 from orchard.losses.aggregate import reduce_masked, resolve_agg
@@ -75,6 +76,7 @@ def kl_penalty(
     kind: str = "k3+",
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL penalty to a reference model: the estimator ``kind`` per token, reduced with ``agg``.
 
@@ -83,11 +85,13 @@ def kl_penalty(
         ref_logprobs: ``log π_ref(y_t)`` under the reference model; detached here, so no gradient reaches it.
             Shape: ``[B, T]``.
         mask: 1/True on action tokens that count. Shape: ``[B, T]``. Masked positions may hold anything (NaN,
-            ±inf): they change neither the loss nor its gradient.
+            ±inf): they change neither the loss nor its gradient. A non-bool mask's value weights the token.
         kind: one of ``KL_ESTIMATORS.names()``: ``"k1"``, ``"k2"``, ``"k3"``, ``"k3+"`` (default; value k3,
             gradient k2).
         agg: aggregation mode; default ``"token-mean"``.
         normalizer: the aggregation's global normaliser (required for ``"token-sum-norm"``).
+        validate: check (one device sync) that both log-prob tensors are finite and ``<= 1e-4`` where counted
+            and the mask's weights finite and ``>= 0``; default off.
 
     Returns:
         ``(loss, metrics)``, added to a policy loss as ``pg_loss + beta * loss``. Metrics (detached, means over
@@ -98,12 +102,15 @@ def kl_penalty(
     ref_logprobs = check_float(
         "ref_logprobs", check_same_shape("ref_logprobs", ref_logprobs, "logprobs", logprobs)
     )
-    mask = as_bool_mask("mask", mask, "logprobs", logprobs)
+    raw_mask = mask
+    mask, weight = as_weighted_mask("mask", mask, "logprobs", logprobs)
     fn = KL_ESTIMATORS.get(kind, "kind")
     agg_fn = resolve_agg(agg, normalizer)
+    if validate:
+        validate_counted(raw_mask, mask, logprobs={"logprobs": logprobs, "ref_logprobs": ref_logprobs})
     ref = zero_outside(mask, ref_logprobs.detach().to(logprobs.dtype))
     delta = zero_outside(mask, logprobs) - ref  # [B, T], 0 where masked
-    loss = reduce_masked(fn(delta), mask, agg_fn, normalizer)
+    loss = reduce_masked(fn(delta), mask, agg_fn, normalizer, weight)
     with torch.no_grad():
         d = delta.detach()
         metrics = {"kl/k1_mean": masked_mean(d, mask), "kl/k3_mean": masked_mean(_k3(d), mask)}

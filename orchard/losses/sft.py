@@ -34,11 +34,13 @@ from torch import Tensor
 
 from orchard.losses._validation import (
     as_bool_mask,
+    as_weighted_mask,
     check_bt,
     check_float,
     check_real,
     check_tensor,
     masked_mean,
+    validate_counted,
 )
 from orchard.losses.aggregate import reduce_masked, resolve_agg
 
@@ -236,25 +238,31 @@ def sft_loss(
     *,
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative log-likelihood of the supervised tokens: ``ℓ_t = −log π(y_t)``, reduced with ``agg``.
 
     Args:
         logprobs: ``log π(y_t)`` of the target tokens, with grad. Shape: ``[B, T]``.
         mask: 1/True on supervised tokens (e.g. from ``credit_assigned_sft_mask``). Shape: ``[B, T]``. Masked
-            positions may hold anything (NaN, −inf).
+            positions may hold anything (NaN, −inf). A non-bool mask's value weights the token's NLL.
         agg: aggregation mode; default ``"token-mean"``.
         normalizer: the aggregation's global normaliser (required for ``"token-sum-norm"``).
+        validate: check (one device sync) that ``logprobs`` is finite and ``<= 1e-4`` where counted and the
+            mask's weights are finite and ``>= 0``; default off.
 
     Returns:
         ``(loss, metrics)`` with ``sft/nll`` (mean NLL over supervised tokens) and ``sft/tokens`` (their
         count), both detached.
     """
     logprobs = check_float("logprobs", check_bt("logprobs", logprobs))
-    mask = as_bool_mask("mask", mask, "logprobs", logprobs)
+    raw_mask = mask
+    mask, weight = as_weighted_mask("mask", mask, "logprobs", logprobs)
     agg_fn = resolve_agg(agg, normalizer)
+    if validate:
+        validate_counted(raw_mask, mask, logprobs={"logprobs": logprobs})
     nll = -logprobs  # [B, T]
-    loss = reduce_masked(nll, mask, agg_fn, normalizer)
+    loss = reduce_masked(nll, mask, agg_fn, normalizer, weight)
     with torch.no_grad():
         metrics = {"sft/nll": masked_mean(nll, mask), "sft/tokens": mask.sum().to(logprobs.dtype)}
     return loss, metrics
