@@ -33,11 +33,11 @@ def validate_head_inputs(
             raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     assert isinstance(hidden, Tensor) and isinstance(weight, Tensor) and isinstance(labels, Tensor)
     if hidden.dim() != 2:
-        raise ValueError(f"hidden must have shape [N, H], got shape {tuple(hidden.shape)}")
+        raise ValueError(f"hidden must have shape [T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
         raise ValueError(f"weight must have shape [V, H], got shape {tuple(weight.shape)}")
     if labels.dim() != 1:
-        raise ValueError(f"labels must have shape [N], got shape {tuple(labels.shape)}")
+        raise ValueError(f"labels must have shape [T], got shape {tuple(labels.shape)}")
     if hidden.dtype not in INPUT_DTYPES:
         raise ValueError(f"hidden must be float16, bfloat16, float32 or float64, got dtype {hidden.dtype}")
     if weight.dtype != hidden.dtype:
@@ -53,7 +53,7 @@ def validate_head_inputs(
         )
     if labels.shape[0] != hidden.shape[0]:
         raise ValueError(
-            f"labels must have shape [N] with N = hidden.shape[0] = {hidden.shape[0]}, got shape {tuple(labels.shape)}"
+            f"labels must have shape [T] with T = hidden.shape[0] = {hidden.shape[0]}, got shape {tuple(labels.shape)}"
         )
     for name, value in (("weight", weight), ("labels", labels)):
         if value.device != hidden.device:

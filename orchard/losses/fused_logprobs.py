@@ -1,7 +1,7 @@
 """``fused_token_logprobs``: log-probs (and entropy) of chosen tokens from hidden states, logits never built.
 
 The forward walks (vocabulary, token) blocks with an online log-sum-exp and keeps ``lse`` and ``E_p[z]`` per
-token; the backward rebuilds each block of logits from ``hidden`` and ``weight``: four ``N × H × V`` matmuls.
+token; the backward rebuilds each block of logits from ``hidden`` and ``weight``: four ``T × H × V`` matmuls.
 Notation and the gradient formulas: ``orchard.losses.fused``.
 """
 
@@ -39,8 +39,8 @@ def _block_logits(hidden_c: Tensor, weight_v: Tensor, bias_v: Tensor | None, inv
 
 def _label_columns(labels: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
     """For block ``[v0, v1)``: which labels fall in it, and their column in the block (clamped when outside)."""
-    in_block = (labels >= v0) & (labels < v1)  # [N]
-    column = (labels - v0).clamp_(0, v1 - v0 - 1)  # [N]
+    in_block = (labels >= v0) & (labels < v1)  # [T]
+    column = (labels - v0).clamp_(0, v1 - v0 - 1)  # [T]
     return in_block, column
 
 
@@ -54,7 +54,7 @@ def _forward_stats(
     vocab_chunk_size: int,
     with_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One pass over the blocks with an online log-sum-exp; returns ``lse``, ``z_label`` and ``E_p[z]``, ``[N]``.
+    """One pass over the blocks with an online log-sum-exp; returns ``lse``, ``z_label`` and ``E_p[z]``, ``[T]``.
 
     Per token the pass keeps the running max ``m``, ``S = Σ exp(z − m)`` and ``R = Σ exp(z − m)(z − m)``. When
     a block raises the max from ``m`` to ``m'``: ``S ← S e^{m−m'} + S_blk`` and
@@ -109,7 +109,7 @@ def _forward_stats(
 
 
 class _FusedTokenLogprobs(torch.autograd.Function):
-    """Autograd wrapper: forward keeps ``[N]`` statistics, backward recomputes the logits block by block."""
+    """Autograd wrapper: forward keeps ``[T]`` statistics, backward recomputes the logits block by block."""
 
     @staticmethod
     def forward(
@@ -135,10 +135,10 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         ctx.vocab_chunk_size = vocab_chunk_size
         ctx.return_entropy = return_entropy
         ctx.set_materialize_grads(False)
-        valid = labels != ignore_index  # [N]
-        logprobs = torch.where(valid, label_logit - lse, 0.0)  # [N]
+        valid = labels != ignore_index  # [T]
+        logprobs = torch.where(valid, label_logit - lse, 0.0)  # [T]
         if return_entropy:
-            return logprobs, torch.where(valid, lse - mean_z, 0.0)  # [N], [N]
+            return logprobs, torch.where(valid, lse - mean_z, 0.0)  # [T], [T]
         return logprobs
 
     @staticmethod
@@ -148,9 +148,9 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 9
         acc = lse.dtype
-        valid = labels != ctx.ignore_index  # [N]; ignored rows get no gradient
-        g_lp = None if grad_logprobs is None else torch.where(valid, grad_logprobs.to(acc), 0.0)  # [N]
-        g_ent = None if grad_entropy is None else torch.where(valid, grad_entropy.to(acc), 0.0)  # [N]
+        valid = labels != ctx.ignore_index  # [T]; ignored rows get no gradient
+        g_lp = None if grad_logprobs is None else torch.where(valid, grad_logprobs.to(acc), 0.0)  # [T]
+        g_ent = None if grad_entropy is None else torch.where(valid, grad_entropy.to(acc), 0.0)  # [T]
         inv_temperature = ctx.inv_temperature
         chunk_size, vocab_chunk_size = ctx.chunk_size, ctx.vocab_chunk_size
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -227,30 +227,30 @@ def fused_token_logprobs(
     """Log-probability of each label (and the entropy) under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     Equals ``token_logprobs(hidden @ weight.T + bias, labels, temperature=...)`` without ever building the
-    ``[N, V]`` logits: the vocabulary and the tokens are walked in ``[chunk_size, vocab_chunk_size]`` blocks
+    ``[T, V]`` logits: the vocabulary and the tokens are walked in ``[chunk_size, vocab_chunk_size]`` blocks
     with an online log-sum-exp, and the backward recomputes each block. Peak extra memory is a few float32
-    blocks plus the gradients themselves (and a float32 ``[N, H]`` accumulator for bf16/fp16 inputs).
+    blocks plus the gradients themselves (and a float32 ``[T, H]`` accumulator for bf16/fp16 inputs).
 
         logp_i = z_{i, y_i} − log Σ_j exp(z_ij),     z = (hidden @ weight.T + bias) / temperature
-        H_i    = log Σ_j exp(z_ij) − Σ_j p_ij z_ij     (entropy of the tempered distribution, in nats)
+        ℋ_i    = log Σ_j exp(z_ij) − Σ_j p_ij z_ij     (entropy of the tempered distribution, in nats)
 
     Args:
-        hidden: final hidden states, one row per scored token. Shape: ``(N, H)``; float16, bfloat16, float32
+        hidden: final hidden states, one row per scored token. Shape: ``(T, H)``; float16, bfloat16, float32
             or float64 (float64 is for gradcheck).
         weight: the lm head (the output embedding, tied or not). Shape: ``(V, H)``; dtype of ``hidden``.
-        labels: the token whose log-prob is wanted at each row. Shape: ``(N,)``; integer, each in ``[0, V)``.
+        labels: the token whose log-prob is wanted at each row. Shape: ``(T,)``; integer, each in ``[0, V)``.
         temperature: the sampling temperature the tokens were drawn at (default 1.0); logits are divided by it.
         chunk_size: tokens per block (default 1024).
         vocab_chunk_size: vocabulary entries per block (default 4096). A float32 block holds
             ``chunk_size × vocab_chunk_size`` values; larger blocks mean fewer, bigger matmuls (what a GPU
             wants) and more memory.
-        return_entropy: also return the entropy ``H`` (its gradient is exact, ``∂H/∂z_j = p_j (E_p[z] − z_j)``).
+        return_entropy: also return the entropy ``H`` (its gradient is exact, ``∂ℋ/∂z_j = p_j (E_p[z] − z_j)``).
         bias: optional lm-head bias. Shape: ``(V,)``; dtype of ``weight``.
         ignore_index: label of rows to skip (padding), as in ``token_logprobs``: their log-prob and entropy
             are 0 with zero gradient (default −100). Cheaper still is not to pass such rows at all.
 
     Returns:
-        ``logprobs`` of shape ``(N,)``, or ``(logprobs, entropy)`` when ``return_entropy``; float32 (float64 for
+        ``logprobs`` of shape ``(T,)``, or ``(logprobs, entropy)`` when ``return_entropy``; float32 (float64 for
         float64 inputs). Differentiable with respect to ``hidden``, ``weight`` and ``bias``, not twice.
 
     Raises:

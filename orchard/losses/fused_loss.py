@@ -1,7 +1,7 @@
 """``fused_token_loss``: a per-token loss of the lm head's log-probs, its gradients formed in the forward.
 
 One token chunk × the whole vocabulary at a time, the caller's per-token loss gives ``∂loss/∂logp`` (and
-``∂loss/∂H``) while the chunk's logits are alive, so both gradient matmuls run then: three ``N × H × V``
+``∂loss/∂ℋ``) while the chunk's logits are alive, so both gradient matmuls run then: three ``T × H × V``
 matmuls, the plain path's count; the backward only scales the stored gradients. Notation and the gradient
 formulas: ``orchard.losses.fused``.
 """
@@ -24,7 +24,7 @@ __all__ = ["DEFAULT_LOSS_CHUNK_SIZE", "DEFAULT_LOSS_CHUNK_SIZE_CUDA", "TokenLoss
 
 DEFAULT_LOSS_CHUNK_SIZE = 128
 """Tokens per block of ``fused_token_loss`` on a CPU. Each block spans the whole vocabulary: at V = 151,936 a
-float32 block is 128 × 151,936 × 4 B = 74 MiB (two blocks with the entropy). Picked by a sweep at N = 1024 on a
+float32 block is 128 × 151,936 × 4 B = 74 MiB (two blocks with the entropy). Picked by a sweep at T = 1024 on a
 2-core CPU (``docs/losses.md``): smaller chunks make the thin matmuls slower, larger ones cost memory."""
 
 DEFAULT_LOSS_CHUNK_SIZE_CUDA = 2048
@@ -53,7 +53,7 @@ def _foreign_leaf(out: Tensor, own: tuple[Tensor, ...]) -> bool:
 def _chunk_coefficients(
     token_loss: TokenLoss, logp: Tensor, entropy: Tensor | None, index: Tensor, check_graph: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Run ``token_loss`` on one chunk: its summed value and ``∂loss/∂logp``, ``∂loss/∂H`` per token, ``[n]``."""
+    """Run ``token_loss`` on one chunk: its summed value and ``∂loss/∂logp``, ``∂loss/∂ℋ`` per token, ``[n]``."""
     n = logp.shape[0]
     logp_leaf = logp.detach().requires_grad_()
     entropy_leaf = None if entropy is None else entropy.detach().requires_grad_()
@@ -104,8 +104,8 @@ def _one_pass(
     grad_bias_acc = torch.zeros(vocab, dtype=acc, device=device) if need_bias else None
     total = torch.zeros((), dtype=acc, device=device)
     any_grad = any(need)
-    # z = (h W^T + b) / T = (h / T) W^T + b / T: the temperature scales [n, H] and [V], never a block, and
-    # ∂/∂W = G^T (h / T) reuses the scaled rows
+    # z = (h Wᵀ + b) / τ = (h / τ) Wᵀ + b / τ: the temperature scales [n, H] and [V], never a block, and
+    # ∂/∂W = Gᵀ (h / τ) reuses the scaled rows
     tempered = inv_temperature != 1.0
     bias_t = None if bias is None else (bias * inv_temperature if tempered else bias)
 
@@ -231,14 +231,14 @@ def fused_token_loss(
     """A per-token loss of the lm head's log-probs, with its gradients computed in the same pass (3 matmuls).
 
     ``fused_token_logprobs`` cannot know in its forward what will be done with the log-probs, so its backward
-    rebuilds every logit block: four ``N × H × V`` matmuls against the plain path's three. When the loss is a
+    rebuilds every logit block: four ``T × H × V`` matmuls against the plain path's three. When the loss is a
     sum of per-token terms, ``token_loss`` can be applied inside the forward; each token chunk then forms
     ``∂loss/∂z`` while its logits are alive, and the backward only scales the stored gradients:
 
         z = (hidden @ weight.T + bias) / temperature                   one [n, V] block at a time, float32
-        logp_i = log softmax(z_i)[y_i],   H_i = entropy of softmax(z_i)
+        logp_i = log softmax(z_i)[y_i],   ℋ_i = entropy of softmax(z_i)
         loss = Σ_chunks Σ_i token_loss(logp, H, index)_i
-        G_ij = c_i (1[j = y_i] − p_ij) + e_i p_ij (E_p[z_i] − z_ij),   c = ∂loss/∂logp,  e = ∂loss/∂H
+        G_ij = c_i (1[j = y_i] − p_ij) + e_i p_ij (E_p[z_i] − z_ij),   c = ∂loss/∂logp,  e = ∂loss/∂ℋ
         ∂/∂hidden = G W / T,   ∂/∂W = Gᵀ hidden / T,   ∂/∂b = Σ_i G_i / T
 
     ``token_loss(logp, entropy, index)`` receives one chunk: ``logp`` ``(n,)`` (float32; float64 for float64
@@ -251,10 +251,10 @@ def fused_token_loss(
     record detached values by ``index`` (for metrics).
 
     Args:
-        hidden: final hidden states, one row per scored token. Shape: ``(N, H)``; float16, bfloat16, float32
+        hidden: final hidden states, one row per scored token. Shape: ``(T, H)``; float16, bfloat16, float32
             or float64.
         weight: the lm head. Shape: ``(V, H)``; dtype of ``hidden``.
-        labels: the token scored at each row. Shape: ``(N,)``; integer, each in ``[0, V)`` (no ignore index:
+        labels: the token scored at each row. Shape: ``(T,)``; integer, each in ``[0, V)`` (no ignore index:
             leave rows that do not count out, or give them zero loss in ``token_loss``).
         token_loss: the per-token loss, as above.
         temperature: the sampling temperature; logits are divided by it (default 1.0).
@@ -269,7 +269,7 @@ def fused_token_loss(
         ``hidden``, ``weight`` and ``bias``, once (the backward hands out the stored gradients), not twice.
         Gradients are computed in the forward only where ``torch.is_grad_enabled()`` and the tensor requires
         grad; they occupy memory from the forward to the backward. For half-precision inputs with more than
-        one chunk the weight gradient is summed in a float32 ``(V, H)`` buffer. ``N = 0`` gives 0.
+        one chunk the weight gradient is summed in a float32 ``(V, H)`` buffer. ``T = 0`` gives 0.
 
     Raises:
         ValueError: naming the argument, for wrong shapes, dtypes or devices, a non-positive temperature or

@@ -118,24 +118,24 @@ class DifficultyFilterResult:
     """Which tasks survived :func:`difficulty_filter`."""
 
     keep: np.ndarray
-    """Bool ``[T]``: True where the task is kept."""
+    """Bool ``[P]``: True where the task is kept."""
     kept_indices: np.ndarray
     """Int64 indices of kept tasks, ascending."""
     pass_rate: np.ndarray
-    """Float64 ``[T]``: estimated success rate p̂ of each task."""
+    """Float64 ``[P]``: estimated success rate p̂ of each task."""
     num_kept: int
     num_dropped: int
 
 
-def difficulty_filter(successes_TK: object, *, low: float = 0.0, high: float = 0.5) -> DifficultyFilterResult:
+def difficulty_filter(successes_PK: object, *, low: float = 0.0, high: float = 0.5) -> DifficultyFilterResult:
     """Keep tasks of useful difficulty from ``k`` initial rollouts each: ``low < p̂ <= high``.
 
-    ``p̂_t = mean_k s_tk``. The defaults keep ``0 < p̂ <= 0.5``: tasks the policy solves sometimes but at most half
+    ``p̂_p = mean_k s_pk``. The defaults keep ``0 < p̂ <= 0.5``: tasks the policy solves sometimes but at most half
     of the time (never-solved tasks give no signal; mostly-solved ones little).
 
     Args:
-        successes_TK: outcomes in ``[0, 1]`` (bool, 0/1, or a partial score). Shape: ``(T, K)`` tensor / array,
-            or a ragged list of ``T`` non-empty lists.
+        successes_PK: outcomes in ``[0, 1]`` (bool, 0/1, or a partial score). Shape: ``(P, K)`` tensor / array,
+            or a ragged list of ``P`` non-empty lists.
         low: exclusive lower bound on p̂; default 0.
         high: inclusive upper bound on p̂; default 0.5.
 
@@ -147,14 +147,14 @@ def difficulty_filter(successes_TK: object, *, low: float = 0.0, high: float = 0
             raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
     if not low < high:
         raise ValueError(f"low must be < high={high}, got {low}")
-    rows = _rows(successes_TK, "successes_TK")
+    rows = _rows(successes_PK, "successes_PK")
     rate = np.zeros(len(rows), dtype=np.float64)
-    for t, row in enumerate(rows):
+    for p, row in enumerate(rows):
         if row.size == 0:
-            raise ValueError(f"successes_TK[{t}] is empty: every task needs at least one rollout")
+            raise ValueError(f"successes_PK[{p}] is empty: every task needs at least one rollout")
         if not (np.isfinite(row).all() and (row >= 0).all() and (row <= 1).all()):
-            raise ValueError(f"successes_TK[{t}] must hold values in [0, 1], got {row.tolist()}")
-        rate[t] = row.mean()
+            raise ValueError(f"successes_PK[{p}] must hold values in [0, 1], got {row.tolist()}")
+        rate[p] = row.mean()
     keep = (rate > low) & (rate <= high)
     kept = np.flatnonzero(keep).astype(np.int64)
     return DifficultyFilterResult(keep, kept, rate, int(kept.size), int(len(rows) - kept.size))

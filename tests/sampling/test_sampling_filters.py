@@ -45,11 +45,11 @@ def test_difficulty_filter_bad_inputs():
         difficulty_filter([[1]], low=0.6, high=0.5)
     with pytest.raises(ValueError, match="high"):
         difficulty_filter([[1]], high=1.5)
-    with pytest.raises(ValueError, match=r"successes_TK\[0\]"):
+    with pytest.raises(ValueError, match=r"successes_PK\[0\]"):
         difficulty_filter([[2, 0]])
-    with pytest.raises(ValueError, match=r"successes_TK\[1\]"):
+    with pytest.raises(ValueError, match=r"successes_PK\[1\]"):
         difficulty_filter([[1], []])
-    with pytest.raises(ValueError, match="successes_TK"):
+    with pytest.raises(ValueError, match="successes_PK"):
         difficulty_filter("abc")
 
 
