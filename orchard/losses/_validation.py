@@ -1,7 +1,8 @@
 """Input checks and masking helpers shared by the loss functions.
 
 Every check raises ``ValueError`` naming the argument and what it got. None of them reads tensor values, so
-none forces a device sync.
+none forces a device sync, except ``check_counted``, which the losses run only when called with
+``validate=True``.
 """
 
 from __future__ import annotations
@@ -45,12 +46,70 @@ def check_same_shape(name: str, value: object, ref_name: str, ref: Tensor) -> Te
     return tensor
 
 
+LOGPROB_TOL = 1e-4
+"""How far above 0 a log-probability may read before ``validate=True`` refuses it: engines and bf16 forward
+passes round ``log p`` of a near-certain token to small positive values."""
+
+
 def as_bool_mask(name: str, mask: object, ref_name: str, ref: Tensor) -> Tensor:
     """Check that ``mask`` matches ``ref`` in shape and return it as a bool tensor (nonzero means counted)."""
     mask = check_same_shape(name, mask, ref_name, ref)
     if mask.is_complex():
         raise ValueError(f"{name} must be bool, integer or float, got dtype {mask.dtype}")
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+def as_weighted_mask(name: str, mask: object, ref_name: str, ref: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(counted, weight)``: the bool mask (nonzero counts) and, for a non-bool mask, its values as per-token
+    weights in ``ref``'s dtype (``None`` for a bool mask: every counted token weighs 1)."""
+    counted = as_bool_mask(name, mask, ref_name, ref)
+    assert isinstance(mask, Tensor)
+    return counted, None if mask.dtype == torch.bool else mask.to(ref.dtype)
+
+
+def check_counted(name: str, value: Tensor, counted: Tensor, *, logprob: bool = False) -> None:
+    """Opt-in anomaly check (it reads values: one device sync): ``value`` must be finite at counted positions,
+    and at most ``LOGPROB_TOL`` there if it holds log-probabilities. The error names the tensor, the first bad
+    position and its value. Masked positions are not looked at."""
+    bad = ~torch.isfinite(value)
+    condition = "finite"
+    if logprob:
+        bad |= value > LOGPROB_TOL
+        condition = f"finite and <= {LOGPROB_TOL:g} (a log-probability)"
+    bad &= counted
+    if bool(bad.any()):
+        position = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name} must be {condition} at counted positions, got {value[position].item()!r} at position {position}"
+        )
+
+
+def validate_counted(
+    mask: Tensor,
+    counted: Tensor,
+    *,
+    logprobs: dict[str, Tensor] | None = None,
+    values: dict[str, Tensor] | None = None,
+) -> None:
+    """What ``validate=True`` checks in a loss: the mask's weights, then each named log-prob tensor (finite,
+    ``<= LOGPROB_TOL``) and each named value tensor (finite), at counted positions only."""
+    check_mask_weights("mask", mask)
+    for name, value in (logprobs or {}).items():
+        check_counted(name, value, counted, logprob=True)
+    for name, value in (values or {}).items():
+        check_counted(name, value, counted)
+
+
+def check_mask_weights(name: str, mask: Tensor) -> None:
+    """Opt-in check (one device sync) that a mask's values are usable weights: finite and ``>= 0``."""
+    if mask.dtype == torch.bool:
+        return
+    bad = ~torch.isfinite(mask) | (mask < 0) if mask.is_floating_point() else mask < 0
+    if bool(bad.any()):
+        position = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name} must hold finite weights >= 0, got {mask[position].item()!r} at position {position}"
+        )
 
 
 def check_real(name: str, value: object, condition: str = "") -> float:

@@ -18,6 +18,10 @@ and gradient. Without one, each micro-batch normalises by its own count and the 
 
 Masked positions may hold anything (NaN, ±inf): they are dropped by selection, never multiplied by zero, so
 they change neither the value nor the gradient. A batch with no counted token aggregates to 0.
+
+A mask is also a weight: a nonzero value counts the token and multiplies its loss (``x ← m·x``), while every
+denominator above still counts tokens. A bool or 0/1 mask is the plain case; a float mask of 0.5 halves a
+token's contribution without changing ``D``, so micro-batch invariance is unchanged. Metrics are unweighted.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from torch import Tensor
 
 from orchard._registry import Registry
 from orchard.losses._validation import (
-    as_bool_mask,
+    as_weighted_mask,
     check_bt,
+    check_counted,
     check_float,
+    check_mask_weights,
     check_positive_number,
     zero_outside,
 )
@@ -39,21 +45,12 @@ AggFn = Callable[[Tensor, Tensor, "float | Tensor | None"], Tensor]
 """An aggregation mode: ``fn(per_token [B, T] with masked positions already zero, mask [B, T] bool,
 normalizer) -> scalar``."""
 
-_AGG_MODES: Registry[AggFn] = Registry("aggregation mode")
+AGG_MODES: Registry[AggFn] = Registry("aggregation mode")
+"""The named ``agg`` modes every loss accepts; add one with ``AGG_MODES.register(name, fn)``.
 
-
-def register_agg_mode(name: str, fn: AggFn) -> AggFn:
-    """Register a new aggregation mode under ``name`` (``ValueError`` if taken).
-
-    ``fn(per_token, mask, normalizer)`` receives the per-token loss ``[B, T]`` with masked positions already
-    set to 0, the bool mask ``[B, T]``, and the caller's normaliser or ``None``; it returns a scalar tensor.
-    """
-    return _AGG_MODES.register(name, fn)
-
-
-def agg_modes() -> list[str]:
-    """Names of the registered aggregation modes."""
-    return _AGG_MODES.names()
+``fn(per_token, mask, normalizer)`` receives the per-token loss ``[B, T]`` with masked positions already set to 0
+(and weighted by a float mask), the bool mask ``[B, T]``, and the caller's normaliser or ``None``; it returns a
+scalar tensor."""
 
 
 def _denominator(default: Tensor, normalizer: float | Tensor | None) -> Tensor | float:
@@ -77,54 +74,64 @@ def _seq_mean_token_sum(x: Tensor, mask: Tensor, normalizer: float | Tensor | No
 
 def _token_sum_norm(x: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
     if normalizer is None:
-        raise ValueError("normalizer is required for mode 'token-sum-norm', got None")
+        raise ValueError("normalizer is required for agg='token-sum-norm', got None")
     return x.sum() / normalizer
 
 
-register_agg_mode("token-mean", _token_mean)
-register_agg_mode("seq-mean-token-mean", _seq_mean_token_mean)
-register_agg_mode("seq-mean-token-sum", _seq_mean_token_sum)
-register_agg_mode("token-sum-norm", _token_sum_norm)
+AGG_MODES.register("token-mean", _token_mean)
+AGG_MODES.register("seq-mean-token-mean", _seq_mean_token_mean)
+AGG_MODES.register("seq-mean-token-sum", _seq_mean_token_sum)
+AGG_MODES.register("token-sum-norm", _token_sum_norm)
 
 
 def aggregate_loss(
     per_token: Tensor,
     mask: Tensor,
-    mode: str = "token-mean",
+    agg: str = "token-mean",
     *,
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> Tensor:
     """Reduce a per-token loss to a scalar over the counted tokens (formulas in the module docstring).
 
     Args:
         per_token: per-token loss. Shape: ``[B, T]``, floating point.
-        mask: 1/True where the token counts. Shape: ``[B, T]``; bool, integer or float (nonzero counts).
-        mode: one of ``agg_modes()``; default ``"token-mean"``.
+        mask: where the token counts (nonzero) and its weight (the value). Shape: ``[B, T]``; bool, integer or
+            float.
+        agg: one of ``AGG_MODES.names()``; default ``"token-mean"``.
         normalizer: a positive constant replacing the mode's denominator (required by ``"token-sum-norm"``);
             a Python number or a 0-dim tensor (a tensor is not read, so it is not checked for sign).
+        validate: check (one device sync) that ``per_token`` is finite where counted and the mask's weights are
+            finite and ``>= 0``; default off, so a NaN at a counted position gives a NaN loss.
 
     Returns:
         A scalar tensor of ``per_token``'s dtype. 0 when no token counts.
     """
     per_token = check_float("per_token", check_bt("per_token", per_token))
-    mask = as_bool_mask("mask", mask, "per_token", per_token)
-    fn = resolve_agg(mode, normalizer, arg="mode")
-    return fn(zero_outside(mask, per_token), mask, normalizer)
+    counted, weight = as_weighted_mask("mask", mask, "per_token", per_token)
+    fn = resolve_agg(agg, normalizer)
+    if validate:
+        check_mask_weights("mask", mask)
+        check_counted("per_token", per_token, counted)
+    return reduce_masked(per_token, counted, fn, normalizer, weight)
 
 
-def resolve_agg(mode: object, normalizer: object, *, arg: str = "agg") -> AggFn:
-    """Check an aggregation mode and normaliser before any work is done; return the mode's function.
-
-    ``arg`` is the name the caller gave the mode argument, so the error names it.
-    """
-    fn = _AGG_MODES.get(mode, arg)
+def resolve_agg(agg: object, normalizer: object) -> AggFn:
+    """Check an aggregation mode and normaliser before any work is done; return the mode's function."""
+    fn = AGG_MODES.get(agg, "agg")
     if normalizer is not None:
         check_positive_number("normalizer", normalizer, allow_tensor=True)
-    elif mode == "token-sum-norm":
-        raise ValueError(f"normalizer is required for {arg}='token-sum-norm', got None")
+    elif agg == "token-sum-norm":
+        raise ValueError("normalizer is required for agg='token-sum-norm', got None")
     return fn
 
 
-def reduce_masked(x: Tensor, mask: Tensor, fn: AggFn, normalizer: float | Tensor | None) -> Tensor:
-    """Aggregate an already validated ``x`` over a bool ``mask`` with a function from ``resolve_agg``."""
-    return fn(zero_outside(mask, x), mask, normalizer)
+def reduce_masked(
+    x: Tensor, mask: Tensor, fn: AggFn, normalizer: float | Tensor | None, weight: Tensor | None = None
+) -> Tensor:
+    """Aggregate an already validated ``x`` over a bool ``mask`` with a function from ``resolve_agg``, each
+    counted token's value multiplied by ``weight`` (from ``as_weighted_mask``) when given."""
+    x = zero_outside(mask, x)
+    if weight is not None:
+        x = x * zero_outside(mask, weight)  # [B, T]; selection first, so neither factor's garbage leaks
+    return fn(x, mask, normalizer)

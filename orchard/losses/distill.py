@@ -54,12 +54,13 @@ import torch
 from torch import Tensor
 
 from orchard.losses._validation import (
-    as_bool_mask,
+    as_weighted_mask,
     check_bt,
     check_float,
     check_real,
     check_same_shape,
     masked_mean,
+    validate_counted,
     zero_outside,
 )
 from orchard.losses.aggregate import AggFn, reduce_masked, resolve_agg
@@ -71,17 +72,21 @@ def _prepare(
     mask: Tensor,
     agg: str,
     normalizer: float | Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, AggFn]:
+    validate: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, AggFn]:
     student = check_float("student_logprobs", check_bt("student_logprobs", student_logprobs))
     teacher = check_float(
         "teacher_logprobs",
         check_same_shape("teacher_logprobs", teacher_logprobs, "student_logprobs", student),
     )
-    mask = as_bool_mask("mask", mask, "student_logprobs", student)
+    raw_mask = mask
+    mask, weight = as_weighted_mask("mask", mask, "student_logprobs", student)
     agg_fn = resolve_agg(agg, normalizer)
+    if validate:
+        validate_counted(raw_mask, mask, logprobs={"student_logprobs": student, "teacher_logprobs": teacher})
     student = zero_outside(mask, student)
     teacher = zero_outside(mask, teacher.detach().to(student.dtype))
-    return student, teacher, mask, agg_fn
+    return student, teacher, mask, weight, agg_fn
 
 
 def _k3(delta: Tensor) -> Tensor:
@@ -105,6 +110,7 @@ def k2_opd_loss(
     *,
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """K2 on-policy distillation: ``ℓ_t = ½ (log π(y_t) − log π_T(y_t))²``, reduced with ``agg``.
 
@@ -113,16 +119,22 @@ def k2_opd_loss(
     Args:
         student_logprobs: ``log π(y_t)`` of the sampled tokens, with grad. Shape: ``[B, T]``.
         teacher_logprobs: ``log π_T(y_t)`` of the same tokens; detached. Shape: ``[B, T]``.
-        mask: 1/True on action tokens that count. Shape: ``[B, T]``. Masked positions may hold anything.
+        mask: 1/True on action tokens that count. Shape: ``[B, T]``. Masked positions may hold anything. A
+            non-bool mask's value weights the token's loss (metrics stay unweighted).
         agg: aggregation mode; default ``"token-mean"``.
         normalizer: the aggregation's global normaliser (required for ``"token-sum-norm"``).
+        validate: check (one device sync) that both log-prob tensors are finite and ``<= 1e-4`` where counted
+            (a teacher log-prob of ``−inf`` is refused too) and the mask's weights finite and ``>= 0``; default
+            off.
 
     Returns:
         ``(loss, metrics)`` with the ``opd/*`` metrics of the module docstring.
     """
-    student, teacher, mask, agg_fn = _prepare(student_logprobs, teacher_logprobs, mask, agg, normalizer)
+    student, teacher, mask, weight, agg_fn = _prepare(
+        student_logprobs, teacher_logprobs, mask, agg, normalizer, validate
+    )
     per_token = 0.5 * (student - teacher).square()  # [B, T]
-    return reduce_masked(per_token, mask, agg_fn, normalizer), _metrics(student, teacher, mask)
+    return reduce_masked(per_token, mask, agg_fn, normalizer, weight), _metrics(student, teacher, mask)
 
 
 def k3_opd_loss(
@@ -132,6 +144,7 @@ def k3_opd_loss(
     *,
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Stabilized K3 on-policy distillation: ``ℓ_t = K3 · π/sg(π)``, ``K3 = ρ − 1 − log ρ``, ``ρ = π_T/π``.
 
@@ -139,10 +152,12 @@ def k3_opd_loss(
     closed form (equal to autograd's on the literal product, without its cancellation); its expectation under
     ``y ~ π`` is ``∇ KL(π ‖ π_T)``. Arguments and returns as ``k2_opd_loss``.
     """
-    student, teacher, mask, agg_fn = _prepare(student_logprobs, teacher_logprobs, mask, agg, normalizer)
+    student, teacher, mask, weight, agg_fn = _prepare(
+        student_logprobs, teacher_logprobs, mask, agg, normalizer, validate
+    )
     delta = student - teacher  # [B, T]
     per_token = _k3(delta).detach() + delta.detach() * (student - student.detach())
-    return reduce_masked(per_token, mask, agg_fn, normalizer), _metrics(student, teacher, mask)
+    return reduce_masked(per_token, mask, agg_fn, normalizer, weight), _metrics(student, teacher, mask)
 
 
 def js_opd_loss(
@@ -153,6 +168,7 @@ def js_opd_loss(
     lam: float = 0.5,
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Jensen-Shannon on-policy distillation surrogate: ``ℓ_t = sg(log(π/M)) · log π``, ``M = λπ + (1−λ)π_T``.
 
@@ -160,7 +176,7 @@ def js_opd_loss(
     ``JS_λ = λ KL(π ‖ M) + (1 − λ) KL(π_T ‖ M)`` (see the module docstring).
 
     Args:
-        student_logprobs, teacher_logprobs, mask, agg, normalizer: as ``k2_opd_loss``.
+        student_logprobs, teacher_logprobs, mask, agg, normalizer, validate: as ``k2_opd_loss``.
         lam: the mixture weight ``λ`` of the student in ``M``, in ``(0, 1)``; default 0.5 (the paper's).
 
     Returns:
@@ -168,7 +184,9 @@ def js_opd_loss(
     """
     if not 0 < check_real("lam", lam, " in (0, 1)") < 1:
         raise ValueError(f"lam must be a finite number in (0, 1), got {lam!r}")
-    student, teacher, mask, agg_fn = _prepare(student_logprobs, teacher_logprobs, mask, agg, normalizer)
+    student, teacher, mask, weight, agg_fn = _prepare(
+        student_logprobs, teacher_logprobs, mask, agg, normalizer, validate
+    )
     log_m = torch.logaddexp(student + math.log(lam), teacher + math.log1p(-lam))  # [B, T], log M(y_t)
     per_token = (student - log_m).detach() * student
     metrics = _metrics(student, teacher, mask)
@@ -178,4 +196,4 @@ def js_opd_loss(
         teacher_term = torch.where(rho > 0, rho * (teacher - log_m), torch.zeros_like(rho))
         js = lam * (student - log_m) + (1 - lam) * teacher_term
         metrics["opd/js"] = masked_mean(js, mask)
-    return reduce_masked(per_token, mask, agg_fn, normalizer), metrics
+    return reduce_masked(per_token, mask, agg_fn, normalizer, weight), metrics

@@ -1,14 +1,14 @@
 """Log-probabilities of label tokens from logits, computed in chunks of tokens.
 
 ``log p(y) = z_y − logsumexp(z)`` with ``z = logits / temperature``, and optionally the entropy
-``H = logsumexp(z) − Σ_v p_v z_v``. A float32 copy of ``[N, V]`` logits for a 150k vocabulary is 0.6 MB per
+``H = logsumexp(z) − Σ_v p_v z_v``. A float32 copy of ``[T, V]`` logits for a 150k vocabulary is 0.6 MB per
 token; a plain ``log_softmax(logits.float())`` materialises it (and autograd keeps it for backward). Here the
 forward pass upcasts ``chunk_size`` tokens at a time and keeps only the per-token results; the backward pass
 recomputes each chunk's softmax and writes the gradient straight into a tensor of the logits' dtype:
 
     ``∂ log p(y)/∂z_v = 1[v = y] − p_v``,  ``∂H/∂z_v = −p_v (z_v − Σ_u p_u z_u)``,  ``∂z/∂logits = 1/τ``.
 
-Peak extra memory is one float32 ``[chunk_size, V]`` buffer (two with the entropy) instead of ``[N, V]``
+Peak extra memory is one float32 ``[chunk_size, V]`` buffer (two with the entropy) instead of ``[T, V]``
 copies: with the default 1024-token chunks and a 151,936-token vocabulary, 0.6 GB (1.2 GB).
 This is the exact reference path; ``orchard.losses.fused`` fuses it with the lm-head matmul.
 """
@@ -45,10 +45,10 @@ def _shift_exp_(z: Tensor, *, keep_shifted: bool) -> tuple[Tensor, Tensor, Tenso
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """Label log-probs (and entropy) of ``[N, V]`` logits, ``chunk_size`` rows at a time.
+    """Label log-probs (and entropy) of ``[T, V]`` logits, ``chunk_size`` rows at a time.
 
     Working set per chunk: one float32 ``[n, V]`` buffer, two when the entropy is requested (its gradient needs
-    ``p`` and ``z`` together). Nothing of size ``[N, V]`` but the gradient itself is allocated.
+    ``p`` and ``z`` together). Nothing of size ``[T, V]`` but the gradient itself is allocated.
     """
 
     @staticmethod
@@ -162,8 +162,8 @@ def token_logprobs(
     vocab = logits.shape[-1]
     if vocab == 0:
         raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(logits.shape)}")
-    flat_logits = logits.reshape(-1, vocab)  # [N, V]
-    flat_labels = labels.reshape(-1).long()  # [N]
+    flat_logits = logits.reshape(-1, vocab)  # [T, V]
+    flat_labels = labels.reshape(-1).long()  # [T]
     valid = flat_labels != ignore_index
     # One device sync: an out-of-range label would be an opaque device-side assert in gather.
     if bool(((flat_labels < 0) | (flat_labels >= vocab))[valid].any()):

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from orchard.losses._validation import (
-    as_bool_mask,
+    as_weighted_mask,
     check_bt,
     check_float,
     check_positive_number,
@@ -41,6 +41,7 @@ from orchard.losses._validation import (
     masked_max,
     masked_mean,
     masked_min,
+    validate_counted,
     zero_outside,
 )
 from orchard.losses.aggregate import reduce_masked, resolve_agg
@@ -83,6 +84,7 @@ def policy_loss(
     tis_threshold: float = 2.0,
     is_mode: str = "truncate",
     ratio_level: str = "token",
+    validate: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss (formulas in the module docstring), reduced with ``agg``.
 
@@ -92,7 +94,9 @@ def policy_loss(
             Shape: ``[B, T]``.
         advantages: per sequence ``[B]`` (broadcast over tokens) or per token ``[B, T]`` (detached here).
         mask: 1/True on action tokens that count. Shape: ``[B, T]``. Masked positions of every input may hold
-            anything (NaN, ±inf): they change neither the loss nor its gradient.
+            anything (NaN, ±inf): they change neither the loss nor its gradient. A non-bool mask's value is the
+            token's weight: it multiplies the token's loss, denominators still count tokens
+            (``orchard.losses.aggregate``); metrics are unweighted.
         eps_low: lower clip range, ratio floor ``1 − eps_low``; default 0.2, in ``[0, 1)``.
         eps_high: upper clip range, ratio ceiling ``1 + eps_high``; default 0.28, ``≥ 0``.
         dual_clip: constant ``c > 1`` bounding the loss of negative-advantage tokens by ``−A·c``; default off.
@@ -103,6 +107,10 @@ def policy_loss(
         tis_threshold: IS threshold ``C``; default 2.0. Used only with ``rollout_logprobs``.
         is_mode: ``"truncate"`` (weight ``min(w, C)``, default) or ``"mask"`` (weight ``w·1[w ≤ C]``).
         ratio_level: ``"token"`` (default) or ``"sequence"`` (GSPO).
+        validate: check the inputs' values at counted positions (one device sync, so off by default): the
+            log-probs finite and ``<= 1e-4``, the advantages finite, the mask's weights finite and ``>= 0``; a
+            ``ValueError`` names the tensor and the first bad position. Off, a NaN or inf at a counted position
+            gives a NaN or inf loss.
 
     Returns:
         ``(loss, metrics)``: the scalar loss, and detached scalars, each a mean over counted tokens:
@@ -119,7 +127,8 @@ def policy_loss(
         "old_logprobs", check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
     )
     advantages_BT = _broadcast_advantages(advantages, logprobs)
-    mask = as_bool_mask("mask", mask, "logprobs", logprobs)
+    raw_mask = mask
+    mask, mask_weight = as_weighted_mask("mask", mask, "logprobs", logprobs)
     agg_fn = resolve_agg(agg, normalizer)
     if not 0 <= check_real("eps_low", eps_low, " in [0, 1)") < 1:
         raise ValueError(f"eps_low must be a finite number in [0, 1), got {eps_low!r}")
@@ -138,6 +147,11 @@ def policy_loss(
             "rollout_logprobs", check_same_shape("rollout_logprobs", rollout_logprobs, "logprobs", logprobs)
         )
         check_positive_number("tis_threshold", tis_threshold)
+    if validate:
+        named_logprobs = {"logprobs": logprobs, "old_logprobs": old_logprobs}
+        if rollout_logprobs is not None:
+            named_logprobs["rollout_logprobs"] = rollout_logprobs
+        validate_counted(raw_mask, mask, logprobs=named_logprobs, values={"advantages": advantages_BT})
 
     logp = zero_outside(mask, logprobs)
     old = zero_outside(mask, old_logprobs.detach().to(logprobs.dtype))
@@ -172,7 +186,7 @@ def policy_loss(
         metrics["is/weight_max"] = masked_max(w, mask)
         metrics["is/clipped_frac"] = masked_mean(over.to(w.dtype), mask)
 
-    loss = reduce_masked(per_token, mask, agg_fn, normalizer)
+    loss = reduce_masked(per_token, mask, agg_fn, normalizer, mask_weight)
 
     with torch.no_grad():
         r = ratio.detach()

@@ -4,8 +4,8 @@ Plain SFT on a trajectory supervises every action token (the model's own turns);
 user turns) are context only. Credit-assigned SFT also learns from *unresolved* trajectories, but only from
 the steps that moved the task forward:
 
-1. A trajectory has ``N`` steps (assistant turns) ``a_0 … a_{N−1}`` and states ``s_0 … s_N``: ``s_t`` is the
-   state before step ``t``, ``s_N`` the state after the last one. A value estimate ``V(s_t)`` (the probability
+1. A trajectory has ``S`` decision steps (assistant turns) ``a_0 … a_{S−1}`` and states ``s_0 … s_S``: ``s_t`` is
+   the state before step ``t``, ``s_S`` the state after the last one. A value estimate ``V(s_t)`` (the probability
    of eventually resolving the task) is available at some keyed states; ``interpolate_step_values`` fills in
    the rest.
 2. ``td_credit``: the credit of step ``t`` is ``c_t = V(s_{t+1}) − V(s_t)``.
@@ -19,7 +19,7 @@ Pipeline for one unresolved trajectory::
 
     values = interpolate_step_values({0: 0.1, 4: 0.6, 9: 0.2}, num_steps=9)   # [10] values of s_0..s_9
     runs = credit_runs(td_credit(values), eps=0.05)                        # [(0, 4)]
-    mask = credit_assigned_sft_mask(action_mask, step_index, resolved=False, runs=runs)
+    mask = credit_assigned_sft_mask(action_mask, turn_index, resolved=False, runs=runs)
     loss, metrics = sft_loss(logprobs, mask)
 """
 
@@ -34,16 +34,27 @@ from torch import Tensor
 
 from orchard.losses._validation import (
     as_bool_mask,
+    as_weighted_mask,
     check_bt,
     check_float,
     check_real,
     check_tensor,
     masked_mean,
+    validate_counted,
 )
 from orchard.losses.aggregate import reduce_masked, resolve_agg
 
 Run = tuple[int, int]
-"""A half-open range ``[start, end)`` of step indices."""
+"""A half-open range ``[start, end)`` of step (assistant turn) indices."""
+
+CREDIT_TOL = 1e-6
+"""Slack of the credit threshold: a step counts when ``c_t ≥ ε − CREDIT_TOL``.
+
+Credits are differences of probabilities in ``[0, 1]``, so rounding, not the data, decides an exact tie:
+``0.35 − 0.30`` is ``0.04999999999999999`` in float64 and ``0.0499999821`` in float32. ``1e-6`` covers the
+rounding of either precision (float32 rounds a value in ``[0, 1]`` by at most ``6e-8``) and is far below any
+credit that matters next to the paper's ``ε = 0.05``. The same idea as BAR's ``ρ·n`` slack and the Claw pass
+rule's."""
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> int:
@@ -53,7 +64,7 @@ def _check_count(name: str, value: object, *, minimum: int) -> int:
 
 
 def interpolate_step_values(keyed_values: Mapping[int, float], num_steps: int) -> Tensor:
-    """Values of all states ``s_0 … s_N`` of an ``N``-step trajectory from values at some keyed states.
+    """Values of all states ``s_0 … s_S`` of an ``S``-step trajectory from values at some keyed states.
 
     Linear interpolation between consecutive keys; before the first key and after the last the nearest keyed
     value is held (no credit is invented outside the keyed span).
@@ -61,10 +72,10 @@ def interpolate_step_values(keyed_values: Mapping[int, float], num_steps: int) -
     Args:
         keyed_values: ``{state index: V(s)}`` with indices in ``[0, num_steps]`` and finite values; at least
             one entry.
-        num_steps: ``N``, the number of steps (``≥ 0``).
+        num_steps: ``S``, the number of steps (assistant turns, ``≥ 0``).
 
     Returns:
-        ``V(s_0) … V(s_N)``, float64. Shape: ``[N + 1]``.
+        ``V(s_0) … V(s_S)``, float64. Shape: ``[S + 1]``.
     """
     num_steps = _check_count("num_steps", num_steps, minimum=0)
     if not isinstance(keyed_values, Mapping) or not keyed_values:
@@ -91,16 +102,16 @@ def td_credit(values: Tensor | Sequence[float]) -> Tensor:
     """TD credit of each step: ``c_t = V(s_{t+1}) − V(s_t)``.
 
     Args:
-        values: ``V(s_0) … V(s_N)``. Shape: ``[..., N + 1]`` with ``N + 1 ≥ 1``; finite.
+        values: ``V(s_0) … V(s_S)``. Shape: ``[..., S + 1]`` with ``S + 1 ≥ 1``; finite.
 
     Returns:
-        Shape: ``[..., N]``, the dtype of ``values`` (float64 for a sequence).
+        Shape: ``[..., S]``, the dtype of ``values`` (float64 for a sequence).
     """
     if not isinstance(values, Tensor):
         values = torch.as_tensor(values, dtype=torch.float64)
     if values.dim() == 0 or values.shape[-1] == 0 or not values.is_floating_point():
         raise ValueError(
-            f"values must be a floating tensor of shape [..., N + 1] with N + 1 >= 1, "
+            f"values must be a floating tensor of shape [..., S + 1] with S + 1 >= 1, "
             f"got shape {tuple(values.shape)} dtype {values.dtype}"
         )
     if not bool(torch.isfinite(values).all()):
@@ -109,10 +120,13 @@ def td_credit(values: Tensor | Sequence[float]) -> Tensor:
 
 
 def credit_runs(credit: Tensor | Sequence[float], eps: float = 0.05) -> list[Run]:
-    """Maximal contiguous runs of steps whose credit is at least ``eps``.
+    """Maximal contiguous runs of steps whose credit is at least ``eps`` (up to ``CREDIT_TOL``).
+
+    A credit equal to ``eps`` in exact arithmetic counts even when floating point lands it a hair below:
+    teacher values on a 0.05 grid (0.30, 0.35, …) give credits of exactly ``ε``, and the run stays whole.
 
     Args:
-        credit: ``c_0 … c_{N−1}``. Shape: ``[N]``; NaN counts as below ``eps``.
+        credit: ``c_0 … c_{S−1}``. Shape: ``[S]``; NaN counts as below ``eps``.
         eps: the credit threshold ``ε``; default 0.05 (the paper's).
 
     Returns:
@@ -122,8 +136,8 @@ def credit_runs(credit: Tensor | Sequence[float], eps: float = 0.05) -> list[Run
     eps = check_real("eps", eps)
     credit_t = credit if isinstance(credit, Tensor) else torch.as_tensor(credit, dtype=torch.float64)
     if credit_t.dim() != 1:
-        raise ValueError(f"credit must have shape [N], got shape {tuple(credit_t.shape)}")
-    above = (credit_t >= eps).tolist()
+        raise ValueError(f"credit must have shape [S], got shape {tuple(credit_t.shape)}")
+    above = (credit_t >= eps - CREDIT_TOL).tolist()
     runs: list[Run] = []
     start = None
     for t, good in enumerate([*above, False]):
@@ -153,18 +167,18 @@ def _check_runs(name: str, runs: object) -> list[Run]:
 
 def credit_assigned_sft_mask(
     action_mask: Tensor,
-    step_index: Tensor,
+    turn_index: Tensor,
     resolved: bool | Sequence[bool] | Tensor,
     runs: Sequence[Run] | Sequence[Sequence[Run]],
 ) -> Tensor:
     """Which tokens credit-assigned SFT supervises.
 
-    ``out = action_mask ∧ (resolved ∨ step_index ∈ ⋃ runs)``, per row.
+    ``out = action_mask ∧ (resolved ∨ turn_index ∈ ⋃ runs)``, per row.
 
     Args:
         action_mask: 1/True on tokens the model generated. Shape: ``[T]`` for one trajectory or ``[B, T]``.
-        step_index: the step each token belongs to (``≥ 0``), ``−1`` for tokens of no step (system prompt,
-            task, padding). Integer; shape of ``action_mask``.
+        turn_index: the step (assistant turn) each token belongs to (``≥ 0``), ``−1`` for tokens of no step
+            (system prompt, task, padding), as ``orchard.data`` collates it. Integer; shape of ``action_mask``.
         resolved: whether each trajectory solved its task: a bool for ``[T]`` inputs, ``[B]`` bools for
             ``[B, T]``. A resolved trajectory supervises every action token, runs or not.
         runs: half-open ``(start, end)`` step ranges from ``credit_runs``: one list for ``[T]`` inputs, one
@@ -177,16 +191,16 @@ def credit_assigned_sft_mask(
     single = action_mask.dim() == 1
     if not single and action_mask.dim() != 2:
         raise ValueError(f"action_mask must have shape [T] or [B, T], got shape {tuple(action_mask.shape)}")
-    step_index = check_tensor("step_index", step_index)
-    if step_index.shape != action_mask.shape:
+    turn_index = check_tensor("turn_index", turn_index)
+    if turn_index.shape != action_mask.shape:
         raise ValueError(
-            f"step_index must have the shape of action_mask {tuple(action_mask.shape)}, "
-            f"got shape {tuple(step_index.shape)}"
+            f"turn_index must have the shape of action_mask {tuple(action_mask.shape)}, "
+            f"got shape {tuple(turn_index.shape)}"
         )
-    if step_index.is_floating_point() or step_index.is_complex() or step_index.dtype == torch.bool:
-        raise ValueError(f"step_index must be an integer tensor, got dtype {step_index.dtype}")
+    if turn_index.is_floating_point() or turn_index.is_complex() or turn_index.dtype == torch.bool:
+        raise ValueError(f"turn_index must be an integer tensor, got dtype {turn_index.dtype}")
     action_BT = as_bool_mask("action_mask", action_mask, "action_mask", action_mask)
-    steps_BT = step_index
+    turns_BT = turn_index
     if single:
         if not isinstance(resolved, bool | np.bool_) and not (
             isinstance(resolved, Tensor) and resolved.dim() == 0
@@ -194,7 +208,7 @@ def credit_assigned_sft_mask(
             raise ValueError(f"resolved must be a bool for a [T] action_mask, got {resolved!r}")
         resolved_rows = [bool(resolved)]
         runs_rows = [_check_runs("runs", runs)]
-        action_BT, steps_BT = action_BT[None], steps_BT[None]
+        action_BT, turns_BT = action_BT[None], turns_BT[None]
     else:
         batch = action_mask.shape[0]
         resolved_list = resolved.tolist() if isinstance(resolved, Tensor) else resolved
@@ -213,7 +227,7 @@ def credit_assigned_sft_mask(
             supervised_BT[i] = True
             continue
         for start, end in row_runs:
-            supervised_BT[i] |= (steps_BT[i] >= start) & (steps_BT[i] < end)
+            supervised_BT[i] |= (turns_BT[i] >= start) & (turns_BT[i] < end)
     out = action_BT & supervised_BT
     return out[0] if single else out
 
@@ -224,25 +238,31 @@ def sft_loss(
     *,
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative log-likelihood of the supervised tokens: ``ℓ_t = −log π(y_t)``, reduced with ``agg``.
 
     Args:
         logprobs: ``log π(y_t)`` of the target tokens, with grad. Shape: ``[B, T]``.
         mask: 1/True on supervised tokens (e.g. from ``credit_assigned_sft_mask``). Shape: ``[B, T]``. Masked
-            positions may hold anything (NaN, −inf).
+            positions may hold anything (NaN, −inf). A non-bool mask's value weights the token's NLL.
         agg: aggregation mode; default ``"token-mean"``.
         normalizer: the aggregation's global normaliser (required for ``"token-sum-norm"``).
+        validate: check (one device sync) that ``logprobs`` is finite and ``<= 1e-4`` where counted and the
+            mask's weights are finite and ``>= 0``; default off.
 
     Returns:
         ``(loss, metrics)`` with ``sft/nll`` (mean NLL over supervised tokens) and ``sft/tokens`` (their
         count), both detached.
     """
     logprobs = check_float("logprobs", check_bt("logprobs", logprobs))
-    mask = as_bool_mask("mask", mask, "logprobs", logprobs)
+    raw_mask = mask
+    mask, weight = as_weighted_mask("mask", mask, "logprobs", logprobs)
     agg_fn = resolve_agg(agg, normalizer)
+    if validate:
+        validate_counted(raw_mask, mask, logprobs={"logprobs": logprobs})
     nll = -logprobs  # [B, T]
-    loss = reduce_masked(nll, mask, agg_fn, normalizer)
+    loss = reduce_masked(nll, mask, agg_fn, normalizer, weight)
     with torch.no_grad():
         metrics = {"sft/nll": masked_mean(nll, mask), "sft/tokens": mask.sum().to(logprobs.dtype)}
     return loss, metrics

@@ -21,6 +21,7 @@ from orchard.sampling.bar import (
     bar_select,
 )
 from orchard.sampling.filters import (
+    GROUP_FILTER_RULES,
     DifficultyFilterResult,
     GroupFilterResult,
     difficulty_filter,
@@ -38,6 +39,7 @@ from orchard.sampling.metrics import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "GROUP_FILTER_RULES",
     "BARConfig",
     "BARReason",
     "BARResult",

@@ -4,17 +4,17 @@ GRPO learns nothing from a group whose rollouts all succeed or all fail, and lit
 in sixteen. BAR generates rollouts for one task in strides and stops as soon as the pool holds a *balanced* set:
 ``n`` rollouts whose fraction of positives lies in ``[rho_min, rho_max]``. It then trains on exactly ``n`` of them.
 
-Algorithm (one task; ``P``/``Q`` = positives/negatives in the pool so far)::
+Algorithm (one task; ``pos``/``neg`` = positives/negatives in the pool so far)::
 
     pool, spent = [], 0
     while spent < n_max:
         k = min(stride, n_max - spent)              # a stride never overshoots the budget
         pool += source(k); spent += k               # the budget counts rollouts *requested*
-        if some k+ in [ceil(rho_min n), floor(rho_max n)] has k+ <= P and n - k+ <= Q: break
-    if P == 0 or Q == 0:        drop                   ("no_signal")
+        if some k+ in [ceil(rho_min n), floor(rho_max n)] has k+ <= pos and n - k+ <= neg: break
+    if pos == 0 or neg == 0:    drop                   ("no_signal")
     elif balanced:              k+ = feasible count nearest n (rho_min + rho_max) / 2     ("balanced")
-    elif P + Q < n:             drop                   ("insufficient")
-    else:                       k+ = count in [max(0, n - Q), min(n, P)] nearest the middle ("relaxed")
+    elif pos + neg < n:         drop                   ("insufficient")
+    else:                       k+ = count in [max(0, n - neg), min(n, pos)] nearest the middle ("relaxed")
     choose the best k+ positives and the best n - k+ negatives, best = normally terminated first, then shorter,
     then earlier arrival.
 
@@ -196,9 +196,9 @@ def balanced_subset(
     """BAR's selection step over an already generated pool (pure; no generation).
 
     Args:
-        positive: outcome of each pool member. Shape: ``(P,)``.
-        terminated: True when the member ended normally (not truncated). Shape: ``(P,)``.
-        length: its length, shorter preferred. Shape: ``(P,)``.
+        positive: outcome of each pool member. Shape: ``(N,)``, ``N`` the pool's size.
+        terminated: True when the member ended normally (not truncated). Shape: ``(N,)``.
+        length: its length, shorter preferred. Shape: ``(N,)``.
         config: n and the ratio interval (n_max / stride are not used here).
         final: whether the budget is spent. When False and no balanced set exists, returns ``([], None)``:
             keep generating.

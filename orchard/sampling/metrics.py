@@ -1,6 +1,6 @@
 """Evaluation metrics: pass@k, pass^k, avg@k, mean ± std over runs, best-of-N (learned and oracle).
 
-Notation: ``T`` tasks, ``n`` samples per task of which ``c`` are correct, ``k`` the attempt budget.
+Notation: ``P`` tasks, ``n`` samples per task of which ``c`` are correct, ``k`` the attempt budget.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def pass_at_k(n: int | np.ndarray, c: int | np.ndarray, k: int) -> float | np.nd
     The product form never forms a binomial coefficient, so it is exact-ish and finite for any n.
 
     Args:
-        n: samples per task (int or integer array). Shape: ``()`` or ``(T,)``, broadcast against ``c``.
+        n: samples per task (int or integer array). Shape: ``()`` or ``(P,)``, broadcast against ``c``.
         c: correct samples per task, ``0 <= c <= n``.
         k: attempt budget, ``1 <= k <= n``.
 
@@ -93,9 +93,9 @@ def pass_hat_k(n: int | np.ndarray, c: int | np.ndarray, k: int) -> float | np.n
 def _matrix(x: object, arg: str) -> np.ndarray:
     arr = np.asarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
     if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
-        raise ValueError(f"{arg} must be a numeric [T, N] array, got {type(x).__name__} of dtype {arr.dtype}")
+        raise ValueError(f"{arg} must be a numeric [P, N] array, got {type(x).__name__} of dtype {arr.dtype}")
     if arr.ndim != 2:
-        raise ValueError(f"{arg} must have shape [T, N], got shape {arr.shape}")
+        raise ValueError(f"{arg} must have shape [P, N], got shape {arr.shape}")
     arr = arr.astype(np.float64)
     if not np.isfinite(arr).all():
         raise ValueError(f"{arg} must be finite, got NaN or inf")
@@ -112,17 +112,17 @@ def _first_n(arr: np.ndarray, n: int | None, arg: str, n_arg: str = "n") -> np.n
     return arr[:, :n]
 
 
-def avg_at_k(successes_TK: object, *, k: int | None = None) -> float:
-    """avg@k: success averaged over k samples per task, then over tasks: ``(1/T) sum_t (1/k) sum_j s_tj``.
+def avg_at_k(successes_PK: object, *, k: int | None = None) -> float:
+    """avg@k: success averaged over k samples per task, then over tasks: ``(1/P) sum_p (1/k) sum_j s_pj``.
 
     Args:
-        successes_TK: outcomes (bool, 0/1 or scores). Shape: ``(T, K)``.
+        successes_PK: outcomes (bool, 0/1 or scores). Shape: ``(P, K)``.
         k: use the first ``k`` samples of each task; default all ``K``.
 
     Returns:
         A float; 0.0 for zero tasks.
     """
-    s = _first_n(_matrix(successes_TK, "successes_TK"), k, "successes_TK", "k")
+    s = _first_n(_matrix(successes_PK, "successes_PK"), k, "successes_PK", "k")
     if s.shape[0] == 0 or s.shape[1] == 0:
         return 0.0
     return float(s.mean())
@@ -160,46 +160,46 @@ class BestOfNResult:
     """The outcome of best-of-N selection."""
 
     chosen: np.ndarray
-    """Int64 ``[T]``: index of the chosen candidate per task."""
+    """Int64 ``[P]``: index of the chosen candidate per task."""
     chosen_success: np.ndarray
-    """Float64 ``[T]``: success of the chosen candidate."""
+    """Float64 ``[P]``: success of the chosen candidate."""
     success_rate: float
     """Mean of ``chosen_success`` (0.0 for zero tasks)."""
 
 
-def best_of_n(scores_TN: object, successes_TN: object, *, n: int | None = None) -> BestOfNResult:
+def best_of_n(scores_PN: object, successes_PN: object, *, n: int | None = None) -> BestOfNResult:
     """Best-of-N with a learned scorer (e.g. a value model): per task, take the highest-scoring candidate.
 
     ``chosen_t = argmax_i score_ti`` (ties go to the lower index), ``success_rate = mean_t s_{t, chosen_t}``.
 
     Args:
-        scores_TN: scorer output per candidate. Shape: ``(T, N)``.
-        successes_TN: ground-truth outcome per candidate (bool / 0-1 / score). Shape: ``(T, N)``.
+        scores_PN: scorer output per candidate. Shape: ``(P, N)``.
+        successes_PN: ground-truth outcome per candidate (bool / 0-1 / score). Shape: ``(P, N)``.
         n: use only the first ``n`` candidates of each task; default all.
 
     Returns:
         :class:`BestOfNResult`.
     """
-    sc = _matrix(scores_TN, "scores_TN")
-    su = _matrix(successes_TN, "successes_TN")
+    sc = _matrix(scores_PN, "scores_PN")
+    su = _matrix(successes_PN, "successes_PN")
     if sc.shape != su.shape:
-        raise ValueError(f"successes_TN must have the shape of scores_TN {sc.shape}, got {su.shape}")
-    sc, su = _first_n(sc, n, "scores_TN"), _first_n(su, n, "scores_TN")
+        raise ValueError(f"successes_PN must have the shape of scores_PN {sc.shape}, got {su.shape}")
+    sc, su = _first_n(sc, n, "scores_PN"), _first_n(su, n, "scores_PN")
     if sc.shape[1] == 0 and sc.shape[0] > 0:
-        raise ValueError("scores_TN must have at least one candidate per task, got N=0")
+        raise ValueError("scores_PN must have at least one candidate per task, got N=0")
     chosen = sc.argmax(axis=1).astype(np.int64) if sc.shape[0] else np.zeros(0, dtype=np.int64)
     got = su[np.arange(su.shape[0]), chosen]
     return BestOfNResult(chosen, got, float(got.mean()) if got.size else 0.0)
 
 
-def oracle_best_of_n(successes_TN: object, *, n: int | None = None) -> float:
+def oracle_best_of_n(successes_PN: object, *, n: int | None = None) -> float:
     """Oracle best-of-N: a task counts when any of its first ``n`` candidates succeeds (``mean_t max_i s_ti``).
 
-    An upper bound for :func:`best_of_n`. ``successes_TN`` shape ``(T, N)``; returns 0.0 for zero tasks.
+    An upper bound for :func:`best_of_n`. ``successes_PN`` shape ``(P, N)``; returns 0.0 for zero tasks.
     """
-    su = _first_n(_matrix(successes_TN, "successes_TN"), n, "successes_TN")
+    su = _first_n(_matrix(successes_PN, "successes_PN"), n, "successes_PN")
     if su.shape[0] == 0:
         return 0.0
     if su.shape[1] == 0:
-        raise ValueError("successes_TN must have at least one candidate per task, got N=0")
+        raise ValueError("successes_PN must have at least one candidate per task, got N=0")
     return float(su.max(axis=1).mean())

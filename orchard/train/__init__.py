@@ -6,14 +6,16 @@ DeepSpeed is imported only when a DeepSpeed engine is built.
 
 from orchard.train.config import config_to_dict, field_docs, format_help, load_config
 from orchard.train.model import load_causal_lm
-from orchard.train.objective import LossTerm, loss_term_names, objective_loss, register_loss_term
+from orchard.train.objective import LOSS_TERMS, LossTerm, TermSpec, objective_loss
 from orchard.train.schedule import cosine_lr, cosine_schedule
 from orchard.train.trainer import DataCursor, OptimConfig, TrainConfig, Trainer
 
 __all__ = [
+    "LOSS_TERMS",
     "DataCursor",
     "LossTerm",
     "OptimConfig",
+    "TermSpec",
     "TrainConfig",
     "Trainer",
     "config_to_dict",
@@ -23,7 +25,5 @@ __all__ = [
     "format_help",
     "load_causal_lm",
     "load_config",
-    "loss_term_names",
     "objective_loss",
-    "register_loss_term",
 ]

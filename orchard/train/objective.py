@@ -17,10 +17,12 @@ gives the whole-batch token mean exactly, so the gradient does not depend on how
 | ``credit_sft`` | ``sft_loss`` on the credit-assigned mask | ``sft_mask`` (from ``credit_assigned_sft_mask``) | ``sft_mask`` |
 | ``policy`` | ``policy_loss`` (GRPO/PPO, clip 0.2 / 0.28) | ``old_logprobs``, ``advantages`` | ``policy_mask`` |
 | ``k2_opd`` / ``k3_opd`` / ``js_opd`` | on-policy distillation | ``teacher_logprobs`` | ``action_mask`` |
-| ``kl`` | ``kl_penalty`` to a reference, token mean | ``ref_logprobs`` (kwarg ``kind``, default ``k3+``) | ``action_mask`` |
+| ``kl`` | ``kl_penalty`` to a reference (kwarg ``kind``, default ``k3+``) | ``ref_logprobs`` | ``action_mask`` |
 
 ``policy_mask`` is derived (``with_derived_masks``): ``action_mask & logprob_mask`` when the batch has
 ``logprob_mask`` (rendering marks where the sampling log-prob is known; a ratio needs it), else ``action_mask``.
+
+The terms are the entries of ``LOSS_TERMS`` (an ``orchard._registry.Registry``, like every named variant).
 
 Metrics of a term keep the loss's own keys (``clip/low_frac``); ``loss/<term>`` is the term's unweighted value.
 """
@@ -34,12 +36,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orchard._registry import Registry
+
 __all__ = [
+    "LOSS_TERMS",
     "LossTerm",
     "TermSpec",
-    "loss_term_names",
     "objective_loss",
-    "register_loss_term",
     "term_mask_key",
     "with_derived_masks",
 ]
@@ -50,7 +53,7 @@ class LossTerm:
     """One weighted term of the objective."""
 
     name: str
-    """Registered term name: sft, credit_sft, policy, k2_opd, k3_opd, js_opd, kl (see ``loss_term_names()``)."""
+    """Registered term name: sft, credit_sft, policy, k2_opd, k3_opd, js_opd, kl (see ``LOSS_TERMS.names()``)."""
     weight: float = 1.0
     """Coefficient of this term in the summed loss."""
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -62,38 +65,30 @@ TermFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
 
 @dataclass(frozen=True)
 class TermSpec:
-    """How a term is computed: ``fn(logprobs, batch, normalizer, **kwargs) -> (loss, metrics)``."""
+    """How a term is computed: ``fn(logprobs [B, T], batch, normalizer, **kwargs) -> (loss, metrics)``.
+
+    ``fn`` must aggregate with ``agg="token-sum-norm"`` and the given ``normalizer`` (the global count of
+    ``batch[mask_key]``) for micro-batch invariance. Calling a spec calls ``fn``.
+    """
 
     fn: TermFn
-    mask_key: str
-    needs: tuple[str, ...]
+    mask_key: str = "action_mask"
+    """Batch key of the mask whose global token count normalises the term."""
+    needs: tuple[str, ...] = ()
+    """Batch keys the term reads besides its mask."""
+
+    def __call__(self, logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kwargs: Any) -> Any:
+        return self.fn(logprobs, batch, normalizer, **kwargs)
 
 
-_TERMS: dict[str, TermSpec] = {}
+LOSS_TERMS: Registry[TermSpec | TermFn] = Registry("loss term")
+"""The objective's named terms. Add one with ``LOSS_TERMS.register(name, TermSpec(fn, mask_key=..., needs=...))``;
+a bare ``fn`` registers as ``TermSpec(fn)`` (mask ``action_mask``, no other keys)."""
 
 
-def register_loss_term(name: str, fn: TermFn, *, mask_key: str = "action_mask", needs: tuple[str, ...] = ()) -> None:
-    """Add a term to the registry (``ValueError`` if ``name`` is taken).
-
-    ``fn(logprobs [B, T], batch, normalizer, **kwargs)`` must aggregate with ``agg="token-sum-norm"`` and the
-    given ``normalizer`` (the global count of ``batch[mask_key]``) for micro-batch invariance.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if name in _TERMS:
-        raise ValueError(f"name {name!r} is already a registered loss term")
-    _TERMS[name] = TermSpec(fn=fn, mask_key=mask_key, needs=(mask_key, *needs))
-
-
-def loss_term_names() -> list[str]:
-    """Names of the registered loss terms."""
-    return sorted(_TERMS)
-
-
-def _spec(name: str) -> TermSpec:
-    if name not in _TERMS:
-        raise ValueError(f"loss term name {name!r} is not registered; valid: {', '.join(loss_term_names())}")
-    return _TERMS[name]
+def _spec(name: object, arg: str = "name") -> TermSpec:
+    entry = LOSS_TERMS.get(name, arg)
+    return entry if isinstance(entry, TermSpec) else TermSpec(entry)
 
 
 def term_mask_key(name: str) -> str:
@@ -119,11 +114,11 @@ def check_objective(objective: list[LossTerm], batch_keys: set[str] | None = Non
     for i, term in enumerate(objective):
         if not isinstance(term, LossTerm):
             raise ValueError(f"objective[{i}] must be a LossTerm, got {type(term).__name__}")
-        spec = _spec(term.name)
+        spec = _spec(term.name, f"objective[{i}].name")
         if not isinstance(term.weight, (int, float)) or not torch.isfinite(torch.tensor(float(term.weight))):
             raise ValueError(f"objective[{i}].weight must be a finite number, got {term.weight!r}")
         if batch_keys is not None:
-            missing = [k for k in spec.needs if k not in batch_keys]
+            missing = [k for k in (spec.mask_key, *spec.needs) if k not in batch_keys]
             if missing:
                 raise ValueError(
                     f"objective[{i}] ({term.name!r}) needs batch key {missing[0]!r}; batch has {sorted(batch_keys)}"
@@ -209,18 +204,17 @@ def _opd(loss_name: str) -> TermFn:
     return term
 
 
-def _kl(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, *, kind: str = "k3+") -> tuple[Tensor, dict]:
-    from orchard.losses import aggregate_loss, kl_penalty
+def _kl(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kw: Any) -> tuple[Tensor, dict]:
+    from orchard.losses import kl_penalty
 
-    mask = batch["action_mask"]
-    per_token = kl_penalty(logprobs, batch["ref_logprobs"], kind, mask=mask)  # [B, T]
-    return aggregate_loss(per_token, mask, "token-sum-norm", normalizer=normalizer), {}
+    return kl_penalty(logprobs, batch["ref_logprobs"], batch["action_mask"], agg="token-sum-norm",
+                      normalizer=normalizer, **kw)
 
 
-register_loss_term("sft", _sft)
-register_loss_term("credit_sft", _credit_sft, mask_key="sft_mask")
-register_loss_term("policy", _policy, mask_key="policy_mask", needs=("old_logprobs", "advantages"))
-register_loss_term("k2_opd", _opd("k2_opd_loss"), needs=("teacher_logprobs",))
-register_loss_term("k3_opd", _opd("k3_opd_loss"), needs=("teacher_logprobs",))
-register_loss_term("js_opd", _opd("js_opd_loss"), needs=("teacher_logprobs",))
-register_loss_term("kl", _kl, needs=("ref_logprobs",))
+LOSS_TERMS.register("sft", TermSpec(_sft))
+LOSS_TERMS.register("credit_sft", TermSpec(_credit_sft, mask_key="sft_mask"))
+LOSS_TERMS.register("policy", TermSpec(_policy, mask_key="policy_mask", needs=("old_logprobs", "advantages")))
+LOSS_TERMS.register("k2_opd", TermSpec(_opd("k2_opd_loss"), needs=("teacher_logprobs",)))
+LOSS_TERMS.register("k3_opd", TermSpec(_opd("k3_opd_loss"), needs=("teacher_logprobs",)))
+LOSS_TERMS.register("js_opd", TermSpec(_opd("js_opd_loss"), needs=("teacher_logprobs",)))
+LOSS_TERMS.register("kl", TermSpec(_kl, needs=("ref_logprobs",)))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from orchard.losses import agg_modes, aggregate_loss, register_agg_mode
+from orchard.losses import AGG_MODES, aggregate_loss
 
 from ._reference import aggregate_reference as reference
 
@@ -11,7 +11,7 @@ MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum-n
 
 
 def test_modes_registered():
-    assert agg_modes()[:4] == MODES
+    assert AGG_MODES.names()[:4] == MODES
 
 
 def test_hand_computed():
@@ -131,7 +131,7 @@ def test_errors_name_the_argument():
         aggregate_loss(torch.zeros(2, 3, dtype=torch.long), m)
     with pytest.raises(ValueError, match=r"mask .*\(2, 3\).*\(3, 2\)"):
         aggregate_loss(x, torch.ones(3, 2))
-    with pytest.raises(ValueError, match=r"mode must be one of.*token-mean.*got 'mean'"):
+    with pytest.raises(ValueError, match=r"agg must be one of.*token-mean.*got 'mean'"):
         aggregate_loss(x, m, "mean")
     with pytest.raises(ValueError, match="normalizer is required"):
         aggregate_loss(x, m, "token-sum-norm")
@@ -144,8 +144,8 @@ def test_errors_name_the_argument():
 
 def test_registry_rejects_duplicates_and_accepts_new_modes():
     with pytest.raises(ValueError, match="already registered"):
-        register_agg_mode("token-mean", lambda x, m, z: x.sum())
+        AGG_MODES.register("token-mean", lambda x, m, z: x.sum())
     name = "test-token-max"
-    if name not in agg_modes():
-        register_agg_mode(name, lambda x, m, z: x.max())
+    if name not in AGG_MODES:
+        AGG_MODES.register(name, lambda x, m, z: x.max())
     assert aggregate_loss(torch.tensor([[1.0, 5.0]]), torch.tensor([[1, 0]]), name).item() == 1.0  # 5 masked

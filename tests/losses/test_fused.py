@@ -274,7 +274,7 @@ def test_no_token_by_vocabulary_tensor_is_ever_built(dtype):
             return_entropy=True,
         )
         (logp + ent).sum().backward()
-    # the largest things alive are one block (16 × 32 = 512) and the [V, H] / [N, H] gradients (640, 384)
+    # the largest things alive are one block (16 × 32 = 512) and the [V, H] / [T, H] gradients (640, 384)
     assert mode.largest == max(chunk * vchunk, v * h, n * h)
     assert mode.largest < n * v // 10
 
@@ -296,7 +296,7 @@ def test_agrees_with_plain_token_logprobs_when_available():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        (dict(hidden=torch.zeros(2, 3, 4)), "hidden must have shape [N, H]"),
+        (dict(hidden=torch.zeros(2, 3, 4)), "hidden must have shape [T, H]"),
         (dict(hidden=[[0.0]]), "hidden must be a torch.Tensor"),
         (dict(weight=torch.zeros(5)), "weight must have shape [V, H]"),
         (dict(weight=torch.zeros(5, 3)), "weight must have shape [V, H] with H = hidden.shape[1] = 4"),
@@ -308,9 +308,9 @@ def test_agrees_with_plain_token_logprobs_when_available():
         ),
         (
             dict(labels=torch.zeros(2, dtype=torch.long)),
-            "labels must have shape [N] with N = hidden.shape[0] = 3",
+            "labels must have shape [T] with T = hidden.shape[0] = 3",
         ),
-        (dict(labels=torch.zeros(3, 1, dtype=torch.long)), "labels must have shape [N]"),
+        (dict(labels=torch.zeros(3, 1, dtype=torch.long)), "labels must have shape [T]"),
         (dict(labels=torch.zeros(3)), "labels must be an integer tensor"),
         (dict(labels=torch.tensor([0, 5, 1])), "or equal ignore_index=-100, got values such as [5]"),
         (dict(labels=torch.tensor([0, -7, 1])), "labels must lie in [0, V) = [0, 5) or equal ignore_index=-100"),

@@ -84,7 +84,7 @@ def test_matches_float64_full_logits_reference(dtype, kind, n, v, h, chunk, temp
     token_loss = make_token_loss(kind, side_inputs(kind, ref_logp, gen), n)
     ref_logp.retain_grad()
     ref_entropy.retain_grad()
-    per_token_ref = token_loss(ref_logp, ref_entropy, torch.arange(n))  # [N], float64
+    per_token_ref = token_loss(ref_logp, ref_entropy, torch.arange(n))  # [T], float64
     per_token_ref.sum().backward()
     sensitivity = sum(t.grad.abs().sum().item() for t in (ref_logp, ref_entropy) if t.grad is not None)
 
@@ -197,7 +197,7 @@ def test_no_token_by_vocabulary_tensor_is_ever_built(dtype):
         loss = fused_token_loss(leaves[0], leaves[1], labels, lambda lp, e, i: -lp - e, bias=leaves[2],
                                 chunk_size=chunk, need_entropy=True)
         loss.backward()
-    # the largest things alive are one block (8 × 160 = 1280) and the [V, H] / [N, H] gradients (640, 384)
+    # the largest things alive are one block (8 × 160 = 1280) and the [V, H] / [T, H] gradients (640, 384)
     assert mode.largest == max(chunk * v, v * h, n * h)
     assert mode.largest < n * v // 10
 

@@ -15,6 +15,7 @@ from orchard.losses import (
     sft_loss,
     td_credit,
 )
+from orchard.losses.sft import CREDIT_TOL
 
 from ._reference import aggregate_reference
 
@@ -54,7 +55,7 @@ def test_td_credit_and_runs_hand_computed():
 def test_td_credit_batched_and_single_state():
     v = torch.tensor([[0.0, 0.5, 0.25], [1.0, 1.0, 0.0]])
     torch.testing.assert_close(td_credit(v), torch.tensor([[0.5, -0.25], [0.0, -1.0]]))
-    assert td_credit([0.3]).shape == (0,)  # N = 0 steps: no credit
+    assert td_credit([0.3]).shape == (0,)  # S = 0 steps: no credit
 
 
 @settings(max_examples=60, deadline=None)
@@ -66,50 +67,50 @@ def test_credit_runs_are_maximal_and_cover_exactly_the_credited_steps(credit, ep
         assert 0 <= start < end <= len(credit)
         for t in range(start, end):
             covered[t] = True
-        assert start == 0 or credit[start - 1] < eps  # maximal on the left
-        assert end == len(credit) or credit[end] < eps  # maximal on the right
-    assert covered == [c >= eps for c in credit]
+        assert start == 0 or credit[start - 1] < eps - CREDIT_TOL  # maximal on the left
+        assert end == len(credit) or credit[end] < eps - CREDIT_TOL  # maximal on the right
+    assert covered == [c >= eps - CREDIT_TOL for c in credit]
     assert all(a[1] < b[0] for a, b in itertools.pairwise(runs))  # ordered, disjoint, not adjacent
 
 
 def _trajectory():
     # tokens:      prompt | step 0 (act, obs) | step 1 (act, act, obs) | step 2 (act) | pad
-    step_index = torch.tensor([-1, -1, 0, 0, 1, 1, 1, 2, -1])
+    turn_index = torch.tensor([-1, -1, 0, 0, 1, 1, 1, 2, -1])
     action_mask = torch.tensor([0, 0, 1, 0, 1, 1, 0, 1, 0], dtype=torch.bool)
-    return action_mask, step_index
+    return action_mask, turn_index
 
 
 def test_mask_hand_computed():
-    action_mask, step_index = _trajectory()
-    resolved = credit_assigned_sft_mask(action_mask, step_index, True, [])
+    action_mask, turn_index = _trajectory()
+    resolved = credit_assigned_sft_mask(action_mask, turn_index, True, [])
     assert resolved.tolist() == action_mask.tolist()  # resolved: every action token, observations never
-    unresolved = credit_assigned_sft_mask(action_mask, step_index, False, [(1, 2)])
+    unresolved = credit_assigned_sft_mask(action_mask, turn_index, False, [(1, 2)])
     # only step 1's action tokens (positions 4, 5); its observation (6) and the other steps are context
     assert unresolved.tolist() == [False, False, False, False, True, True, False, False, False]
-    two_runs = credit_assigned_sft_mask(action_mask, step_index, False, [(0, 1), (2, 3)])
+    two_runs = credit_assigned_sft_mask(action_mask, turn_index, False, [(0, 1), (2, 3)])
     assert two_runs.nonzero().flatten().tolist() == [2, 7]
-    assert not credit_assigned_sft_mask(action_mask, step_index, False, []).any()
-    assert credit_assigned_sft_mask(action_mask, step_index, False, [(5, 9)]).sum() == 0  # runs past the end
+    assert not credit_assigned_sft_mask(action_mask, turn_index, False, []).any()
+    assert credit_assigned_sft_mask(action_mask, turn_index, False, [(5, 9)]).sum() == 0  # runs past the end
 
 
 def test_mask_batched_equals_rows():
-    action_mask, step_index = _trajectory()
+    action_mask, turn_index = _trajectory()
     am = torch.stack([action_mask, action_mask, action_mask])
-    si = torch.stack([step_index, step_index, step_index])
+    si = torch.stack([turn_index, turn_index, turn_index])
     resolved = torch.tensor([False, True, False])
     runs = [[(0, 2)], [], [(2, 3)]]
     batched = credit_assigned_sft_mask(am, si, resolved, runs)
     for i in range(3):
-        row = credit_assigned_sft_mask(action_mask, step_index, bool(resolved[i]), runs[i])
+        row = credit_assigned_sft_mask(action_mask, turn_index, bool(resolved[i]), runs[i])
         assert batched[i].tolist() == row.tolist()
     assert batched.dtype == torch.bool and batched.shape == am.shape
     assert credit_assigned_sft_mask(am, si, [False, True, False], runs).tolist() == batched.tolist()
 
 
 def test_pipeline_into_sft_loss():
-    action_mask, step_index = _trajectory()
+    action_mask, turn_index = _trajectory()
     values = interpolate_step_values({0: 0.0, 1: 0.3, 3: 0.3}, num_steps=3)  # credit [0.3, 0, 0]
-    mask = credit_assigned_sft_mask(action_mask, step_index, False, credit_runs(td_credit(values)))
+    mask = credit_assigned_sft_mask(action_mask, turn_index, False, credit_runs(td_credit(values)))
     logprobs = torch.linspace(-1.0, -9.0, 9)[None].requires_grad_()  # -1, -2, ..., -9
     loss, metrics = sft_loss(logprobs, mask[None])
     assert loss.item() == pytest.approx(3.0)  # only position 2 (step 0's action): -log p = 3
@@ -146,7 +147,7 @@ def test_sft_loss_garbage_and_empty():
 
 
 def test_errors_name_the_argument():
-    action_mask, step_index = _trajectory()
+    action_mask, turn_index = _trajectory()
     with pytest.raises(ValueError, match="keyed_values must be a non-empty"):
         interpolate_step_values({}, 3)
     with pytest.raises(ValueError, match=r"keyed_values keys .*\[0, 3\].*got key 4"):
@@ -163,25 +164,38 @@ def test_errors_name_the_argument():
         credit_runs(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="eps"):
         credit_runs([0.1], eps=float("nan"))
-    with pytest.raises(ValueError, match="step_index must have the shape"):
-        credit_assigned_sft_mask(action_mask, step_index[:-1], False, [])
-    with pytest.raises(ValueError, match="step_index must be an integer"):
-        credit_assigned_sft_mask(action_mask, step_index.float(), False, [])
+    with pytest.raises(ValueError, match="turn_index must have the shape"):
+        credit_assigned_sft_mask(action_mask, turn_index[:-1], False, [])
+    with pytest.raises(ValueError, match="turn_index must be an integer"):
+        credit_assigned_sft_mask(action_mask, turn_index.float(), False, [])
     with pytest.raises(ValueError, match="action_mask must have shape"):
-        credit_assigned_sft_mask(action_mask[None, None], step_index[None, None], False, [])
+        credit_assigned_sft_mask(action_mask[None, None], turn_index[None, None], False, [])
     with pytest.raises(ValueError, match="resolved must be a bool"):
-        credit_assigned_sft_mask(action_mask, step_index, [True], [])
+        credit_assigned_sft_mask(action_mask, turn_index, [True], [])
     with pytest.raises(ValueError, match=r"resolved must hold one bool per row \(2\)"):
-        credit_assigned_sft_mask(action_mask.repeat(2, 1), step_index.repeat(2, 1), [True], [[], []])
+        credit_assigned_sft_mask(action_mask.repeat(2, 1), turn_index.repeat(2, 1), [True], [[], []])
     with pytest.raises(ValueError, match=r"runs must hold one list of runs per row \(2\)"):
-        credit_assigned_sft_mask(action_mask.repeat(2, 1), step_index.repeat(2, 1), [True, False], [[]])
+        credit_assigned_sft_mask(action_mask.repeat(2, 1), turn_index.repeat(2, 1), [True, False], [[]])
     with pytest.raises(ValueError, match=r"runs must hold \(start, end\)"):
-        credit_assigned_sft_mask(action_mask, step_index, False, [(2, 2)])
+        credit_assigned_sft_mask(action_mask, turn_index, False, [(2, 2)])
     with pytest.raises(ValueError, match=r"runs\[1\]"):
         credit_assigned_sft_mask(
-            action_mask.repeat(2, 1), step_index.repeat(2, 1), [True, False], [[], [(-1, 2)]]
+            action_mask.repeat(2, 1), turn_index.repeat(2, 1), [True, False], [[], [(-1, 2)]]
         )
     with pytest.raises(ValueError, match="logprobs must have shape"):
         sft_loss(torch.zeros(3), torch.ones(3))
     with pytest.raises(ValueError, match="mask"):
         sft_loss(torch.zeros(2, 3), torch.ones(2, 2))
+
+
+def test_credit_exactly_eps_counts_despite_rounding():
+    # Teacher values on a 0.05 grid: every credit is 0.05 in exact arithmetic, but float64 gives
+    # 0.35 - 0.30 = 0.04999999999999999 < 0.05, which used to split the run into [(1, 2), (4, 5)].
+    grid = [0.30, 0.35, 0.40, 0.45, 0.50, 0.55, 0.60]
+    assert credit_runs(td_credit(grid)) == [(0, 6)]
+    # float32 rounds harder: 0.35f - 0.30f = 0.0499999821.
+    assert credit_runs(td_credit(torch.tensor(grid, dtype=torch.float32))) == [(0, 6)]
+    # Interpolation on 0.1, 0.15, 0.2, 0.25, 0.3: four credits of 0.05 (was [(0, 1)]).
+    assert credit_runs(td_credit(interpolate_step_values({0: 0.1, 2: 0.2, 4: 0.3}, 4))) == [(0, 4)]
+    # The slack is a rounding allowance, not a looser threshold: 0.0499 stays below eps = 0.05.
+    assert credit_runs([0.0499, 0.05, 0.0499]) == [(1, 2)]

@@ -45,9 +45,38 @@ def test_difficulty_filter_bad_inputs():
         difficulty_filter([[1]], low=0.6, high=0.5)
     with pytest.raises(ValueError, match="high"):
         difficulty_filter([[1]], high=1.5)
-    with pytest.raises(ValueError, match=r"successes_TK\[0\]"):
+    with pytest.raises(ValueError, match=r"successes_PK\[0\]"):
         difficulty_filter([[2, 0]])
-    with pytest.raises(ValueError, match=r"successes_TK\[1\]"):
+    with pytest.raises(ValueError, match=r"successes_PK\[1\]"):
         difficulty_filter([[1], []])
-    with pytest.raises(ValueError, match="successes_TK"):
+    with pytest.raises(ValueError, match="successes_PK"):
         difficulty_filter("abc")
+
+
+def test_filter_rules_hand_computed():
+    r = [
+        [1.0, 1.0, 1.0],  # 0: all positive and all equal
+        [0.0, 0.0, 0.0],  # 1: all zero
+        [-1.0, -1.0, -1.0],  # 2: all -1 (format failures): flat, but neither zero nor positive
+        [1.0, 0.0, -1.0],  # 3: mixed
+        [0.5, 1.0, 1.0],  # 4: not equal, but all positive
+        [0.0, -1.0, 0.0],  # 5: zeros and -1
+    ]
+    assert filter_groups(r).kept_indices.tolist() == [3, 4, 5]  # default rule="all_equal" (DAPO)
+    gui = filter_groups(r, rule="all_zero_or_all_positive")
+    assert gui.kept_indices.tolist() == [2, 3, 5]  # the GUI rule keeps the all -1 group, drops {0.5, 1, 1}
+    assert (gui.num_kept, gui.num_dropped) == (3, 3)
+    # eps as the zero / positive tolerance: with eps = 0.1, 0.05 counts as zero, so [0.05, 0] is all zero;
+    # with eps = 0 it is a mixed group (0.05 positive, 0 not).
+    assert filter_groups([[0.05, 0.0]], rule="all_zero_or_all_positive", eps=0.1).num_kept == 0
+    assert filter_groups([[0.05, 0.0]], rule="all_zero_or_all_positive").num_kept == 1
+    # a one-member group is dropped under every rule
+    assert filter_groups([[-1.0]], rule="all_zero_or_all_positive").num_kept == 0
+
+
+def test_filter_rule_registry_names_the_argument():
+    from orchard.sampling import GROUP_FILTER_RULES
+
+    assert GROUP_FILTER_RULES.names()[:2] == ["all_equal", "all_zero_or_all_positive"]
+    with pytest.raises(ValueError, match=r"rule must be one of \['all_equal', 'all_zero_or_all_positive'"):
+        filter_groups([[0.0, 1.0]], rule="gui")

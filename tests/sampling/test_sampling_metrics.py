@@ -82,7 +82,7 @@ def test_avg_at_k_and_mean_std():
         mean_std([1.0], ddof=2)
     with pytest.raises(ValueError, match="k"):
         avg_at_k(s, k=5)
-    with pytest.raises(ValueError, match="successes_TK"):
+    with pytest.raises(ValueError, match="successes_PK"):
         avg_at_k([1, 0])
 
 
@@ -104,7 +104,7 @@ def test_best_of_n_and_oracle():
     for _ in range(5):
         assert best_of_n(rng.random((31, 7)), su).success_rate <= oracle_best_of_n(su)
     assert best_of_n(np.zeros((0, 3)), np.zeros((0, 3))).success_rate == 0.0
-    with pytest.raises(ValueError, match="successes_TN"):
+    with pytest.raises(ValueError, match="successes_PN"):
         best_of_n(scores, [[1, 0]])
-    with pytest.raises(ValueError, match="scores_TN"):
+    with pytest.raises(ValueError, match="scores_PN"):
         best_of_n([[float("nan")]], [[1]])
