@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchard.sampling import GROUP_FILTER_RULES
 from orchard.train.objective import LossTerm
 from orchard.train.trainer import OptimConfig, TrainConfig
 
 __all__ = ["DERIVED", "EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "derived_keys"]
 
 REWARDS = ("outcome", "score")
-GROUP_FILTERS = ("all_equal", "none")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -107,8 +107,9 @@ class RLConfig:
     """Trajectory reward: "outcome" (the verifier's +1 / -1, the paper's) or "score" (2 x the verifier's score
     component - 1: partial credit; success is still judged by the evaluation's pass rule)."""
     group_filter: str = "all_equal"
-    """Dynamic sampling: "all_equal" drops groups whose trained rewards are all equal (no GRPO signal), "none"
-    keeps every group with two or more trained members."""
+    """Dynamic sampling: a rule of orchard.sampling.GROUP_FILTER_RULES ("all_equal" drops groups whose trained
+    rewards are all equal, no GRPO signal; "all_zero_or_all_positive" is the paper's GUI rule), or "none" (keep every
+    group with two or more trained members)."""
     drop_timeouts: bool = True
     """Episodes ended by the wall-clock budget do not train (the paper's "timeouts dropped")."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -122,8 +123,9 @@ class RLConfig:
             _positive_int(name, getattr(self, name))
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {list(REWARDS)}, got {self.reward!r}")
-        if self.group_filter not in GROUP_FILTERS:
-            raise ValueError(f"group_filter must be one of {list(GROUP_FILTERS)}, got {self.group_filter!r}")
+        if self.group_filter != "none" and self.group_filter not in GROUP_FILTER_RULES:
+            raise ValueError(f"group_filter must be one of {[*GROUP_FILTER_RULES.names(), 'none']}, "
+                             f"got {self.group_filter!r}")
         if self.use_bar and self.bar_n_max < self.group_size:
             raise ValueError(f"bar_n_max must be >= group_size when use_bar, got {self.bar_n_max} < {self.group_size}")
 

@@ -27,7 +27,7 @@ import torch
 
 from orchard.data import RenderedSample, RolloutGroup, Trajectory, collate
 from orchard.rollout.rollouts import Rollouts
-from orchard.sampling import BARConfig, abar_select, filter_groups, group_advantages
+from orchard.sampling import GROUP_FILTER_RULES, BARConfig, abar_select, filter_groups, group_advantages
 from orchard.stages.config import RLConfig, RolloutConfig
 from orchard.train.action_logprobs import action_logprobs
 from orchard.train.trainer import Trainer
@@ -51,12 +51,13 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
                 ) -> tuple[list[RenderedSample], list[float], dict[str, float]]:
     """Samples of the groups' trained members, each with its rollout's group-relative advantage.
 
-    A group keeps at least two trained members; with ``group_filter="all_equal"`` (dynamic sampling) a group whose
-    trained rewards are all equal is dropped too (no GRPO signal). Returns ``(samples, advantages, stats)`` with
-    ``rl/groups``, ``rl/groups_with_signal`` and ``rl/sequences``.
+    A group keeps at least two trained members, and passes the dynamic-sampling rule ``group_filter`` (a name in
+    `orchard.sampling.GROUP_FILTER_RULES`, over its trained members' rewards: ``all_equal`` drops groups without
+    GRPO signal), or every such group with ``"none"``. Returns ``(samples, advantages, stats)`` with
+    ``rl/groups``, ``rl/groups_with_signal`` (groups that trained) and ``rl/sequences``.
     """
-    if group_filter not in ("all_equal", "none"):
-        raise ValueError(f"group_filter must be 'all_equal' or 'none', got {group_filter!r}")
+    if group_filter != "none" and group_filter not in GROUP_FILTER_RULES:
+        raise ValueError(f"group_filter must be one of {[*GROUP_FILTER_RULES.names(), 'none']}, got {group_filter!r}")
     samples: list[RenderedSample] = []
     advantages: list[float] = []
     kept = 0
@@ -65,7 +66,7 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
         rewards_N = np.array([trajectory_reward(t, reward) if m else np.nan
                               for t, m in zip(group.trajectories, mask_N, strict=True)])  # [N]
         trained = rewards_N[mask_N]
-        if trained.size < 2 or (group_filter == "all_equal" and not filter_groups([trained]).keep[0]):
+        if trained.size < 2 or (group_filter != "none" and not filter_groups([trained], rule=group_filter).keep[0]):
             continue
         kept += 1
         adv_N = group_advantages(rewards_N[None], mask_GN=mask_N[None])[0]  # [N], 0 where masked

@@ -60,6 +60,8 @@ def test_group_batch_advantages_by_hand():
     # Without dynamic sampling the flat group trains with zero advantages (GRPO's defined degenerate case).
     _, advantages, stats = group_batch([flat], group_filter="none")
     assert advantages == [0.0, 0.0] and stats["rl/groups_with_signal"] == 1.0
+    # The paper's GUI rule keeps an all -1 group (it drops all-0 and all-positive ones).
+    assert group_batch([flat], group_filter="all_zero_or_all_positive")[2]["rl/groups_with_signal"] == 1.0
     with pytest.raises(ValueError, match="group_filter"):
         group_batch([flat], group_filter="some")
 
