@@ -7,7 +7,14 @@ SoftwareGym hybrid selection rules, and head+tail compression of long observatio
 from orchard.rewards.compress import MIN_MAX_CHARS, compress_observation
 from orchard.rewards.outcome import ClawScore, GUIReward, claw_task_score, gui_reward
 from orchard.rewards.rubric import RPR_WEIGHTS, RubricJudgement, parse_rubric_judgement, rubric_reward
-from orchard.rewards.selection import HYBRID_RULES, hybrid_select, two_stage_select, workforge_select
+from orchard.rewards.selection import (
+    HYBRID_RULES,
+    hybrid_select,
+    two_stage_select,
+    workforge_llm_select,
+    workforge_programmatic_select,
+    workforge_select,
+)
 
 __all__ = [
     "HYBRID_RULES",
@@ -23,5 +30,7 @@ __all__ = [
     "parse_rubric_judgement",
     "rubric_reward",
     "two_stage_select",
+    "workforge_llm_select",
+    "workforge_programmatic_select",
     "workforge_select",
 ]
