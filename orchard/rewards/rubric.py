@@ -232,6 +232,22 @@ def _loads(candidate: str) -> object:
     return None
 
 
+def find_json(text: str) -> list[object]:
+    """Every JSON value a judge's free-form answer holds, in the order :func:`parse_rubric_judgement` tries them.
+
+    The whole text, then each fenced code block, then each balanced top-level ``{...}`` span (string-aware), each
+    parsed with trailing commas tolerated; the candidates that do not parse are left out. Never raises on text.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    found = []
+    for cand in _json_candidates(text):
+        obj = _loads(cand)
+        if obj is not None:
+            found.append(obj)
+    return found
+
+
 _NAME_KEYS = ("dimension", "name", "criterion", "aspect")
 
 
