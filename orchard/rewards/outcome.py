@@ -12,7 +12,11 @@ from orchard.rewards._checks import unit_interval, unit_number
 
 @dataclass(frozen=True)
 class ClawScore:
-    """A Claw-Eval task score and whether it passes."""
+    """What :func:`claw_task_score` returns: the Claw-Eval task score and whether it passes.
+
+    The formula's result only; the Claw domain's verifier verdict (its sub-scores and raw output) is the domain's
+    own class.
+    """
 
     score: float | np.ndarray
     passed: bool | np.ndarray

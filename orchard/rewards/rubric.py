@@ -142,13 +142,30 @@ class RubricJudgement:
     """Keys of the judge's JSON that are not dimensions (rationale, comments), kept for logging."""
 
 
+_RUBRIC_ID = re.compile(r"^r(\d+)(?!\d)(.*)$")
+"""A rubric id opening a key: ``R1``, ``R1 Fix Quality``, ``r3_coverage`` (the paper's prompt labels R1-R7)."""
+
+
 def _canonical(key: str, dims: tuple[str, ...]) -> str | None:
+    """The dimension a key names: its name in any case or spacing, an alias, or its rubric id ``Rk`` (the k-th
+    dimension). A key that gives both an id and a name is read only when the two agree."""
     squashed = re.sub(r"[^a-z0-9]", "", key.lower())
-    for d in dims:
-        if squashed == d.replace("_", ""):
-            return d
-    alias = _ALIASES.get(squashed)
-    return alias if alias in dims else None
+    by_id = None
+    m = _RUBRIC_ID.match(squashed)
+    if m:
+        k = int(m.group(1))
+        if not 1 <= k <= len(dims):
+            return None
+        by_id, squashed = dims[k - 1], m.group(2)
+        if not squashed:
+            return by_id
+    by_name = next((d for d in dims if squashed == d.replace("_", "")), None)
+    if by_name is None:
+        alias = _ALIASES.get(squashed)
+        by_name = alias if alias in dims else None
+    if by_id is not None and by_name != by_id:
+        return None
+    return by_name
 
 
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
@@ -215,6 +232,22 @@ def _loads(candidate: str) -> object:
     return None
 
 
+def find_json(text: str) -> list[object]:
+    """Every JSON value a judge's free-form answer holds, in the order :func:`parse_rubric_judgement` tries them.
+
+    The whole text, then each fenced code block, then each balanced top-level ``{...}`` span (string-aware), each
+    parsed with trailing commas tolerated; the candidates that do not parse are left out. Never raises on text.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    found = []
+    for cand in _json_candidates(text):
+        obj = _loads(cand)
+        if obj is not None:
+            found.append(obj)
+    return found
+
+
 _NAME_KEYS = ("dimension", "name", "criterion", "aspect")
 
 
@@ -241,9 +274,11 @@ def _dimension_items(obj: object, dims: tuple[str, ...], depth: int = 0) -> dict
 
 
 def _line_items(text: str, dims: tuple[str, ...]) -> dict[str, object]:
-    """Fallback for prose answers: lines like ``- **Fix Quality**: 7/10``."""
+    """Fallback for prose answers: lines like ``- **Fix Quality**: 7/10`` or ``R1 Fix Quality: 8``."""
     found: dict[str, object] = {}
-    pattern = re.compile(rf"^[\s>*#\-\d.)]*([A-Za-z][A-Za-z _\-]*?)[\s*_`]*[:=]\s*[\s*`]*({_NUMBER}(?:\s*/\s*{_NUMBER})?)")
+    pattern = re.compile(
+        rf"^[\s>*#\-\d.)]*([A-Za-z][A-Za-z0-9 _\-()]*?)[\s*_`]*[:=]\s*[\s*`]*({_NUMBER}(?:\s*/\s*{_NUMBER})?)"
+    )
     for line in text.splitlines():
         m = pattern.match(line)
         if m and (c := _canonical(m.group(1), dims)) and c not in found:
@@ -260,10 +295,13 @@ def parse_rubric_judgement(
     """Read per-dimension scores from a judge's free-form answer; never raises on malformed answers.
 
     Accepted: JSON (bare, inside a code fence, or embedded in prose; trailing commas tolerated), keys in any case
-    or spacing (``"Self-test Relevance"``, ``"self_test_relevance"``), values as numbers, numeric strings,
+    or spacing (``"Self-test Relevance"``, ``"self_test_relevance"``) or as the rubric ids of the paper's grading
+    prompt, ``"R1"`` ... ``"R7"`` (``Rk`` is the k-th dimension of ``weights``: R1 Fix Quality ... R7
+    Verification integrity for :data:`RPR_WEIGHTS`), alone or with the name (``"R1 Fix Quality"``; an id and a
+    name that disagree name nothing), values as numbers, numeric strings,
     fractions ``"7/10"`` (a denominator other than ``hi`` is rescaled onto ``scale``) or ``{"score": 7}``;
     a list of records ``[{"dimension": "Rigor", "score": 7}, ...]``; either nested one level
-    (``{"scores": {...}}``); or, failing JSON, prose lines ``Fix Quality: 7``.
+    (``{"scores": {...}}``); or, failing JSON, prose lines ``Fix Quality: 7`` or ``R1 Fix Quality: 8``.
     The first candidate that names at least one dimension is used.
 
     Args:

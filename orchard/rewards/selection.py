@@ -1,12 +1,18 @@
-"""Hybrid verification rules that decide whether a synthesized task / trajectory is kept.
+"""Verification rules that decide whether a synthesized task / trajectory is kept.
 
-Two named rules live in :data:`HYBRID_RULES`; :func:`hybrid_select` dispatches on ``rule=``:
+Every named rule lives in :data:`HYBRID_RULES`; :func:`hybrid_select` dispatches on ``rule=``. WorkForge verifies
+a task with an LLM judge (semantic score ``S_sem``), a programmatic checker (``S_prog``) or both, and its table
+has exactly three rules, one per verifier, each with one bar:
 
-- ``"workforge"`` (WorkForge): a semantic judge score ``S_sem`` and a programmatic check score ``S_prog``, kept
-  when ``S_sem >= 0.7``, ``S_prog >= 0.7`` and ``0.5 * S_sem + 0.5 * S_prog >= 0.7``.
-- ``"softwaregym_two_stage"`` (SoftwareGym): an outcome judge then a process judge, kept when both ``>= 0.8``.
+- ``"workforge_llm"`` (LLM only): kept when ``S_sem >= 0.7``;
+- ``"workforge_programmatic"`` (programmatic only): kept when ``S_prog >= 0.7``;
+- ``"workforge_hybrid"`` (hybrid): kept when ``0.5 * S_sem + 0.5 * S_prog >= 0.7``; neither score has a bar of
+  its own, so a strong score makes up for a weak one ((1.0, 0.5) is kept).
 
-All scores are in ``[0, 1]``; inputs may be scalars or arrays (broadcast together).
+SoftwareGym's two-stage rule, ``"softwaregym_two_stage"``: an outcome judge then a process judge, kept when both
+``>= 0.8``. All scores are in ``[0, 1]``; inputs may be scalars or arrays (broadcast together). The WorkForge
+rules take ``(semantic, programmatic)`` in that order; the score a single-verifier rule does not read may be
+None.
 """
 
 from __future__ import annotations
@@ -20,34 +26,71 @@ from orchard.rewards._checks import unit_interval, unit_number
 
 HYBRID_RULES: Registry[Callable[..., bool | np.ndarray]] = Registry("hybrid rule")
 
+_SLACK = 1e-12
+"""Bars are met within this tolerance: 0.5 * 0.7 + 0.5 * 0.7 is 0.69999... in floating point."""
+
 
 def _result(keep: np.ndarray) -> bool | np.ndarray:
     return bool(keep) if keep.ndim == 0 else keep
+
+
+def workforge_llm_select(
+    semantic: float | np.ndarray, programmatic: float | np.ndarray | None = None, *, threshold: float = 0.7
+) -> bool | np.ndarray:
+    """WorkForge LLM-only rule: kept when ``S_sem >= 0.7``.
+
+    Args:
+        semantic: semantic (LLM judge) score ``S_sem`` in ``[0, 1]``. Shape: ``()`` or ``(T,)``.
+        programmatic: not read (there is no programmatic verifier under this rule); accepted so that every
+            WorkForge rule takes ``(semantic, programmatic)``.
+        threshold: the bar; default 0.7 (the paper's).
+
+    Returns:
+        A bool for a scalar input, else a bool array of its shape.
+    """
+    bar = unit_number(threshold, "threshold")
+    return _result(unit_interval(semantic, "semantic") >= bar - _SLACK)
+
+
+def workforge_programmatic_select(
+    semantic: float | np.ndarray | None, programmatic: float | np.ndarray, *, threshold: float = 0.7
+) -> bool | np.ndarray:
+    """WorkForge programmatic-only rule: kept when ``S_prog >= 0.7``.
+
+    Args:
+        semantic: not read (there is no LLM judge under this rule; pass None); accepted so that every WorkForge
+            rule takes ``(semantic, programmatic)``.
+        programmatic: programmatic (checker) score ``S_prog`` in ``[0, 1]``. Shape: ``()`` or ``(T,)``.
+        threshold: the bar; default 0.7 (the paper's).
+
+    Returns:
+        A bool for a scalar input, else a bool array of its shape.
+    """
+    bar = unit_number(threshold, "threshold")
+    return _result(unit_interval(programmatic, "programmatic") >= bar - _SLACK)
 
 
 def workforge_select(
     semantic: float | np.ndarray,
     programmatic: float | np.ndarray,
     *,
-    semantic_threshold: float = 0.7,
-    programmatic_threshold: float = 0.7,
-    combined_threshold: float = 0.7,
+    threshold: float = 0.7,
     semantic_weight: float = 0.5,
 ) -> bool | np.ndarray:
-    """WorkForge hybrid rule: ``S_sem >= 0.7 and S_prog >= 0.7 and w S_sem + (1 - w) S_prog >= 0.7``, ``w = 0.5``.
+    """WorkForge hybrid rule: kept when ``w * S_sem + (1 - w) * S_prog >= 0.7`` with ``w = 0.5``.
+
+    The combined score is the only bar: (1.0, 0.5), (0.5, 0.9) and (0.95, 0.69) are kept, (0.7, 0.69) is not.
 
     Args:
         semantic: semantic (LLM judge) score ``S_sem`` in ``[0, 1]``. Shape: ``()`` or ``(T,)``.
         programmatic: programmatic (checker) score ``S_prog`` in ``[0, 1]``, broadcast against ``semantic``.
-        semantic_threshold, programmatic_threshold, combined_threshold: the three bars, default 0.7 each.
-        semantic_weight: ``w`` in the combined score; default 0.5.
+        threshold: the bar on the combined score; default 0.7 (the paper's).
+        semantic_weight: ``w``; default 0.5 (the paper's equal weights).
 
     Returns:
         A bool for scalar inputs, else a bool array of the broadcast shape.
     """
-    t_sem = unit_number(semantic_threshold, "semantic_threshold")
-    t_prog = unit_number(programmatic_threshold, "programmatic_threshold")
-    t_comb = unit_number(combined_threshold, "combined_threshold")
+    bar = unit_number(threshold, "threshold")
     w = unit_number(semantic_weight, "semantic_weight")
     s_sem, s_prog = unit_interval(semantic, "semantic"), unit_interval(programmatic, "programmatic")
     try:
@@ -55,8 +98,7 @@ def workforge_select(
     except ValueError as e:
         raise ValueError(f"semantic and programmatic must broadcast: {e}") from e
     combined = w * s_sem + (1.0 - w) * s_prog
-    # 1e-12 slack so that 0.5 * 0.7 + 0.5 * 0.7 (= 0.69999...) meets a 0.7 bar.
-    return _result((s_sem >= t_sem) & (s_prog >= t_prog) & (combined >= t_comb - 1e-12))
+    return _result(combined >= bar - _SLACK)
 
 
 def two_stage_select(
@@ -86,22 +128,26 @@ def two_stage_select(
     return _result((s_out >= t_out) & (s_proc >= t_proc))
 
 
-HYBRID_RULES.register("workforge", workforge_select)
+HYBRID_RULES.register("workforge_llm", workforge_llm_select)
+HYBRID_RULES.register("workforge_programmatic", workforge_programmatic_select)
+HYBRID_RULES.register("workforge_hybrid", workforge_select)
 HYBRID_RULES.register("softwaregym_two_stage", two_stage_select)
 
 
 def hybrid_select(
-    first: float | np.ndarray,
-    second: float | np.ndarray,
+    first: float | np.ndarray | None,
+    second: float | np.ndarray | None,
     *,
-    rule: str = "workforge",
+    rule: str = "workforge_hybrid",
     **thresholds: float,
 ) -> bool | np.ndarray:
     """Apply the named hybrid rule from :data:`HYBRID_RULES` to two score streams.
 
-    ``first``/``second`` are ``(semantic, programmatic)`` for ``"workforge"`` and ``(outcome, process)`` for
-    ``"softwaregym_two_stage"``; ``thresholds`` are that rule's keyword arguments (see :func:`workforge_select`,
-    :func:`two_stage_select`). An unknown ``rule`` raises ``ValueError`` listing the valid names.
+    ``first``/``second`` are ``(semantic, programmatic)`` for the ``"workforge_*"`` rules (the one a
+    single-verifier rule does not read may be None) and ``(outcome, process)`` for ``"softwaregym_two_stage"``;
+    ``thresholds`` are that rule's keyword arguments (see :func:`workforge_llm_select`,
+    :func:`workforge_programmatic_select`, :func:`workforge_select`, :func:`two_stage_select`). An unknown
+    ``rule`` raises ``ValueError`` listing the valid names.
     """
     fn = HYBRID_RULES.get(rule, "rule")
     try:

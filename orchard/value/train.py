@@ -8,18 +8,17 @@ and regresses the values on them::
     A, R = gae(r, sg(V), step_mask; γ = 0.98, λ = 0.95)
     L = ½ · mean over real steps of (V_t − R_t)²     (value_loss)
 
-Script: ``python -m orchard.value.train data=pool.jsonl tokenizer=TOK_DIR model=CKPT_DIR output_dir=OUT
-[eval_data=heldout.jsonl] [steps=200 ...]`` (every ``ValueTrainConfig`` field is a ``key=value`` override).
+Samples are whole rendered trajectories. With ``max_len``, one longer than that is read through
+``orchard.value.windows.value_windows`` (left-truncated windows that keep the head), and its step values are
+reassembled before GAE, so the outcome always sits on the true last step: a cut trajectory never looks finished.
+The command line lives in ``orchard.value.cli``.
 """
 
 from __future__ import annotations
 
 import random
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -28,8 +27,9 @@ from orchard.data import RenderedSample, collate
 from orchard.value.gae import gae, terminal_rewards
 from orchard.value.model import ValueModel
 from orchard.value.rerank import rerank_report
+from orchard.value.windows import value_windows
 
-__all__ = ["ValueTrainConfig", "evaluate_reranking", "main", "train_value_model", "value_loss", "value_targets"]
+__all__ = ["candidate_values", "evaluate_reranking", "train_value_model", "value_loss", "value_targets"]
 
 
 def value_loss(
@@ -86,12 +86,59 @@ def _outcomes(samples: Sequence[RenderedSample]) -> Tensor:
     return torch.tensor(rewards, dtype=torch.float32)
 
 
+def _windowed(samples: Sequence[RenderedSample], max_len: int | None) -> list[list[RenderedSample]]:
+    """Each sample as the windows its steps are read in: itself alone when it fits (or ``max_len`` is None)."""
+    if not samples:
+        raise ValueError("samples must be a non-empty sequence of RenderedSample, got an empty one")
+    out = []
+    for i, s in enumerate(samples):
+        if not isinstance(s, RenderedSample):
+            raise ValueError(f"samples[{i}] must be a RenderedSample, got {type(s).__name__}")
+        if max_len is None:
+            if s.report.truncated:
+                raise ValueError(
+                    f"samples[{i}] was cut to its first {len(s)} of {s.report.full_length} tokens at rendering and "
+                    "its last visible step would be trained as final; render with max_len=None and pass max_len="
+                )
+            out.append([s])
+        else:
+            out.append(value_windows(s, max_len=max_len))
+    return out
+
+
+def _step_values(model: ValueModel, items: Sequence[Sequence[RenderedSample]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Step values ``[B, S]`` and step mask ``[B, S]`` of ``B`` trajectories, each read through its windows."""
+    rows = [w for windows in items for w in windows]
+    owner = torch.tensor([b for b, windows in enumerate(items) for _ in windows])  # [R]
+    batch = collate(rows, pad_id)
+    values_RS, mask_RS = model.step_values(batch["input_ids"], batch["attention_mask"], batch["turn_index"])
+    device = values_RS.device
+    owner = owner.to(device)
+    # Each step is read in exactly one window, so summing a trajectory's rows puts every step's value in place.
+    values = torch.zeros((len(items), values_RS.shape[1]), dtype=values_RS.dtype, device=device)
+    values = values.index_add(0, owner, values_RS)  # [B, S]
+    mask = torch.zeros(values.shape, dtype=torch.long, device=device).index_add(0, owner, mask_RS.long()) > 0
+    return values, mask
+
+
 @torch.no_grad()
 def value_targets(
-    model: ValueModel, batch: dict[str, Tensor], outcome: Tensor, *, gamma: float = 0.98, lam: float = 0.95
+    model: ValueModel,
+    samples: Sequence[RenderedSample],
+    *,
+    pad_id: int,
+    max_len: int | None = None,
+    gamma: float = 0.98,
+    lam: float = 0.95,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(returns, values, step_mask)``, each ``[B, S]``: GAE targets from the current model's step values."""
-    values, step_mask = model.step_values(batch["input_ids"], batch["attention_mask"], batch["turn_index"])
+    """``(returns, values, step_mask)``, each ``[B, S]``: GAE targets from the current model's step values.
+
+    ``samples`` are whole rendered trajectories with a reward; ``max_len`` reads longer ones through
+    :func:`~orchard.value.windows.value_windows`. Step ``s`` of row ``b`` is the trajectory's own step ``s``.
+    """
+    items = _windowed(samples, max_len)
+    values, step_mask = _step_values(model, items, pad_id)
+    outcome = _outcomes(samples).to(values.device)
     _, returns = gae(terminal_rewards(outcome, step_mask), values, step_mask, gamma=gamma, lam=lam)
     return returns, values, step_mask
 
@@ -101,6 +148,7 @@ def train_value_model(
     samples: Sequence[RenderedSample],
     *,
     pad_id: int,
+    max_len: int | None = None,
     steps: int = 100,
     batch_size: int = 8,
     lr: float = 1e-5,
@@ -111,10 +159,13 @@ def train_value_model(
 ) -> list[dict[str, float]]:
     """Regress the value model on GAE targets over ``samples`` (module docstring) with AdamW at a constant ``lr``.
 
+    ``samples`` are whole rendered trajectories (``max_len=None`` at rendering; one cut there is rejected); with
+    ``max_len`` a longer one is read through its windows, which all go into the step's one forward: a batch of
+    ``batch_size`` trajectories has one row per window, about ``length / (max_len - head)`` for a long one.
+
     Returns the per-step metrics (``value/loss``, ``value/mse``, ``value/mean``, ``value/target_mean``).
     """
-    if not samples:
-        raise ValueError("samples must be a non-empty sequence of RenderedSample, got an empty one")
+    items = _windowed(samples, max_len)
     for name, v in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -130,10 +181,9 @@ def train_value_model(
             rng.shuffle(fresh)
             order += fresh
         idx, order = order[:batch_size], order[batch_size:]
-        batch = collate([samples[i] for i in idx], pad_id)
-        values, step_mask = model.step_values(batch["input_ids"], batch["attention_mask"], batch["turn_index"])
+        values, step_mask = _step_values(model, [items[i] for i in idx], pad_id)
         # Targets from the same forward's values, held fixed (gae detaches them): one forward per step.
-        rewards = terminal_rewards(outcomes[idx], step_mask)
+        rewards = terminal_rewards(outcomes[idx].to(values.device), step_mask)
         _, returns = gae(rewards, values, step_mask, gamma=gamma, lam=lam)
         loss, metrics = value_loss(values, returns, step_mask)
         optimizer.zero_grad(set_to_none=True)
@@ -147,17 +197,32 @@ def train_value_model(
 
 
 @torch.no_grad()
-def candidate_values(model: ValueModel, samples: Sequence[RenderedSample], *, pad_id: int, batch_size: int = 8) -> Tensor:
-    """Value of each trajectory: ``V`` at its final decision step (its predicted outcome), ``[len(samples)]``."""
+def candidate_values(
+    model: ValueModel,
+    samples: Sequence[RenderedSample],
+    *,
+    pad_id: int,
+    max_len: int | None = None,
+    batch_size: int = 8,
+) -> Tensor:
+    """Value of each trajectory: ``V`` at its final decision step (its predicted outcome), ``[len(samples)]``.
+
+    NaN for a trajectory without a decision step. With ``max_len`` a longer trajectory is read in the window that
+    ends at its final step (left-truncated, head kept).
+    """
+    if not samples:
+        return torch.zeros(0)
+    items = [windows[-1:] for windows in _windowed(samples, max_len)]
     model.eval()
     out = []
-    for lo in range(0, len(samples), batch_size):
-        batch = collate(list(samples[lo : lo + batch_size]), pad_id)
-        values, step_mask = model.step_values(batch["input_ids"], batch["attention_mask"], batch["turn_index"])
+    for lo in range(0, len(items), batch_size):
+        values, step_mask = _step_values(model, items[lo : lo + batch_size], pad_id)
         S = step_mask.shape[1]
-        last = torch.where(step_mask, torch.arange(S).expand_as(step_mask), -1).amax(dim=1)  # [b]
-        out.append(torch.where(last >= 0, values.gather(1, last.clamp(min=0)[:, None])[:, 0], torch.nan))
-    return torch.cat(out) if out else torch.zeros(0)
+        steps = torch.arange(S, device=step_mask.device).expand_as(step_mask)  # [b, S]
+        last = torch.where(step_mask, steps, -1).amax(dim=1)  # [b]
+        picked = values.gather(1, last.clamp(min=0)[:, None])[:, 0]
+        out.append(torch.where(last >= 0, picked, torch.nan).cpu())
+    return torch.cat(out)
 
 
 def evaluate_reranking(
@@ -165,13 +230,15 @@ def evaluate_reranking(
     samples: Sequence[RenderedSample],
     *,
     pad_id: int,
+    max_len: int | None = None,
     success_threshold: float = 0.5,
     group_key: Callable[[RenderedSample], object] | None = None,
 ) -> dict[str, float]:
     """Value-reranked success vs random choice vs oracle pass@N on held-out groups (``rerank_report``).
 
     Candidates are grouped by ``group_key`` (default ``task_id``); only groups of the most common size N are
-    scored, so every group offers the same number of choices.
+    scored, so every group offers the same number of choices. A candidate is valued at its final step
+    (:func:`candidate_values`, ``max_len`` as there); one without a decision step is skipped.
     """
     key = group_key or (lambda s: s.task_id)
     groups: dict[object, list[int]] = defaultdict(list)
@@ -182,86 +249,6 @@ def evaluate_reranking(
     sizes = [len(g) for g in groups.values()]
     n = max(set(sizes), key=sizes.count)
     kept = [g for g in groups.values() if len(g) == n]
-    values = candidate_values(model, samples, pad_id=pad_id)
+    values = candidate_values(model, samples, pad_id=pad_id, max_len=max_len)
     success = (_outcomes(samples) > success_threshold).double()
     return rerank_report(values[torch.tensor(kept)], success[torch.tensor(kept)])
-
-
-@dataclass
-class ValueTrainConfig:
-    """Settings of ``python -m orchard.value.train``."""
-
-    data: str = ""
-    """JSONL of past trajectories (orchard.data schema) forming the historical pool."""
-    tokenizer: str = ""
-    """Local tokenizer directory (with a chat template)."""
-    model: str = ""
-    """Local causal-LM or ValueModel checkpoint directory to start from."""
-    output_dir: str = "runs/value"
-    """Where the trained ValueModel and metrics.jsonl go."""
-    eval_data: str | None = None
-    """Held-out JSONL of grouped candidates (same task_id) for the reranking report."""
-    max_per_task: int = 8
-    """Pool cap per task."""
-    balance: bool = True
-    """Balance successes and failures in the pool."""
-    max_len: int = 4096
-    """Truncate rendered trajectories to this many tokens."""
-    steps: int = 200
-    """Optimizer steps."""
-    batch_size: int = 8
-    """Trajectories per step."""
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    gamma: float = 0.98
-    """GAE discount (Orchard: 0.98)."""
-    lam: float = 0.95
-    """GAE lambda (Orchard: 0.95)."""
-    success_threshold: float = 0.5
-    """Reward above which a trajectory counts as a success."""
-    seed: int = 0
-    """Seed of the pool selection, the head initialisation and the batch order."""
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    """Build the pool, render, train, save, and (with ``eval_data``) report reranking; returns the report."""
-    from transformers import AutoTokenizer
-
-    from orchard.data import read_jsonl, render_trajectory
-    from orchard.train.config import load_config
-    from orchard.train.metrics import JsonlLogger
-    from orchard.value.pool import build_value_pool
-
-    cfg = load_config(ValueTrainConfig, None, list(sys.argv[1:] if argv is None else argv))
-    for name in ("data", "tokenizer", "model"):
-        if not getattr(cfg, name):
-            raise ValueError(f"config key {name!r} is required")
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
-
-    def render(trajs: list) -> list[RenderedSample]:
-        out = [render_trajectory(t, tok, max_len=cfg.max_len) for t in trajs]
-        return [s for s in out if s is not None]
-
-    pool = build_value_pool(read_jsonl(cfg.data), max_per_task=cfg.max_per_task, balance=cfg.balance,
-                            success_threshold=cfg.success_threshold, seed=cfg.seed)
-    samples = render(pool)
-    model = ValueModel.from_pretrained(cfg.model, seed=cfg.seed)
-    out = Path(cfg.output_dir)
-    logger = JsonlLogger(out / "metrics.jsonl")
-    train_value_model(model, samples, pad_id=int(tok.pad_token_id), steps=cfg.steps, batch_size=cfg.batch_size,
-                      lr=cfg.lr, gamma=cfg.gamma, lam=cfg.lam, seed=cfg.seed, log=logger.log)
-    model.save_pretrained(out / "model")
-    report: dict[str, float] = {}
-    if cfg.eval_data:
-        held = [t for t in read_jsonl(cfg.eval_data) if t.reward is not None and t.termination_reason != "env_error"]
-        report = evaluate_reranking(model, render(held), pad_id=int(tok.pad_token_id),
-                                    success_threshold=cfg.success_threshold)
-        logger.log(report, cfg.steps)
-        for k, v in report.items():
-            print(f"{k}\t{v:.4f}")
-    logger.close()
-    return report
-
-
-if __name__ == "__main__":
-    main()

@@ -11,6 +11,8 @@ from orchard.rewards import (
     gui_reward,
     hybrid_select,
     two_stage_select,
+    workforge_llm_select,
+    workforge_programmatic_select,
     workforge_select,
 )
 
@@ -77,31 +79,71 @@ def test_gui_reward_bad_inputs():
         gui_reward([True], True, max_format_failures=0)
 
 
-def test_workforge_rule_hand_computed():
-    assert workforge_select(0.7, 0.7) is True  # .5*.7 + .5*.7 = .7 >= .7
-    assert workforge_select(0.95, 0.69) is False  # programmatic under its bar although the mean is .82
-    assert workforge_select(0.69, 0.95) is False
-    assert workforge_select(1.0, 0.7) is True
-    # a stricter combined bar: (.75 + .75)/2 = .75 < .8
-    assert workforge_select(0.75, 0.75, combined_threshold=0.8) is False
-    got = workforge_select(np.array([0.7, 0.9, 0.6]), np.array([0.7, 0.8, 1.0]))
-    assert got.tolist() == [True, True, False]
+@pytest.mark.parametrize(
+    "semantic, programmatic, llm, programmatic_only, hybrid",
+    [
+        # hybrid: .5 * S_sem + .5 * S_prog against .7
+        (1.0, 0.5, True, False, True),  # .5 + .25 = .75
+        (0.5, 0.9, False, True, True),  # .25 + .45 = .7, exactly the bar
+        (0.95, 0.69, True, False, True),  # .475 + .345 = .82
+        (0.7, 0.7, True, True, True),  # .35 + .35 = .7
+        (0.7, 0.69, True, False, False),  # .35 + .345 = .695
+        (0.69, 0.69, False, False, False),  # .69
+        (0.4, 1.0, False, True, True),  # .2 + .5 = .7
+        (0.0, 1.0, False, True, False),  # .5
+    ],
+)
+def test_workforge_three_rules_from_the_table(semantic, programmatic, llm, programmatic_only, hybrid):
+    assert workforge_llm_select(semantic, programmatic) is llm  # S_sem >= .7 alone
+    assert workforge_programmatic_select(semantic, programmatic) is programmatic_only  # S_prog >= .7 alone
+    assert workforge_select(semantic, programmatic) is hybrid
+    assert hybrid_select(semantic, programmatic, rule="workforge_llm") is llm
+    assert hybrid_select(semantic, programmatic, rule="workforge_programmatic") is programmatic_only
+    assert hybrid_select(semantic, programmatic, rule="workforge_hybrid") is hybrid
+    assert hybrid_select(semantic, programmatic) is hybrid  # the hybrid rule is the default
+
+
+def test_workforge_single_verifier_rules_need_only_their_score():
+    assert workforge_llm_select(0.7) is True and workforge_llm_select(0.6999) is False
+    assert workforge_programmatic_select(None, 0.7) is True and workforge_programmatic_select(None, 0.6999) is False
+    assert hybrid_select(0.8, None, rule="workforge_llm") is True
+    assert hybrid_select(None, 0.8, rule="workforge_programmatic") is True
+    with pytest.raises(ValueError, match="programmatic"):
+        hybrid_select(0.8, None, rule="workforge_hybrid")
+
+
+def test_workforge_thresholds_and_arrays():
+    # a stricter combined bar: (.75 + .75) / 2 = .75 < .8; weight .8 on semantic: .8 * .9 + .2 * .5 = .82 >= .8
+    assert workforge_select(0.75, 0.75, threshold=0.8) is False
+    assert workforge_select(0.9, 0.5, threshold=0.8, semantic_weight=0.8) is True
+    assert workforge_llm_select(0.85, threshold=0.9) is False
+    # .32 * .19 + .68 * .94 = .0608 + .6392 = .7 exactly, 0.6999999999999998 in floats: met within the tolerance
+    assert workforge_select(0.19, 0.94, semantic_weight=0.32) is True
+    got = workforge_select(np.array([0.7, 0.9, 0.6, 1.0]), np.array([0.7, 0.8, 0.6, 0.4]))
+    assert got.tolist() == [True, True, False, True]  # .7, .85, .6, .7
+    assert workforge_programmatic_select(None, np.array([0.69, 0.7])).tolist() == [False, True]
+    with pytest.raises(ValueError, match="threshold"):
+        workforge_select(0.9, 0.9, threshold=1.5)
+    with pytest.raises(ValueError, match="semantic_weight"):
+        workforge_select(0.9, 0.9, semantic_weight=-0.1)
+    with pytest.raises(ValueError, match="broadcast"):
+        workforge_select([0.9, 0.9], [0.9, 0.9, 0.9])
 
 
 def test_two_stage_rule_and_registry():
     assert two_stage_select(0.8, 0.8) is True
     assert two_stage_select(0.79, 1.0) is False and two_stage_select(1.0, 0.79) is False
     assert hybrid_select(0.8, 0.9, rule="softwaregym_two_stage") is True
-    assert hybrid_select(0.75, 0.75, rule="workforge") is True
     assert hybrid_select(0.75, 0.75, rule="softwaregym_two_stage") is False
     assert hybrid_select(0.85, 0.85, rule="softwaregym_two_stage", process_threshold=0.9) is False
-    assert HYBRID_RULES.names() == ["workforge", "softwaregym_two_stage"]
-    with pytest.raises(ValueError, match=r"rule must be one of \['workforge', 'softwaregym_two_stage'\]"):
-        hybrid_select(0.9, 0.9, rule="nope")
+    names = ["workforge_llm", "workforge_programmatic", "workforge_hybrid", "softwaregym_two_stage"]
+    assert HYBRID_RULES.names() == names
+    with pytest.raises(ValueError, match=r"rule must be one of \['workforge_llm', 'workforge_programmatic'"):
+        hybrid_select(0.9, 0.9, rule="workforge")
     with pytest.raises(ValueError, match="already registered"):
-        HYBRID_RULES.register("workforge", workforge_select)
+        HYBRID_RULES.register("workforge_hybrid", workforge_select)
     with pytest.raises(ValueError, match="thresholds"):
-        hybrid_select(0.9, 0.9, rule="workforge", outcome_threshold=0.5)
+        hybrid_select(0.9, 0.9, rule="workforge_hybrid", outcome_threshold=0.5)
     with pytest.raises(ValueError, match="semantic"):
         workforge_select(1.5, 0.9)
     with pytest.raises(ValueError, match="process"):

@@ -103,6 +103,45 @@ def test_parser_survives_formats(text):
     assert j.reward == pytest.approx(EXPECTED)
 
 
+# The paper's grading prompt labels the dimensions R1..R7 in RPR_WEIGHTS order (R1 Fix Quality, R2 Self-test
+# Relevance, ..., R7 Verification integrity).
+RUBRIC_IDS = {f"R{k}": v for k, v in enumerate(SCORES.values(), start=1)}
+NAMES = ["Fix Quality", "Self-test Relevance", "Coverage", "Rigor", "Discriminativeness", "Regression guard",
+         "Verification integrity"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(RUBRIC_IDS),
+        fence({"scores": {k.lower(): f"{v}/10" for k, v in RUBRIC_IDS.items()}, "evidence": "ran the tests"}),
+        json.dumps({f"{k} {n}": v for (k, v), n in zip(RUBRIC_IDS.items(), NAMES, strict=True)}),
+        json.dumps([{"dimension": k, "score": v} for k, v in RUBRIC_IDS.items()]),
+        "\n".join(f"{k} {n}: {v}" for (k, v), n in zip(RUBRIC_IDS.items(), NAMES, strict=True)),
+        "Scores:\n"
+        + "\n".join(f"- **{k} ({n})**: {v}/10" for (k, v), n in zip(RUBRIC_IDS.items(), NAMES, strict=True)),
+        "\n".join(f"{k}: {v}" for k, v in RUBRIC_IDS.items()),
+    ],
+)
+def test_parser_reads_rubric_ids(text):
+    j = parse_rubric_judgement(text)
+    assert j.scorable and j.error is None
+    assert j.scores == {k: float(v) for k, v in SCORES.items()}
+    assert j.reward == pytest.approx(EXPECTED)
+
+
+def test_parser_rubric_ids_that_name_nothing():
+    # R8 is no dimension of seven; "R1 Coverage" gives an id and a name that disagree: neither is read.
+    j = parse_rubric_judgement(json.dumps({**{k: v for k, v in RUBRIC_IDS.items() if k != "R1"}, "R8": 9}))
+    assert not j.scorable and j.missing == ("fix_quality",) and j.extra == {"R8": 9}
+    lines = ["R1 Coverage: 8", *(f"{k}: {v}" for k, v in RUBRIC_IDS.items() if k != "R1")]
+    j = parse_rubric_judgement("\n".join(lines))
+    assert not j.scorable and j.missing == ("fix_quality",)
+    # Custom weights: Rk is the k-th of them ({"a": 1, "b": 3}; a=10, b=0 -> 1/4).
+    j = parse_rubric_judgement('{"R1": 10, "R2": 0}', weights={"a": 1, "b": 3})
+    assert j.scorable and j.reward == pytest.approx(0.25)
+
+
 def test_parser_fraction_is_rescaled():
     # "4/5" on a 0..10 scale -> 8
     j = parse_rubric_judgement(json.dumps({**SCORES, "self_test_relevance": "4/5"}))

@@ -49,6 +49,28 @@ def test_report_hand_computed() -> None:
     assert rep["rerank/random"] == pytest.approx(2 / 6)  # mean success
     assert rep["rerank/oracle"] == pytest.approx(1.0)  # each group has a success
     assert rep["rerank/gain"] == pytest.approx(0.5 - 1 / 3)
+    assert rep["rerank/groups"] == 2 and rep["rerank/skipped"] == 0
+    empty = rerank_report(torch.zeros(0, 4), torch.zeros(0, 4))
+    assert empty["rerank/groups"] == 0 and empty["rerank/success"] == 0.0 and empty["rerank/n"] == 4
+
+
+def test_report_skips_nan_candidates_as_rerank_does() -> None:
+    nan = float("nan")
+    # Group 0: candidate 1 has no value (NaN, a success): rerank picks 2 (failure) among {0, 2}.
+    # Group 1: no NaN; picks candidate 0 (success). Group 2: every value NaN: not scored.
+    v = torch.tensor([[0.1, nan, 0.5], [0.9, 0.2, 0.3], [nan, nan, nan]])
+    s = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    assert rerank(v).tolist() == [2, 0, -1]
+    rep = rerank_report(v, s)
+    assert rep["rerank/groups"] == 2 and rep["rerank/n"] == 3 and rep["rerank/skipped"] == 4
+    assert rep["rerank/success"] == pytest.approx(0.5)  # (0 + 1) / 2
+    assert rep["rerank/random"] == pytest.approx(5 / 12)  # (1/2 over {0, 2} + 1/3) / 2
+    assert rep["rerank/oracle"] == pytest.approx(1.0)  # candidate 0 of group 0, candidate 0 of group 1
+    assert rep["rerank/gain"] == pytest.approx(0.5 - 5 / 12)
+    none = rerank_report(torch.full((2, 3), nan), torch.ones(2, 3))
+    assert none["rerank/groups"] == 0 and none["rerank/success"] == 0.0 and none["rerank/skipped"] == 6
+    with pytest.raises(ValueError, match="success"):
+        rerank_report(v, s.double().masked_fill(s == 0, nan))
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -13,7 +13,8 @@ from orchard.data import Trajectory, render_trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.train.tiny import tiny_qwen3, tiny_qwen3_config
 from orchard.value import ValueModel, build_value_pool
-from orchard.value.train import evaluate_reranking, train_value_model, value_loss
+from orchard.value.train import evaluate_reranking, train_value_model, value_loss, value_targets
+from orchard.value.windows import value_windows
 
 
 def _batch(B: int = 3, T: int = 11, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +137,77 @@ def test_value_training_reranks_better_than_random() -> None:
     assert rep["rerank/success"] >= rep["rerank/oracle"] - 1e-9 > rep["rerank/random"]
 
 
-def test_value_train_script_end_to_end(tmp_path: Path) -> None:
+def _steps_traj(n_steps: int, reward: float) -> Trajectory:
+    messages = [{"role": "system", "content": "you fix bugs"}, {"role": "user", "content": "task t: fix it"}]
+    for k in range(n_steps):
+        messages.append({"role": "assistant", "content": f"looking at part {k} of the repository"})
+        messages.append({"role": "tool", "content": "output of a tool " * 3, "tool_call_id": "c"})
+    return Trajectory(messages=messages, reward=reward, task_id="t", termination_reason="done")
+
+
+def _zero_value_model(tok) -> ValueModel:
+    vm = ValueModel.from_causal_lm(tiny_qwen3(tok, seed=0), seed=0)
+    with torch.no_grad():
+        vm.value_head.weight.zero_()
+        vm.value_head.bias.zero_()
+    return vm
+
+
+def test_truncated_trajectory_never_looks_finished() -> None:
+    # Five steps, outcome 1, and a context that ends right after step 3 (index 2). With V = 0 everywhere,
+    # δ_t = r_t and A_t = δ_t + γλ A_{t+1}, γλ = .98 * .95 = .931: the returns are .931^(4 - t) =
+    # [.7513, .8069, .8668, .931, 1.0]. Cutting the first max_len tokens made step 3 terminal instead:
+    # [.8668, .931, 1.0, 0, 0].
+    tok = build_chat_tokenizer(["you fix bugs looking at part of the repository output a tool task t fix it"])
+    full = render_trajectory(_steps_traj(5, 1.0), tok)
+    step_end = [int((full.turn_index == k).nonzero().max()) for k in range(5)]
+    max_len = step_end[2] + 3  # ends inside the tool output after step 3
+    assert max_len < len(full)
+    returns, values, mask = value_targets(_zero_value_model(tok), [full], pad_id=tok.pad_token_id, max_len=max_len)
+    assert mask.tolist() == [[True] * 5] and values.abs().max() == 0
+    expected = [0.931**4, 0.931**3, 0.931**2, 0.931, 1.0]
+    torch.testing.assert_close(returns[0].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    # A sample cut at rendering is refused: its last visible step would be trained as final.
+    cut = render_trajectory(_steps_traj(5, 1.0), tok, max_len=max_len)
+    with pytest.raises(ValueError, match="max_len=None"):
+        value_targets(_zero_value_model(tok), [cut], pad_id=tok.pad_token_id)
+
+
+@pytest.mark.parametrize("n_steps, max_len", [(5, 40), (5, 61), (7, 90), (3, 300), (6, 25)])
+def test_value_windows_read_every_step_once(n_steps: int, max_len: int) -> None:
+    tok = build_chat_tokenizer(["you fix bugs looking at part of the repository output a tool task t fix it"])
+    full = render_trajectory(_steps_traj(n_steps, 0.0), tok)
+    windows = value_windows(full, max_len=max_len)
+    head = min(int((full.turn_index >= 0).nonzero()[0, 0]), max_len // 2)
+    read = [k for w in windows for k in w.turn_index[w.turn_index >= 0].unique().tolist()]
+    assert sorted(read) == list(range(n_steps))  # every step read, and in one window only
+    for w in windows:
+        assert len(w) <= max_len and torch.equal(w.input_ids[:head], full.input_ids[:head])
+        assert torch.equal(w.action_mask, w.turn_index >= 0)
+    # A sample that fits is returned as it is; else the last window ends at the last step's last token.
+    if len(full) <= max_len:
+        assert windows == [full]
+    else:
+        last_end = int((full.turn_index == n_steps - 1).nonzero().max())
+        assert torch.equal(windows[-1].input_ids[-(max_len - head):], full.input_ids[last_end + 1 - (max_len - head) : last_end + 1])
+    with pytest.raises(ValueError, match="max_len"):
+        value_windows(full, max_len=1)
+
+
+def test_value_windows_step_longer_than_the_window_is_read_at_its_end() -> None:
+    tok = build_chat_tokenizer(["you fix bugs looking at part of the repository output a tool task t fix it"])
+    traj = _steps_traj(2, 1.0)
+    traj.messages[2].content = "looking " * 60
+    full = render_trajectory(traj, tok)
+    windows = value_windows(full, max_len=30)
+    assert [w.turn_index[w.turn_index >= 0].unique().tolist() for w in windows] == [[0], [1]]
+    assert all(len(w) == 30 for w in windows)
+
+
+def test_value_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from orchard.data import write_jsonl
     from orchard.train.metrics import read_jsonl_metrics
-    from orchard.value.train import main
+    from orchard.value.cli import main
 
     tok = build_chat_tokenizer()
     tok.save_pretrained(tmp_path / "tok")
@@ -148,14 +216,14 @@ def test_value_train_script_end_to_end(tmp_path: Path) -> None:
     pool.append(_traj("t0", 1.0, word="x", reason="env_error"))
     write_jsonl(pool, tmp_path / "pool.jsonl")
     write_jsonl([_traj(f"h{i // 3}", float(i % 3 == 0), word="w") for i in range(6)], tmp_path / "held.jsonl")
-    report = main([f"data={tmp_path / 'pool.jsonl'}", f"tokenizer={tmp_path / 'tok'}", f"model={tmp_path / 'lm'}",
+    status = main([f"data={tmp_path / 'pool.jsonl'}", f"tokenizer={tmp_path / 'tok'}", f"model={tmp_path / 'lm'}",
                    f"output_dir={tmp_path / 'out'}", f"eval_data={tmp_path / 'held.jsonl'}", "steps=2",
-                   "batch_size=4", "lr=1e-4"])
+                   "batch_size=4", "lr=1e-4", "max_len=24"])
+    assert status == 0
+    report = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
     # 2 held-out tasks of 3 candidates, one success each: random = 1/3, oracle = 1.
-    assert report["rerank/groups"] == 2 and report["rerank/n"] == 3
-    assert report["rerank/random"] == pytest.approx(1 / 3) and report["rerank/oracle"] == 1.0
+    assert float(report["rerank/groups"]) == 2 and float(report["rerank/n"]) == 3
+    assert float(report["rerank/random"]) == pytest.approx(1 / 3, abs=1e-4) and float(report["rerank/oracle"]) == 1
     rows = read_jsonl_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 2] and "value/loss" in rows[0]
     assert isinstance(ValueModel.from_pretrained(tmp_path / "out" / "model"), ValueModel)
-    with pytest.raises(ValueError, match="'data' is required"):
-        main([f"tokenizer={tmp_path / 'tok'}"])
