@@ -4,7 +4,14 @@ exactly, metric loggers, and typed configs (layer 5). See ``docs/training.md`` a
 DeepSpeed is imported only when a DeepSpeed engine is built.
 """
 
-from orchard.train.config import ConfigError, config_to_dict, field_docs, format_config, format_help, load_config
+from orchard.train.config import (
+    ConfigError,
+    config_to_dict,
+    field_docs,
+    format_config,
+    format_help,
+    load_config,
+)
 from orchard.train.model import load_causal_lm
 from orchard.train.objective import LossTerm, loss_term_names, objective_loss, register_loss_term
 from orchard.train.schedule import cosine_lr, cosine_schedule
