@@ -9,7 +9,12 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-__all__ = ["DTYPES", "best_attn_implementation", "load_causal_lm"]
+__all__ = ["DTYPES", "CheckpointNotFoundError", "best_attn_implementation", "load_causal_lm"]
+
+
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """A model path that is not a directory: a ``FileNotFoundError`` (so a command line runner reports the path the
+    user wrote in one line) that is also the ``ValueError`` every bad argument raises."""
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The parameter dtypes a trainer accepts by name."""
@@ -55,7 +60,9 @@ def load_causal_lm(
     elif isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_dir():
-            raise ValueError(f"source must be a local checkpoint directory or a config, got missing path {str(path)!r}")
+            raise CheckpointNotFoundError(
+                2, "source must be a local checkpoint directory or a config; no such directory", str(path)
+            )
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True
         )
