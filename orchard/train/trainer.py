@@ -80,7 +80,7 @@ class TrainConfig:
     total_steps: int = 1
     """Optimizer steps of the run (the cosine schedule spans them)."""
     global_batch_size: int = 128
-    """Sequences per optimizer step over all ranks (paper: 128)."""
+    """Sequences per optimizer step over all ranks (a generic default; the paper's Claw setting: SFT 16, RL 64)."""
     micro_batch_size: int = 1
     """Sequences per forward/backward on one rank; does not change the gradient."""
     seed: int = 0
