@@ -4,7 +4,14 @@ exactly, metric loggers, and typed configs (layer 5). See ``docs/training.md`` a
 DeepSpeed is imported only when a DeepSpeed engine is built.
 """
 
-from orchard.train.config import config_to_dict, field_docs, format_help, load_config
+from orchard.train.config import (
+    ConfigError,
+    config_to_dict,
+    field_docs,
+    format_config,
+    format_help,
+    load_config,
+)
 from orchard.train.model import load_causal_lm
 from orchard.train.objective import LOSS_TERMS, LossTerm, TermSpec, objective_loss
 from orchard.train.schedule import cosine_lr, cosine_schedule
@@ -12,6 +19,7 @@ from orchard.train.trainer import DataCursor, OptimConfig, TrainConfig, Trainer
 
 __all__ = [
     "LOSS_TERMS",
+    "ConfigError",
     "DataCursor",
     "LossTerm",
     "OptimConfig",
@@ -22,6 +30,7 @@ __all__ = [
     "cosine_lr",
     "cosine_schedule",
     "field_docs",
+    "format_config",
     "format_help",
     "load_causal_lm",
     "load_config",

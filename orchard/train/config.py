@@ -9,14 +9,27 @@ fills the dataclass::
 Override values are parsed as YAML scalars / flow collections (``3e-4``, ``true``, ``[a, b]``, ``null``; a
 float field also takes a string that spells a number, since YAML 1.1 reads ``1e-5`` as a string); nested
 dataclass fields are reached with dots (``optim.lr``). Every value is checked against the field's annotation and a
-mismatch raises ``ValueError`` naming the dotted key, the expected type and the value received. Unknown keys are
-errors too (with the valid names listed), so a typo never silently falls back to a default.
+mismatch raises ``ConfigError`` (a ``ValueError``) whose message starts with the dotted key, the expected type
+and the value received. Unknown keys are errors too (one line, with a did-you-mean), so a typo never silently falls
+back to a default.
+
+Validation happens at load time, before any work: after building each (nested) dataclass ``load_config`` calls its
+``validate()`` method if it has one; a ``ValueError`` raised there or in ``__post_init__`` whose message starts with
+one of the class's field names is re-raised as ``ConfigError`` with the dotted prefix written in front
+(``steps must be an int >= 1, got -3`` inside ``rl`` becomes ``rl.steps must be an int >= 1, got -3``). Fields a
+recipe computes itself are declared with ``derived={"rl.train.total_steps": "rl.steps"}``: setting one in YAML or
+an override is rejected up front. ``format_config(cfg)`` prints the resolved config (what will run), one line per
+field with its value and doc line::
+
+    cfg = load_config(ClawConfig, args.config, args.overrides, derived=DERIVED)
+    print(format_config(cfg, derived=DERIVED))
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import textwrap
 import types
@@ -29,7 +42,23 @@ import yaml
 
 T = TypeVar("T")
 
-__all__ = ["config_to_dict", "field_docs", "format_help", "load_config", "parse_overrides"]
+__all__ = [
+    "ConfigError",
+    "config_to_dict",
+    "field_docs",
+    "format_config",
+    "format_help",
+    "load_config",
+    "parse_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: an unknown or derived key, a value of the wrong type, a failed ``validate()``.
+
+    The message is one line and starts with the dotted key the user wrote (``rl.steps must be ...``), so a command
+    line runner (``orchard._cli.run_main``) can print it as the whole error.
+    """
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -86,51 +115,96 @@ def format_help(cls: type, prefix: str = "") -> str:
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     """``["a.b=1", "c=[x, y]"]`` -> ``{"a": {"b": 1}, "c": ["x", "y"]}``; values are parsed as YAML."""
     if isinstance(overrides, str):
-        raise ValueError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
     tree: dict[str, Any] = {}
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
-            raise ValueError(f"overrides entries must look like 'key=value', got {item!r}")
+            raise ConfigError(f"overrides entries must look like 'key=value', got {item!r}")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
-            raise ValueError(f"overrides entry {item!r} has an empty key")
+            raise ConfigError(f"overrides entry {item!r} has an empty key")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            raise ValueError(f"overrides entry {item!r}: value is not valid YAML ({exc})") from None
+            detail = " ".join(str(exc).split())
+            raise ConfigError(f"overrides entry {item!r}: value is not valid YAML ({detail})") from None
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ValueError(f"overrides key {key!r} conflicts with an earlier override of {part!r}")
+                raise ConfigError(f"overrides key {key!r} conflicts with an earlier override of {part!r}")
             node = child
         node[parts[-1]] = value
     return tree
 
 
 def load_config(
-    cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = ()
+    cls: type[T],
+    yaml_path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    derived: Mapping[str, str] | Iterable[str] = (),
 ) -> T:
     """Build ``cls`` from its defaults, then the YAML file (if given), then the ``key=value`` overrides.
 
-    Later sources win key by key; nested dataclasses merge field by field. Raises ``ValueError`` naming the dotted
-    key for an unknown key, a missing required field, or a value of the wrong type.
+    Later sources win key by key; nested dataclasses merge field by field. Each dataclass is validated as it is
+    built (``__post_init__``, then ``validate()`` if defined; see the module docstring), so the whole config is
+    checked before a recipe does any work.
+
+    Args:
+        cls: the config dataclass.
+        yaml_path: a YAML file holding a mapping, or None.
+        overrides: ``key=value`` strings, dotted keys for nested fields.
+        derived: dotted keys the recipe computes itself, each mapped to what it is derived from (a plain list of
+            keys also works); setting one in the YAML or an override raises
+            ``ConfigError("rl.train.total_steps is derived from rl.steps; set that instead")``.
+
+    Raises:
+        ConfigError: (a ``ValueError``) naming the dotted key, for an unknown key (with a did-you-mean), a derived
+            key that was set, a missing required field, a value of the wrong type, or a failed validation; also
+            for a ``yaml_path`` that is not a file or does not hold a mapping.
     """
     if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
         raise ValueError(f"cls must be a dataclass type, got {cls!r}")
+    derived_from = _derived_map(derived)
     data: dict[str, Any] = {}
     if yaml_path is not None:
         path = Path(yaml_path)
         if not path.is_file():
-            raise ValueError(f"yaml_path {str(path)!r} is not a file")
-        loaded = yaml.safe_load(path.read_text()) or {}
+            raise ConfigError(f"config file {str(path)!r} does not exist or is not a file")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(loaded, dict):
-            raise ValueError(f"yaml_path {str(path)!r} must hold a mapping at the top, got {type(loaded).__name__}")
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(loaded).__name__}")
         data = loaded
     _deep_merge(data, parse_overrides(overrides))
-    return _build(cls, data, prefix="")
+    for key, source in derived_from.items():
+        if _has_key(data, key):
+            hint = f"is derived from {source}; set that instead" if source else "is derived by the recipe; leave it out"
+            raise ConfigError(f"{key} {hint}")
+    return _build(cls, data, prefix="", root=cls)
+
+
+def format_config(cfg: Any, *, derived: Mapping[str, str] | Iterable[str] = ()) -> str:
+    """The resolved config, one line per (nested) field: ``key: value  # doc line``.
+
+    Shows what will run: the instance's values (defaults, then YAML, then overrides, as ``load_config`` built it),
+    not the class defaults that ``format_help`` lists; a nested dataclass field's values come from the instance
+    even where a recipe's ``default_factory`` differs from the nested class's own defaults. Values are written as
+    YAML flow values, so a line can be pasted back as an override (``rl.train.optim.lr=1.0e-06``). Keys in
+    ``derived`` are marked ``(derived from ...)``: their shown value is a placeholder the recipe replaces.
+    """
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise ValueError(f"cfg must be a dataclass instance, got {cfg!r}")
+    derived_from = _derived_map(derived)
+    rows: list[tuple[str, str]] = []
+    _config_rows(cfg, "", derived_from, rows)
+    width = max((len(text) for text, _ in rows), default=0)
+    return "\n".join(f"{text:<{width}}  # {doc}" if doc else text for text, doc in rows)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -138,6 +212,55 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
         raise ValueError(f"cfg must be a dataclass instance, got {cfg!r}")
     return dataclasses.asdict(cfg)
+
+
+def _derived_map(derived: Mapping[str, str] | Iterable[str]) -> dict[str, str]:
+    if isinstance(derived, str):
+        raise ValueError(f"derived must be a mapping or a list of dotted keys, got the string {derived!r}")
+    if isinstance(derived, Mapping):
+        return {str(k): str(v) for k, v in derived.items()}
+    return {str(k): "" for k in derived}
+
+
+def _has_key(data: Mapping[str, Any], dotted: str) -> bool:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _config_rows(obj: Any, prefix: str, derived: Mapping[str, str], rows: list[tuple[str, str]]) -> None:
+    docs = field_docs(type(obj))
+    for f in dataclasses.fields(obj):
+        key = prefix + f.name
+        value = getattr(obj, f.name)
+        doc = docs.get(f.name, "").split("\n")[0]
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            rows.append((f"{key}:", doc))
+            _config_rows(value, key + ".", derived, rows)
+            continue
+        if key in derived:
+            source = derived[key]
+            doc = f"(derived{' from ' + source if source else ''}) {doc}".rstrip()
+        rows.append((f"{key}: {_flow_yaml(value)}", doc))
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _flow_yaml(value: Any) -> str:
+    text = yaml.safe_dump(_plain(value), default_flow_style=True, width=float("inf"), sort_keys=False)
+    # A scalar is dumped as a one-item document ("x\n...\n"); keep only the value.
+    return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
 def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
@@ -156,16 +279,51 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
-def _build(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
+def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of dataclass ``cls``, nested fields included."""
+    hints = get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            keys += _leaf_keys(tp, prefix + f.name + ".")
+    return keys
+
+
+def _unknown_key_error(key: str, valid: Iterable[str], root: type) -> ConfigError:
+    prefix, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    if close:
+        hint = f"did you mean {(prefix + '.' if prefix else '') + close[0]!r}?"
+    else:
+        # A right name at the wrong level (``lr=...`` for ``sft.train.optim.lr``) is the next most likely slip.
+        elsewhere = [k for k in _leaf_keys(root) if k.rpartition(".")[2] == name]
+        hint = (f"did you mean {' or '.join(repr(k) for k in elsewhere[:3])}?" if elsewhere
+                else f"valid keys here: {', '.join(sorted(valid))}")
+    return ConfigError(f"{key} is not a config key; {hint}")
+
+
+def _prefixed(exc: ValueError, cls: type, prefix: str) -> ConfigError:
+    """A validation error of a dataclass at ``prefix``, its message starting with the dotted key."""
+    message = " ".join(str(exc).split())
+    if isinstance(exc, ConfigError) and message.startswith(prefix):
+        return exc
+    first = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":,")
+    names = {f.name for f in dataclasses.fields(cls)}
+    if first in names:
+        return ConfigError(prefix + message)
+    return ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {message}")
+
+
+def _build(cls: type[T], data: Mapping[str, Any], prefix: str, root: type) -> T:
     if not isinstance(data, Mapping):
-        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(
-            f"unknown config key {prefix + str(unknown[0])!r}; valid keys here: {', '.join(sorted(fields))}"
-        )
+        raise _unknown_key_error(prefix + str(unknown[0]), fields, root)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         key = prefix + name
@@ -183,16 +341,22 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
                 _deep_merge(merged, sub)
             else:
                 merged = sub
-            kwargs[name] = _build(tp, merged, prefix=key + ".")
+            kwargs[name] = _build(tp, merged, prefix=key + ".", root=root)
             continue
         if name in data:
-            kwargs[name] = _coerce(data[name], tp, key)
+            kwargs[name] = _coerce(data[name], tp, key, root)
         elif _default_of(f) is dataclasses.MISSING:
-            raise ValueError(f"config key {key!r} is required ({_type_name(tp)}) but was not given")
+            raise ConfigError(f"{key} is required ({_type_name(tp)}) but was not given")
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
+        validate = getattr(obj, "validate", None)
+        if callable(validate):
+            validate()
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"config {prefix.rstrip('.') or cls.__name__}: {exc}") from None
+        if isinstance(exc, TypeError):
+            raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {exc}") from None
+        raise _prefixed(exc, cls, prefix) from None
+    return obj
 
 
 def _type_name(tp: Any) -> str:
@@ -201,29 +365,28 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def _coerce(value: Any, tp: Any, key: str, root: type) -> Any:
     """Check ``value`` against annotation ``tp``; return it converted where the conversion is lossless."""
     origin = get_origin(tp)
     args = get_args(tp)
-    bad = ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    bad = ConfigError(f"{key} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, key)
-            except ValueError as exc:
-                errors.append(exc)
+                return _coerce(value, arg, key, root)
+            except ValueError:
+                continue
         raise bad
     if origin is Literal:
         if value in args:
             return value
-        raise ValueError(f"config key {key!r} must be one of {list(args)}, got {value!r}")
+        raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}")
     if tp is type(None):
         if value is None:
             return None
@@ -253,25 +416,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, tp):
             return value
-        return _build(tp, value, prefix=key + ".")
+        return _build(tp, value, prefix=key + ".", root=root)
     if origin in (list, typing.List):  # noqa: UP006 - typing.List may appear in user annotations
         if not isinstance(value, (list, tuple)):
             raise bad
         (item_tp,) = args or (Any,)
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, item_tp, f"{key}[{i}]", root) for i, v in enumerate(value)]
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise bad
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+            return tuple(_coerce(v, args[0], f"{key}[{i}]", root) for i, v in enumerate(value))
         if args and len(args) != len(value):
-            raise ValueError(f"config key {key!r} expects {len(args)} items ({_type_name(tp)}), got {value!r}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+            raise ConfigError(f"{key} expects {len(args)} items ({_type_name(tp)}), got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]", root) for i, (a, v) in enumerate(zip(args, value, strict=True)))
     if origin is dict:
         if not isinstance(value, Mapping):
             raise bad
         k_tp, v_tp = args or (Any, Any)
-        return {_coerce(k, k_tp, f"{key}.<key>"): _coerce(v, v_tp, f"{key}.{k}") for k, v in value.items()}
+        return {_coerce(k, k_tp, f"{key}.<key>", root): _coerce(v, v_tp, f"{key}.{k}", root)
+                for k, v in value.items()}
     if isinstance(tp, type):
         if isinstance(value, tp):
             return value

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-__all__ = ["DTYPES", "best_attn_implementation", "load_causal_lm"]
+__all__ = [
+    "DTYPES",
+    "CheckpointNotFoundError",
+    "best_attn_implementation",
+    "load_causal_lm",
+    "quiet_transformers",
+    "save_causal_lm",
+]
+
+
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """A model path that is not a directory: a ``FileNotFoundError`` (so a command line runner reports the path the
+    user wrote in one line) that is also the ``ValueError`` every bad argument raises."""
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The parameter dtypes a trainer accepts by name."""
@@ -55,10 +70,13 @@ def load_causal_lm(
     elif isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_dir():
-            raise ValueError(f"source must be a local checkpoint directory or a config, got missing path {str(path)!r}")
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True
-        )
+            raise CheckpointNotFoundError(
+                2, "source must be a local checkpoint directory or a config; no such directory", str(path)
+            )
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True
+            )
     else:
         raise ValueError(f"source must be a path or a PretrainedConfig, got {type(source).__name__}")
     model = model.to(torch_dtype)
@@ -71,3 +89,51 @@ def load_causal_lm(
         model.config.use_cache = False
     model.train()
     return model
+
+
+def save_causal_lm(model: PreTrainedModel, path: str | Path, tokenizer: Any = None) -> Path:
+    """Save ``model`` (and ``tokenizer``, if given) with ``save_pretrained`` into directory ``path``, quietly.
+
+    A checkpoint ``load_causal_lm(path)`` loads. Unlike a bare ``model.save_pretrained`` it draws no progress bar
+    and, when DeepSpeed has not been imported (the plain engine), does not import it (see ``quiet_transformers``).
+    Returns the directory.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    directory = Path(path)
+    with quiet_transformers():
+        model.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    return directory
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Within the block: no transformers progress bars (``Loading weights``, ``Writing model shards``) and no
+    DeepSpeed import on transformers' behalf unless DeepSpeed is already imported.
+
+    ``save_pretrained`` unwraps the model through accelerate, which imports DeepSpeed whenever it is installed
+    just to test ``isinstance(model, DeepSpeedEngine)``; that import logs "Setting accelerator to CPU" on a CPU
+    machine. A model cannot be a DeepSpeed engine unless DeepSpeed was imported, so answering "not available"
+    until then gives the same unwrapping without the import. Under the DeepSpeed engine nothing changes.
+    """
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    patched = None
+    with contextlib.suppress(ImportError):
+        import accelerate.utils.other as accelerate_other
+
+        patched = accelerate_other
+    original = getattr(patched, "is_deepspeed_available", None)
+    if patched is not None and original is not None and "deepspeed" not in sys.modules:
+        patched.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        if patched is not None and original is not None:
+            patched.is_deepspeed_available = original
+        if bars:
+            hf_logging.enable_progress_bar()

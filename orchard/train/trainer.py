@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ class TrainConfig:
     total_steps: int = 1
     """Optimizer steps of the run (the cosine schedule spans them)."""
     global_batch_size: int = 128
-    """Sequences per optimizer step over all ranks (paper: 128)."""
+    """Sequences per optimizer step over all ranks (a generic default; the paper's Claw setting: SFT 16, RL 64)."""
     micro_batch_size: int = 1
     """Sequences per forward/backward on one rank; does not change the gradient."""
     seed: int = 0
@@ -359,17 +360,30 @@ class Trainer:
         """Train until ``cfg.total_steps`` on batches of ``global_batch_size`` samples drawn by a ``DataCursor``.
 
         ``collate(list_of_samples)`` must return the batch dict (``orchard.data.collate``). The cursor is part
-        of every checkpoint, so a resumed run continues with the next unseen batch.
+        of every checkpoint, so a resumed run continues with the next unseen batch. In an interactive terminal
+        (stderr is a TTY) a progress bar with the loss is drawn on stderr; otherwise nothing is.
         """
         cursor = DataCursor(len(samples), seed=self.cfg.seed, shuffle=shuffle)
         if self.cursor is not None:
             cursor.load_state_dict(self.cursor.state_dict())
         self.cursor = cursor
         history = []
-        while self.step < self.cfg.total_steps:
-            indices = cursor.next_indices(self.cfg.global_batch_size)
-            history.append(self.train_step(collate([samples[i] for i in indices])))
+        with self._progress_bar() as bar:
+            while self.step < self.cfg.total_steps:
+                indices = cursor.next_indices(self.cfg.global_batch_size)
+                history.append(self.train_step(collate([samples[i] for i in indices])))
+                bar.set_postfix_str(f"loss {history[-1].get('loss/total', float('nan')):.4f}", refresh=False)
+                bar.update(1)
         return history
+
+    def _progress_bar(self) -> Any:
+        """A tqdm bar over the run's steps, drawn on rank 0 when stderr is a terminal (a log file or a pipe stays
+        free of bar redraws) and the rich ``progress`` logger is not already drawing one."""
+        from tqdm.auto import tqdm
+
+        show = self.is_main and "progress" not in self.cfg.loggers and sys.stderr.isatty()
+        return tqdm(total=self.cfg.total_steps, initial=self.step, desc=Path(self.cfg.output_dir).name or "train",
+                    unit="step", disable=not show, leave=False, dynamic_ncols=True)
 
     def save_checkpoint(self) -> Path:
         """Save engine, RNG, cursor and ``extra_state`` for the current step; returns the directory."""
