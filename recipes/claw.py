@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from orchard import stages
+from orchard._cli import run_main
 from orchard.domains.claw.corpus import tokenizer_corpus
 from orchard.domains.claw.harness import ClawReactHarness
-from orchard.domains.claw.tasks import ClawTask, split_tasks
+from orchard.domains.claw.tasks import TEMPLATES, ClawTask, split_tasks
 from orchard.domains.claw.teacher import TeacherEngine
 from orchard.domains.claw.text_rollout import ClawTextRollouts
 from orchard.env import AsyncSandboxClient
@@ -48,9 +49,10 @@ from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
 from orchard.stages.sandboxes import sandbox_service
-from orchard.train.config import config_to_dict, format_help, load_config
+from orchard.train.config import config_to_dict, format_config, load_config
 
 HARNESSES = ("react", "text")
+DERIVED = stages.derived_keys("sft", "rl")
 
 
 @dataclass
@@ -100,17 +102,18 @@ class ClawConfig:
                 raise ValueError(f"tasks.{key} must be >= 1, got {getattr(self.tasks, key)}")
         if self.tasks.rl_pool_per_template < 0:
             raise ValueError(f"tasks.rl_pool_per_template must be >= 0, got {self.tasks.rl_pool_per_template}")
+        pool = len(TEMPLATES) - len(self.tasks.heldout_templates)
+        pool *= self.tasks.rl_pool_per_template or self.tasks.train_per_template
+        if self.rl.enabled and self.rl.tasks_per_step > pool:
+            raise ValueError(f"rl.tasks_per_step must be <= the RL task pool ({pool} tasks), got {self.rl.tasks_per_step}")
 
 
 def task_pools(cfg: ClawConfig) -> tuple[list[ClawTask], list[ClawTask], list[ClawTask]]:
-    """(SFT tasks, RL pool, held-out tasks); an RL step larger than its pool is a configuration error."""
+    """(SFT tasks, RL pool, held-out tasks)."""
     kept_out = tuple(cfg.tasks.heldout_templates)
     train = split_tasks("train", cfg.tasks.train_per_template, heldout_templates=kept_out)
     pool = split_tasks("train", cfg.tasks.rl_pool_per_template, heldout_templates=kept_out) \
         if cfg.tasks.rl_pool_per_template else train
-    if cfg.rl.enabled and cfg.rl.tasks_per_step > len(pool):
-        raise ValueError(f"rl.tasks_per_step must be <= the RL task pool ({len(pool)} tasks), "
-                         f"got {cfg.rl.tasks_per_step}")
     return train, pool, split_tasks("heldout", cfg.tasks.heldout_per_template)
 
 
@@ -189,17 +192,16 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file filling ClawConfig")
-    parser.add_argument("--show-config", action="store_true", help="print every field with its doc and exit")
+    parser.add_argument("--show-config", action="store_true",
+                        help="print the resolved config (defaults, then --config, then overrides) and exit")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nested fields")
     args = parser.parse_args(argv)
-    if args.show_config:
-        print(format_help(ClawConfig))
-        return 0
-    cfg = load_config(ClawConfig, args.config, args.overrides)
-    _ = stages.derived_keys("sft", "rl")
-    asyncio.run(run(cfg))
+    cfg = load_config(ClawConfig, args.config, args.overrides, derived=DERIVED)
+    print(format_config(cfg, derived=DERIVED), flush=True)
+    if not args.show_config:
+        asyncio.run(run(cfg))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

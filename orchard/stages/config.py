@@ -3,7 +3,8 @@
 A recipe embeds these dataclasses in its own config (next to its domain's model and task fields); each field has a
 doc line under it (``python recipes/<name>.py --show-config`` prints them with the values that will run). Fields a
 stage derives (the trainers' ``total_steps``, ``seed``, ``output_dir``, ``resume``) are set by the stage, never by
-the user: `DERIVED` lists their dotted names for the config loader to refuse.
+the user: `derived_keys` names them for the config loader to refuse (a stage also always starts its trainer fresh,
+``resume=False``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from orchard.sampling import GROUP_FILTER_RULES
 from orchard.train.objective import LossTerm
 from orchard.train.trainer import OptimConfig, TrainConfig
 
-__all__ = ["DERIVED", "EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "derived_keys"]
+__all__ = ["EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "derived_keys"]
 
 REWARDS = ("outcome", "score")
 
@@ -130,10 +131,12 @@ class RLConfig:
             raise ValueError(f"bar_n_max must be >= group_size when use_bar, got {self.bar_n_max} < {self.group_size}")
 
 
-DERIVED = ("total_steps", "seed", "output_dir", "resume")
-"""`TrainConfig` fields a stage sets itself (from epochs / steps, the run's seed and output directory)."""
-
-
-def derived_keys(*prefixes: str) -> set[str]:
-    """Dotted names of the derived trainer fields under each stage prefix, e.g. ``derived_keys("sft", "rl")``."""
-    return {f"{p}.train.{name}" for p in prefixes for name in DERIVED}
+def derived_keys(sft: str = "sft", rl: str = "rl") -> dict[str, str]:
+    """The trainer fields the stages set themselves, by dotted key under a recipe's ``sft`` / ``rl`` blocks, each
+    with what it is derived from (for ``load_config(..., derived=)`` and ``format_config(..., derived=)``)."""
+    out = {f"{sft}.train.total_steps": f"{sft}.epochs",
+           f"{rl}.train.total_steps": f"{rl}.steps x {rl}.ppo_epochs x {rl}.mini_batches"}
+    for prefix in (sft, rl):
+        out[f"{prefix}.train.seed"] = "seed"
+        out[f"{prefix}.train.output_dir"] = "output_dir"
+    return out

@@ -102,7 +102,7 @@ def test_train_config_from_yaml_with_objective(tmp_path: Path) -> None:
     assert cfg.optim.lr == 1e-6 and cfg.optim.min_lr == 1e-7 and cfg.optim.warmup_steps == 2
     assert cfg.optim.betas == (0.9, 0.999)  # untouched nested default survives a partial override
     assert cfg.objective == [LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28}), LossTerm("js_opd", 0.1)]
-    with pytest.raises(ValueError, match="loss term name 'polcy' is not registered"):
+    with pytest.raises(ValueError, match=r"objective\[0\]\.name must be one of \[.*'policy'.*\], got 'polcy'"):
         load_config(TrainConfig, None, ["objective=[{name: polcy}]"])
     with pytest.raises(ConfigError, match=r"^zero_stage must be 2 or 3, got 1$"):
         load_config(TrainConfig, None, ["zero_stage=1"])
