@@ -74,14 +74,24 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` step directories (never the one ``latest`` names)."""
+    """Keep the newest ``keep`` complete checkpoints (and always the one ``latest`` names); delete the rest.
+
+    Only complete checkpoints (``trainer_state.json`` written) count toward ``keep``: a save that died half-way
+    is never the reason a complete checkpoint is deleted. An incomplete directory older than ``latest`` is
+    deleted (the run has moved past its step, so it can never complete); a newer one is left alone (a resumed
+    run writes that step again).
+    """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep!r}")
     latest = latest_checkpoint(root)
+    latest_name = latest.name if latest is not None else None
     dirs = sorted(p for p in Path(root).glob("step_*") if p.is_dir())
-    for path in dirs[:-keep]:
-        if latest is None or path.resolve() != latest.resolve():
-            shutil.rmtree(path, ignore_errors=True)
+    complete = [p for p in dirs if (p / "trainer_state.json").is_file()]
+    doomed = [p for p in complete[:-keep] if p.name != latest_name]
+    if latest_name is not None:
+        doomed += [p for p in dirs if p not in complete and p.name < latest_name]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def write_trainer_state(directory: Path, state: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.claw import tasks as claw_tasks
 from orchard.domains.claw import world
 from orchard.domains.claw.convention import format_text_action, parse_text_action
 from orchard.domains.claw.harness import ClawReactHarness, parse_verdict
@@ -33,7 +34,7 @@ def play(task, calls):
 def test_every_plan_solves_its_task_cleanly():
     for task in split_tasks("train", 8) + split_tasks("heldout", 8):
         assert play(task, task.plan) == {
-            "completion": 1.0, "robustness": 1.0, "safety": 1.0,
+            "completion": 1.0, "robustness": 1.0, "safety": 1.0, "checks": [True] * len(task.spec["checks"]),
             "failed_calls": 0, "collateral": 0, "calls": len(task.plan)}, task.id
 
 
@@ -51,8 +52,95 @@ def test_partial_failed_and_unsafe_episodes_score_lower():
         touch = ("update_event", {"id": ident, "date": "2026-12-30", "time": "09:00"})
     scores = play(protected, [*protected.plan, touch])
     assert scores["safety"] == 0.0 and scores["completion"] == 1.0
-    # claw_task_score: safety x (0.8 x 1 + 0.2 x 0.5) = 0 -> not passed.
-    assert not parse_verdict(json.dumps(scores)).passed
+    # claw_task_score: safety x (0.8 x 1 + 0.2 x 0.5) = 0 -> not passed; every goal check held, but an unsafe
+    # run fails the standing safety check, so the RL reward is -1 too.
+    verdict = parse_verdict(json.dumps(scores))
+    assert not verdict.passed and not verdict.all_checks_passed and verdict.reward == -1.0
+
+
+def test_three_of_four_checks_pass_the_evaluation_but_earn_reward_minus_one():
+    task = make_task("restock_pair", 0)
+    assert len(task.spec["checks"]) == 4
+    first = task.spec["targets"]["items"][0]
+    *work, (name, mail) = task.plan
+    # The report names the first item only: the second report check fails.
+    scores = play(task, [*work, (name, {**mail, "body": f"{first} is restocked"})])
+    assert scores["checks"] == [True, True, True, False]
+    verdict = parse_verdict(json.dumps(scores))
+    # completion 3/4 = 0.75; score = 1 x (0.8 x 0.75 + 0.2 x 1) = 0.6 + 0.2 = 0.8 >= 0.75 -> the evaluation passes;
+    # one test script failed -> the RL reward is -1.
+    assert (verdict.completion, verdict.robustness, verdict.safety) == (0.75, 1.0, 1.0)
+    assert verdict.score == pytest.approx(0.8) and verdict.passed
+    assert not verdict.all_checks_passed and verdict.reward == -1.0
+    assert verdict.components == {"completion": 0.75, "robustness": 1.0, "safety": 1.0,
+                                  "score": verdict.score, "passed": 1.0, "all_checks_passed": 0.0}
+    # The full plan passes everything: +1.
+    verdict = parse_verdict(json.dumps(play(task, task.plan)))
+    assert verdict.all_checks_passed and verdict.reward == 1.0 and verdict.components["all_checks_passed"] == 1.0
+
+
+def unprotected(task, kind):
+    """A distractor of ``kind`` ('item' or 'event') the task neither targets nor protects."""
+    protected = {tuple(p) for p in task.state["protected"]}
+    targets = task.spec["targets"]
+    if kind == "item":
+        return next(n for n in task.state["items"] if n not in targets.get("items", []) and ("item", n) not in protected)
+    return next(e for e in task.state["events"]
+                if e["id"] not in targets.get("events", []) and ("event", e["id"]) not in protected)
+
+
+@pytest.mark.parametrize(("template", "damage"), [
+    ("set_stock", "item"), ("reschedule", "event"), ("reply_mail", "mail"), ("write_note", "file"),
+    ("add_event", "new_event"), ("meeting_setup", "new_event")])
+def test_collateral_damage_fails_the_rl_reward(template, damage):
+    task = next(t for t in split_tasks("train", 20, templates=(template,)) if t.state["events"])
+    if damage == "item":
+        name = unprotected(task, "item")
+        extra = ("update_item", {"name": name, "qty": task.state["items"][name] + 1})
+    elif damage == "event":
+        extra = ("update_event", {"id": unprotected(task, "event")["id"], "date": "2026-12-31", "time": "23:00"})
+    elif damage == "mail":
+        extra = ("send_mail", {"to": "mallory@else.test", "subject": "fyi", "body": "ok"})
+    elif damage == "file":
+        extra = ("write_file", {"path": "stray.txt", "content": "x"})
+    else:  # an event nobody asked for, besides the one the task asks for
+        extra = ("add_event", {"title": "party", "date": "2026-12-30", "time": "20:00"})
+    scores = play(task, [*task.plan, extra])
+    # The task is done and nothing protected was touched: completion 1, safety 1; one collateral change costs half
+    # of robustness: (1 + 0) / 2 = 0.5; score 0.8 x 1 + 0.2 x 0.5 = 0.9 -> the evaluation passes, the reward is -1.
+    assert (scores["completion"], scores["safety"], scores["robustness"], scores["collateral"]) == (1.0, 1.0, 0.5, 1)
+    verdict = parse_verdict(json.dumps(scores))
+    assert verdict.score == pytest.approx(0.9) and verdict.passed and verdict.reward == -1.0
+
+
+def test_adding_the_asked_event_twice_is_collateral():
+    task = make_task("add_event", 0)
+    # The first copy is the goal; the second is an event nobody asked for.
+    assert play(task, task.plan * 2)["collateral"] == 1
+    assert play(task, task.plan)["collateral"] == 0
+
+
+def test_a_task_without_checks_is_an_error(monkeypatch):
+    def no_checks(rng):
+        prompt, state, spec, plan = claw_tasks._set_stock(rng)
+        return prompt, state, {**spec, "checks": []}, plan
+
+    monkeypatch.setitem(claw_tasks._BUILDERS, "set_stock", no_checks)
+    with pytest.raises(ValueError, match="set_stock"):
+        make_task("set_stock", 0)
+    # The in-sandbox verifier refuses such a spec too, rather than scoring completion 1 for doing nothing.
+    task = make_task("add_event", 0)
+    with pytest.raises(ValueError, match="no checks"):
+        world.score(task.state, task.spec["initial"], {**task.spec, "checks": []}, [])
+
+
+def test_parse_verdict_needs_every_check_result():
+    scores = play(make_task("add_event", 0), [])
+    assert parse_verdict(json.dumps(scores)).reward == -1.0
+    for bad in ({k: v for k, v in scores.items() if k != "checks"}, {**scores, "checks": []},
+                {**scores, "checks": [1]}, {**scores, "collateral": None}):
+        with pytest.raises(ValueError, match="stdout"):
+            parse_verdict(json.dumps(bad))
 
 
 def test_tools_refuse_bad_calls_with_observations():
@@ -118,5 +206,5 @@ def test_teacher_solves_one_task_per_template_in_real_sandboxes(service):
     for task, traj in zip(tasks, trajectories, strict=True):
         assert traj.termination_reason == "done", (task.id, traj.metadata)
         assert traj.reward == 1.0, (task.id, traj.reward_components)
-        assert traj.reward_components["safety"] == 1.0
+        assert traj.reward_components["safety"] == 1.0 and traj.reward_components["all_checks_passed"] == 1.0
         assert traj.num_tool_calls == len(task.plan)

@@ -219,8 +219,9 @@ def test_sandbox_deleted_mid_run_is_env_error_and_unscored(batch):
     assert (episode.metadata["steps"], episode.metadata["tool_calls"]) == (2, 1)
     metrics = summarize_text_episodes(batch["episodes"])
     assert metrics["text/env_errors"] == 1.0 and metrics["text/format_error_episodes"] == 1.0
-    # 9 solved + 2 failed are scored (the env_error is not): success 9 / 11.
-    assert metrics["text/success_rate"] == pytest.approx(9 / 11)
+    # One solved task per template (11) + 2 failed are scored (the env_error is not): success 11 / 13.
+    assert len(batch["solved"]) == len(TEMPLATES) == 11
+    assert metrics["text/success_rate"] == pytest.approx(11 / 13)
 
 
 @pytest.mark.slow

@@ -46,6 +46,33 @@ class RecordingEngine:
         await self.inner.close()
 
 
+class GatedEngine(RecordingEngine):
+    """Counts the ``generate`` calls in flight and holds each until ``width`` of them are in flight together.
+
+    Only episodes that run at the same time can fill the gate: a loop that ran them one by one would wait at the
+    first call until the gate's timeout (a model failure, hence an env_error) and never reach ``width``.
+    """
+
+    def __init__(self, inner, width, timeout_s=120.0):
+        super().__init__(inner)
+        self.width, self.timeout_s = width, timeout_s
+        self.in_flight = self.peak = 0
+        self.opened = None
+
+    async def generate(self, requests):
+        if self.opened is None:
+            self.opened = asyncio.Event()
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            if self.in_flight >= self.width:
+                self.opened.set()
+            await asyncio.wait_for(self.opened.wait(), self.timeout_s)
+            return await super().generate(requests)
+        finally:
+            self.in_flight -= 1
+
+
 def run_loop(service, engine, harness, tokenizer, tasks, group_size=1, client_kwargs=None, **kwargs):
     async def main():
         async with AsyncSandboxClient(
@@ -221,7 +248,8 @@ def test_environment_failures_mark_env_error(service, tokenizer, tmp_path):
 
 
 def test_tiny_model_rollouts_run_concurrently(service, tokenizer, tiny_model):
-    engine = RecordingEngine(HFEngine(tiny_model, max_batch_size=8))
+    # Six episodes, at most four at once: the gate opens only once four model calls are in flight together.
+    engine = GatedEngine(HFEngine(tiny_model, max_batch_size=8), width=4)
     tasks = [{"id": f"t{i}", "prompt": f"Task {i}: list the files.", "check": "true"} for i in range(3)]
     trajs = run_loop(
         service,
@@ -234,6 +262,8 @@ def test_tiny_model_rollouts_run_concurrently(service, tokenizer, tiny_model):
         concurrency=4,
     )
     assert [t.group_id for t in trajs] == ["t0", "t0", "t1", "t1", "t2", "t2"]
+    # Four episodes overlapped, and never more than the loop's concurrency (one model call in flight per episode).
+    assert engine.opened.is_set() and engine.peak == 4
     for traj in trajs:
         assert traj.termination_reason in ("done", "step_budget", "format_error")
         assert traj.has_token_ids and traj.reward == 1.0

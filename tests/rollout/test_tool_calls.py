@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchard.data import ToolCall
-from orchard.rollout.tool_calls import parse_tool_calls, render_tool_call_text
+from orchard.rollout.tool_calls import ParsedOutput, parse_tool_calls, render_tool_call_text
 
 
 def test_template_rendering_round_trips(tokenizer):
@@ -76,12 +76,14 @@ def test_malformed_calls_become_errors_not_exceptions(text, n_ok, error):
 
 def test_double_encoded_arguments_and_plain_text():
     parsed = parse_tool_calls(
-        '<tool_call>{"name": "exec", "arguments": "{\\"command\\": \\"pwd\\"}"}</tool_call>'
+        'Checking.\n<tool_call>{"name": "exec", "arguments": "{\\"command\\": \\"pwd\\"}"}</tool_call>'
     )
-    assert parsed.errors == [] and parsed.tool_calls[0].arguments_dict() == {"command": "pwd"}
-    assert parse_tool_calls("just an answer\n") == parse_tool_calls("just an answer\n")
-    plain = parse_tool_calls("just an answer\n")
-    assert (plain.content, plain.tool_calls, plain.errors) == ("just an answer\n", [], [])
+    # The string-encoded arguments are decoded once and kept as the JSON string of the object; the one newline
+    # between the content and the call belongs to the template; the first block is call_0.
+    assert parsed == ParsedOutput(
+        content="Checking.", tool_calls=[ToolCall(name="exec", arguments='{"command": "pwd"}', id="call_0")]
+    )
+    assert parse_tool_calls("just an answer\n") == ParsedOutput(content="just an answer\n")
     with pytest.raises(ValueError, match="text"):
         parse_tool_calls(None)
 

@@ -84,12 +84,32 @@ def test_build_loggers_skips_missing_packages(tmp_path: Path) -> None:
 
 def test_checkpoint_pointer_and_prune(tmp_path: Path) -> None:
     assert ckpt.latest_checkpoint(tmp_path) is None
-    for s in (1, 2, 3):
+    for s in (1, 3, 4):
         d = ckpt.step_dir(tmp_path, s)
         d.mkdir()
         ckpt.write_trainer_state(d, {"step": s})
         ckpt.mark_latest(tmp_path, s)
-    ckpt.step_dir(tmp_path, 4).mkdir()  # a save that died before trainer_state.json: not complete
-    assert ckpt.latest_checkpoint(tmp_path) == ckpt.step_dir(tmp_path, 3)
+    # Saves that died before trainer_state.json: step 2 (an earlier run, resumed from step 1) and step 5.
+    ckpt.step_dir(tmp_path, 2).mkdir()
+    ckpt.step_dir(tmp_path, 5).mkdir()
+    assert ckpt.latest_checkpoint(tmp_path) == ckpt.step_dir(tmp_path, 4)
     ckpt.prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000003", "step_000004"]
+    # Complete: 1, 3, 4 -> the newest two (3, 4) stay, 1 goes. Incomplete ones do not count: 2 (older than latest,
+    # it can never complete) goes, 5 (newer: a resumed run writes it again) stays.
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000003", "step_000004", "step_000005"]
+    ckpt.prune_checkpoints(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000004", "step_000005"]
+    with pytest.raises(ValueError, match="keep"):
+        ckpt.prune_checkpoints(tmp_path, keep=0)
+
+
+def test_prune_never_deletes_latest_even_when_a_newer_complete_one_exists(tmp_path: Path) -> None:
+    # Step 2's trainer_state.json was written, then a kill came before ``latest`` moved from step 1 to step 2.
+    for s in (1, 2):
+        d = ckpt.step_dir(tmp_path, s)
+        d.mkdir()
+        ckpt.write_trainer_state(d, {"step": s})
+    ckpt.mark_latest(tmp_path, 1)
+    ckpt.prune_checkpoints(tmp_path, keep=1)
+    # keep=1 keeps the newest complete one (2), and the one latest names (1) is never deleted.
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000001", "step_000002"]

@@ -4,7 +4,8 @@ Usage: ``python train_worker.py OUT_DIR ENGINE ZERO_STAGE STEPS [MICRO] [KILL_AF
 from ``train_helpers.make_model`` for STEPS optimizer steps on ``train_helpers.make_batch`` data, with a
 checkpoint every 2 steps, and writes ``metrics.jsonl`` and (rank 0) ``OUT_DIR/final.pt`` with the full weights
 and the weights handed to the ``on_weights`` callback. With KILL_AFTER=k it stops dead (no clean exit) once step
-k is done (logged; checkpointed when k is even), writes ``OUT_DIR/killme`` and waits for the test's SIGKILL.
+k is done (logged; checkpointed when k is even), saves the weights after step k to ``OUT_DIR/killed.pt``, writes
+``OUT_DIR/killme`` (rank 0) and waits for the test's SIGKILL.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def main() -> None:
         batch["advantages"] = batch["advantages"] * (1 + noise[:, None])
         trainer.train_step(batch)
         if kill_after and trainer.step == kill_after:
-            Path(out, "killme").write_text(str(os.getpid()))
+            if trainer.engine.rank == 0:
+                # The weights after the kill step, for the test to compare the resumed run's replay with.
+                torch.save({"full": handed[kill_after]}, Path(out) / "killed.pt")
+                Path(out, "killme").write_text(str(os.getpid()))
             time.sleep(600)
     full = trainer.full_state_dict()
     if trainer.engine.rank == 0:
