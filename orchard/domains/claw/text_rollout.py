@@ -154,8 +154,9 @@ async def run_text_episodes(
     """Play ``group_size`` episodes of every task through the text-harness program; verify; return them.
 
     Episode ``i`` plays ``tasks[i // group_size]`` (group member ``i % group_size``); its proxy session and its
-    sandbox are both named ``f"{run_id}-{i}"``. Results come in that order, one `Trajectory` each: reward +1 / -1
-    from the verifier (None for ``env_error``), ``reward_components`` the verdict's parts, ``samples`` the proxy's
+    sandbox are both named ``f"{run_id}-{i}"``. Results come in that order, one `Trajectory` each: reward +1 when
+    every check passed, else -1 (the verifier's RL reward; None for ``env_error``), ``reward_components`` the
+    verdict's parts (``passed`` is the evaluation's task-score rule, which `Trajectory.passed` reads), ``samples`` the proxy's
     training samples (one per recorded call; `orchard.data.merge_prefix_samples` chains them), and
     ``metadata`` with ``harness="text"``, ``session_id``, ``group_index``, ``steps``, ``format_errors``,
     ``tool_calls``, ``error``, ``wall_s`` and ``recorded_calls``.
