@@ -77,6 +77,8 @@ def make_engine(cfg: ModelConfig, model: Any, tokenizer: Any, *, seed: int) -> A
 
 
 def save_policy(model: Any, tokenizer: Any, path: str | Path) -> None:
-    """A checkpoint ``ModelConfig.path`` can load (e.g. to start RL from the SFT model with ``sft.enabled=false``)."""
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    """A checkpoint ``ModelConfig.path`` can load (e.g. to start RL from the SFT model with ``sft.enabled=false``);
+    saved quietly, without importing DeepSpeed on the plain engine (`orchard.train.model.save_causal_lm`)."""
+    from orchard.train.model import save_causal_lm
+
+    save_causal_lm(model, path, tokenizer)
