@@ -42,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from orchard._extras import requires_extra
 from orchard.data import Trajectory, collate, merge_prefix_samples, render_trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.claw.corpus import tokenizer_corpus
@@ -494,10 +495,11 @@ def print_table(results: dict[str, dict[str, dict[str, float]]], attempts: int) 
 
 
 def plot_curve(curve: list[dict[str, float]], results: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    with requires_extra("plot"):
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(10, 4))
     sft = [p for p in curve if p["stage"] == 0.0]

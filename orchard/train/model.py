@@ -7,7 +7,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from orchard._extras import requires_extra
+
+with requires_extra("train"):
+    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 __all__ = ["DTYPES", "best_attn_implementation", "load_causal_lm"]
 

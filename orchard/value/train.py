@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from orchard._extras import requires_extra
 from orchard.data import RenderedSample, collate
 from orchard.value.gae import gae, terminal_rewards
 from orchard.value.model import ValueModel
@@ -225,7 +226,8 @@ class ValueTrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Build the pool, render, train, save, and (with ``eval_data``) report reranking; returns the report."""
-    from transformers import AutoTokenizer
+    with requires_extra("train"):
+        from transformers import AutoTokenizer
 
     from orchard.data import read_jsonl, render_trajectory
     from orchard.train.config import load_config

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchard._extras import requires_extra
 from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.claw.harness import prepare_sandbox, verify_sandbox
 from orchard.domains.claw.tasks import ClawTask
@@ -117,7 +118,8 @@ class TextEpisode:
 
 def _quiet_server(app: Any, shutdown_timeout_s: int) -> Any:
     """A uvicorn server that leaves the process's signal handlers alone (Ctrl-C stays the caller's)."""
-    import uvicorn
+    with requires_extra("all"):
+        import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
