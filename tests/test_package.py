@@ -1,7 +1,13 @@
+import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import orchard
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_version_and_typed_marker():
@@ -15,3 +21,36 @@ def test_cli_help_runs():
     out = subprocess.run([sys.executable, "-m", "orchard", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "usage: orchard" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("resolved", "without_cuda"),
+    [
+        (["torch", "filelock", "sympy"], True),  # a CPU wheel (a configured local one, or PyPI off Linux)
+        (["torch", "nvidia-cublas", "nvidia-cudnn-cu13"], False),  # PyPI's Linux torch: use the CPU index
+        (None, False),  # pip could not resolve it at all: the CPU index is the remaining way
+    ],
+)
+def test_setup_takes_the_cpu_index_only_when_torch_would_bring_cuda(tmp_path, resolved, without_cuda):
+    # scripts/setup's resolves_without_cuda with a stand-in interpreter: `-m pip` writes the report pip would
+    # (or fails), `-c` runs the real Python, so nothing is resolved or downloaded here.
+    report = {"install": [{"metadata": {"name": name}} for name in resolved or []]}
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = -m ]; then\n'
+        f"  {'exit 1' if resolved is None else ''}\n"
+        '  while [ "$1" != --report ]; do shift; done\n'
+        f"  printf '%s' '{json.dumps(report)}' > \"$2\"\n"
+        "  exit 0\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    script = (
+        f"VPY={fake}\n"
+        "eval \"$(sed -n '/^TORCH_CPU=/,/^}/p' scripts/setup)\"\n"
+        "resolves_without_cuda\n"
+    )
+    out = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert (out.returncode == 0) is without_cuda, out.stderr

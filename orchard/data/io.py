@@ -31,8 +31,11 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, cast
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from orchard._extras import requires_extra
+
+with requires_extra("data"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
 from orchard.data.schema import Trajectory, trajectory_list
 
@@ -155,7 +158,8 @@ def read_parquet(path: str | os.PathLike[str]) -> list[Trajectory]:
 
 def to_hf_dataset(trajs: Iterable[Trajectory]) -> Any:
     """A ``datasets.Dataset`` with the table layout of the module docstring (one row per trajectory)."""
-    import datasets
+    with requires_extra("data"):
+        import datasets
 
     return datasets.Dataset(trajectories_to_table(trajs))
 
@@ -163,7 +167,8 @@ def to_hf_dataset(trajs: Iterable[Trajectory]) -> Any:
 def from_hf_dataset(dataset: Any) -> list[Trajectory]:
     """Trajectories from a ``datasets.Dataset`` with the table layout (e.g. made by :func:`to_hf_dataset`, or
     loaded with ``datasets.load_dataset("parquet", ...)`` from :func:`write_parquet` files)."""
-    import datasets
+    with requires_extra("data"):
+        import datasets
 
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(f"dataset must be a datasets.Dataset, got {type(dataset).__name__}")

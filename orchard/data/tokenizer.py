@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from orchard._extras import requires_extra
+
+with requires_extra("data"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """Control tokens: padding, turn start, turn end (= eos)."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchard._extras import requires_extra
 from orchard.env.backends.base import Backend
 
 API_KEY_ENV = "ORCHARD_ENV_API_KEY"
@@ -120,7 +121,8 @@ def _run(main: Any) -> None:
 
 def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any], log_level: str,
             allow_weak_isolation: bool) -> Any:
-    import uvicorn
+    with requires_extra("env"):
+        import uvicorn
 
     from orchard.env.orchestrator import Orchestrator
     from orchard.env.server import create_app

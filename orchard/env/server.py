@@ -26,10 +26,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Query, Request, Security, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse
-from fastapi.security import APIKeyHeader
-from pydantic import BaseModel, Field
+from orchard._extras import requires_extra
+
+with requires_extra("env"):
+    from fastapi import Depends, FastAPI, Header, Query, Request, Security, WebSocket, WebSocketDisconnect
+    from fastapi.responses import JSONResponse
+    from fastapi.security import APIKeyHeader
+    from pydantic import BaseModel, Field
 
 from orchard.env.backends.base import ExecResult, FileInfo
 from orchard.env.errors import AuthError, BadRequestError, SandboxError, ServiceUnavailable

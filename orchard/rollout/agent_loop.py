@@ -36,7 +36,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import httpx
+from orchard._extras import requires_extra
+
+with requires_extra("rollout"):
+    import httpx
 
 from orchard.data import Message, Trajectory
 from orchard.env.errors import SandboxError
@@ -436,7 +439,8 @@ class AgentLoop:
             raise ValueError(f"tasks must be a sequence, got {type(tasks).__name__}")
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        from tqdm.auto import tqdm
+        with requires_extra("rollout"):
+            from tqdm.auto import tqdm
 
         semaphore = asyncio.Semaphore(self.concurrency)
         jobs = [(i, task) for i, task in enumerate(tasks) for _ in range(group_size)]

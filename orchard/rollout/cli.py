@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+from pathlib import Path
 from typing import Any
+
+from orchard._extras import requires_extra
 
 READY_PREFIX = "ORCHARD_MODEL_URL="
 
@@ -19,12 +22,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Serves /v1/chat/completions (tools, tool_calls, logprobs, token ids as vLLM), "
         f"/v1/completions, /v1/models, /health. Prints {READY_PREFIX}http://host:port once it listens.",
     )
-    serve.add_argument("--model", required=True, help="a HF model directory, or 'tiny' (random tiny Qwen3)")
-    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    serve.add_argument("--model", required=True, help="a local HF model directory, or 'tiny' (a random tiny Qwen3)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind")
     serve.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    serve.add_argument("--model-name", default=None, help="the id /v1/models lists (default: --model)")
-    serve.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0 (default: cpu)")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--model-name", default=None, help="the id /v1/models lists (default: the --model value)")
+    serve.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="weights' dtype")
     serve.add_argument("--max-batch-size", type=int, default=32, help="rows per forward batch")
     serve.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of chat requests")
     serve.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
@@ -33,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         action="store_true",
         help="serve POST /update_weights {path} (reads checkpoints from this machine)",
     )
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
     serve.set_defaults(func=_serve_model)
 
     proxy = subparsers.add_parser(
@@ -44,47 +48,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         f"Prints {READY_PREFIX}http://host:port once it listens.",
     )
     proxy.add_argument("--upstream", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
-    proxy.add_argument("--host", default="127.0.0.1")
-    proxy.add_argument("--port", type=int, default=8001)
-    proxy.add_argument("--log-level", default="warning")
+    proxy.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    proxy.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
+    proxy.add_argument("--log-level", default="warning", help="uvicorn's log level")
     proxy.set_defaults(func=_serve_proxy)
 
 
-def tiny_model_and_tokenizer(seed: int = 0) -> tuple[Any, Any]:
-    """A random tiny Qwen3 (hidden 64, 2 layers) with the offline chat tokenizer: for smoke tests and demos."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from orchard.data.tokenizer import build_chat_tokenizer
-
-    tokenizer = build_chat_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    return model.float().eval(), tokenizer
-
-
 def load_model_and_tokenizer(name: str, *, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
-    """``tiny``, or a local HF model directory (nothing is downloaded: ``local_files_only``)."""
+    """``tiny`` (``orchard.models.tiny_chat_model``), or a local HF model directory (nothing is downloaded)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name == "tiny":
-        model, tokenizer = tiny_model_and_tokenizer()
+        from orchard.models import tiny_chat_model
+
+        model, tokenizer = tiny_chat_model()
         return model.to(device=device, dtype=getattr(torch, dtype)), tokenizer
+    if not Path(name).is_dir():
+        # Checked here: transformers would take the path for a hub repo id and fail with a page of traceback.
+        raise ValueError(f"--model {name!r} is not a directory; give a local HF model directory or 'tiny'")
+    with requires_extra("rollout"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), local_files_only=True)
     return model.to(device).eval(), tokenizer
@@ -95,13 +79,18 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     return sock
 
 
 def run_app(app: Any, host: str, port: int, log_level: str = "warning") -> None:
     """Serve ``app`` in the foreground; prints ``ORCHARD_MODEL_URL=...`` once it listens."""
-    import uvicorn
+    with requires_extra("rollout"):
+        import uvicorn
 
     sock = _bind(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from orchard._extras import requires_extra
 from orchard.rollout.engine import (
     Completion,
     GenerateRequest,
@@ -312,7 +313,8 @@ class HFEngine:
         return next_B
 
     def _new_cache(self) -> Any:
-        from transformers import DynamicCache
+        with requires_extra("rollout"):
+            from transformers import DynamicCache
 
         return DynamicCache(config=getattr(self.model, "config", None))
 

@@ -19,7 +19,10 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
+from orchard._extras import requires_extra
+
+with requires_extra("rollout"):
+    import httpx
 
 from orchard.rollout.engine import Completion, GenerateRequest, GenerateResult, validate_requests
 

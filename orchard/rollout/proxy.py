@@ -26,10 +26,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+
+from orchard._extras import requires_extra
+
+with requires_extra("rollout"):
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
 
 from orchard.data import RenderedSample, RenderReport
 from orchard.rollout.engine import Engine

@@ -26,8 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from orchard._extras import requires_extra
+
+with requires_extra("rollout"):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
 
 from orchard.rollout.engine import Completion, Engine, GenerateRequest, SamplingParams
 from orchard.rollout.tool_calls import parse_tool_calls
@@ -163,7 +166,8 @@ def load_state_dict_file(path: str | Path) -> dict[str, Any]:
     """Read weights for ``/update_weights``: a ``.safetensors`` file, a torch ``.pt``/``.bin`` state dict, or a
     directory of ``*.safetensors`` shards (as ``save_pretrained`` writes)."""
     import torch
-    from safetensors.torch import load_file
+    with requires_extra("rollout"):
+        from safetensors.torch import load_file
 
     path = Path(path)
     if path.is_dir():
@@ -437,7 +441,8 @@ def serve_in_thread(
 
     ``port=0`` picks a free port. The server is shut down (and the thread joined) on exit.
     """
-    import uvicorn
+    with requires_extra("rollout"):
+        import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)

@@ -13,12 +13,15 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from orchard._extras import requires_extra
+
 __all__ = ["serve_app"]
 
 
 def _quiet_server(app: Any, shutdown_timeout_s: int) -> Any:
     """A uvicorn server that leaves the process's signal handlers alone (Ctrl-C stays the caller's)."""
-    import uvicorn
+    with requires_extra("rollout"):
+        import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager

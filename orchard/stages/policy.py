@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from orchard._extras import requires_extra
+
 __all__ = ["ModelConfig", "load_policy", "make_engine", "save_policy"]
 
 
@@ -48,7 +50,8 @@ def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[
     """``(model, tokenizer)``: from ``cfg.path``, or a tiny random Qwen3 with an offline tokenizer trained on
     ``corpus`` (the domain's text)."""
     if cfg.path is not None:
-        from transformers import AutoTokenizer
+        with requires_extra("train"):
+            from transformers import AutoTokenizer
 
         from orchard.train.model import load_causal_lm
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orchard._extras import requires_extra
 from orchard.train.metrics import JsonlLogger
 
 __all__ = ["RunLog", "plot_learning_curve"]
@@ -42,12 +43,11 @@ def plot_learning_curve(sft_history: Sequence[Mapping[str, float]], rl_history: 
                         results: Mapping[str, Mapping[str, Mapping[str, float]]], path: str | Path) -> None:
     """SFT loss per step (left); RL success per step over the episodes that trained and, where they differ
     (BAR), over every episode generated, with the held-out success of each stage as lines (right)."""
-    try:
+    with requires_extra("plot"):
         import matplotlib
-    except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install 'orchard[plot]'") from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(10, 4))
     ax_sft.plot(range(1, len(sft_history) + 1), [m["loss/total"] for m in sft_history])

@@ -38,7 +38,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-import yaml
+from orchard._extras import requires_extra
+
+with requires_extra("train"):
+    import yaml
 
 T = TypeVar("T")
 

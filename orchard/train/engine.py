@@ -26,6 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from orchard._extras import requires_extra
+
 __all__ = [
     "DeepSpeedTrainEngine",
     "PlainEngine",
@@ -155,7 +157,8 @@ def init_distributed() -> tuple[int, int]:
     Under ``torchrun`` the environment names the rank and world; a bare single process gets a one-rank group on
     loopback. The backend is NCCL on CUDA and gloo on CPU.
     """
-    import deepspeed
+    with requires_extra("train"):
+        import deepspeed
 
     if not torch.distributed.is_initialized():
         if "RANK" not in os.environ:
@@ -176,7 +179,8 @@ class DeepSpeedTrainEngine:
         scheduler: LambdaLR,
         config: dict[str, Any],
     ) -> None:
-        import deepspeed
+        with requires_extra("train"):
+            import deepspeed
 
         self.rank, self.world_size = init_distributed()
         self.zero_stage = int(config.get("zero_optimization", {}).get("stage", 0))
@@ -219,7 +223,8 @@ class DeepSpeedTrainEngine:
             for name, param in self.module.named_parameters():
                 yield name, param.detach().to("cpu", copy=True)
             return
-        import deepspeed
+        with requires_extra("train"):
+            import deepspeed
 
         # One parameter at a time, so the full model never needs to fit on one device at once.
         for name, param in self.module.named_parameters():

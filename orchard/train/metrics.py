@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from orchard._extras import requires_extra
+
 __all__ = [
     "LOGGER_NAMES",
     "JsonlLogger",
@@ -125,7 +127,8 @@ class ProgressLogger:
 
     def __init__(self, total_steps: int, *, keys: Sequence[str] = ("loss/total", "lr", "grad_norm"),
                  start_step: int = 0) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        with requires_extra("train"):
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._keys = tuple(keys)
         self._progress = Progress(

@@ -10,7 +10,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from orchard._extras import requires_extra
+
+with requires_extra("train"):
+    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "DTYPES",

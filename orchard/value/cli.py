@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from orchard._extras import requires_extra
+
 __all__ = ["ValueTrainConfig", "main", "run"]
 
 
@@ -103,7 +105,8 @@ def _check(cfg: ValueTrainConfig) -> None:
 
 def _prepare(cfg: ValueTrainConfig) -> dict[str, Any]:
     """Check the settings, load the tokenizer and the pool, render; every failure here is a usage error."""
-    from transformers import AutoTokenizer
+    with requires_extra("train"):
+        from transformers import AutoTokenizer
 
     from orchard.data import read_jsonl, render_trajectory
     from orchard.value.pool import build_value_pool

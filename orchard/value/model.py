@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+
+from orchard._extras import requires_extra
+
+with requires_extra("train"):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
 from orchard.value.steps import gather_step_values
 

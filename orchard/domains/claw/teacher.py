@@ -13,7 +13,10 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from orchard._extras import requires_extra
+
+with requires_extra("all"):
+    from transformers import PreTrainedTokenizerBase
 
 from orchard.domains.claw.convention import FINAL_TEXT, TEXT_SYSTEM, format_text_action
 from orchard.domains.claw.tasks import ClawTask

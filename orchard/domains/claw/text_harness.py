@@ -37,7 +37,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+from orchard._extras import requires_extra
+
+with requires_extra("all"):
+    import httpx
 
 from orchard.domains.claw.convention import TEXT_SYSTEM, ToolProgramError, parse_text_action, run_tool
 from orchard.env import AsyncSandboxClient, RetryPolicy, SandboxError

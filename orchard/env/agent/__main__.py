@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from orchard._extras import requires_extra
 from orchard.env.agent.core import SandboxAgent
 from orchard.env.agent.files import Workspace
 from orchard.env.agent.isolation import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, probe_bubblewrap
@@ -66,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
+    with requires_extra("env"):
+        import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)

@@ -32,9 +32,12 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response, WebSocket
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from orchard._extras import requires_extra
+
+with requires_extra("env"):
+    from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response, WebSocket
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel, Field
 
 from orchard.env.agent.core import SandboxAgent
 from orchard.env.backends.base import ExecRequest, ExecResult, PathEscapeError

@@ -13,7 +13,10 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
-import httpx
+from orchard._extras import requires_extra
+
+with requires_extra("env"):
+    import httpx
 
 from orchard.env.errors import SandboxError, ServiceUnavailable, error_for_status
 

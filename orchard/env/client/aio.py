@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
+from orchard._extras import requires_extra
+
+with requires_extra("env"):
+    import httpx
 
 from orchard.env.client._common import (
     OPEN_SANDBOXES,
@@ -43,7 +46,8 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     """What an attempt raises when no answer came (connection refused, reset or dropped, read timeout): retried.
     aiohttp is imported here, on first use, not with `orchard.env` (it costs ~0.1 s to import); HTTP error
     statuses are answers, not exceptions (`raise_for_status=False`)."""
-    import aiohttp
+    with requires_extra("env"):
+        import aiohttp
 
     return (httpx.TransportError, aiohttp.ClientError, OSError, TimeoutError)
 
@@ -108,7 +112,8 @@ class AsyncSandboxClient:
     def _new_session(self) -> aiohttp.ClientSession:
         # A session belongs to the loop it was made in: a client used again under a new asyncio.run gets a
         # new one (the old loop, and its connections, are gone).
-        import aiohttp
+        with requires_extra("env"):
+            import aiohttp
 
         # Idle connections are closed after 4 s, before a server's own keep-alive timeout (uvicorn's default is
         # 5 s) can close one under a request about to be sent on it.
@@ -126,7 +131,8 @@ class AsyncSandboxClient:
         # between bytes of the answer and for a free connection; no bound on the whole exchange.
         timeout = self._timeouts.get(read_timeout)
         if timeout is None:
-            import aiohttp
+            with requires_extra("env"):
+                import aiohttp
 
             timeout = aiohttp.ClientTimeout(total=None, connect=read_timeout, sock_connect=10.0,
                                             sock_read=read_timeout)
@@ -403,7 +409,8 @@ class AsyncPtyProcess:
     @classmethod
     async def connect(cls, url: str, api_key: str | None, init: dict[str, Any],
                       connect_timeout: float) -> AsyncPtyProcess:
-        from websockets.asyncio.client import connect
+        with requires_extra("env"):
+            from websockets.asyncio.client import connect
 
         self = cls()
         headers = {"X-API-Key": api_key} if api_key else {}

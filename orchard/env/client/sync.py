@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from orchard._extras import requires_extra
+
+with requires_extra("env"):
+    import httpx
 
 from orchard.env.client._common import (
     OPEN_SANDBOXES,
@@ -344,7 +347,8 @@ class PtyProcess:
     """A terminal in a sandbox over the service's WebSocket (the API key travels in a header)."""
 
     def __init__(self, url: str, api_key: str | None, init: dict[str, Any], connect_timeout: float) -> None:
-        from websockets.sync.client import connect
+        with requires_extra("env"):
+            from websockets.sync.client import connect
 
         headers = {"X-API-Key": api_key} if api_key else {}
         self._ws = connect(url, additional_headers=headers, open_timeout=connect_timeout, max_size=1 << 24,
