@@ -21,7 +21,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Runs the Orchard-Env-compatible sandbox API. Once it listens it prints "
         "SANDBOX_BASE_URL=... and SANDBOX_API_KEY=... lines: export them, and the clients "
         "(SandboxClient, AsyncSandboxClient) find the service.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind")
     serve.add_argument("--port", type=int, default=0, help="port (0: any free port)")
