@@ -58,7 +58,7 @@ def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[
         tokenizer = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
         return load_causal_lm(cfg.path, dtype=cfg.dtype), tokenizer
     from orchard.data.tokenizer import build_chat_tokenizer
-    from orchard.train.tiny import tiny_qwen3
+    from orchard.models import tiny_qwen3
 
     tokenizer = build_chat_tokenizer(list(corpus), vocab_size=cfg.vocab_size, split_words=cfg.split_words)
     h = cfg.hidden_size
