@@ -78,6 +78,15 @@ def test_value_loss_hand_computed_and_clipped() -> None:
     # Clipped: old 0.5, eps 0.2 -> clip(1.0) = 0.7; max(1, 0.49) = 1 -> same loss.
     loss_c, _ = value_loss(v, r, m, old_values=torch.tensor([[0.5, 2.0, 0.0]]), clip_range=0.2)
     assert float(loss_c.detach()) == pytest.approx(0.25)
+    # Where the clip binds: target 2, old 0.5, V 1.0 -> clip(V) = 0.7; max((1-2)^2, (0.7-2)^2) = max(1, 1.69)
+    # = 1.69, so the loss is 0.5 * (1.69 + 0) / 2 = 0.4225 and V gets no gradient (the clamp is saturated).
+    # A value_loss that ignored old_values would give 0.5 * 1 / 2 = 0.25 and gradient -0.5.
+    v_b = torch.tensor([[1.0, 2.0, 9.0]], requires_grad=True)
+    loss_b, _ = value_loss(v_b, torch.tensor([[2.0, 2.0, 0.0]]), m, old_values=torch.tensor([[0.5, 2.0, 0.0]]),
+                           clip_range=0.2)
+    assert float(loss_b.detach()) == pytest.approx(0.4225)
+    loss_b.backward()
+    assert v_b.grad.tolist() == [[0.0, 0.0, 0.0]]
     with pytest.raises(ValueError, match="clip_range"):
         value_loss(v, r, m, clip_range=0.2)
 
