@@ -10,7 +10,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 
 - configs: `RolloutConfig`, `EvalConfig`, `SFTConfig`, `RLConfig` (typed, a doc line per field), `derived_keys`
 - evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table`
-- SFT: `demonstrations` (a teacher through the same harnesses), `sft_stage`
+- SFT: `demonstrations` (a teacher through the same harnesses), `sft_samples` (resolved-only, all, or
+  credit-assigned SFT from hindsight step values), `sft_stage`
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
   `trajectory_reward`
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `plot_learning_curve`
@@ -20,9 +21,10 @@ from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.evaluate import evaluate, format_table, success_row
 from orchard.stages.report import RunLog, plot_learning_curve
 from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
-from orchard.stages.sft import demonstrations, sft_stage
+from orchard.stages.sft import SFT_MODES, demonstrations, sft_samples, sft_stage
 
 __all__ = [
+    "SFT_MODES",
     "EvalConfig",
     "RLConfig",
     "RolloutConfig",
@@ -36,6 +38,7 @@ __all__ = [
     "plot_learning_curve",
     "rl_stage",
     "rollout_groups",
+    "sft_samples",
     "sft_stage",
     "success_row",
     "trajectory_reward",

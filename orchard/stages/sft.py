@@ -8,17 +8,21 @@ paper keeps the teacher's successes. Inputs are masked: only the assistant's tok
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from orchard.data import RenderedSample, collate
+from orchard.data import RenderedSample, Trajectory, collate
+from orchard.losses import credit_assigned_sft_mask, credit_runs, interpolate_step_values, td_credit
 from orchard.rollout.rollouts import Rollouts
 from orchard.stages.config import SFTConfig
 from orchard.train.trainer import Trainer
 
-__all__ = ["demonstrations", "sft_stage"]
+__all__ = ["SFT_MODES", "demonstrations", "sft_samples", "sft_stage"]
+
+SFT_MODES = ("resolved", "all", "credit")
+"""What an SFT stage learns from a teacher's trajectories (`sft_samples`)."""
 
 
 async def demonstrations(harnesses: Mapping[str, Rollouts], teacher: Any, tasks: Sequence[Any], *,
@@ -39,6 +43,60 @@ async def demonstrations(harnesses: Mapping[str, Rollouts], teacher: Any, tasks:
         samples += [s for t in good for s in t.samples]
         stats[f"sft/teacher_{name}_episodes"] = float(len(trajectories))
         stats[f"sft/teacher_{name}_passed"] = float(len(good))
+    return samples, stats
+
+
+def sft_samples(trajectories: Sequence[Trajectory], *, mode: str = "resolved",
+                step_values: Callable[[Trajectory], Mapping[int, float] | None] | None = None,
+                eps: float = 0.05) -> tuple[list[RenderedSample], dict[str, float]]:
+    """The training samples of a teacher's trajectories under an SFT mode (the Orchard paper's SWE SFT, Sec. 3).
+
+    - ``resolved``: the samples of trajectories with reward > 0, every action token supervised.
+    - ``all``: the samples of every valid trajectory, every action token supervised (failures as demonstrations).
+    - ``credit`` (credit-assigned SFT): resolved trajectories whole; a failed one only on the action tokens of its
+      credit runs: hindsight values ``step_values(traj)`` (``{state index: V}``, from a value teacher that knows
+      the outcome) are interpolated over its steps, ``c_t = V(s_{t+1}) − V(s_t)``, and the runs with
+      ``c_t ≥ eps`` (0.05) are kept (``orchard.losses``' pipeline). A failed trajectory whose values could not be
+      had (``None``) or that has no run contributes nothing. Observations are never supervised.
+
+    A credit-masked sample is the sample with its ``action_mask`` (and ``logprob_mask``) narrowed to the runs, so
+    the plain ``sft`` objective trains it; the earlier history stays in the input as context. Environment failures
+    never train. Returns the samples and counts: ``sft/resolved``, ``sft/failed``, ``sft/credit_trajectories``
+    (failed ones that gave at least one run), ``sft/credit_steps``, ``sft/unvalued`` and ``sft/samples``.
+    """
+    if mode not in SFT_MODES:
+        raise ValueError(f"mode must be one of {list(SFT_MODES)}, got {mode!r}")
+    if mode == "credit" and step_values is None:
+        raise ValueError("step_values must be given for mode='credit' (a hindsight value per key step)")
+    samples: list[RenderedSample] = []
+    stats = dict.fromkeys(("sft/resolved", "sft/failed", "sft/credit_trajectories", "sft/credit_steps",
+                           "sft/unvalued"), 0.0)
+    for i, traj in enumerate(trajectories):
+        if not isinstance(traj, Trajectory):
+            raise ValueError(f"trajectories[{i}] must be a Trajectory, got {type(traj).__name__}")
+        if not traj.valid or not traj.samples:
+            continue
+        resolved = traj.reward is not None and traj.reward > 0
+        stats["sft/resolved" if resolved else "sft/failed"] += 1
+        if resolved or mode == "all":
+            samples += traj.samples
+            continue
+        if mode == "resolved":
+            continue
+        keyed = step_values(traj)  # type: ignore[misc]
+        if not keyed:
+            stats["sft/unvalued"] += 1
+            continue
+        runs = credit_runs(td_credit(interpolate_step_values(keyed, traj.num_steps)), eps=eps)
+        if not runs:
+            continue
+        stats["sft/credit_trajectories"] += 1
+        stats["sft/credit_steps"] += sum(end - start for start, end in runs)
+        for sample in traj.samples:
+            mask = credit_assigned_sft_mask(sample.action_mask, sample.turn_index, False, runs)
+            if bool(mask.any()):
+                samples.append(replace(sample, action_mask=mask, logprob_mask=sample.logprob_mask & mask))
+    stats["sft/samples"] = float(len(samples))
     return samples, stats
 
 

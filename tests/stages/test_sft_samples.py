@@ -1,0 +1,54 @@
+"""SFT modes over a teacher's trajectories: resolved-only, all, and credit-assigned SFT from hindsight values."""
+
+import pytest
+import torch
+
+from orchard.data import Message, RenderedSample, RenderReport, Trajectory
+from orchard.stages import sft_samples
+
+# [system, a0, a0, obs, a1, a1, obs, a2]: three steps (assistant turns), observations never supervised.
+TURN = torch.tensor([-1, 0, 0, -1, 1, 1, -1, 2])
+ACTION = TURN >= 0
+
+
+def traj(reward, reason="done"):
+    sample = RenderedSample(input_ids=torch.arange(8), action_mask=ACTION.clone(), turn_index=TURN.clone(),
+                            old_logprobs=torch.zeros(8), logprob_mask=ACTION.clone(), report=RenderReport())
+    messages = [Message("user", "fix it")] + [m for _ in range(3) for m in (Message("assistant", "a"),
+                                                                          Message("tool", "o", tool_call_id="c"))]
+    return Trajectory(messages=messages[:-1], reward=reward, termination_reason=reason,
+                      samples=[] if reason == "env_error" else [sample])
+
+
+def test_resolved_and_all_modes():
+    good, bad, broken = traj(1.0), traj(-1.0), traj(None, "env_error")
+    samples, stats = sft_samples([good, bad, broken])
+    assert samples == good.samples and stats["sft/resolved"] == 1 and stats["sft/failed"] == 1
+    samples, _ = sft_samples([good, bad, broken], mode="all")
+    assert samples == [*good.samples, *bad.samples]  # never the environment failure
+
+
+def test_credit_mode_supervises_only_the_runs_of_failed_trajectories():
+    # Values of s_0..s_3: 0.3, 0.4, 0.4, 0.1 -> credits 0.1, 0.0, -0.3 -> one run, step 0 (eps 0.05):
+    # only the two tokens of turn 0 stay supervised in the failed trajectory; the resolved one keeps all five.
+    good, bad, unvalued = traj(1.0), traj(-1.0), traj(-1.0)
+    values = {id(bad): {0: 0.3, 1: 0.4, 2: 0.4, 3: 0.1}, id(unvalued): None}
+    samples, stats = sft_samples([good, bad, unvalued], mode="credit", step_values=lambda t: values[id(t)])
+    assert len(samples) == 2 and torch.equal(samples[0].action_mask, ACTION)
+    assert samples[1].action_mask.tolist() == [False, True, True, False, False, False, False, False]
+    assert samples[1].logprob_mask.tolist() == samples[1].action_mask.tolist()
+    assert torch.equal(samples[1].input_ids, torch.arange(8))  # the history stays as context
+    assert stats["sft/credit_trajectories"] == 1 and stats["sft/credit_steps"] == 1 and stats["sft/unvalued"] == 1
+    # Values on a 0.05 grid: 0.30 -> 0.35 is exactly eps in exact arithmetic and counts (one run over steps 0-1).
+    values[id(bad)] = {0: 0.30, 1: 0.35, 2: 0.40, 3: 0.10}
+    samples, _ = sft_samples([bad], mode="credit", step_values=lambda t: values[id(t)])
+    assert samples[0].action_mask.tolist() == [False, True, True, False, True, True, False, False]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        sft_samples([], mode="credits")
+    with pytest.raises(ValueError, match="step_values"):
+        sft_samples([], mode="credit")
+    with pytest.raises(ValueError, match=r"trajectories\[0\]"):
+        sft_samples([{"reward": 1.0}])
