@@ -37,7 +37,7 @@ def dirs(tmp_path: Path) -> list[str]:
         ([], "error: config key 'data' is required"),
         (["data=missing.jsonl"], "error: data=missing.jsonl is not a file"),
         (["data=" + __file__, "gamma=1.5"], "error: gamma must be in [0, 1], got 1.5"),
-        (["data=missing.jsonl", "steps=many"], "error: config key 'steps' expects int, got 'many'"),
+        (["data=missing.jsonl", "steps=many"], "error: steps expects int, got 'many'"),
         (["data=missing.jsonl", "--no-such-flag"], "error: unrecognized arguments: --no-such-flag"),
     ],
 )
