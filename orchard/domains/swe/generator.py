@@ -5,10 +5,10 @@ domain: no network, no images, no GPU.
 How one instance is made (`make_instance(template, seed, level=...)`):
 
 1. The template's modules (`orchard.domains.swe.templates`) pass their whole suite (checked with pytest).
-2. Every single mutation of the template (`orchard.domains.swe.mutations`) is run against the suite once (a fast
-   child process, cached): a mutation is kept only if it breaks at least one test and leaves at least one
-   passing. The seed picks a family (uniformly among the families that have a kept mutation, so the many
-   integer constants of a month table do not dominate), then a mutation of it.
+2. The seed picks a mutation family (uniformly, so the many integer constants of a month table do not
+   dominate), then mutations of it (`orchard.domains.swe.mutations`) in a seeded order, each run against the
+   suite (a fast child process, cached); the first that breaks at least one test and leaves at least one
+   passing is the bug.
 3. The tests the bug breaks are ``FAIL_TO_PASS``; they are taken out of the repository's test files and come
    back only in ``test_patch`` (the agent cannot read them). The rest of the suite is ``PASS_TO_PASS``.
 4. The issue shows a snippet a user ran (a failing test's set-up and call) and what it gave against what it
@@ -32,6 +32,7 @@ templates can be held out as well (`generate_instances(heldout_templates=...)`).
 
 from __future__ import annotations
 
+import ast
 import copy
 import difflib
 import hashlib
@@ -62,9 +63,10 @@ GENERATION_ENV = {**PYTEST_ENV, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 development environment cost seconds per run."""
 SCREEN_TIMEOUT_S = 2.0
 """Per case of the fast screen; a mutant slower than this is dropped (none of the templates loops unboundedly)."""
+SCREEN_BATCH = 6
 
 _CACHE: dict[tuple[str, int, int], SWEInstance] = {}
-_SINGLES: dict[str, dict[Mutation, list[dict] | None]] = {}
+_SINGLES: dict[tuple[str, Mutation | None], list[dict] | None] = {}
 _PYTEST: dict[str, dict[str, bool]] = {}
 
 
@@ -83,9 +85,19 @@ def render_test_file(template: RepoTemplate, module: str, names: set[str] | None
         if case.raises:
             body += [f"with pytest.raises({case.raises}):", f"    {case.call}"]
         else:
-            body.append(f"assert {case.call} == {case.expected}")
+            body.append(f"assert {_operand(case.call)} == {case.expected}")
         out += f"\n\ndef test_{case.name}():\n" + "".join(f"    {line}\n" for line in body)
     return out
+
+
+def _operand(expression: str) -> str:
+    """``expression`` as the left operand of ``==``: parenthesised where it would chain or bind looser
+    (``'a' in xs == False`` is ``'a' in xs and xs == False``)."""
+    node = ast.parse(expression, mode="eval").body
+    loose = (ast.Compare, ast.BoolOp, ast.IfExp, ast.Lambda, ast.NamedExpr)
+    if isinstance(node, loose) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not)):
+        return f"({expression})"
+    return expression
 
 
 def _readme(template: RepoTemplate) -> str:
@@ -120,17 +132,24 @@ def _screen_run(package: str, variants: list[dict[str, str]], cases: Sequence[Ca
     return json.loads(proc.stdout)
 
 
-def _single_results(template: RepoTemplate) -> dict[Mutation, list[dict] | None]:
-    """Every single mutation of the template, screened against its cases (once per process)."""
-    if template.name not in _SINGLES:
-        sites = [m for path, src in template.modules.items() for m in mutation_sites(path, src)]
-        variants = [{**template.modules, m.module: apply_mutation(template.modules[m.module], m)} for m in sites]
-        results = _screen_run(template.package, [dict(template.modules), *variants], template.cases,
-                              template.imports)
-        if results[0] is None or not all(r["passed"] for r in results[0]):
-            raise GenerationError(f"template {template.name} fails its own cases: {results[0]}")
-        _SINGLES[template.name] = dict(zip(sites, results[1:], strict=True))
-    return _SINGLES[template.name]
+def _sites(template: RepoTemplate) -> list[Mutation]:
+    return [m for path, src in template.modules.items() for m in mutation_sites(path, src)]
+
+
+def _screen_singles(template: RepoTemplate, mutations: Sequence[Mutation]) -> dict[Mutation, list[dict] | None]:
+    """Screen results of single mutations (each screened once per process; the template itself first)."""
+    if (template.name, None) not in _SINGLES:
+        own = _screen_run(template.package, [dict(template.modules)], template.cases, template.imports)[0]
+        if own is None or not all(r["passed"] for r in own):
+            raise GenerationError(f"template {template.name} fails its own cases: {own}")
+        _SINGLES[(template.name, None)] = own
+    todo = [m for m in mutations if (template.name, m) not in _SINGLES]
+    if todo:
+        variants = [{**template.modules, m.module: apply_mutation(template.modules[m.module], m)} for m in todo]
+        for m, result in zip(todo, _screen_run(template.package, variants, template.cases, template.imports),
+                             strict=True):
+            _SINGLES[(template.name, m)] = result
+    return {m: _SINGLES[(template.name, m)] for m in mutations}
 
 
 def _usable(result: list[dict] | None) -> bool:
@@ -143,10 +162,22 @@ def _heldout(template: RepoTemplate, mutation: Mutation) -> bool:
     return int.from_bytes(digest[:8], "big") % HELDOUT_BUCKETS == 0
 
 
-def _pick_single(rng: random.Random, candidates: list[Mutation]) -> Mutation:
+def _pick_single(template: RepoTemplate, rng: random.Random, candidates: list[Mutation]) -> Mutation | None:
+    """A usable mutation: a family drawn uniformly among the candidates' families, then a mutation of it (the
+    next family in the draw's order when none of one family is usable); None when no candidate is usable.
+    Mutations are screened a few at a time, in the draw's order, so an instance screens few of them."""
     families = sorted({m.family for m in candidates})
-    family = rng.choice(families)
-    return rng.choice([m for m in candidates if m.family == family])
+    rng.shuffle(families)
+    for family in families:
+        sites = [m for m in candidates if m.family == family]
+        rng.shuffle(sites)
+        for start in range(0, len(sites), SCREEN_BATCH):
+            batch = sites[start : start + SCREEN_BATCH]
+            results = _screen_singles(template, batch)
+            for m in batch:
+                if _usable(results[m]):
+                    return m
+    return None
 
 
 def _run_pytest(files: dict[str, str], test_ids: Sequence[str]) -> dict[str, bool]:
@@ -213,16 +244,19 @@ def _choose(template: RepoTemplate, seed: int, level: int) -> tuple[list[Mutatio
     """The mutation(s) of the instance and the screen's per-case results of the buggy code."""
     rng = random.Random(f"swe:{template.name}:{seed}:{level}")
     heldout = seed >= HELDOUT_SEED_OFFSET
-    singles = _single_results(template)
-    candidates = [m for m, r in singles.items() if _usable(r) and _heldout(template, m) == heldout]
-    if not candidates:
-        raise GenerationError(f"template {template.name} has no usable mutation for this split")
+    candidates = [m for m in _sites(template) if _heldout(template, m) == heldout]
     if level < 3:
-        mutation = _pick_single(rng, candidates)
-        return [mutation], singles[mutation]  # type: ignore[return-value]
+        mutation = _pick_single(template, rng, candidates)
+        if mutation is None:
+            raise GenerationError(f"template {template.name} has no usable mutation for this split")
+        return [mutation], _screen_singles(template, [mutation])[mutation]  # type: ignore[return-value]
     for _ in range(50):
-        first = _pick_single(rng, candidates)
-        second = _pick_single(rng, [m for m in candidates if m.module != first.module])
+        first = _pick_single(template, rng, candidates)
+        if first is None:
+            break
+        second = _pick_single(template, rng, [m for m in candidates if m.module != first.module])
+        if second is None:
+            break
         pair = sorted([first, second])
         files = dict(template.modules)
         for m in pair:
@@ -278,7 +312,7 @@ def _build(template: RepoTemplate, seed: int, level: int) -> SWEInstance:
 
     # The issue: one failing behaviour per mutation, each from the tests that mutation alone breaks.
     paragraphs = []
-    singles = _single_results(template)
+    singles = _screen_singles(template, mutations)
     for m in mutations:
         own = [c for c, r in zip(template.cases, singles[m], strict=True) if not r["passed"] and c.name in hidden]
         _, text = _describe(template, own or failing, got, m.module if level == 1 else None, m.module, level == 1,

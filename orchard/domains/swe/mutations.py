@@ -186,7 +186,11 @@ def apply_mutation(source: str, mutation: Mutation) -> str:
     if not 0 <= mutation.node < len(nodes):
         raise ValueError(f"mutation.node {mutation.node} is not a node of {mutation.module}")
     node = nodes[mutation.node]
-    parent, field = _parents(tree)[node]
+    parents = _parents(tree)
+    if node not in parents or mutation.change not in {c for c, _ in _changes(node, *parents[node])}:
+        raise ValueError(f"mutation {mutation.key} cannot be written: {mutation.change!r} does not apply to "
+                         f"{type(node).__name__}")
+    parent, field = parents[node]
     expected = ast.dump(_expected_tree(source, mutation.node, mutation.change))
     # a removed statement leaves `pass` only where its block would be empty; an expression gets parentheses
     # only where its context binds tighter than the new operator
