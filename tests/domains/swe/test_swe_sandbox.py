@@ -1,0 +1,115 @@
+"""SWE sandboxes against the real embedded sandbox service: the repository at its base commit with git and pytest,
+and the reward: the gold patch resolves (also once committed), no patch and a partial patch do not, a patch that
+edits the tests to pass does not (the SWE-bench reset), and a deleted sandbox raises instead of scoring."""
+
+import asyncio
+
+import pytest
+
+from orchard.domains.swe.generator import make_instance
+from orchard.domains.swe.sandbox import patched_paths, prepare_sandbox, score_sandbox
+from orchard.env import AsyncSandboxClient, RetryPolicy
+from orchard.env.embedded import serve
+from orchard.env.errors import SandboxError
+from orchard.rollout.harness import EnvironmentFailure
+
+
+@pytest.fixture(scope="module")
+def service():
+    with serve() as svc:
+        yield svc
+
+
+def file_hunks(patch):
+    """The per-file parts of a unified diff."""
+    parts = patch.split("diff --git ")
+    return ["diff --git " + part for part in parts if part]
+
+
+def tampered_tests(instance):
+    """The test files as an agent who guessed the hidden test names would rewrite them: every test passes."""
+    out = {}
+    for path in patched_paths(instance.test_patch):
+        names = [t.split("::")[1] for t in instance.tests if t.startswith(path + "::")]
+        out[path] = "".join(f"def {name}():\n    pass\n\n\n" for name in names)
+    return out
+
+
+def test_patches_are_scored_as_swe_bench_does(service):
+    instance = make_instance("ledger", 5, level=3)  # two bugs in two modules
+    gold_parts = file_hunks(instance.patch)
+    assert len(gold_parts) == 2
+
+    async def episode(client, name, act):
+        async with await client.create(sandbox_id=f"swe-{name}") as sandbox:
+            base = await prepare_sandbox(sandbox, instance)
+            await act(sandbox)
+            return name, base, await score_sandbox(sandbox, instance, timeout_s=120)
+
+    async def nothing(sandbox):
+        # the agent's view: one commit, a clean tree, pytest works, the hidden tests are absent
+        status = await sandbox.exec("git log --oneline | wc -l; git status --porcelain; "
+                                    "python3 -m pytest -q -p no:cacheprovider 2>&1 | tail -n 1")
+        lines = status.stdout.splitlines()
+        assert lines[0] == "1" and lines[-1].endswith(f"{len(instance.PASS_TO_PASS)} passed in "
+                                                      f"{lines[-1].split(' in ')[1]}"), status.stdout
+        hidden = instance.FAIL_TO_PASS[0].split("::")[1]
+        assert (await sandbox.exec(["grep", "-r", hidden, "."])).exit_code == 1
+
+    async def gold_committed(sandbox):
+        assert (await sandbox.exec(["git", "apply", "-"], stdin=instance.patch)).exit_code == 0
+        assert (await sandbox.exec("git commit -qam fix")).exit_code == 0  # history rewritten: the diff still counts
+
+    async def partial(sandbox):
+        assert (await sandbox.exec(["git", "apply", "-"], stdin=gold_parts[0])).exit_code == 0
+
+    async def tamper(sandbox):
+        for path, text in tampered_tests(instance).items():
+            await sandbox.upload(path, text)
+
+    async def main():
+        retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
+        async with AsyncSandboxClient(service.url, service.api_key, retry=retry) as client:
+            return await asyncio.gather(*(episode(client, name, act) for name, act in (
+                ("none", nothing), ("gold", gold_committed), ("partial", partial), ("tamper", tamper))))
+
+    verdicts = {name: (base, verdict) for name, base, verdict in asyncio.run(main())}
+    bases = {base for base, _ in verdicts.values()}
+    assert len(bases) == 1  # fixed identity and date: the base commit's hash is the files' alone
+
+    gold = verdicts["gold"][1]
+    assert gold.resolved and gold.reward == 1.0 and all(gold.tests.values())
+    assert gold.patch.count("diff --git") == 2
+    assert gold.components == {"resolved": 1.0, "fail_to_pass": 1.0, "pass_to_pass": 1.0, "patch_applied": 1.0,
+                               "empty_patch": 0.0}
+
+    none = verdicts["none"][1]
+    assert not none.resolved and none.reward == -1.0 and none.patch == ""
+    assert not any(none.fail_to_pass.values()) and all(none.pass_to_pass.values())
+    assert none.components["empty_patch"] == 1.0 and none.components["fail_to_pass"] == 0.0
+
+    partial_verdict = verdicts["partial"][1]
+    assert not partial_verdict.resolved and partial_verdict.patch_applied
+    assert not all(partial_verdict.tests.values())
+
+    # The tampered test files are reset before test_patch applies: the real tests run against the bugs.
+    tampered = verdicts["tamper"][1]
+    assert not tampered.resolved and tampered.patch_applied and "def test_" in tampered.patch
+    assert tampered.fail_to_pass == none.fail_to_pass
+
+
+def test_a_sandbox_failure_raises_instead_of_scoring(service):
+    instance = make_instance("graph", 2, level=1)
+
+    async def main():
+        async with AsyncSandboxClient(service.url, service.api_key) as client:
+            sandbox = await client.create()
+            await prepare_sandbox(sandbox, instance)
+            await client.request("DELETE", f"/sandboxes/{sandbox.sandbox_id}")
+            with pytest.raises(SandboxError):
+                await score_sandbox(sandbox, instance, timeout_s=30)
+            async with await client.create() as fresh:
+                with pytest.raises(EnvironmentFailure, match="the sandbox has no"):
+                    await prepare_sandbox(fresh, instance, python="no-such-python3")
+
+    asyncio.run(main())
