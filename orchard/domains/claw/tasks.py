@@ -21,6 +21,8 @@ import copy
 import random
 from dataclasses import dataclass, field
 
+from orchard.domains._splits import split_plan
+
 PEOPLE = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "oscar", "peggy")
 DOMAINS = ("corp.test", "mail.test", "shop.test")
 ITEMS = ("apples", "bolts", "cables", "drills", "fans", "gloves", "hammers", "inks", "jars", "lamps", "nails", "pens")
@@ -333,19 +335,10 @@ def split_tasks(
         templates: the templates to use (default all).
         heldout_templates: templates excluded from "train".
     """
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    if not isinstance(n_per_template, int) or n_per_template < 0:
+    if isinstance(n_per_template, bool) or not isinstance(n_per_template, int) or n_per_template < 0:
         raise ValueError(f"n_per_template must be a non-negative int, got {n_per_template!r}")
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    names = tuple(templates) if templates is not None else tuple(TEMPLATES)
-    for name in (*names, *heldout_templates):
-        if name not in TEMPLATES:
-            raise ValueError(f"templates must be among {sorted(TEMPLATES)}, got {name!r}")
-    if split == "train":
-        names = tuple(t for t in names if t not in heldout_templates)
-    base = (HELDOUT_SEED_OFFSET if split == "heldout" else 0) + seed * 10_000
+    names, base = split_plan(split, known=TEMPLATES, templates=templates, heldout_templates=heldout_templates,
+                             seed=seed, heldout_offset=HELDOUT_SEED_OFFSET)
     if seed * 10_000 + n_per_template > HELDOUT_SEED_OFFSET:
         raise ValueError(f"seed {seed} with n_per_template {n_per_template} overflows the split's seed range")
     return [make_task(t, base + i) for t in names for i in range(n_per_template)]

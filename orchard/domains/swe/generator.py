@@ -45,6 +45,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from orchard.domains._splits import split_plan
 from orchard.domains.swe import _screen
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.mutations import Mutation, apply_mutation, mutation_sites
@@ -373,22 +374,13 @@ def generate_instances(
         templates: the templates to use (default all of `TEMPLATES`).
         heldout_templates: templates excluded from "train".
     """
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     if isinstance(n_per_template, bool) or not isinstance(n_per_template, int) or n_per_template < 0:
         raise ValueError(f"n_per_template must be a non-negative int, got {n_per_template!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if isinstance(levels, (str, bytes)) or not levels or any(level not in LEVELS for level in levels):
         raise ValueError(f"levels must be a non-empty sequence of {LEVELS}, got {levels!r}")
-    names = tuple(templates) if templates is not None else tuple(TEMPLATES)
-    for name in (*names, *heldout_templates):
-        if name not in TEMPLATES:
-            raise ValueError(f"templates must be among {sorted(TEMPLATES)}, got {name!r}")
-    if split == "train":
-        names = tuple(t for t in names if t not in heldout_templates)
+    names, base = split_plan(split, known=TEMPLATES, templates=templates, heldout_templates=heldout_templates,
+                             seed=seed, heldout_offset=HELDOUT_SEED_OFFSET)
     attempts = 20 * n_per_template
-    base = (HELDOUT_SEED_OFFSET if split == "heldout" else 0) + seed * 10_000
     if seed * 10_000 + attempts > HELDOUT_SEED_OFFSET:
         raise ValueError(f"seed {seed} with n_per_template {n_per_template} overflows the split's seed range")
     out = []
