@@ -11,6 +11,7 @@ failures come back as ``env_error`` trajectories (never scored 0, never trained 
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,7 +41,7 @@ class AgentLoopRollouts:
         max_tokens: per assistant turn when a call gives none. Default 512.
         seed: seeds each call's start jitter (a fresh draw per call). Default None.
         **loop_kwargs: the rest of `AgentLoop`'s keywords (``max_steps``, ``max_time_s``, ``concurrency``, ...);
-            ``progress`` defaults to False here.
+            ``progress`` (a bar per call) defaults to whether stderr is an interactive terminal.
     """
 
     def __init__(self, client: Any, harness: Harness, tokenizer: Any, *, max_tokens: int = 512,
@@ -52,7 +53,7 @@ class AgentLoopRollouts:
                 raise ValueError(f"loop_kwargs may not set {name!r}: it is an argument of the call or of this class")
         self.client, self.harness, self.tokenizer = client, harness, tokenizer
         self.max_tokens = max_tokens
-        self.loop_kwargs = {"progress": False, **loop_kwargs}
+        self.loop_kwargs = {"progress": sys.stderr.isatty(), **loop_kwargs}
         self._rng = random.Random(seed)
 
     async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
