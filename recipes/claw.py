@@ -105,7 +105,8 @@ class ClawConfig:
         pool = len(TEMPLATES) - len(self.tasks.heldout_templates)
         pool *= self.tasks.rl_pool_per_template or self.tasks.train_per_template
         if self.rl.enabled and self.rl.tasks_per_step > pool:
-            raise ValueError(f"rl.tasks_per_step must be <= the RL task pool ({pool} tasks), got {self.rl.tasks_per_step}")
+            raise ValueError(f"rl.tasks_per_step must be <= the RL task pool ({pool} tasks), "
+                             f"got {self.rl.tasks_per_step}")
 
 
 def task_pools(cfg: ClawConfig) -> tuple[list[ClawTask], list[ClawTask], list[ClawTask]]:
@@ -148,8 +149,9 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
             trained = {h: harnesses[h] for h in cfg.harnesses}
 
             async def held_out(stage: str, step: int) -> None:
-                results[stage] = await stages.evaluate({h: harnesses[h] for h in cfg.eval.harnesses}, engine, heldout,
-                                                attempts=cfg.eval.attempts, temperature=cfg.eval.temperature)
+                evaluated = {h: harnesses[h] for h in cfg.eval.harnesses}
+                results[stage] = await stages.evaluate(evaluated, engine, heldout, attempts=cfg.eval.attempts,
+                                                       temperature=cfg.eval.temperature)
                 for harness, row in results[stage].items():
                     log.log({f"eval/{stage}/{harness}/{k}": float(v) for k, v in row.items()}, step)
                     log.print(f"eval {stage:4s} {harness:5s} " + " ".join(f"{k}={v:.3f}" for k, v in row.items()))
@@ -158,10 +160,11 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
             if cfg.sft.enabled:
                 # The teacher recognises a task by its request: it demonstrates one task per distinct request.
                 demo_tasks = list({t.prompt: t for t in reversed(train_tasks)}.values())[::-1]
-                samples, stats = await stages.demonstrations(trained, TeacherEngine(tokenizer, demo_tasks), demo_tasks)
+                teacher = TeacherEngine(tokenizer, demo_tasks)
+                samples, stats = await stages.demonstrations(trained, teacher, demo_tasks)
                 log.log(stats, 0)
-                sft_history = stages.sft_stage(model, samples, cfg.sft, pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                        output_dir=str(out / "sft"))
+                sft_history = stages.sft_stage(model, samples, cfg.sft, pad_id=tokenizer.pad_token_id,
+                                               seed=cfg.seed, output_dir=str(out / "sft"))
                 log.print(f"sft: {len(samples)} samples, {len(sft_history)} steps, loss "
                           f"{sft_history[0]['loss/total']:.3f} -> {sft_history[-1]['loss/total']:.3f}")
                 save_policy(model, tokenizer, out / "sft_model")
@@ -174,11 +177,11 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                               f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
                               f"env_errors {stats['rl/env_errors']:.0f}")
 
+                # The stage hands the engine new weights after every update: it holds the final policy here.
                 rl_history = await stages.rl_stage(model, engine, trained, rl_pool, cfg.rl, rollout=cfg.rollout,
-                                            pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                            output_dir=str(out / "rl"), log=on_step)
+                                                   pad_id=tokenizer.pad_token_id, seed=cfg.seed,
+                                                   output_dir=str(out / "rl"), log=on_step)
                 save_policy(model, tokenizer, out / "rl_model")
-                await engine.update_weights(model.state_dict())
                 await held_out("rl", cfg.rl.steps)
     await engine.close()
     log.close()
