@@ -314,7 +314,8 @@ def _prefixed(exc: ValueError, cls: type, prefix: str) -> ConfigError:
         return exc
     first = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":,")
     names = {f.name for f in dataclasses.fields(cls)}
-    if first in names:
+    # "rl.steps must ...": a check of an outer class may name a nested field by its dotted key
+    if first in names or first.split(".", 1)[0] in names:
         return ConfigError(prefix + message)
     return ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {message}")
 

@@ -74,8 +74,38 @@ def test_claw_recipe_smoke(tmp_path):
     assert sft_rows[-1]["loss/total"] < sft_rows[0]["loss/total"]
 
 
-def test_claw_recipe_rejects_unknown_keys_naming_them():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes/claw.py"), "rl.stepz=3"], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode != 0 and "rl.stepz" in proc.stderr
+def recipe(*args):
+    return subprocess.run([sys.executable, str(ROOT / "recipes/claw.py"), "--config",
+                           str(ROOT / "recipes/configs/claw_tiny.yaml"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rl.stepz=3", "rl.stepz is not a config key; did you mean 'rl.steps'?"),
+    ("rl.steps=-3", "rl.steps must be an int >= 1, got -3"),
+    ("eval.attempts=0", "eval.attempts must be an int >= 1, got 0"),
+    ("rl.group_size=0", "rl.group_size must be an int >= 1, got 0"),
+    # 11 templates x 20 train tasks
+    ("rl.tasks_per_step=1000", f"rl.tasks_per_step must be <= the RL task pool ({len(TEMPLATES) * 20} tasks), got 1000"),
+    ("rl.train.total_steps=5", "rl.train.total_steps is derived from rl.steps x rl.ppo_epochs x rl.mini_batches; "
+                               "set that instead"),
+    ("sft.train.output_dir=x", "sft.train.output_dir is derived from output_dir; set that instead"),
+    ("model.path=/no/such/dir", "model.path must be a local checkpoint directory, got '/no/such/dir' "
+                                "(no such directory)"),
+])
+def test_config_mistakes_are_one_line_before_any_work(override, message):
+    proc = recipe(override)
+    assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
+    assert proc.stdout == ""  # nothing ran, not even the config print
+
+
+def test_show_config_prints_the_resolved_config_and_exits():
+    proc = recipe("--show-config", "rl.steps=5")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    # The override, the YAML's values and the stage's own defaults (not TrainConfig's class defaults) show.
+    assert [ln.split("#")[0].strip() for ln in lines if ln.startswith(("rl.steps:", "rl.train.global_batch_size:",
+                                                                        "rl.train.optim.lr:", "sft.epochs:"))] == [
+        "sft.epochs: 16.0", "rl.steps: 5", "rl.train.global_batch_size: 64", "rl.train.optim.lr: 0.0001"]
+    assert "(derived from rl.steps x rl.ppo_epochs x rl.mini_batches)" in proc.stdout
+    assert "held-out" not in proc.stdout and "eval base" not in proc.stdout  # it did not run
