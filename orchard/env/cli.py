@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="without bubblewrap, still create sandboxes with block_network=true (refused "
                        "otherwise): their commands then reach the host's network and files")
     serve.add_argument("--store", default="sqlite",
-                       help="where the state lives: sqlite (a file under --root) or redis://host:port/db, "
+                       help="where the state lives: sqlite (a file in the state directory) or redis://host:port/db, "
                        "shared by every replica started with the same URL (pip install 'orchard[redis]')")
     serve.add_argument("--max-concurrent-execs", type=int, default=64, help="execs running at once")
     serve.add_argument("--max-pending-execs", type=int, default=None,

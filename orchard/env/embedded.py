@@ -10,7 +10,7 @@
 `SANDBOX_API_KEY=...` lines, the variables the clients read. Layout under `root_dir`: `state.sqlite3` (the
 orchestrator's store) and `sandboxes/` (the backend's root). Restarting on the same `root_dir` keeps sandboxes.
 `store="redis://host:port/db"` (`--store`) keeps the state in Redis instead, shared by every replica started
-with the same URL (see `orchard.env.store.redis`).
+with the same URL (see `orchard.env.store.redis_store`).
 
 Fail closed: where bubblewrap does not work the local backend falls back to process groups, which cannot block
 a sandbox's network; a create with `block_network: true` is then refused (501) unless the service was started

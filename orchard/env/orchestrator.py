@@ -691,6 +691,13 @@ class Orchestrator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, timeout))
             job = live or await self.get_job(job_id)
+        elif job.status not in JOB_DONE and self.store.shared:
+            # run by another replica: only the store knows when it ends
+            deadline, pause = time.monotonic() + timeout, 0.02
+            while job.status not in JOB_DONE and (left := deadline - time.monotonic()) > 0:
+                await asyncio.sleep(min(pause, left))
+                pause = min(2 * pause, 0.5)
+                job = await self.get_job(job_id)
         return job
 
     # files, patches, resources, terminals

@@ -30,7 +30,7 @@ async def handles(request, tmp_path):
         def new() -> StateStore:
             return store
     else:
-        from orchard.env.store.redis import RedisStore
+        from orchard.env.store.redis_store import RedisStore
 
         url, prefix = request.getfixturevalue("redis_url"), f"test-{uuid.uuid4().hex[:8]}:"
 

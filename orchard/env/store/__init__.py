@@ -35,7 +35,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # RedisStore needs the [redis] extra: imported when asked for, so the SQLite default works without it
     if name == "RedisStore":
-        from orchard.env.store.redis import RedisStore
+        from orchard.env.store.redis_store import RedisStore
 
         return RedisStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -47,7 +47,7 @@ def open_store(store: str, default_path: str | Path) -> StateStore:
     if store == "sqlite":
         return SQLiteStore(default_path)
     if isinstance(store, str) and store.startswith(("redis://", "rediss://", "unix://")):
-        from orchard.env.store.redis import RedisStore
+        from orchard.env.store.redis_store import RedisStore
 
         return RedisStore(store)
     raise ValueError(f"store must be 'sqlite' or a redis://host:port/db URL, got {store!r}")
