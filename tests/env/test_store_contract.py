@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from orchard.env.locks import StoreLock
 from orchard.env.store import (
     LOST_JOB_ERROR,
     IdempotencyRecord,
@@ -205,3 +206,33 @@ async def test_a_fenced_write_needs_a_running_job(handles):
     assert await store.put_job_fenced(JobRecord(job_id="none", sandbox_id="s", command="c", status="running",
                                                 replica="A"), "sandbox:s", token) is False
     assert await store.get_job("none") is None
+
+
+async def test_store_lock_renews_its_lease_while_held_and_waits_its_turn(handles):
+    one, two = handles(), handles()
+    async with StoreLock(one, "sandbox:s", lease_s=0.3) as held:
+        await asyncio.sleep(0.7)  # two leases long: held only because it renewed (every 0.1 s)
+        assert not held.lost and await two.acquire_lock("sandbox:s", 30.0) is None
+        job = JobRecord(job_id="j", sandbox_id="s", command="c", replica="A")
+        await one.put_job(job)
+        assert await one.claim_job("j", "A", 1.0)
+        job.status, job.started_at = "running", 1.0
+        assert await one.put_job_fenced(job, held.name, held.token) is True  # the first token still holds it
+        waiter = asyncio.create_task(_hold(StoreLock(two, "sandbox:s", lease_s=30.0)))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()  # waits for the holder, not past it
+    assert held.token is None and await waiter > 1  # then gets the next token
+
+
+async def _hold(lock: StoreLock) -> int:
+    async with lock:
+        return lock.token
+
+
+def test_store_lock_validates():
+    store = SQLiteStore(":memory:")
+    for kwargs, name in (({"lease_s": 0}, "lease_s"), ({"lease_s": 1, "poll_s": -1}, "poll_s")):
+        with pytest.raises(ValueError, match=name):
+            StoreLock(store, "x", **kwargs)
+    with pytest.raises(ValueError, match="name"):
+        StoreLock(store, "", 1.0)
