@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     env.set_defaults(func=lambda args: _help(env))
     serve = env_sub.add_parser(
         "serve",
-        help="run the embedded sandbox service (LocalBackend + SQLite) on loopback",
+        help="run the embedded sandbox service (LocalBackend + SQLite or Redis) on loopback",
         description="Runs the Orchard-Env-compatible sandbox API. Once it listens it prints "
         "SANDBOX_BASE_URL=... and SANDBOX_API_KEY=... lines: export them, and the clients "
         "(SandboxClient, AsyncSandboxClient) find the service.",
@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument("--allow-weak-isolation", action="store_true",
                        help="without bubblewrap, still create sandboxes with block_network=true (refused "
                        "otherwise): their commands then reach the host's network and files")
+    serve.add_argument("--store", default="sqlite",
+                       help="where the state lives: sqlite (a file in the state directory) or redis://host:port/db, "
+                       "shared by every replica started with the same URL (pip install 'orchard[redis]')")
     serve.add_argument("--max-concurrent-execs", type=int, default=64, help="execs running at once")
     serve.add_argument("--max-pending-execs", type=int, default=None,
                        help="execs allowed to wait for a slot before 503 (None: unbounded)")
@@ -53,5 +56,5 @@ def _serve(args: argparse.Namespace) -> int:
     run_forever(root, host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                 backend=args.backend, allow_weak_isolation=args.allow_weak_isolation, log_level=args.log_level,
                 max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
-                heartbeat_timeout_s=args.heartbeat_timeout)
+                heartbeat_timeout_s=args.heartbeat_timeout, store=args.store)
     return 0

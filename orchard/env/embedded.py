@@ -9,6 +9,8 @@
 `orchard env serve` runs the same thing in the foreground and prints `SANDBOX_BASE_URL=...` and
 `SANDBOX_API_KEY=...` lines, the variables the clients read. Layout under `root_dir`: `state.sqlite3` (the
 orchestrator's store) and `sandboxes/` (the backend's root). Restarting on the same `root_dir` keeps sandboxes.
+`store="redis://host:port/db"` (`--store`) keeps the state in Redis instead, shared by every replica started
+with the same URL (see `orchard.env.store.redis_store`).
 
 Fail closed: where bubblewrap does not work the local backend falls back to process groups, which cannot block
 a sandbox's network; a create with `block_network: true` is then refused (501) unless the service was started
@@ -120,26 +122,28 @@ def _run(main: Any) -> None:
 
 
 def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any], log_level: str,
-            allow_weak_isolation: bool) -> Any:
+            allow_weak_isolation: bool, store: str = "sqlite") -> Any:
     with requires_extra("env"):
         import uvicorn
 
     from orchard.env.orchestrator import Orchestrator
     from orchard.env.server import create_app
-    from orchard.env.store.sqlite import SQLiteStore
+    from orchard.env.store import open_store
 
     root_dir.mkdir(parents=True, exist_ok=True)
     # Sandboxes run as their own uids and reach their workspaces by path, so the root must be searchable
     # (not listable); the state file (it holds sandboxes' env) stays the service's alone.
     os.chmod(root_dir, 0o711)
     state = root_dir / "state.sqlite3"
-    os.close(os.open(state, os.O_CREAT | os.O_WRONLY, 0o600))
+    if store == "sqlite":
+        os.close(os.open(state, os.O_CREAT | os.O_WRONLY, 0o600))
+    state_store = open_store(store, state)  # before the backend: a bad --store fails without side effects
     made = make_backend(root_dir, backend, allow_weak_isolation=allow_weak_isolation)
     if getattr(made, "isolation", None) == "process-group":
         print(f"WARNING: sandboxes are not isolated ({getattr(made, 'isolation_warning', '')}); "
               + ("they run as process groups on the host (--allow-weak-isolation)" if allow_weak_isolation
                  else "a sandbox with block_network=true will be refused"), file=sys.stderr, flush=True)
-    orchestrator = Orchestrator(made, SQLiteStore(state), **options)
+    orchestrator = Orchestrator(made, state_store, **options)
     app = create_app(orchestrator, [api_key])
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="websockets-sansio",
                             timeout_keep_alive=30, backlog=4096, lifespan="on",
@@ -159,6 +163,7 @@ def serve(
     log_level: str = "warning",
     startup_timeout_s: float = 30.0,
     allow_weak_isolation: bool = False,
+    store: str = "sqlite",
     **orchestrator_options: Any,
 ) -> Iterator[EmbeddedService]:
     """Run the embedded service for the duration of the `with` block.
@@ -174,6 +179,8 @@ def serve(
         allow_weak_isolation: where the local backend has no bubblewrap, still create sandboxes with
             `block_network: true` (their network is not blocked; they report `isolation: "process-group"` and
             `block_network: false`). Default False: such a create is refused with 501.
+        store: "sqlite" (the embedded default: `root_dir/state.sqlite3`) or a `redis://host:port/db` URL, the
+            state shared by every replica given the same URL (needs the `[redis]` extra).
         orchestrator_options: keyword arguments of `Orchestrator` (e.g. `heartbeat_timeout_s=60`).
     """
     api_key = api_key or secrets.token_urlsafe(24)
@@ -183,13 +190,13 @@ def serve(
         root = Path(root_dir)
         serve_in = _serve_thread if in_process else _serve_child
         yield from serve_in(root, host, port, api_key, backend, log_level, startup_timeout_s,
-                            allow_weak_isolation, orchestrator_options)
+                            allow_weak_isolation, store, orchestrator_options)
 
 
 def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
-                  startup_timeout_s: float, allow_weak_isolation: bool,
+                  startup_timeout_s: float, allow_weak_isolation: bool, store: str,
                   options: dict[str, Any]) -> Iterator[EmbeddedService]:
-    server = _server(root, api_key, backend, options, log_level, allow_weak_isolation)
+    server = _server(root, api_key, backend, options, log_level, allow_weak_isolation, store)
     sock = _bind(host, port)
     failure: list[BaseException] = []
 
@@ -217,10 +224,11 @@ def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, 
 
 
 def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
-                 startup_timeout_s: float, allow_weak_isolation: bool,
+                 startup_timeout_s: float, allow_weak_isolation: bool, store: str,
                  options: dict[str, Any]) -> Iterator[EmbeddedService]:
     argv = [sys.executable, "-m", "orchard.env.embedded", "--root", str(root), "--host", host, "--port",
-            str(port), "--backend", backend, "--log-level", log_level, "--parent-pid", str(os.getpid())]
+            str(port), "--backend", backend, "--log-level", log_level, "--parent-pid", str(os.getpid()),
+            "--store", store]
     if allow_weak_isolation:
         argv.append("--allow-weak-isolation")
     for name, value in options.items():
@@ -278,10 +286,10 @@ def parse_printed(line: str, prefix: str) -> str:
 
 def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                 backend: str = "local", log_level: str = "warning", parent_pid: int | None = None,
-                allow_weak_isolation: bool = False, **orchestrator_options: Any) -> None:
+                allow_weak_isolation: bool = False, store: str = "sqlite", **orchestrator_options: Any) -> None:
     """Serve in the foreground until SIGINT/SIGTERM; first prints `SANDBOX_BASE_URL=...` and
     `SANDBOX_API_KEY=...` lines (what `orchard env serve` shows: the variables the clients read, quoted for a
-    shell where they need to be). `allow_weak_isolation`: see `serve`.
+    shell where they need to be). `allow_weak_isolation`, `store`: see `serve`.
 
     With ``parent_pid``, also shut down (gracefully: sandboxes' processes are ended) once this process is no
     longer that process's child — the parent died, even by SIGKILL, which leaves it no chance to stop us.
@@ -290,7 +298,8 @@ def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
     if not _is_loopback(host):
         print(f"WARNING: binding {host}, not loopback: anyone who can reach it and holds the key can run "
               "commands in its sandboxes", file=sys.stderr, flush=True)
-    server = _server(Path(root_dir), api_key, backend, orchestrator_options, log_level, allow_weak_isolation)
+    server = _server(Path(root_dir), api_key, backend, orchestrator_options, log_level, allow_weak_isolation,
+                     store)
     sock = _bind(host, port)
     # What exists now (modules, the app, its schemas) lives as long as the process: leaving it out of the
     # garbage collector's full passes saves ~2 % of the CPU per request. Not in `serve()`'s thread: that
@@ -322,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--backend", default="local")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--store", default="sqlite", help="sqlite, or redis://host:port/db")
     parser.add_argument("--option", action="append", default=[], help="Orchestrator keyword, name=value")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer our parent (serve() passes its own pid)")
@@ -331,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(_parse_option(o) for o in args.option)
     run_forever(args.root, host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV),
                 backend=args.backend, log_level=args.log_level, parent_pid=args.parent_pid,
-                allow_weak_isolation=args.allow_weak_isolation, **options)
+                allow_weak_isolation=args.allow_weak_isolation, store=args.store, **options)
     return 0
 
 

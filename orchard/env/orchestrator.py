@@ -21,6 +21,14 @@ know are deleted, and jobs that were queued or running when the previous process
 `error` starting with "lost:". A lost job is never re-run: the command may have had side effects, and running
 it twice would break the exactly-once promise. Then the reaper runs once, so what expired while the orchestrator
 was down is deleted straight away.
+
+Replicas. With a shared store (`RedisStore`) several orchestrators serve one URL over one backend. Each is a
+replica with an id and a lease in the store, renewed every third of `replica_lease_s`. A job is queued by the
+replica that got the request and claimed by it atomically before it runs (`StateStore.claim_job`), so a job is
+run at most once; an exec holds the store lock of its sandbox (`orchard.env.locks.StoreLock`), so execs of one
+sandbox run one at a time across replicas, and the job's result is written with the lock's fencing token, so a
+replica paused past its lease cannot write. Every reaper pass fails, as lost, the queued and running jobs of
+replicas whose lease has ended: the same "lost:" jobs a restart reports, never re-run.
 """
 
 from __future__ import annotations
@@ -62,12 +70,20 @@ from orchard.env.errors import (
     ServiceUnavailable,
     WaitTimeoutError,
 )
-from orchard.env.store.base import JOB_DONE, IdempotencyRecord, JobRecord, SandboxRecord, StateStore
+from orchard.env.locks import StoreLock
+from orchard.env.store.base import (
+    JOB_DONE,
+    LOST_JOB_ERROR,
+    IdempotencyRecord,
+    JobRecord,
+    SandboxRecord,
+    StateStore,
+)
 
 logger = logging.getLogger(__name__)
 
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-LOST_JOB_ERROR = "lost: the orchestrator stopped while this job was {status}; it was not run again"
+__all__ = ["LOST_JOB_ERROR", "CreateParams", "ExecParams", "Orchestrator"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +184,9 @@ class Orchestrator:
         idempotency_ttl_s: how long a key is remembered. Default 24 h.
         max_output_bytes: per-stream output cap of an exec (the request may lower it). Default 1 MiB.
         retry_after_s: the `Retry-After` sent with a 503. Default 1.
+        replica_lease_s: how long this replica counts as alive in the store without renewing (it renews every
+            third of it), and the lease of a sandbox's store lock during an exec. With a shared store, the jobs
+            of a replica that died are reported lost this long after it stopped. Default 30.
         clock: epoch-seconds clock (tests pass a fake one).
 
     Attributes:
@@ -190,6 +209,7 @@ class Orchestrator:
         idempotency_ttl_s: float = 24 * 3600.0,
         max_output_bytes: int = 1 << 20,
         retry_after_s: float = 1.0,
+        replica_lease_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(max_concurrent_execs, int) or max_concurrent_execs < 1:
@@ -199,7 +219,7 @@ class Orchestrator:
         for name, value in (("default_exec_timeout_s", default_exec_timeout_s),
                             ("heartbeat_timeout_s", heartbeat_timeout_s), ("reap_interval_s", reap_interval_s),
                             ("job_retention_s", job_retention_s), ("idempotency_ttl_s", idempotency_ttl_s),
-                            ("retry_after_s", retry_after_s)):
+                            ("retry_after_s", retry_after_s), ("replica_lease_s", replica_lease_s)):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if not isinstance(max_output_bytes, int) or max_output_bytes < 1:
@@ -215,6 +235,9 @@ class Orchestrator:
         self.idempotency_ttl_s = float(idempotency_ttl_s)
         self.max_output_bytes = max_output_bytes
         self.retry_after_s = float(retry_after_s)
+        self.replica_lease_s = float(replica_lease_s)
+        self.replica_id = uuid.uuid4().hex[:12]
+        """This orchestrator's name in the store: the owner of the jobs it queues and runs."""
         self.clock = clock
         self._slots = asyncio.Semaphore(max_concurrent_execs)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -225,6 +248,7 @@ class Orchestrator:
         self._active_jobs: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._beat: asyncio.Task[None] | None = None
         self.pending_execs = 0
         self.running_execs = 0
         self.sandbox_response: Callable[[SandboxRecord], dict[str, Any]] | None = None
@@ -245,7 +269,10 @@ class Orchestrator:
 
     # life of the orchestrator itself
     async def start(self, *, reaper: bool = True) -> None:
-        """Reconcile the store with the backend, reap what expired, and start the periodic reaper."""
+        """Register this replica, reconcile the store with the backend, reap what expired, and start the
+        periodic reaper."""
+        await self.store.register_replica(self.replica_id, self.replica_lease_s)
+        self._beat = asyncio.create_task(self._beat_forever())
         await self.reconcile()
         await self.reap_once()
         if reaper:
@@ -254,10 +281,11 @@ class Orchestrator:
     async def close(self) -> None:
         """Stop the reaper, cancel running jobs (their records stay; the next start marks them lost), and close
         the backend and the store. Sandboxes are left as they are: a restart finds them."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._beat):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -269,12 +297,7 @@ class Orchestrator:
         """Make the store agree with the backend after a restart. Returns what it did, by kind."""
         now = self.clock()
         report: dict[str, list[str]] = {"lost_jobs": [], "dropped": [], "orphans_deleted": [], "kept": []}
-        for job in await self.store.list_jobs(("queued", "running")):
-            job.error = LOST_JOB_ERROR.format(status=job.status)
-            job.status = "failed"
-            job.completed_at = now
-            await self.store.put_job(job)
-            report["lost_jobs"].append(job.job_id)
+        report["lost_jobs"] = await self.store.mark_lost_jobs(now)
         live = set(await self.backend.list_ids())
         known = {record.sandbox_id: record for record in await self.store.list_sandboxes()}
         for sandbox_id, record in known.items():
@@ -306,6 +329,14 @@ class Orchestrator:
         logger.info("reconciled: %s", {k: len(v) for k, v in report.items()})
         return report
 
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.replica_lease_s / 3)
+            try:
+                await self.store.register_replica(self.replica_id, self.replica_lease_s)
+            except Exception:
+                logger.exception("renewing replica %s's lease failed", self.replica_id)
+
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(self.reap_interval_s)
@@ -329,6 +360,10 @@ class Orchestrator:
                     reaped.append(record.sandbox_id)
                 except SandboxError:
                     logger.exception("reaping %s failed", record.sandbox_id)
+        if self.store.shared:  # another replica may have died since the last pass; alone, only a restart loses
+            lost = await self.store.mark_lost_jobs(now)
+            if lost:
+                logger.warning("jobs of replicas whose lease ended, failed as lost: %s", lost)
         await self.store.delete_jobs_completed_before(now - self.job_retention_s)
         await self.store.delete_idempotency_before(now - self.idempotency_ttl_s)
         if reaped:
@@ -513,7 +548,8 @@ class Orchestrator:
             return await self._job_for_claim(existing, fingerprint)
         now = self.clock()
         command = params.command if isinstance(params.command, str) else shlex.join(params.command)
-        job = JobRecord(job_id=str(uuid.uuid4()), sandbox_id=sandbox_id, command=command, created_at=now)
+        job = JobRecord(job_id=str(uuid.uuid4()), sandbox_id=sandbox_id, command=command, created_at=now,
+                        replica=self.replica_id)
         claim = None
         if key is not None:
             claim = IdempotencyRecord(key=key, fingerprint=fingerprint, created_at=now, resource_id=job.job_id,
@@ -549,31 +585,22 @@ class Orchestrator:
 
     async def _run_job(self, job: JobRecord, params: ExecParams, timeout: float, incarnation: float) -> None:
         waiting = True
+        lock: StoreLock | None = None
         try:
             async with self._lock(job.sandbox_id), self._slots:
                 self.pending_execs -= 1
                 waiting = False
-                current = await self.store.get_sandbox(job.sandbox_id)
-                # Deleted while the job queued (perhaps re-created under the same id): never run it there.
-                if current is None or current.created_at != incarnation or current.status != "ready":
-                    job.status, job.error, job.completed_at = "failed", "sandbox deleted", self.clock()
-                    await self.store.put_job(job)
-                    return
-                job.status, job.started_at = "running", self.clock()
-                await self.store.put_job(job)
-                self.running_execs += 1
-                try:
-                    await self._exec_into(job, params, timeout)
-                finally:
-                    self.running_execs -= 1
-                job.completed_at = self.clock()
-                await self.store.put_job(job)
+                async with contextlib.AsyncExitStack() as held:
+                    if self.store.shared:  # one exec at a time in a sandbox across replicas, not only here
+                        lock = await held.enter_async_context(
+                            StoreLock(self.store, f"sandbox:{job.sandbox_id}", self.replica_lease_s))
+                    await self._claim_and_run(job, params, timeout, incarnation, lock)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.exception("job %s failed", job.job_id)
             job.status, job.error, job.completed_at = "failed", f"{type(exc).__name__}: {exc}", self.clock()
-            await self.store.put_job(job)
+            await self._write_job(job, lock)
         finally:
             if waiting:
                 self.pending_execs -= 1
@@ -586,6 +613,44 @@ class Orchestrator:
             event = self._job_done.pop(job.job_id, None)
             if event is not None:
                 event.set()
+
+    async def _claim_and_run(self, job: JobRecord, params: ExecParams, timeout: float, incarnation: float,
+                             lock: StoreLock | None) -> None:
+        started = self.clock()
+        if not await self.store.claim_job(job.job_id, self.replica_id, started):
+            # Failed as lost while it queued (this replica stalled past its lease): running it now could run
+            # a command its caller was told would never run. Waiters get what the store says.
+            logger.warning("job %s was no longer queued when its turn came; not run", job.job_id)
+            await self._refresh(job)
+            return
+        job.status, job.started_at, job.replica = "running", started, self.replica_id
+        current = await self.store.get_sandbox(job.sandbox_id)
+        # Deleted while the job queued (perhaps re-created under the same id): never run it there.
+        if current is None or current.created_at != incarnation or current.status != "ready":
+            job.status, job.error, job.started_at, job.completed_at = "failed", "sandbox deleted", None, self.clock()
+            await self._write_job(job, lock)
+            return
+        self.running_execs += 1
+        try:
+            await self._exec_into(job, params, timeout)
+        finally:
+            self.running_execs -= 1
+        job.completed_at = self.clock()
+        await self._write_job(job, lock)
+
+    async def _write_job(self, job: JobRecord, lock: StoreLock | None) -> None:
+        """Store the job; under a store lock, only while its token still holds the lock (fenced)."""
+        if lock is None or lock.token is None:
+            await self.store.put_job(job)
+        elif not await self.store.put_job_fenced(job, lock.name, lock.token):
+            logger.warning("job %s: result not recorded: the lease of %s ended before it was written (this "
+                           "replica stalled past it?)", job.job_id, lock.name)
+            await self._refresh(job)
+
+    async def _refresh(self, job: JobRecord) -> None:
+        stored = await self.store.get_job(job.job_id)
+        if stored is not None:
+            vars(job).update(vars(stored))
 
     async def _exec_into(self, job: JobRecord, params: ExecParams, timeout: float) -> None:
         command: str | list[str] = params.command
@@ -626,6 +691,13 @@ class Orchestrator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, timeout))
             job = live or await self.get_job(job_id)
+        elif job.status not in JOB_DONE and self.store.shared:
+            # run by another replica: only the store knows when it ends
+            deadline, pause = time.monotonic() + timeout, 0.02
+            while job.status not in JOB_DONE and (left := deadline - time.monotonic()) > 0:
+                await asyncio.sleep(min(pause, left))
+                pause = min(2 * pause, 0.5)
+                job = await self.get_job(job_id)
         return job
 
     # files, patches, resources, terminals

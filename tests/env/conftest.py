@@ -14,3 +14,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     mark = item.get_closest_marker(MISSING_MARK)
     if mark is not None:
         pytest.fail(mark.kwargs["reason"], pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real redis-server for the session: a free loopback port, no persistence, killed at the end. Missing
+    redis-server fails the test (CI promises it; scripts/setup installs it)."""
+    from _redis import start_redis_server
+
+    with start_redis_server() as url:
+        yield url

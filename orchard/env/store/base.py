@@ -1,9 +1,18 @@
 """What the orchestrator remembers, and the interface every state store implements.
 
 The orchestrator keeps three kinds of record: sandboxes, jobs (one per exec), and idempotency records (one per
-`Idempotency-Key` seen on a mutating request). The embedded default is `SQLiteStore`; a Redis store for several
-orchestrator replicas implements the same `StateStore` protocol. Every method is a coroutine so that a store may
-do network I/O; the SQLite store answers without awaiting.
+`Idempotency-Key` seen on a mutating request). The embedded default is `SQLiteStore`; `RedisStore` serves several
+orchestrator replicas behind one URL and implements the same `StateStore` protocol. Every method is a coroutine so
+that a store may do network I/O; the SQLite store answers without awaiting.
+
+Several replicas need three more things from the store, which both stores provide:
+
+- replicas: each replica says it is alive with a lease (`register_replica`, renewed well before it ends); a job
+  is run by one replica (`claim_job` moves it from queued to running atomically, so of two claims one wins), and
+  the queued or running jobs of a replica whose lease ended are failed as lost (`mark_lost_jobs`), never re-run;
+- locks with leases and fencing tokens (`acquire_lock`): each grant of a lock gets a larger token, and a write
+  that needs the lock (`put_job_fenced`) is refused unless its token still holds the lock, checked atomically
+  with the write. A holder paused past its lease thus cannot write, whoever holds the lock since.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from typing import Protocol, runtime_checkable
 SANDBOX_STATUSES = ("pending", "ready", "failed", "deleting")
 JOB_STATUSES = ("queued", "running", "succeeded", "failed")
 JOB_DONE = ("succeeded", "failed")
+LOST_JOB_ERROR = "lost: the orchestrator stopped while this job was {status}; it was not run again"
+"""The `error` of a job failed by `mark_lost_jobs` (formatted with the status it had)."""
 
 
 @dataclass
@@ -55,6 +66,8 @@ class JobRecord:
     stderr_truncated: bool = False
     timed_out: bool = False
     duration_s: float | None = None
+    replica: str | None = None
+    """The orchestrator replica that queued it and, once claimed, the one that runs it."""
 
 
 @dataclass
@@ -73,8 +86,13 @@ class IdempotencyRecord:
 
 @runtime_checkable
 class StateStore(Protocol):
-    """Durable orchestrator state. Implementations must make `claim_idempotency` atomic: of two concurrent
-    claims of one key exactly one gets None back."""
+    """Durable orchestrator state. Implementations must make `claim_idempotency`, `create_job_idempotent`,
+    `claim_job`, `mark_lost_jobs` (per job), `acquire_lock` and `put_job_fenced` atomic: of two concurrent claims
+    of one key, one job or one free lock exactly one succeeds."""
+
+    shared: bool
+    """True when orchestrators in other processes may use the store at the same time (Redis): an orchestrator
+    then looks for lost jobs in every reaper pass and holds a store lock around each exec."""
 
     async def put_sandbox(self, record: SandboxRecord) -> None: ...
 
@@ -121,5 +139,38 @@ class StateStore(Protocol):
     async def delete_idempotency(self, key: str) -> None: ...
 
     async def delete_idempotency_before(self, before: float) -> int: ...
+
+    async def register_replica(self, replica: str, lease_s: float) -> None:
+        """Say that `replica` is alive for the next `lease_s` seconds (call again before that to stay alive)."""
+        ...
+
+    async def claim_job(self, job_id: str, replica: str, started_at: float) -> bool:
+        """If the job is queued: make it running, run by `replica`, started at `started_at`, and return True.
+        False when it is gone or no longer queued (another replica claimed it, or it was marked lost): then it
+        must not run."""
+        ...
+
+    async def mark_lost_jobs(self, completed_at: float) -> list[str]:
+        """Fail every queued or running job whose replica's lease has ended (or that has no replica) with
+        `error = LOST_JOB_ERROR`; returns their ids. A job that changes meanwhile is left alone."""
+        ...
+
+    async def acquire_lock(self, name: str, lease_s: float) -> int | None:
+        """Take the lock `name` for `lease_s` seconds if it is free (never taken, released, or its lease
+        ended). Returns the fencing token, larger than every token given before for `name`; None when held."""
+        ...
+
+    async def renew_lock(self, name: str, token: int, lease_s: float) -> bool:
+        """Extend the lease to `lease_s` seconds from now while `token` still holds the lock; else False."""
+        ...
+
+    async def release_lock(self, name: str, token: int) -> None:
+        """Free the lock if `token` holds it (a stale token frees nothing)."""
+        ...
+
+    async def put_job_fenced(self, record: JobRecord, lock: str, token: int) -> bool:
+        """`put_job`, only while `token` holds the lock `lock` and the stored job is running, run by
+        `record.replica`; False (nothing written) otherwise."""
+        ...
 
     async def close(self) -> None: ...

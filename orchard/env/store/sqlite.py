@@ -8,15 +8,20 @@ Jobs are indexed by `completed_at` once they have completed, idempotency keys by
 retention deletes (every few seconds) read only the rows they remove, and a job's first two writes (queued,
 running) touch no index. Finding the jobs still queued or running scans the table, which only `reconcile`
 does, once at start.
+
+Replica leases and locks live in memory, not in the file: the file has one owner process at a time (an exclusive
+lock), so every replica and lock holder that can still be alive is in this process, and one that registered in
+an earlier process is dead. A restarted orchestrator thus finds the previous process's jobs lost at once.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 
-from orchard.env.store.base import IdempotencyRecord, JobRecord, SandboxRecord
+from orchard.env.store.base import LOST_JOB_ERROR, IdempotencyRecord, JobRecord, SandboxRecord
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (sandbox_id TEXT PRIMARY KEY, data TEXT NOT NULL);
@@ -52,6 +57,8 @@ class SQLiteStore:
         path: database file; its directory is created. The file survives restarts of the orchestrator.
     """
 
+    shared = False
+
     def __init__(self, path: str | Path) -> None:
         if not isinstance(path, (str, Path)) or str(path) == "":
             raise ValueError(f"path must be a non-empty str or Path, got {path!r}")
@@ -72,6 +79,9 @@ class SQLiteStore:
         # writes the file, so reads (two per exec) need neither a query nor JSON parsing. Callers get copies.
         self._sandboxes = {r.sandbox_id: r for r in (SandboxRecord(**json.loads(data)) for data, in
                                                      self._db.execute("SELECT data FROM sandboxes"))}
+        self._replicas: dict[str, float] = {}  # replica -> end of its lease (time.monotonic)
+        self._locks: dict[str, tuple[int, float]] = {}  # name -> (token, end of its lease)
+        self._last_token: dict[str, int] = {}
 
     # sandboxes
     async def put_sandbox(self, record: SandboxRecord) -> None:
@@ -209,6 +219,63 @@ class SQLiteStore:
 
     async def delete_idempotency_before(self, before: float) -> int:
         return self._db.execute(DELETE_OLD_KEYS, (before,)).rowcount
+
+    # replicas and locks
+    async def register_replica(self, replica: str, lease_s: float) -> None:
+        self._replicas[replica] = time.monotonic() + lease_s
+
+    def _alive(self, replica: str | None) -> bool:
+        return replica is not None and self._replicas.get(replica, 0.0) > time.monotonic()
+
+    async def claim_job(self, job_id: str, replica: str, started_at: float) -> bool:
+        cur = self._db.execute(
+            "UPDATE jobs SET status = 'running', data = json_set(data, '$.status', 'running', '$.replica', ?,"
+            " '$.started_at', ?) WHERE job_id = ? AND status = 'queued'",
+            (replica, started_at, job_id),
+        )
+        return cur.rowcount == 1
+
+    async def mark_lost_jobs(self, completed_at: float) -> list[str]:
+        lost = []
+        for job in await self.list_jobs(("queued", "running")):
+            if not self._alive(job.replica):
+                job.error = LOST_JOB_ERROR.format(status=job.status)
+                job.status, job.completed_at = "failed", completed_at
+                self._put_job(job)
+                lost.append(job.job_id)
+        return lost
+
+    def _holds(self, name: str, token: int) -> bool:
+        held = self._locks.get(name)
+        return held is not None and held[0] == token and held[1] > time.monotonic()
+
+    async def acquire_lock(self, name: str, lease_s: float) -> int | None:
+        held = self._locks.get(name)
+        if held is not None and held[1] > time.monotonic():
+            return None
+        token = self._last_token[name] = self._last_token.get(name, 0) + 1
+        self._locks[name] = (token, time.monotonic() + lease_s)
+        return token
+
+    async def renew_lock(self, name: str, token: int, lease_s: float) -> bool:
+        if not self._holds(name, token):
+            return False
+        self._locks[name] = (token, time.monotonic() + lease_s)
+        return True
+
+    async def release_lock(self, name: str, token: int) -> None:
+        if self._holds(name, token):
+            del self._locks[name]
+
+    async def put_job_fenced(self, record: JobRecord, lock: str, token: int) -> bool:
+        if not self._holds(lock, token):
+            return False
+        cur = self._db.execute(
+            "UPDATE jobs SET sandbox_id = ?, status = ?, completed_at = ?, data = ?"
+            " WHERE job_id = ? AND status = 'running' AND json_extract(data, '$.replica') IS ?",
+            (record.sandbox_id, record.status, record.completed_at, _dump(record), record.job_id, record.replica),
+        )
+        return cur.rowcount == 1
 
     async def close(self) -> None:
         self._db.close()

@@ -1,0 +1,83 @@
+"""A store lock held with a lease: waited for, renewed in the background while held, released at the end.
+
+    async with StoreLock(store, "sandbox:abc", lease_s=30) as lock:
+        ...
+        ok = await store.put_job_fenced(job, lock.name, lock.token)
+
+The lease bounds how long a holder that stops (killed, or paused by the OS or a debugger) keeps others out; the
+fencing token makes sure that, if it comes back after its lease, its writes are refused (the store checks the
+token with each fenced write, atomically). Renewal runs every third of the lease, so a holder must stall for two
+thirds of it before it loses the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from types import TracebackType
+
+from orchard.env.store.base import StateStore
+
+logger = logging.getLogger(__name__)
+
+
+class StoreLock:
+    """Async context manager holding the store lock `name`.
+
+    Args:
+        store: where the lock lives (`StateStore.acquire_lock`).
+        name: the lock's name; one holder at a time across every process using the store.
+        lease_s: seconds the lock stays held without a renewal. Must be > 0.
+        poll_s: first wait between attempts while another holder has it (doubles, jittered, up to 0.5 s).
+
+    Attributes:
+        token: the fencing token while held (None before and after).
+        lost: True once a renewal found the lease gone: writes with `token` are refused from then on.
+    """
+
+    def __init__(self, store: StateStore, name: str, lease_s: float, *, poll_s: float = 0.01) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        if not isinstance(lease_s, (int, float)) or not lease_s > 0:
+            raise ValueError(f"lease_s must be a number > 0, got {lease_s!r}")
+        if not isinstance(poll_s, (int, float)) or not poll_s > 0:
+            raise ValueError(f"poll_s must be a number > 0, got {poll_s!r}")
+        self.store, self.name, self.lease_s, self.poll_s = store, name, float(lease_s), float(poll_s)
+        self.token: int | None = None
+        self.lost = False
+        self._renewer: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> StoreLock:
+        wait = self.poll_s
+        while (token := await self.store.acquire_lock(self.name, self.lease_s)) is None:
+            await asyncio.sleep(wait * random.uniform(0.5, 1.0))  # jitter: waiters do not retry in lockstep
+            wait = min(2 * wait, 0.5)
+        self.token, self.lost = token, False
+        self._renewer = asyncio.create_task(self._renew_forever(token))
+        return self
+
+    async def _renew_forever(self, token: int) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                renewed = await self.store.renew_lock(self.name, token, self.lease_s)
+            except Exception:  # the store unreachable for a moment: the next tick tries again
+                logger.warning("renewing lock %s failed", self.name, exc_info=True)
+                continue
+            if not renewed:
+                self.lost = True
+                logger.warning("lost the lease of lock %s (token %d)", self.name, token)
+                return
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
+        token, self.token = self.token, None
+        if token is not None:
+            await self.store.release_lock(self.name, token)

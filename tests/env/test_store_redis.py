@@ -1,0 +1,195 @@
+"""Orchestrator replicas on one Redis store (a real redis-server): shared idempotency, one run per exec, execs of
+a sandbox serialised across replicas, and a replica that dies or stalls mid-job. In-process replicas share one
+LocalBackend, as replicas share a cluster; killed and paused replicas are real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+
+import httpx
+import pytest
+
+from orchard.env.backends.local import LocalBackend
+from orchard.env.embedded import serve
+from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator
+from orchard.env.store import open_store
+from orchard.env.store.redis_store import RedisStore
+
+
+@pytest.fixture
+def root():
+    path = tempfile.mkdtemp(prefix="orchard-env-redis-")
+    os.chmod(path, 0o711)  # sandbox uids walk through it to their workspaces
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def replicas(root, redis_url):
+    """Two started orchestrators, A and B, over one backend and one Redis state (a fresh key prefix)."""
+    # box=False: a bubblewrap per command, so the backend itself runs a sandbox's commands side by side and
+    # only the orchestrators' store lock can keep them in turn
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    pair = [Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=5.0) for _ in "AB"]
+    for orch in pair:
+        await orch.start(reaper=False)
+    yield pair
+    for record in await backend.list_ids():
+        await backend.delete(record)
+    for orch in pair:
+        await orch.close()  # closing the shared backend twice ends its processes once
+
+
+def _db(redis_url: str, db: int) -> str:
+    return redis_url.rsplit("/", 1)[0] + f"/{db}"  # a database of its own: child services use the default prefix
+
+
+def test_open_store_names_the_store(tmp_path, redis_url):
+    assert type(open_store(redis_url, tmp_path / "unused")).__name__ == "RedisStore"
+    assert type(open_store("sqlite", tmp_path / "s.sqlite3")).__name__ == "SQLiteStore"
+    with pytest.raises(ValueError, match="store must be"):
+        open_store("postgres://x", tmp_path / "s.sqlite3")
+    with pytest.raises(ValueError, match="url"):
+        RedisStore("localhost:6379")
+
+
+async def test_one_key_on_two_replicas_runs_one_job_once(replicas):
+    a, b = replicas
+    await a.create_sandbox(CreateParams(sandbox_id="s"))
+    params = ExecParams(command="echo ran >> count")
+    jobs = await asyncio.gather(a.submit_exec("s", params, key="k", fingerprint="f"),
+                                b.submit_exec("s", params, key="k", fingerprint="f"))
+    assert jobs[0].job_id == jobs[1].job_id  # the same key made one job, whichever replica got it first
+    done = await b.wait_job(jobs[0].job_id, 30)  # B waits on the store for a job A may run
+    assert done.status == "succeeded" and done.replica in (a.replica_id, b.replica_id)
+    again = await a.submit_exec("s", params, key="k", fingerprint="f")  # a late retry, on either replica
+    assert again.job_id == done.job_id
+    await a.wait_job(again.job_id, 30)
+    assert await b.read_file("s", "count") == b"ran\n"  # one run: one line
+
+
+async def test_execs_of_one_sandbox_run_one_at_a_time_across_replicas(replicas):
+    a, b = replicas
+    await a.create_sandbox(CreateParams(sandbox_id="s"))
+    step = ExecParams(command="echo start >> log; sleep 0.3; echo end >> log")
+    jobs = [await a.submit_exec("s", step), await b.submit_exec("s", step), await a.submit_exec("s", step)]
+    for job in jobs:
+        assert (await b.wait_job(job.job_id, 30)).status == "succeeded"
+    # each replica alone would serialise only its own execs: interleaved would read start, start, end, ...
+    assert (await a.read_file("s", "log")).decode().split() == ["start", "end"] * 3
+
+
+async def test_a_live_replicas_reaper_reports_a_dead_replicas_job_lost_after_its_lease(root, redis_url):
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a, b = (Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=lease)
+            for lease in (1.5, 30.0))
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        await a.create_sandbox(CreateParams(sandbox_id="s"))
+        params = ExecParams(command="echo ran >> count; sleep 30")
+        job = await a.submit_exec("s", params, key="k", fingerprint="f")
+        while (await b.get_job(job.job_id)).status != "running":
+            await asyncio.sleep(0.02)
+        for task in (a._beat, *a._tasks):  # A dies: it renews nothing and writes nothing from here on
+            task.cancel()
+        await asyncio.gather(a._beat, *a._tasks, return_exceptions=True)
+        await b.reap_once()
+        assert (await b.get_job(job.job_id)).status == "running"  # A's lease (1.5 s) has not ended yet
+        await asyncio.sleep(1.6)
+        await b.reap_once()
+        lost = await b.get_job(job.job_id)
+        assert lost.status == "failed" and lost.error.startswith("lost: ") and lost.replica == a.replica_id
+        retry = await b.submit_exec("s", params, key="k", fingerprint="f")  # the client's retry, to B
+        assert retry.job_id == job.job_id and retry.status == "failed"
+        assert await b.read_file("s", "count") == b"ran\n"  # ran once, on A; never again
+        await b.delete_sandbox("s")
+    finally:
+        await b.close()
+        await a.store.close()
+
+
+def _exec(url: str, key: str, command: str, idempotency_key: str) -> dict:
+    response = httpx.post(f"{url}/sandboxes/s/exec", json={"command": command, "wait": False},
+                          headers={"X-API-Key": key, "Idempotency-Key": idempotency_key}, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _job(url: str, key: str, job_id: str) -> dict:
+    return httpx.get(f"{url}/jobs/{job_id}", headers={"X-API-Key": key}, timeout=30).json()
+
+
+def _until(predicate, what: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.slow
+def test_a_killed_replicas_job_is_reported_lost_by_another_never_rerun(root, redis_url):
+    key, store = "replica-key", _db(redis_url, 1)
+    options = {"replica_lease_s": 1.0, "reap_interval_s": 0.2}
+    with serve(root, api_key=key, in_process=False, store=store, **options) as first:
+        h = {"X-API-Key": key}
+        assert httpx.post(f"{first.url}/sandboxes", json={"sandbox_id": "s"}, headers=h, timeout=30).is_success
+        command = "echo ran >> count; sleep 30"
+        job = _exec(first.url, key, command, "exec-1")
+        _until(lambda: _job(first.url, key, job["job_id"])["status"] == "running", "the job running")
+        first.process.send_signal(signal.SIGKILL)
+        assert first.process.wait(timeout=10) == -signal.SIGKILL
+
+    with serve(root, api_key=key, in_process=False, store=store, **options) as second:
+        # the first replica's lease (1 s) ends; a reaper pass of the second then reports its job lost
+        lost = _until(lambda: (j := _job(second.url, key, job["job_id"]))["status"] != "running" and j,
+                      "the job reported lost")
+        assert lost["status"] == "failed" and lost["error"].startswith("lost:") and lost["exit_code"] is None
+        retry = _exec(second.url, key, command, "exec-1")  # the client's retry of the same exec
+        assert retry["job_id"] == job["job_id"] and retry["status"] == "failed"
+        count = httpx.get(f"{second.url}/sandboxes/s/files", params={"path": "count"}, headers=h, timeout=30)
+        assert base64.b64decode(count.json()["content"]) == b"ran\n"  # run once, by the replica that died
+        assert httpx.delete(f"{second.url}/sandboxes/s", headers=h, timeout=30).is_success
+
+
+@pytest.mark.slow
+def test_a_replica_paused_past_its_lease_cannot_record_its_result(root, redis_url):
+    key, store = "pause-key", _db(redis_url, 2)
+    with serve(root, api_key=key, in_process=False, store=store, replica_lease_s=1.0) as replica:
+        h = {"X-API-Key": key}
+        assert httpx.post(f"{replica.url}/sandboxes", json={"sandbox_id": "s"}, headers=h, timeout=30).is_success
+        job = _exec(replica.url, key, "sleep 1.5; echo finished", "exec-1")
+        _until(lambda: _job(replica.url, key, job["job_id"])["status"] == "running", "the job running")
+        replica.process.send_signal(signal.SIGSTOP)  # stalls (GC, swap, a debugger) with its job running
+        try:
+            time.sleep(2.5)  # past its lease (1 s) and past the command's end (1.5 s)
+            other = RedisStore(store)  # another replica's reaper pass
+            assert asyncio.run(_sweep(other)) == [job["job_id"]]
+        finally:
+            replica.process.send_signal(signal.SIGCONT)
+        # execs of a sandbox run in order on a replica: this one returns after the stalled job's write
+        after = httpx.post(f"{replica.url}/sandboxes/s/exec", json={"command": "echo next", "wait": True}, headers=h,
+                           timeout=60).json()
+        assert after["stdout"] == "next\n"
+        stalled = _job(replica.url, key, job["job_id"])
+        assert stalled["status"] == "failed" and stalled["error"].startswith("lost:")
+        assert stalled["stdout"] == ""  # the late result was refused, not written over the loss
+        assert httpx.delete(f"{replica.url}/sandboxes/s", headers=h, timeout=30).is_success
+
+
+async def _sweep(store: RedisStore) -> list[str]:
+    try:
+        return await store.mark_lost_jobs(time.time())
+    finally:
+        await store.close()
