@@ -8,6 +8,10 @@ import tempfile
 
 from orchard.env.embedded import API_KEY_ENV, BACKENDS, run_forever
 
+KUBERNETES = "kubernetes"
+KUBERNETES_FACTORY = "orchard.env.backends.kubernetes:from_environment"
+"""What `--backend kubernetes` hands the service (the embedded service takes other backends as module:factory)."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add `env` (with `serve`) to the top-level `orchard` parser."""
@@ -27,9 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument("--root", default=None, help="state + sandboxes directory (None: a new temp dir)")
     serve.add_argument("--api-key", default=None,
                        help=f"API key (None: ${API_KEY_ENV}, else a fresh random one)")
-    serve.add_argument("--backend", default="local", choices=BACKENDS,
+    serve.add_argument("--backend", default="local", choices=(*BACKENDS, KUBERNETES),
                        help="local: bubblewrap where it works, a box per sandbox; local-per-command: a "
-                       "bubblewrap per command; local-process-group: no bubblewrap (weak isolation)")
+                       "bubblewrap per command; local-process-group: no bubblewrap (weak isolation); "
+                       "kubernetes: a pod per sandbox, configured by ORCHARD_K8S_* variables "
+                       "(docs/env-kubernetes.md)")
     serve.add_argument("--allow-weak-isolation", action="store_true",
                        help="without bubblewrap, still create sandboxes with block_network=true (refused "
                        "otherwise): their commands then reach the host's network and files")
@@ -54,7 +60,8 @@ def _serve(args: argparse.Namespace) -> int:
     root = args.root or tempfile.mkdtemp(prefix="orchard-env-")
     print(f"orchard env: state and sandboxes in {root}", flush=True)
     run_forever(root, host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                backend=args.backend, allow_weak_isolation=args.allow_weak_isolation, log_level=args.log_level,
+                backend=KUBERNETES_FACTORY if args.backend == KUBERNETES else args.backend,
+                allow_weak_isolation=args.allow_weak_isolation, log_level=args.log_level,
                 max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
                 heartbeat_timeout_s=args.heartbeat_timeout, store=args.store)
     return 0

@@ -1,0 +1,454 @@
+"""`KubernetesBackend`: a pod per sandbox, on the official Kubernetes Python client.
+
+Create: a Secret (the agent's bearer token, fresh per sandbox: never the service's API key), a NetworkPolicy
+(ingress only from the orchestrator, egress only when asked), then the pod (`manifests.pod_manifest`); then wait
+until the pod is Ready, as the pod watcher (LIST + WATCH, `watch.PodWatcher`) reports it. A pod that fails, or is
+not ready within `ready_timeout_s`, fails the create with the reason Kubernetes gave, and its objects are deleted.
+
+Commands and files go over HTTP to the agent in the pod, at the pod's IP (so the orchestrator must run in the
+cluster, or route to pod IPs). Every API request is retried on 429, 5xx and transport errors, with backoff.
+
+Pods that fail (evicted, their node lost, their agent dead) are reaped as soon as the watcher sees them: the
+pod, its Secret and its NetworkPolicy are deleted and the sandbox's next call fails with what Kubernetes said
+(Orchard Env leaves such pods to a 2-hour TTL). On start, Secrets and NetworkPolicies without a pod are swept;
+pods that no record of the orchestrator owns are deleted by its reconciliation (`list_ids`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orchard._extras import requires_extra
+from orchard.env.agent.core import validate_env
+from orchard.env.backends.base import (
+    BackendError,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    PathEscapeError,
+    PtySession,
+    Resources,
+    SandboxNotFoundError,
+    SandboxSpec,
+)
+from orchard.env.backends.kubernetes.manifests import (
+    CPU_ANNOTATION,
+    MEMORY_ANNOTATION,
+    SANDBOX,
+    TOKEN_KEY,
+    KubernetesConfig,
+    network_policy_manifest,
+    object_name,
+    pod_manifest,
+    pod_state,
+    secret_manifest,
+)
+from orchard.env.backends.kubernetes.watch import PodWatcher
+
+with requires_extra("env"):
+    import httpx
+with requires_extra("k8s"):
+    import urllib3
+    from kubernetes import client as k8s
+    from kubernetes.client.exceptions import ApiException
+
+logger = logging.getLogger(__name__)
+
+_ID_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+def retry_delay(error: BaseException, attempt: int, *, base_s: float = 0.2, max_s: float = 10.0) -> float | None:
+    """Seconds to wait before retrying a failed API request, or None when it must not be retried.
+
+    429 and 5xx answers and transport errors (timeouts, refused or reset connections) are retried; a
+    `Retry-After` the server sent wins over the backoff (capped at `max_s`). Backoff: `base_s * 2**attempt`
+    capped at `max_s`, jittered into its upper half (attempt 0 -> 0.1..0.2 s, attempt 3 -> 0.8..1.6 s).
+    """
+    if isinstance(error, ApiException):
+        if error.status not in RETRYABLE_STATUS:
+            return None
+        after = (error.headers or {}).get("Retry-After")
+        if after is not None:
+            with contextlib.suppress(ValueError):
+                return min(max(float(after), 0.0), max_s)
+    elif not isinstance(error, urllib3.exceptions.HTTPError | OSError | TimeoutError):
+        return None
+    delay = min(base_s * 2**attempt, max_s)
+    return delay * (0.5 + secrets.randbelow(1001) / 2000)
+
+
+def _api_message(error: ApiException) -> str:
+    with contextlib.suppress(TypeError, ValueError):
+        return f"{error.status} {json.loads(error.body)['message']}"
+    return f"{error.status} {error.reason}"
+
+
+class KubernetesBackend:
+    """Sandboxes as pods in one namespace (see the module docstring and docs/env-kubernetes.md).
+
+    Args:
+        config: how pods are made (`KubernetesConfig`; its defaults match `deploy/`).
+        api_client: the official client's `ApiClient` (None: in-cluster configuration when running in a pod,
+            else the kubeconfig).
+
+    Attributes:
+        isolation: "pod". blocks_network: True: a sandbox without network gets a default-deny egress
+            NetworkPolicy, which holds where the cluster's network plugin enforces NetworkPolicies.
+        reaped: (sandbox id, reason) of every sandbox whose failed pod this backend reaped.
+    """
+
+    name = "kubernetes"
+    isolation = "pod"
+    blocks_network = True
+
+    def __init__(self, config: KubernetesConfig | None = None, *, api_client: k8s.ApiClient | None = None) -> None:
+        if config is not None and not isinstance(config, KubernetesConfig):
+            raise ValueError(f"config must be a KubernetesConfig or None, got {type(config).__name__}")
+        self.config = config or KubernetesConfig()
+        self.api_client = api_client if api_client is not None else default_api_client()
+        self.core = k8s.CoreV1Api(self.api_client)
+        self.net = k8s.NetworkingV1Api(self.api_client)
+        self.reaped: list[tuple[str, str]] = []
+        self._tokens: dict[str, str] = {}
+        self._lost: dict[str, str] = {}
+        self._deleting: set[str] = set()
+        self._changed: dict[str, asyncio.Event] = {}
+        self._watcher: PodWatcher | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._start_lock: asyncio.Lock | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- the API server ------------------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, ok: tuple[int, ...] = (), **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on a thread, retried with backoff; a status in `ok` returns None."""
+        for attempt in range(self.config.api_retries + 1):
+            try:
+                return await asyncio.to_thread(fn, *args, _request_timeout=self.config.api_timeout_s, **kwargs)
+            except Exception as e:
+                if isinstance(e, ApiException) and e.status in ok:
+                    return None
+                delay = retry_delay(e, attempt)
+                what = _api_message(e) if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
+                if delay is None or attempt == self.config.api_retries:
+                    raise BackendError(f"Kubernetes API {fn.__name__}: {what}") from e
+                logger.info("Kubernetes API %s: %s; retry %d in %.2fs", fn.__name__, what, attempt + 1, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _started(self) -> PodWatcher:
+        """Start the pod watcher on first use (the backend is built before the service's event loop runs)."""
+        if self._watcher is not None and self._watcher.synced.is_set():
+            return self._watcher
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._watcher is None:
+                self._loop = asyncio.get_running_loop()
+                self._watcher = PodWatcher(self.core, self.config.namespace, self.config.selector(),
+                                           self._on_change_threadsafe, watch_timeout_s=self.config.watch_timeout_s,
+                                           request_timeout_s=self.config.api_timeout_s)
+                self._watcher.start()
+                deadline = time.monotonic() + self.config.ready_timeout_s
+                while not self._watcher.synced.is_set():
+                    if time.monotonic() > deadline:
+                        raise BackendError("could not list the sandbox pods (see the log for the API's answers)")
+                    await asyncio.sleep(0.02)
+                await self._sweep()
+        return self._watcher
+
+    async def _sweep(self) -> None:
+        """Delete Secrets and NetworkPolicies whose pod is gone (left by a create or delete that died half-way);
+        only those older than a create may take, so a create in flight on another replica keeps its own."""
+        assert self._watcher is not None
+        cutoff = time.time() - self.config.ready_timeout_s - 60
+        for lister, deleter in ((self.core.list_namespaced_secret, self.core.delete_namespaced_secret),
+                                (self.net.list_namespaced_network_policy, self.net.delete_namespaced_network_policy)):
+            found = await self._call(lister, self.config.namespace, label_selector=self.config.selector(),
+                                     _preload_content=False)
+            for item in json.loads(found.data).get("items") or []:
+                meta = item["metadata"]
+                made = _epoch(meta.get("creationTimestamp"))
+                if meta["name"] not in self._watcher.pods and made is not None and made < cutoff:
+                    await self._call(deleter, meta["name"], self.config.namespace, ok=(404,))
+
+    def _on_change_threadsafe(self, name: str, pod: dict[str, Any] | None) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_change, name, pod)
+
+    def _on_change(self, name: str, pod: dict[str, Any] | None) -> None:
+        event = self._changed.get(name)
+        if event is not None:
+            event.set()
+        if pod is None:
+            self._deleting.discard(name)
+            return
+        sandbox_id = (pod["metadata"].get("labels") or {}).get(SANDBOX)
+        state = pod_state(pod)
+        if sandbox_id and state.phase == "failed" and sandbox_id not in self._lost and name not in self._deleting:
+            self._lost[sandbox_id] = state.reason
+            task = asyncio.get_running_loop().create_task(self._reap(sandbox_id, state.reason))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _reap(self, sandbox_id: str, reason: str) -> None:
+        logger.warning("sandbox %s: its pod failed (%s); deleting it now", sandbox_id, reason)
+        self.reaped.append((sandbox_id, reason))
+        try:
+            await self._delete_objects(sandbox_id)
+        except BackendError:
+            logger.exception("reaping sandbox %s failed; the next start sweeps it", sandbox_id)
+
+    async def _delete_objects(self, sandbox_id: str) -> None:
+        name, ns = object_name(sandbox_id), self.config.namespace
+        self._deleting.add(name)
+        await self._call(self.core.delete_namespaced_pod, name, ns, grace_period_seconds=0, ok=(404,))
+        await self._call(self.core.delete_namespaced_secret, name, ns, ok=(404,))
+        await self._call(self.net.delete_namespaced_network_policy, name, ns, ok=(404,))
+
+    async def _wait_ready(self, sandbox_id: str, timeout_s: float) -> str:
+        """The pod's IP once it is Ready; BackendError with Kubernetes' reason if it fails or times out."""
+        watcher = await self._started()
+        name = object_name(sandbox_id)
+        event = self._changed.setdefault(name, asyncio.Event())
+        deadline = time.monotonic() + timeout_s
+        seen, reason = False, "the pod was not seen by the watch"
+        try:
+            while True:
+                event.clear()
+                pod = watcher.pods.get(name)
+                if pod is not None:
+                    seen = True
+                    state = pod_state(pod)
+                    if state.phase == "ready":
+                        return state.ip  # type: ignore[return-value]
+                    if state.phase in ("failed", "terminating"):
+                        raise BackendError(f"sandbox {sandbox_id}: pod {name} {state.phase}: {state.reason}")
+                    reason = state.reason
+                elif seen:
+                    raise BackendError(f"sandbox {sandbox_id}: pod {name} was deleted before it was ready")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BackendError(f"sandbox {sandbox_id}: pod {name} not ready after {timeout_s:g}s: {reason}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), left)
+        finally:
+            self._changed.pop(name, None)
+
+    # -- the Backend protocol --------------------------------------------------------------------------------
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        """Make the sandbox's Secret, NetworkPolicy and pod, and wait until the pod is Ready. Idempotent: an
+        existing pod is waited for, not made again."""
+        _check_id(sandbox_id)
+        _check_spec(spec)
+        watcher = await self._started()
+        name, ns = object_name(sandbox_id), self.config.namespace
+        self._lost.pop(sandbox_id, None)
+        if name not in watcher.pods or name in self._deleting:
+            self._deleting.discard(name)
+            token = secrets.token_urlsafe(32)
+            made = await self._call(self.core.create_namespaced_secret, ns,
+                                    secret_manifest(self.config, sandbox_id, token), ok=(409,))
+            if made is not None:  # else one exists (a retried create): its token is read when needed
+                self._tokens[sandbox_id] = token
+            await self._call(self.net.create_namespaced_network_policy, ns,
+                             network_policy_manifest(self.config, sandbox_id, spec.network), ok=(409,))
+            await self._call(self.core.create_namespaced_pod, ns, pod_manifest(self.config, sandbox_id, spec),
+                             ok=(409,))
+        try:
+            await self._wait_ready(sandbox_id, self.config.ready_timeout_s)
+        except BaseException:
+            with contextlib.suppress(BackendError):
+                await self.delete(sandbox_id)
+            raise
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Delete the pod (no grace period: its processes end now), its Secret and NetworkPolicy. Idempotent."""
+        _check_id(sandbox_id)
+        await self._started()
+        self._tokens.pop(sandbox_id, None)
+        self._lost.pop(sandbox_id, None)
+        await self._delete_objects(sandbox_id)
+
+    async def exists(self, sandbox_id: str) -> bool:
+        _check_id(sandbox_id)
+        return sandbox_id in await self.list_ids()
+
+    async def list_ids(self) -> list[str]:
+        """Ids of the sandboxes whose pods are pending or ready (failed ones are being reaped)."""
+        watcher = await self._started()
+        out = []
+        for name, pod in list(watcher.pods.items()):
+            sandbox_id = (pod["metadata"].get("labels") or {}).get(SANDBOX)
+            if sandbox_id and name not in self._deleting and pod_state(pod).phase in ("pending", "ready"):
+                out.append(sandbox_id)
+        return sorted(out)
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        body = {"command": request.command, "cwd": request.cwd, "env": request.env, "timeout_s": request.timeout_s,
+                "max_output_bytes": request.max_output_bytes,
+                "stdin_b64": base64.b64encode(request.stdin).decode() if request.stdin is not None else None}
+        r = await self._agent(sandbox_id, "POST", "/exec", json=body, timeout_s=request.timeout_s + 30)
+        return _result(r.json())
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> None:
+        params = {"path": path} if mode is None else {"path": path, "mode": f"{mode:o}"}
+        await self._agent(sandbox_id, "PUT", "/files", params=params, content=data)
+
+    async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        params: dict[str, Any] = {"path": path} if max_bytes is None else {"path": path, "max_bytes": max_bytes}
+        return (await self._agent(sandbox_id, "GET", "/files", params=params)).content
+
+    async def list_files(self, sandbox_id: str, path: str = ".", recursive: bool = False) -> list[FileInfo]:
+        r = await self._agent(sandbox_id, "GET", "/files/list",
+                              params={"path": path, "recursive": "true" if recursive else "false"})
+        return [FileInfo(**f) for f in r.json()["files"]]
+
+    async def apply_patch(self, sandbox_id: str, patch: str) -> ExecResult:
+        return _result((await self._agent(sandbox_id, "POST", "/apply_patch", json={"patch": patch})).json())
+
+    async def resources(self, sandbox_id: str) -> Resources:
+        """The pod's CPU and memory limits and the workspace's disk use (`pids` is the kubelet's: None)."""
+        disk = (await self._agent(sandbox_id, "GET", "/resources")).json()["disk_bytes"]
+        pod = (await self._started()).pods.get(object_name(sandbox_id)) or {}
+        notes = pod.get("metadata", {}).get("annotations") or {}
+        cpu, memory = notes.get(CPU_ANNOTATION), notes.get(MEMORY_ANNOTATION)
+        return Resources(cpu=float(cpu) if cpu else None, memory_mb=int(memory) if memory else None, pids=None,
+                         disk_bytes=int(disk))
+
+    async def open_pty(self, sandbox_id: str, command: str | None = None, cols: int = 80, rows: int = 24) -> PtySession:
+        raise BackendError("the Kubernetes backend offers no terminals; run commands with exec")
+
+    async def close(self) -> None:
+        """Stop the watcher and close connections; the pods stay (a restarted service finds them)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.stop)
+        if self._http is not None:
+            await self._http.aclose()
+        self._http = None
+
+    def health(self) -> dict[str, Any]:
+        """What /health reports about the backend."""
+        w = self._watcher
+        return {
+            "backend": self.name,
+            "isolation": self.isolation,
+            "namespace": self.config.namespace,
+            "owner": self.config.owner,
+            "pods": len(w.pods) if w else None,
+            "watch": {"lists": w.lists, "resumes": w.resumes} if w else None,
+            "reaped": len(self.reaped),
+        }
+
+    # -- the agent in the pod ------------------------------------------------------------------------------
+
+    async def _token(self, sandbox_id: str) -> str:
+        token = self._tokens.get(sandbox_id)
+        if token is None:  # made by another replica, or before a restart: the Secret has it
+            secret = await self._call(self.core.read_namespaced_secret, object_name(sandbox_id),
+                                      self.config.namespace, ok=(404,), _preload_content=False)
+            if secret is None:
+                raise SandboxNotFoundError(f"no sandbox {sandbox_id!r} (its Secret is gone)")
+            token = base64.b64decode(json.loads(secret.data)["data"][TOKEN_KEY]).decode()
+            self._tokens[sandbox_id] = token
+        return token
+
+    async def _agent(self, sandbox_id: str, method: str, path: str, *, timeout_s: float = 300.0,
+                     **kwargs: Any) -> httpx.Response:
+        _check_id(sandbox_id)
+        watcher = await self._started()
+        if sandbox_id in self._lost:
+            raise BackendError(f"sandbox {sandbox_id} is gone: its pod failed ({self._lost[sandbox_id]})")
+        name = object_name(sandbox_id)
+        pod = watcher.pods.get(name)
+        if pod is None or name in self._deleting:
+            raise SandboxNotFoundError(f"no sandbox {sandbox_id!r}")
+        state = pod_state(pod)
+        if state.phase == "pending":  # made by another replica a moment ago
+            ip = await self._wait_ready(sandbox_id, self.config.ready_timeout_s)
+        elif state.phase != "ready":
+            raise BackendError(f"sandbox {sandbox_id}: pod {name} is {state.phase}: {state.reason}")
+        else:
+            ip = state.ip  # type: ignore[assignment]
+        if self._http is None:
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        host = f"[{ip}]" if ":" in ip else ip
+        headers = {"Authorization": f"Bearer {await self._token(sandbox_id)}"}
+        try:
+            r = await self._http.request(method, f"http://{host}:{self.config.agent_port}{path}", headers=headers,
+                                         timeout=timeout_s, **kwargs)
+        except httpx.HTTPError as e:
+            if sandbox_id in self._lost:
+                raise BackendError(f"sandbox {sandbox_id} is gone: its pod failed ({self._lost[sandbox_id]})") from e
+            raise BackendError(f"sandbox {sandbox_id}: its agent at {ip} did not answer: {type(e).__name__}: {e}") from e
+        if r.status_code < 300:
+            return r
+        try:
+            detail = r.json()
+        except ValueError:
+            detail = {"detail": r.text}
+        message = str(detail.get("detail"))
+        if r.status_code == 400:
+            raise (PathEscapeError if detail.get("error") == "path_escape" else ValueError)(message)
+        if r.status_code == 404 and detail.get("error") == "not_found":
+            raise FileNotFoundError(message)
+        raise BackendError(f"sandbox {sandbox_id}: its agent answered {r.status_code}: {message}")
+
+
+def _result(j: dict[str, Any]) -> ExecResult:
+    return ExecResult(exit_code=j["exit_code"], stdout=base64.b64decode(j["stdout_b64"]),
+                      stderr=base64.b64decode(j["stderr_b64"]), stdout_truncated=j["stdout_truncated"],
+                      stderr_truncated=j["stderr_truncated"], timed_out=j["timed_out"], duration_s=j["duration_s"])
+
+
+def _epoch(timestamp: str | None) -> float | None:
+    if not timestamp:
+        return None
+    from datetime import datetime
+
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def _check_id(sandbox_id: str) -> None:
+    if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
+        raise ValueError(f"sandbox_id must be a Kubernetes label value ({_ID_RE.pattern}), got {sandbox_id!r}")
+
+
+def _check_spec(spec: SandboxSpec) -> None:
+    if not isinstance(spec, SandboxSpec):
+        raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}")
+    validate_env(spec.env, "spec.env")
+    if not isinstance(spec.image, str) or not spec.image or any(c.isspace() for c in spec.image):
+        raise ValueError(f"spec.image must be an image reference without spaces, got {spec.image!r}")
+    if not isinstance(spec.workdir, str) or not spec.workdir.startswith("/") or spec.workdir.rstrip("/") == "":
+        raise ValueError(f"spec.workdir must be an absolute path other than '/', got {spec.workdir!r}")
+    if spec.cpu is not None and not spec.cpu > 0:
+        raise ValueError(f"spec.cpu must be > 0, got {spec.cpu!r}")
+    if spec.memory_mb is not None and not spec.memory_mb >= 1:
+        raise ValueError(f"spec.memory_mb must be >= 1, got {spec.memory_mb!r}")
+
+
+def default_api_client() -> k8s.ApiClient:
+    """An `ApiClient` for where we run: the in-cluster service account in a pod, else the kubeconfig."""
+    from kubernetes import config as k8s_config
+
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        k8s_config.load_incluster_config()
+    else:
+        k8s_config.load_kube_config()
+    return k8s.ApiClient()

@@ -1,0 +1,193 @@
+"""A simulated kubelet: runs each pod of the emulator as real local processes, on a loopback address of its own.
+
+For every pod created: the status goes Pending (scheduled) -> the pod gets an IP (127.0.0.N) -> the init
+containers run to completion -> the main container starts -> Running -> Ready once its readiness probe (HTTP GET)
+answers 200. The containers' commands run on this machine with their volume mount paths mapped to a directory
+per pod and volume, `0.0.0.0` mapped to the pod's IP, and their env built from the pod spec (values and
+`secretKeyRef`s) and nothing else. The sandbox container's `python3` is this interpreter run with `-S` (no
+site-packages): the injected agent must need nothing but the standard library, as in a bare image.
+
+Faults: `slow_ready_s` delays readiness, `never_ready` leaves a pod waiting with a reason (an image that cannot
+be pulled), `evict` kills a pod's processes and marks it Failed/Evicted, `lose_node` marks it Unknown.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from k8s_emulator import ApiEmulator
+
+REPO = str(Path(__file__).resolve().parents[3])
+
+class SimulatedKubelet:
+    def __init__(self, api: ApiEmulator, workdir: str | os.PathLike[str]) -> None:
+        self.api = api
+        self.workdir = Path(workdir)
+        self.slow_ready_s: dict[str, float] = {}
+        """Sandbox id -> seconds its readiness is held back."""
+        self.never_ready: dict[str, tuple[str, str]] = {}
+        """Sandbox id -> (reason, message) its container waits with forever."""
+        self.processes: dict[str, list[subprocess.Popen[bytes]]] = {}
+        self._next_ip = 2
+        self._lock = threading.Lock()
+        api.on_event.append(self._on_event)
+
+    def _on_event(self, kind: str, resource: str, pod: dict[str, Any]) -> None:
+        if resource != "pods":
+            return
+        if kind == "ADDED":
+            threading.Thread(target=self._run_pod, args=(pod,), daemon=True).start()
+        elif kind == "DELETED":
+            self._kill(pod["metadata"]["name"])
+
+    def _kill(self, name: str) -> None:
+        with self._lock:
+            procs = self.processes.pop(name, [])
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        shutil.rmtree(self.workdir / name, ignore_errors=True)
+
+    def stop(self) -> None:
+        for name in list(self.processes):
+            self._kill(name)
+
+    def live_pods(self) -> list[str]:
+        with self._lock:
+            return [n for n, ps in self.processes.items() if any(p.poll() is None for p in ps)]
+
+    # -- faults ---------------------------------------------------------------------------------------------
+
+    def evict(self, namespace: str, name: str, message: str = "The node was low on resource: memory.") -> None:
+        self._kill(name)
+        self.api.update_status(namespace, name, {"phase": "Failed", "reason": "Evicted", "message": message})
+
+    def lose_node(self, namespace: str, name: str) -> None:
+        self._kill(name)
+        self.api.update_status(namespace, name, {"phase": "Unknown", "reason": "NodeLost",
+                                                 "message": "Node sim-node-1 which was running pod is unresponsive"})
+
+    # -- a pod's life ---------------------------------------------------------------------------------------
+
+    def _status(self, namespace: str, name: str, phase: str, ip: str | None, ready: bool,
+                containers: list[dict[str, Any]] | None = None) -> bool:
+        # the fields the API always fills in (the official client's models require them)
+        for c in containers or []:
+            c.update(image="sim", imageID="sim", restartCount=0, ready=c.get("ready", False))
+        status: dict[str, Any] = {
+            "phase": phase,
+            "conditions": [{"type": "PodScheduled", "status": "True"},
+                           {"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": containers or [],
+        }
+        if ip:
+            status["podIP"] = ip
+            status["hostIP"] = "127.0.0.1"
+        return self.api.update_status(namespace, name, status)
+
+    def _argv(self, container: dict[str, Any], mounts: dict[str, str], ip: str, sandbox: bool) -> list[str]:
+        out = []
+        for arg in [*container.get("command", []), *container.get("args", [])]:
+            for path, local in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+                if arg == path or arg.startswith(path + "/"):
+                    arg = local + arg[len(path):]
+                    break
+            out.append(ip if arg == "0.0.0.0" else arg)
+        if out and out[0] in ("python", "python3"):
+            out[0:1] = [sys.executable, "-S"] if sandbox else [sys.executable]
+        if sandbox:  # no mount namespace here: tell the agent which paths its pod would see the workspace at
+            out += [f"--alias={path}" for path, local in mounts.items() if local.endswith("/workspace")]
+        return out
+
+    def _env(self, namespace: str, container: dict[str, Any]) -> dict[str, str] | None:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        for item in container.get("env", []):
+            if "value" in item:
+                env[item["name"]] = item["value"]
+            else:
+                ref = item["valueFrom"]["secretKeyRef"]
+                secret = self.api.get("secrets", namespace, ref["name"])
+                if secret is None:
+                    return None
+
+                env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        return env
+
+    def _run_pod(self, pod: dict[str, Any]) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        ns, name = meta["namespace"], meta["name"]
+        sandbox = (meta.get("labels") or {}).get("orchard.dev/sandbox", "")
+        with self._lock:
+            ip = f"127.0.0.{self._next_ip}"
+            self._next_ip = self._next_ip + 1 if self._next_ip < 254 else 2
+            self.processes[name] = []
+        if not self._status(ns, name, "Pending", ip, False):
+            return
+        main = spec["containers"][0]
+        if sandbox in self.never_ready:
+            reason, message = self.never_ready[sandbox]
+            self._status(ns, name, "Pending", ip, False,
+                         [{"name": main["name"], "ready": False, "state": {"waiting": {"reason": reason,
+                                                                                       "message": message}}}])
+            return
+        root = self.workdir / name
+        volumes = {}
+        for v in spec.get("volumes", []):
+            # the workspace keeps its mount path's last part, so `pwd` inside ends as in the pod
+            volumes[v["name"]] = str(root / v["name"] / ("workspace" if v["name"] == "workspace" else "dir"))
+            os.makedirs(volumes[v["name"]], exist_ok=True)
+        for init in spec.get("initContainers", []):
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in init.get("volumeMounts", [])}
+            env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": REPO}
+            done = subprocess.run(self._argv(init, mounts, ip, False), env=env, capture_output=True)
+            if done.returncode != 0:
+                self._status(ns, name, "Failed", ip, False, [{"name": init["name"], "state": {"terminated": {
+                    "exitCode": done.returncode, "reason": "Error", "message": done.stderr.decode()[-200:]}}}])
+                return
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in main.get("volumeMounts", [])}
+        env = self._env(ns, main)
+        if env is None:
+            self._status(ns, name, "Pending", ip, False, [{"name": main["name"], "state": {"waiting": {
+                "reason": "CreateContainerConfigError", "message": "secret not found"}}}])
+            return
+        workdir = mounts.get(main.get("workingDir", ""), str(root))
+        proc = subprocess.Popen(self._argv(main, mounts, ip, True), env=env, cwd=workdir, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with self._lock:
+            if name not in self.processes:  # deleted while starting
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return
+            self.processes[name].append(proc)
+        running = [{"name": main["name"], "ready": False, "state": {"running": {}}}]
+        self._status(ns, name, "Running", ip, False, running)
+        time.sleep(self.slow_ready_s.get(sandbox, 0.0))
+        probe = main["readinessProbe"]["httpGet"]
+        url = f"http://{ip}:{probe['port']}{probe['path']}"
+        while proc.poll() is None:
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.02)
+        if proc.poll() is None:
+            ready = [{"name": main["name"], "ready": True, "state": {"running": {}}}]
+            self._status(ns, name, "Running", ip, True, ready)
+        proc.wait()
+        with self._lock:
+            still_ours = any(p is proc for p in self.processes.get(name, []))
+        if still_ours:  # it exited on its own: restartPolicy Never makes the pod Failed
+            self._status(ns, name, "Failed", ip, False, [{"name": main["name"], "state": {"terminated": {
+                "exitCode": proc.returncode, "reason": "Error"}}}])

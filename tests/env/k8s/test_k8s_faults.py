@@ -1,0 +1,144 @@
+"""Faults of the cluster, injected into the emulator and the simulated kubelet, against the real service."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+from conftest import NAMESPACE, Cluster, k8s_service
+
+from orchard.env import SandboxClient, ServerError
+from orchard.env.backends.kubernetes.manifests import KubernetesConfig, labels, object_name
+
+
+@pytest.fixture(scope="module")
+def service(cluster: Cluster):
+    with k8s_service(cluster, ready_timeout_s=4) as svc:
+        yield svc
+    assert cluster.leftovers() == {}
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    with SandboxClient(service.url, service.api_key) as c:
+        yield c
+
+
+def backend_health(service) -> dict:
+    r = httpx.get(service.url + "/resources", headers={"X-API-Key": service.api_key}, timeout=30)
+    return r.json()["backend_health"]
+
+
+def eventually(check, timeout_s: float = 10.0):
+    """Poll `check` until it returns something truthy (the watcher acts on its own thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+    return value
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.mark.parametrize("fault, said", [("evict", "Evicted: The node was low on resource: memory."),
+                                         ("lose_node", "NodeLost")])
+def test_a_failed_pod_is_reaped_at_once_and_its_sandbox_says_why(service, client, cluster, fault, said):
+    sb = client.create(sandbox_id=new_id(fault))
+    name = object_name(sb.sandbox_id)
+    getattr(cluster.kubelet, fault)(NAMESPACE, name)
+    # reaped by the watcher, not by a TTL: pod, Secret and NetworkPolicy all go
+    eventually(lambda: name not in cluster.objects("pods") + cluster.objects("secrets")
+               + cluster.objects("networkpolicies"))
+    r = sb.exec("true")  # an environment failure, marked as such: no exit code, the reason in `error`
+    assert r.status == "failed" and r.exit_code is None and said in r.error
+    sb.delete()
+
+
+def test_a_dropped_watch_is_resumed_from_its_resource_version(service, client, cluster):
+    before = backend_health(service)["watch"]
+    sid = new_id("slow")
+    cluster.kubelet.slow_ready_s[sid] = 1.0
+    cluster.api.drop_watches()  # while nothing is pending
+    with client.create(sandbox_id=sid) as sb:  # readiness arrives over the resumed watch
+        assert sb.exec("echo ok").stdout == "ok\n"
+    after = backend_health(service)["watch"]
+    assert after["resumes"] > before["resumes"] and after["lists"] == before["lists"]  # resumed, not relisted
+
+
+def test_a_watch_too_old_for_the_server_relists_and_sees_what_changed_meanwhile(service, client, cluster):
+    sb = client.create(sandbox_id=new_id("gone"))
+    name = object_name(sb.sandbox_id)
+    before = backend_health(service)["watch"]
+    # Cut the watch and, before it resumes, compact the history past its resourceVersion: the resumed watch
+    # gets 410 Gone, and the pod's eviction happened in the gap, so only the relist can reveal it.
+    cluster.api.compact()
+    cluster.kubelet.evict(NAMESPACE, name)
+    cluster.api.compact()
+    cluster.api.drop_watches()
+    eventually(lambda: backend_health(service)["watch"]["lists"] > before["lists"])
+    eventually(lambda: name not in cluster.objects("pods"))
+    sb.delete()
+    with client.create() as fresh:  # the watch after the relist carries readiness again
+        assert fresh.exec("echo ok").stdout == "ok\n"
+
+
+def test_429_and_500_answers_are_retried(service, client, cluster):
+    cluster.api.fail_next("POST", "secrets", 429, times=2, retry_after=0.05)
+    cluster.api.fail_next("POST", "pods", 500)
+    cluster.api.fail_next("DELETE", "pods", 503, times=2)
+    seen = len(cluster.api.requests)
+    with client.create() as sb:
+        assert sb.exec("echo ok").stdout == "ok\n"
+    statuses = [s for _, _, s in cluster.api.requests[seen:]]
+    assert statuses.count(429) == 2 and statuses.count(500) == 1 and statuses.count(503) == 2
+
+
+def test_an_api_that_keeps_failing_fails_the_create_and_leaves_nothing(service, client, cluster):
+    cluster.api.fail_next("POST", "pods", 500, times=100)
+    try:
+        with pytest.raises(ServerError) as info:
+            client.create(sandbox_id=new_id("down"))
+    finally:
+        cluster.api.faults.clear()
+    assert "create_namespaced_pod: 500" in str(info.value)
+    assert cluster.leftovers() == {}
+
+
+def test_slow_readiness_is_waited_for(client, cluster):
+    sid = new_id("slow")
+    cluster.kubelet.slow_ready_s[sid] = 1.5  # under the service's 4 s readiness timeout
+    with client.create(sandbox_id=sid) as sb:
+        assert sb.info["status"] == "ready" and sb.exec("echo ok").stdout == "ok\n"
+
+
+def test_a_pod_that_never_becomes_ready_fails_its_create_with_the_reason_kubernetes_gave(client, cluster):
+    sid = new_id("pull")
+    cluster.kubelet.never_ready[sid] = ("ImagePullBackOff", 'Back-off pulling image "no-such:image"')
+    with pytest.raises(ServerError) as info:
+        client.create(sandbox_id=sid, image="no-such:image")
+    assert 'ImagePullBackOff: Back-off pulling image "no-such:image"' in str(info.value)
+    assert cluster.leftovers() == {}
+
+
+def test_pods_no_record_owns_are_deleted_on_start_and_other_owners_are_left_alone(cluster):
+    config = KubernetesConfig(namespace=NAMESPACE)
+    orphan = {"metadata": {"name": object_name("orphan"), "labels": labels(config, "orphan")},
+              "spec": {"containers": [{"name": "c", "image": "x", "readinessProbe": {"httpGet": {"path": "/",
+                                                                                                  "port": 1}}}]}}
+    cluster.kubelet.never_ready["orphan"] = cluster.kubelet.never_ready["stranger"] = ("ContainerCreating", "")
+    stranger = {"metadata": {"name": "stranger", "labels": {**labels(config, "stranger"), "orchard.dev/owner": "x"}},
+                "spec": orphan["spec"]}
+    cluster.api.create("pods", NAMESPACE, orphan)
+    cluster.api.create("pods", NAMESPACE, stranger)
+    # a Secret left by a create that died before its pod (old enough that no create can still be in flight)
+    cluster.api.create("secrets", NAMESPACE, {"metadata": {"name": object_name("half"), "labels": labels(config, "half")}})
+    cluster.api.objects[("secrets", NAMESPACE, object_name("half"))]["metadata"]["creationTimestamp"] = (
+        "2020-01-01T00:00:00Z")
+    with k8s_service(cluster):
+        pass
+    assert cluster.objects("pods") == ["stranger"] and cluster.objects("secrets") == []
+    cluster.api.delete("pods", NAMESPACE, "stranger")
