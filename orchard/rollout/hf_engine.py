@@ -53,6 +53,8 @@ class _Row:
     finish_reason: str | None = None
     version: int = 0
     generator: torch.Generator | None = None
+    prefix_key: int | None = None
+    """The prefix-store entry its prompt reused, if any."""
     uniforms: list[float] = field(default_factory=list)
 
     def next_uniform(self) -> float:
@@ -408,10 +410,12 @@ class HFEngine:
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_stream)) if seed is None else seed
                 row.generator = torch.Generator().manual_seed(seed + row.sample_index)
         found = [self._prefixes.lookup(row.prompt_ids) for row in rows]
+        for row, (_, _, key) in zip(rows, found, strict=True):
+            row.prefix_key = key
         inputs = prefill_inputs(
             self._config,
-            [kv for _, kv in found],
-            [row.prompt_ids[n:] for (n, _), row in zip(found, rows, strict=True)],
+            [kv for _, kv, _ in found],
+            [row.prompt_ids[n:] for (n, _, _), row in zip(found, rows, strict=True)],
             self.pad_token_id,
             device,
         )
@@ -463,7 +467,7 @@ class HFEngine:
             if row.future.done():
                 continue
             if self._prefixes.max_tokens > 0:
-                self._prefixes.add(row.cached_ids(), running.cache.row_kv(b))
+                self._prefixes.add(row.cached_ids(), running.cache.row_kv(b), extends=row.prefix_key)
             completion = Completion(row.token_ids, row.logprobs, row.finish_reason)  # type: ignore[arg-type]
             _resolve(row.loop, row.future, (completion, row.version))
         gone = set(finished)

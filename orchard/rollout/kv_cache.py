@@ -152,31 +152,53 @@ def prefill_inputs(
     return PrefillInputs(cache, input_ids.to(device), mask.to(device), position_ids.to(device))
 
 
+_BLOCK = 32
+"""Stored sequences are indexed by the hashes of their first ``k`` blocks of this many tokens."""
+
+
+def _block_hashes(ids: Sequence[int]) -> list[int]:
+    """Chained hashes of ``ids``' whole blocks: entry ``k`` stands for the first ``k + 1`` blocks."""
+    hashes, h = [], 0
+    for start in range(0, len(ids) - _BLOCK + 1, _BLOCK):
+        h = hash((h, tuple(ids[start : start + _BLOCK])))
+        hashes.append(h)
+    return hashes
+
+
 @dataclass
 class _Entry:
     ids: torch.Tensor  # [T] long, on the CPU
     kv: LayerKV
+    index_keys: list[int | None]
 
 
 class PrefixStore:
     """Caches of finished rows keyed by their token ids, least recently used first out.
 
-    A later prompt reuses the longest common prefix with any stored sequence (the cache of a prefix is the prefix
-    of the cache: attention is causal). Storing a sequence drops stored ones that are prefixes of it, so the turns
-    of one episode occupy one entry.
+    A later prompt reuses the longest common prefix with a stored sequence (the cache of a prefix is the prefix of
+    the cache: attention is causal). Lookups go through an index of block hashes, so their cost does not grow with
+    the number of stored sequences: the candidates are the (at most 8 most recent) sequences sharing the most whole
+    blocks with the prompt, and the exact common prefix is counted on those; the reuse found may thus fall short
+    of the best by less than a block.
 
     Args:
         max_tokens: most tokens held over all entries; 0 disables the store.
     """
 
+    _CANDIDATES = 8
+
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._index: dict[
+            int | None, dict[int, None]
+        ] = {}  # block-hash chain (None: no whole block) -> entries
         self._next_key = 0
         self.tokens = 0
 
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self.tokens = 0
 
     @staticmethod
@@ -184,37 +206,54 @@ class PrefixStore:
         m = min(len(a), len(b))
         return int((a[:m] == b[:m]).cumprod(0).sum())
 
-    def lookup(self, prompt_ids: Sequence[int]) -> tuple[int, LayerKV | None]:
+    def lookup(self, prompt_ids: Sequence[int]) -> tuple[int, LayerKV | None, int | None]:
         """The longest stored prefix of ``prompt_ids`` that leaves at least its last token to prefill (whose
-        logits start the sample): its length and cache, or ``(0, None)``."""
+        logits start the sample): its length, its cache and the entry's key, or ``(0, None, None)``."""
         if not self._entries or len(prompt_ids) < 2:
-            return 0, None
-        prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long)
+            return 0, None, None
+        head = prompt_ids[:-1]
+        level: int | None = None
+        for h in _block_hashes(head):
+            if h not in self._index:
+                break
+            level = h
+        candidates = list(self._index.get(level, {}))[-self._CANDIDATES :]
+        prompt = torch.tensor(head, dtype=torch.long)
         best_key, best = None, 0
-        for key, entry in self._entries.items():
-            n = self._common(entry.ids, prompt)
+        for key in candidates:
+            n = self._common(self._entries[key].ids, prompt)
             if n > best:
                 best_key, best = key, n
         if best_key is None:
-            return 0, None
+            return 0, None, None
         self._entries.move_to_end(best_key)
         kv = self._entries[best_key].kv
-        return best, [(k[:, :best], v[:, :best]) for k, v in kv]
+        return best, [(k[:, :best], v[:, :best]) for k, v in kv], best_key
 
-    def add(self, ids: Sequence[int], kv: LayerKV) -> None:
-        """Store the cache ``kv`` of the sequence ``ids``."""
+    def add(self, ids: Sequence[int], kv: LayerKV, extends: int | None = None) -> None:
+        """Store the cache ``kv`` of the sequence ``ids``. ``extends``: the key of the entry its prompt reused;
+        dropped when ``ids`` starts with that entry's whole sequence (an episode's turns occupy one entry)."""
+        if extends is not None and extends in self._entries:
+            old = self._entries[extends]
+            if self._common(old.ids, torch.tensor(ids[: len(old.ids)], dtype=torch.long)) == len(old.ids):
+                self._remove(extends)
         if not 0 < len(ids) <= self.max_tokens:
             return
-        seq = torch.tensor(list(ids), dtype=torch.long)
-        covered = [
-            k for k, e in self._entries.items() if self._common(e.ids, seq) == min(len(e.ids), len(seq))
-        ]
-        if any(len(self._entries[k].ids) >= len(seq) for k in covered):
-            return  # a stored sequence already starts with this one
-        for key in covered:
-            self.tokens -= len(self._entries.pop(key).ids)
-        while self.tokens + len(seq) > self.max_tokens:
-            self.tokens -= len(self._entries.popitem(last=False)[1].ids)
-        self._entries[self._next_key] = _Entry(seq, kv)
+        while self.tokens + len(ids) > self.max_tokens:
+            self._remove(next(iter(self._entries)))
+        key = self._next_key
         self._next_key += 1
-        self.tokens += len(seq)
+        index_keys: list[int | None] = [None, *_block_hashes(ids)]
+        for h in index_keys:
+            self._index.setdefault(h, {})[key] = None
+        self._entries[key] = _Entry(torch.tensor(list(ids), dtype=torch.long), kv, index_keys)
+        self.tokens += len(ids)
+
+    def _remove(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self.tokens -= len(entry.ids)
+        for h in entry.index_keys:
+            bucket = self._index[h]
+            del bucket[key]
+            if not bucket:
+                del self._index[h]

@@ -178,7 +178,9 @@ def test_request_joins_running_batch_and_gets_its_solo_result(tiny_model):
     assert shapes == [(1, 5), (1, 1), (1, 1), (1, 3)] + [(2, 1)] * 3 + [(1, 1)] * 6
     for got, alone, req in zip((long_c, late_c), solo, (long_req, late_req), strict=True):
         assert got.token_ids == alone.token_ids
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0
+        )
         ref = _recomputed_logprobs(tiny_model, req.prompt_ids, got.token_ids, req.params.temperature)
         torch.testing.assert_close(torch.tensor(got.logprobs), ref, atol=2e-5, rtol=1e-5)
 
@@ -231,47 +233,43 @@ def test_update_weights_drops_cached_prefixes(tokenizer):
     assert after.completions[0].token_ids == fresh.completions[0].token_ids
 
 
-def test_prefix_store_keeps_longest_sequences_within_budget():
-    def kv(n):  # one layer, one head, head dim 1, the key of token i is i (enough to see which entry answered)
-        t = torch.arange(n, dtype=torch.float32).reshape(1, n, 1)
-        return [(t, t)]
+def _kv(ids):
+    """One layer, one head, head dim 1; the key of a token is its id (enough to see which entry answered)."""
+    t = torch.tensor(ids, dtype=torch.float32).reshape(1, len(ids), 1)
+    return [(t, t)]
 
+
+def test_prefix_store_reuses_longest_prefix_within_budget():
     store = PrefixStore(max_tokens=8)
-    store.add([1, 2, 3, 4], kv(4))
+    store.add([1, 2, 3, 4], _kv([1, 2, 3, 4]))
     # [1, 2, 3, 9, 9] shares 3 tokens; [1, 2, 3, 4] shares 4 but its last token must be prefilled -> 3
     assert store.lookup([1, 2, 3, 9, 9])[0] == 3 and store.lookup([1, 2, 3, 4])[0] == 3
     assert store.lookup([7, 1, 2])[0] == 0 and store.lookup([1])[0] == 0
-    n, found = store.lookup([1, 2, 9])
-    assert n == 2 and found[0][0].flatten().tolist() == [0.0, 1.0]
-    store.add([1, 2], kv(2))  # a prefix of a stored sequence adds nothing
-    assert store.tokens == 4
-    store.add([1, 2, 3, 4, 5, 6], kv(6))  # replaces [1, 2, 3, 4], its prefix: 6 tokens held, not 10
+    n, found, key = store.lookup([1, 2, 9])
+    assert n == 2 and found[0][0].flatten().tolist() == [1.0, 2.0]
+    # the next turn reused [1, 2, 3, 4] and starts with all of it: it replaces it, 6 tokens held, not 4 + 6
+    store.add([1, 2, 3, 4, 5, 6], _kv([1, 2, 3, 4, 5, 6]), extends=key)
     assert store.tokens == 6 and store.lookup([1, 2, 3, 4, 5, 6, 7])[0] == 6
-    store.add([8, 9, 10], kv(3))  # 6 + 3 > 8: the least recently used entry goes
+    store.add([8, 9, 10], _kv([8, 9, 10]))  # 6 + 3 > 8: the least recently used entry goes
     assert store.tokens == 3 and store.lookup([1, 2, 3, 4])[0] == 0
-    store.add(list(range(20, 29)), kv(9))  # alone over the budget: not stored
+    store.add(list(range(20, 29)), _kv(list(range(20, 29))))  # alone over the budget: not stored
     assert store.tokens == 3
     store.clear()
     assert store.tokens == 0 and store.lookup([8, 9, 10, 11])[0] == 0
 
 
-def test_update_weights_changes_samples_and_version(tokenizer, tiny_model):
-    from orchard.train.tiny import tiny_qwen3
-
-    engine = HFEngine(tiny_qwen3(tokenizer, seed=0))
-    request = GenerateRequest([5, 6, 7], SamplingParams(temperature=0, max_tokens=5))
-    before = asyncio.run(engine.generate([request]))[0]
-    other = tiny_qwen3(tokenizer, seed=1)
-    state = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}  # tied: may be left out
-    asyncio.run(engine.update_weights(state))
-    after = asyncio.run(engine.generate([request]))[0]
-    assert (before.weight_version, after.weight_version) == (0, 1)
-    ref = HFEngine(other)
-    assert after.completions[0].token_ids == asyncio.run(ref.generate([request]))[0].completions[0].token_ids
-    with pytest.raises(ValueError, match="does not"):
-        asyncio.run(engine.update_weights({"nope": torch.zeros(1)}))
-    with pytest.raises(ValueError, match="lacks"):
-        asyncio.run(engine.update_weights({"model.norm.weight": torch.ones(64)}))
+def test_prefix_store_index_finds_the_shared_blocks_among_many_entries():
+    gen = torch.Generator().manual_seed(0)
+    store = PrefixStore(max_tokens=100_000)
+    for _ in range(40):  # 40 unrelated 70-token sequences (ids >= 1000)
+        ids = torch.randint(1000, 5000, (70,), generator=gen).tolist()
+        store.add(ids, _kv(ids))
+    target = list(range(100, 170))
+    store.add(target, _kv(target))
+    # shares 2 whole 32-token blocks + 5 tokens = 69 tokens with the target, then differs
+    prompt = [*target[:69], 7, 7, 7]
+    n, found, _ = store.lookup(prompt)
+    assert n == 69 and found[0][0].flatten().tolist() == [float(t) for t in target[:69]]
 
 
 def test_bad_inputs_raise_value_error(tiny_model):
