@@ -266,12 +266,12 @@ def main() -> int:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--episodes", type=int, nargs="+", default=[16], help="concurrent multi-turn episodes"
+        "--episodes", type=int, nargs="*", default=[16], help="concurrent multi-turn episodes"
     )
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument(
