@@ -347,13 +347,15 @@ class HFEngine:
                     self._guarded(self._step, self._running.rows)
 
     def _guarded(self, work: Any, rows: list[_Row]) -> None:
-        """Run one forward's work; if it fails, its rows (and the running batch, whose cache may be half
-        updated) fail with the error and the scheduler keeps serving."""
+        """Run one forward's work; if it fails, its rows fail with the error and the scheduler keeps serving. A
+        failed decode step also fails the running batch (its cache may be half updated); a failed prefill leaves
+        the running rows decoding (it only touches them once it succeeded)."""
         try:
             work(rows)
         except Exception as exc:
-            failed = list(rows) + (self._running.rows if self._running is not None else [])
-            self._running = None
+            failed = list(rows)
+            if work == self._step and self._running is not None:
+                failed, self._running = self._running.rows, None
             for row in failed:
                 _resolve(row.loop, row.future, exc, error=True)
 

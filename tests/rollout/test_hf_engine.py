@@ -185,6 +185,37 @@ def test_request_joins_running_batch_and_gets_its_solo_result(tiny_model):
         torch.testing.assert_close(torch.tensor(got.logprobs), ref, atol=2e-5, rtol=1e-5)
 
 
+def test_failed_prefill_fails_its_request_and_spares_the_running_rows(tiny_model):
+    engine = HFEngine(tiny_model, batch_wait_s=0.0)
+    calls = []
+
+    def fail_on_marker(module, args, kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        if 3 in kwargs["input_ids"][:, 0].tolist() and kwargs["input_ids"].shape[1] > 1:
+            raise RuntimeError("injected prefill failure")
+
+    good = GenerateRequest([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=10))
+    bad = GenerateRequest([3, 9, 9], SamplingParams(temperature=0, max_tokens=4))
+    alone = asyncio.run(HFEngine(tiny_model).generate([good]))[0].completions[0]
+    handle = tiny_model.register_forward_pre_hook(fail_on_marker, with_kwargs=True)
+
+    async def main():
+        first = asyncio.create_task(engine.generate([good]))
+        while len(calls) < 2:  # the good row is decoding
+            await asyncio.sleep(0.001)
+        with pytest.raises(RuntimeError, match="injected"):
+            await engine.generate([bad])
+        out = await first
+        await engine.close()
+        return out[0].completions[0]
+
+    try:
+        survived = asyncio.run(main())
+    finally:
+        handle.remove()
+    assert survived.token_ids == alone.token_ids and survived.finish_reason == "length"
+
+
 _TURN_PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=7)
 
 
