@@ -1,17 +1,24 @@
 """How fast does the rollout layer generate and act?
 
-1. Generation: tokens per second of `HFEngine` (our sampling loop over the KV cache, log-probs included) against
-   plain ``model.generate(do_sample=True)`` (no scores) on the same batch, same model, same number of new tokens
+1. Generation: tokens per second of `HFEngine` (continuous batching over the KV cache, log-probs included)
+   against plain ``model.generate(do_sample=True, output_scores=True)`` with the log-probs of the sampled tokens
+   (``compute_transition_scores(normalize_logits=True)``) on the same batch, same model, same number of new tokens
    (no stop token, so every row generates exactly ``--new-tokens``). Model: a random Qwen3 from a config
    (hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192), float32 on CPU or bf16 on GPU. Baseline: HF.
-2. Acting: agent-loop rollouts per minute against the embedded sandbox service (LocalBackend, bubblewrap), with
+2. Episodes: ``--episodes`` concurrent multi-turn episodes of ``--turns`` turns. Each turn samples up to
+   ``--new-tokens`` tokens, cut at a per-episode, per-turn length (uniform in [4, --new-tokens], as stop tokens
+   would) and appends ``--obs-tokens`` observation tokens; the next turn's prompt is the whole history. Baseline:
+   a static-batch loop over plain ``generate`` (all episodes' histories left-padded into one call per turn,
+   ``max_new_tokens`` = the longest cut, log-probs as above). `HFEngine` runs the episodes as concurrent tasks,
+   with and without its prefix store. Useful tokens (up to each cut) per second.
+3. Acting: agent-loop rollouts per minute against the embedded sandbox service (LocalBackend, bubblewrap), with
    a scripted policy (three ``exec`` turns and an answer: the loop's and the sandboxes' cost alone) and with the
    tiny model above as the policy (``--steps`` turns of up to 24 tokens; a random model rarely emits a tool
    call, so most of its rollouts answer once and end), ``--rollouts`` rollouts, ``--concurrency`` at a time.
 
     python benchmarks/rollout.py                           # CPU, 1 thread, batch 1 and 16, 64 new tokens
     python benchmarks/rollout.py --device cuda --batch 1 16 64 --new-tokens 128
-    python benchmarks/rollout.py --skip-rollouts           # generation only (e.g. on a GPU box without bwrap)
+    python benchmarks/rollout.py --skip-rollouts           # generation and episodes only (no bwrap needed)
 """
 
 from __future__ import annotations
@@ -30,7 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env_latency import machine
 
 BENCH_SIZE = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
     head_dim=32,
 )
 """The benchmark's Qwen3 shape (overrides of ``orchard.train.tiny.tiny_qwen3_config``)."""
@@ -73,8 +84,11 @@ def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats
                 min_new_tokens=new_tokens,
                 eos_token_id=None,
                 pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-        return int((out.shape[1] - prompt_len) * batch)
+            logprobs = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        return int(logprobs.shape[0] * logprobs.shape[1])
 
     def sync() -> None:
         if device.type == "cuda":
@@ -92,6 +106,89 @@ def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats
             times[name].append(time.perf_counter() - t0)
     assert tokens["hf_generate"] == tokens["hf_engine"] == batch * new_tokens, tokens
     return {name: tokens[name] / statistics.median(ts) for name, ts in times.items()}
+
+
+def time_episodes(
+    model, episodes: int, turns: int, prompt_len: int, new_tokens: int, obs_tokens: int, repeats: int
+) -> dict[str, float]:
+    from orchard.rollout.engine import GenerateRequest, SamplingParams
+    from orchard.rollout.hf_engine import HFEngine
+
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(1000 + episodes)
+    prompts = torch.randint(3, 8192, (episodes, prompt_len), generator=gen).tolist()
+    cuts = torch.randint(4, new_tokens + 1, (episodes, turns), generator=gen).tolist()
+    observations = torch.randint(3, 8192, (episodes, turns, obs_tokens), generator=gen).tolist()
+    useful = sum(sum(row) for row in cuts)
+
+    def static() -> int:
+        histories = [list(p) for p in prompts]
+        for turn in range(turns):
+            width = max(len(h) for h in histories)
+            ids = torch.zeros((episodes, width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for e, history in enumerate(histories):
+                ids[e, width - len(history) :] = torch.tensor(history)
+                mask[e, width - len(history) :] = 1
+            longest = max(cuts[e][turn] for e in range(episodes))
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+                model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+            sampled = out.sequences[:, width:].tolist()
+            for e in range(episodes):
+                histories[e] += sampled[e][: cuts[e][turn]] + observations[e][turn]
+        return useful
+
+    def ours(prefix_cache_tokens: int) -> int:
+        engine = HFEngine(model, max_batch_size=episodes, prefix_cache_tokens=prefix_cache_tokens)
+        sampled = 0
+
+        async def episode(e: int) -> None:
+            nonlocal sampled
+            history = list(prompts[e])
+            for turn in range(turns):
+                params = SamplingParams(temperature=1.0, max_tokens=cuts[e][turn])
+                [result] = await engine.generate([GenerateRequest(history, params)])
+                history += result.completions[0].token_ids + observations[e][turn]
+                sampled += len(result.completions[0].token_ids)
+
+        async def run_all() -> None:
+            await asyncio.gather(*(episode(e) for e in range(episodes)))
+            await engine.close()
+
+        asyncio.run(run_all())
+        return sampled
+
+    runs = {
+        "static_generate": static,
+        "engine_no_prefix": lambda: ours(0),
+        "engine": lambda: ours(65536),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tokens = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+            assert tokens == useful, (name, tokens, useful)
+    return {name: useful / statistics.median(ts) for name, ts in times.items()}
 
 
 def exec_call(command: str) -> str:
@@ -169,10 +266,17 @@ def main() -> int:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--episodes", type=int, nargs="*", default=[16], help="concurrent multi-turn episodes"
+    )
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument(
+        "--obs-tokens", type=int, default=16, help="observation tokens appended after each turn"
+    )
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="step budget of the tiny-model rollouts")
@@ -196,6 +300,22 @@ def main() -> int:
         r = time_generation(model, batch, args.prompt_len, args.new_tokens, args.repeats)
         print(
             f"| {batch} | {r['hf_generate']:.0f} | {r['hf_engine']:.0f} | {r['hf_engine'] / r['hf_generate']:.2f} |"
+        )
+    print(
+        f"\n## episodes: useful new tokens/s, {args.turns} turns, {args.prompt_len}-token prompts, cuts uniform in "
+        f"[4, {args.new_tokens}], {args.obs_tokens} observation tokens per turn, median of {args.repeats}"
+    )
+    print(
+        "| episodes | static generate tok/s | engine, no prefix store tok/s | engine tok/s | engine / generate |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for episodes in args.episodes:
+        r = time_episodes(
+            model, episodes, args.turns, args.prompt_len, args.new_tokens, args.obs_tokens, args.repeats
+        )
+        print(
+            f"| {episodes} | {r['static_generate']:.0f} | {r['engine_no_prefix']:.0f} | {r['engine']:.0f} | "
+            f"{r['engine'] / r['static_generate']:.2f} |"
         )
     if args.skip_rollouts:
         return 0

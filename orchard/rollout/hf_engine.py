@@ -1,29 +1,31 @@
-"""`HFEngine`: batched sampling from a Hugging Face causal LM with our own loop over the KV cache.
+"""`HFEngine`: sampling from a Hugging Face causal LM with continuous batching and a prefix cache.
 
 Why our own loop instead of ``model.generate``: the log-prob of every sampled token is taken from the very
 distribution it was drawn from (see `orchard.rollout.engine` for the convention), per-row sampling parameters and
 seeds can differ within one batch, and nothing is re-tokenized.
 
-Concurrent `generate` calls are gathered by an asyncio queue into batches of at most ``max_batch_size`` rows
-(waiting up to ``batch_wait_s`` for more rows once the first arrives). A batch is left-padded, prefilled once, then
-decoded one token per step for all its rows until every row has stopped; the forward passes run in a worker
-thread so the event loop (a server, the agent loop's sandbox calls) keeps running. Batches are static: a request
-that arrives while a batch decodes waits for the next one.
+How it serves, as serving engines do: one scheduler thread owns the model. Requests from any number of concurrent
+`generate` calls (any event loop) land in a queue; between two decode steps the scheduler prefills the rows that
+arrived and they join the running batch, and a row that stops leaves it at once and frees its slot. The KV cache of
+a finished row is kept in a prefix store (`orchard.rollout.kv_cache`), so the next turn of an agent episode, whose
+prompt starts with the previous prompt and completion, prefills only its new tokens. Per step the batch shares one
+forward, one batched draw and one device-to-host copy; the per-row Python is the bookkeeping of its output.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import queue
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from orchard._extras import requires_extra
 from orchard.rollout.engine import (
     Completion,
     GenerateRequest,
@@ -31,14 +33,81 @@ from orchard.rollout.engine import (
     SamplingParams,
     validate_requests,
 )
+from orchard.rollout.kv_cache import BatchCache, PrefixStore, check_cache_layers, prefill_inputs
+
+_UNIFORMS_PER_DRAW = 64
+"""A row's generator fills its uniforms this many at a time (one call, not one per token)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
+    """One sample of one request, from its arrival to its completion."""
+
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     sample_index: int
     future: asyncio.Future[tuple[Completion, int]]
+    loop: asyncio.AbstractEventLoop
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    version: int = 0
+    generator: torch.Generator | None = None
+    prefix_key: int | None = None
+    """The prefix-store entry its prompt reused, if any."""
+    uniforms: list[float] = field(default_factory=list)
+
+    def next_uniform(self) -> float:
+        """The next draw of this row's own uniform stream, so its samples do not depend on its batch mates."""
+        if not self.uniforms:
+            assert self.generator is not None
+            self.uniforms = torch.rand(
+                _UNIFORMS_PER_DRAW, generator=self.generator, dtype=torch.float64
+            ).tolist()
+            self.uniforms.reverse()
+        return self.uniforms.pop()
+
+    def record(self, token: int, logprob: float) -> bool:
+        """Append a sampled token; True when the row has finished."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def cached_ids(self) -> tuple[int, ...]:
+        """The tokens whose keys and values are in the cache: all but the last sampled one (never fed back)."""
+        return self.prompt_ids + tuple(self.token_ids[:-1])
+
+
+@dataclass
+class _WeightUpdate:
+    state_dict: dict[str, torch.Tensor]
+    future: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+_STOP = object()
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: Any, error: bool = False
+) -> None:
+    """Hand a result to the caller's event loop from the scheduler thread (a closed loop's caller is gone)."""
+
+    def settle() -> None:
+        if not future.done():
+            if error:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -72,17 +141,51 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: tor
     return logp_BV
 
 
+@dataclass
+class _Running:
+    """The rows decoding together and their per-row tensors, batch axis in ``rows`` order."""
+
+    rows: list[_Row]
+    cache: BatchCache
+    next_B: torch.Tensor
+    """``[B]`` long: each row's last sampled token, fed at the next step."""
+    positions_B: torch.Tensor
+    """``[B]`` long: the position of that token."""
+    temperature_B: torch.Tensor
+    top_p_B: torch.Tensor
+    greedy_B: torch.Tensor
+
+    def select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.next_B.device)
+        self.rows = [self.rows[b] for b in keep]
+        self.cache.select(keep)
+        for name in ("next_B", "positions_B", "temperature_B", "top_p_B", "greedy_B"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+
+    def extend(self, other: _Running) -> None:
+        self.rows += other.rows
+        self.cache.extend(other.cache)
+        for name in ("next_B", "positions_B", "temperature_B", "top_p_B", "greedy_B"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+
+
 class HFEngine:
-    """An `Engine` over a Hugging Face causal LM (CPU or GPU).
+    """An `Engine` over a Hugging Face causal LM (CPU or GPU) with continuous batching and a prefix cache.
 
     Args:
-        model: a causal LM whose forward accepts ``input_ids, attention_mask, position_ids`` and a KV cache; it is
-            put in eval mode and used where it lives (its device and dtype).
+        model: a causal LM with full-attention layers whose forward accepts ``input_ids, attention_mask,
+            position_ids`` and a KV cache; it is put in eval mode and used where it lives (its device and dtype).
         pad_token_id: id written into padding positions (never attended to); default the model config's pad id,
             else 0.
-        max_batch_size: most rows (a request with ``n`` samples is ``n`` rows) in one forward batch. Default 32.
-        batch_wait_s: how long the batcher waits for more rows after the first arrives. Default 0.005 s.
-        seed: seeds the generator of rows whose request has no seed. Default 0.
+        max_batch_size: most rows (a request with ``n`` samples is ``n`` rows) decoding together. Default 32.
+        batch_wait_s: when no row is decoding, how long the engine waits after the first arrival for more rows to
+            prefill with it. A row arriving while others decode joins at the next step without waiting.
+            Default 0.005 s.
+        seed: seeds the generators of rows whose request has no seed (one per row, drawn in arrival order).
+            Default 0.
+        prefix_cache_tokens: most tokens whose KV cache is kept after their row finishes, for a later prompt that
+            starts with them (an episode's next turn prefills only its new tokens). Memory per token: 2 x layers x
+            KV heads x head dim x dtype bytes (Qwen3-8B in bf16: 144 KiB). 0 disables. Default 65536.
     """
 
     def __init__(
@@ -93,6 +196,7 @@ class HFEngine:
         max_batch_size: int = 32,
         batch_wait_s: float = 0.005,
         seed: int = 0,
+        prefix_cache_tokens: int = 65536,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module causal LM, got {type(model).__name__}")
@@ -100,21 +204,28 @@ class HFEngine:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not batch_wait_s >= 0:
             raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s!r}")
+        if not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
         self.model = model.eval()
-        config = getattr(model, "config", None)
+        self._config = getattr(model, "config", None)
+        check_cache_layers(self._config)
         if pad_token_id is None:
-            pad_token_id = getattr(config, "pad_token_id", None)
+            pad_token_id = getattr(self._config, "pad_token_id", None)
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else 0
         self.max_batch_size = max_batch_size
         self.batch_wait_s = float(batch_wait_s)
         self.weight_version = 0
-        self._seed = int(seed)
-        self._generator: torch.Generator | None = None
+        self._seed_stream = torch.Generator().manual_seed(int(seed))
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._workers: dict[asyncio.AbstractEventLoop, tuple[asyncio.Queue[_Row], asyncio.Task[None]]] = {}
-        self._model_lock = threading.Lock()
+        self._prefixes = PrefixStore(prefix_cache_tokens)
+        self._running: _Running | None = None
+        # The scheduler thread and its inbox are replaced together under this lock, so a row is never put into
+        # the inbox of a thread that is stopping.
+        self._thread_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     @property
     def device(self) -> torch.device:
@@ -123,33 +234,36 @@ class HFEngine:
     # ---- async interface -------------------------------------------------------------------------------------
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        """Sample every request; concurrent calls share forward batches. Results are in request order."""
+        """Sample every request; rows of concurrent calls decode together. Results are in request order."""
         requests = validate_requests(requests)
         if not requests:
             return []
-        queue = self._ensure_worker()
         loop = asyncio.get_running_loop()
-        futures: list[list[asyncio.Future[tuple[Completion, int]]]] = []
-        for request in requests:
-            row_futures = []
-            for i in range(request.params.n):
-                future: asyncio.Future[tuple[Completion, int]] = loop.create_future()
-                queue.put_nowait(_Row(tuple(request.prompt_ids), request.params, i, future))
-                row_futures.append(future)
-            futures.append(row_futures)
-        results = []
-        for request, row_futures in zip(requests, futures, strict=True):
-            done = await asyncio.gather(*row_futures)
-            completions = [completion for completion, _ in done]
-            version = min(version for _, version in done)
-            results.append(GenerateResult(tuple(request.prompt_ids), completions, weight_version=version))
-        return results
+        rows = [
+            [_Row(tuple(r.prompt_ids), r.params, i, loop.create_future(), loop) for i in range(r.params.n)]
+            for r in requests
+        ]
+        self._submit([row for request_rows in rows for row in request_rows])
+        try:
+            results = []
+            for request, request_rows in zip(requests, rows, strict=True):
+                done = await asyncio.gather(*(row.future for row in request_rows))
+                completions = [completion for completion, _ in done]
+                version = min(version for _, version in done)
+                results.append(GenerateResult(tuple(request.prompt_ids), completions, weight_version=version))
+            return results
+        finally:
+            for request_rows in rows:  # a caller that gave up frees its rows' slots at the next step
+                for row in request_rows:
+                    row.future.cancel()
 
     async def update_weights(self, weights: Any) -> None:
-        """Load new weights (a state dict or a module with the same parameter names) once the running batch ends.
+        """Load new weights (a state dict or a module with the same parameter names) once no row is decoding.
 
-        Missing keys are allowed only for parameters tied to a loaded one (e.g. ``lm_head.weight`` tied to the
-        embeddings); unexpected keys are an error. Increments ``weight_version``.
+        Rows already decoding finish with the old weights; rows that have not started wait and use the new ones.
+        Stored prefix caches were computed with the old weights and are dropped. Missing keys are allowed only for
+        parameters tied to a loaded one (e.g. ``lm_head.weight`` tied to the embeddings); unexpected keys are an
+        error. Increments ``weight_version``.
         """
         if isinstance(weights, nn.Module):
             weights = weights.state_dict()
@@ -157,168 +271,231 @@ class HFEngine:
             raise ValueError(
                 f"weights must be a state dict of tensors or an nn.Module, got {type(weights).__name__}"
             )
-        await asyncio.to_thread(self._load_state_dict, weights)
+        self._check_weights(weights)
+        loop = asyncio.get_running_loop()
+        update = _WeightUpdate(weights, loop.create_future(), loop)
+        self._submit(update)
+        await update.future
 
     async def close(self) -> None:
-        """Stop this event loop's batching worker (others stop with their loops). Idempotent."""
-        entry = self._workers.pop(asyncio.get_running_loop(), None)
-        if entry is not None and not entry[1].done():
-            entry[1].cancel()
-            try:
-                await entry[1]
-            except asyncio.CancelledError:
-                pass
+        """Stop the scheduler thread; rows not finished fail with ``RuntimeError``. A later `generate` starts a new
+        one. Idempotent."""
+        with self._thread_lock:
+            thread, inbox = self._thread, self._inbox
+            self._thread, self._inbox = None, queue.SimpleQueue()
+            if thread is not None:
+                inbox.put(_STOP)
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
 
-    # ---- batching ----------------------------------------------------------------------------------------------
+    def _submit(self, item: Any) -> None:
+        with self._thread_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._inbox = queue.SimpleQueue()
+                self._thread = threading.Thread(
+                    target=self._serve, args=(self._inbox,), name="HFEngine-scheduler", daemon=True
+                )
+                self._thread.start()
+            self._inbox.put(item)
 
-    def _ensure_worker(self) -> asyncio.Queue[_Row]:
-        # One queue and worker per event loop (a server thread and the caller's loop may share the engine); the
-        # model itself is guarded by a thread lock, so batches of different loops run one after another.
-        loop = asyncio.get_running_loop()
-        entry = self._workers.get(loop)
-        if entry is None or entry[1].done():
-            for other in [lp for lp in self._workers if lp.is_closed()]:
-                del self._workers[other]
-            queue: asyncio.Queue[_Row] = asyncio.Queue()
-            entry = (queue, loop.create_task(self._work(queue)))
-            self._workers[loop] = entry
-        return entry[0]
+    # ---- the scheduler thread ---------------------------------------------------------------------------------
 
-    async def _work(self, queue: asyncio.Queue[_Row]) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = [await queue.get()]
-            deadline = loop.time() + self.batch_wait_s
-            while len(batch) < self.max_batch_size:
-                if not queue.empty():
-                    batch.append(queue.get_nowait())
-                    continue
-                remaining = deadline - loop.time()
+    def _receive(self, inbox: queue.SimpleQueue[Any], block: bool) -> list[Any]:
+        items = []
+        if block:
+            items.append(inbox.get())
+            deadline = time.monotonic() + self.batch_wait_s
+            while sum(len(i) for i in items if isinstance(i, list)) < self.max_batch_size:
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
-                    batch.append(await asyncio.wait_for(queue.get(), remaining))
-                except TimeoutError:
+                    items.append(inbox.get(timeout=remaining))
+                except queue.Empty:
                     break
-            batch = [row for row in batch if not row.future.done()]  # drop rows whose caller gave up
-            if not batch:
-                continue
+        while True:
             try:
-                completions, version = await asyncio.to_thread(self._locked_batch, batch)
-            except Exception as exc:  # the callers see the failure; the worker keeps serving
-                for row in batch:
-                    if not row.future.done():
-                        row.future.set_exception(exc)
+                items.append(inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _serve(self, inbox: queue.SimpleQueue[Any]) -> None:
+        # Grad mode is per thread: this one never builds a graph.
+        with torch.no_grad():
+            waiting: list[_Row] = []
+            updates: list[_WeightUpdate] = []
+            while True:
+                idle = self._running is None and not waiting and not updates
+                for item in self._receive(inbox, block=idle):
+                    if item is _STOP:
+                        self._fail_all(inbox, waiting, updates)
+                        return
+                    if isinstance(item, _WeightUpdate):
+                        updates.append(item)
+                    else:
+                        waiting.extend(item)
+                waiting = [row for row in waiting if not row.future.done()]
+                if updates and self._running is None:
+                    self._apply_updates(updates)
+                    updates = []
+                running = 0 if self._running is None else len(self._running.rows)
+                if waiting and not updates and running < self.max_batch_size:
+                    admitted = waiting[: self.max_batch_size - running]
+                    waiting = waiting[len(admitted) :]
+                    self._guarded(self._admit, admitted)
+                if self._running is not None:
+                    self._guarded(self._step, self._running.rows)
+
+    def _guarded(self, work: Any, rows: list[_Row]) -> None:
+        """Run one forward's work; if it fails, its rows fail with the error and the scheduler keeps serving. A
+        failed decode step also fails the running batch (its cache may be half updated); a failed prefill leaves
+        the running rows decoding (it only touches them once it succeeded)."""
+        try:
+            work(rows)
+        except Exception as exc:
+            failed = list(rows)
+            if work == self._step and self._running is not None:
+                failed, self._running = self._running.rows, None
+            for row in failed:
+                _resolve(row.loop, row.future, exc, error=True)
+
+    def _fail_all(
+        self, inbox: queue.SimpleQueue[Any], waiting: list[_Row], updates: list[_WeightUpdate]
+    ) -> None:
+        rows = waiting + (self._running.rows if self._running is not None else [])
+        self._running = None
+        for item in self._receive(inbox, block=False):
+            if isinstance(item, _WeightUpdate):
+                updates.append(item)
+            elif isinstance(item, list):
+                rows.extend(item)
+        error = RuntimeError("HFEngine was closed before this request finished")
+        for row in rows:
+            _resolve(row.loop, row.future, error, error=True)
+        for update in updates:
+            _resolve(update.loop, update.future, error, error=True)
+
+    def _apply_updates(self, updates: list[_WeightUpdate]) -> None:
+        for update in updates:
+            try:
+                self.model.load_state_dict(update.state_dict, strict=False)
+            except Exception as exc:
+                _resolve(update.loop, update.future, exc, error=True)
                 continue
-            for row, completion in zip(batch, completions, strict=True):
-                if not row.future.done():
-                    row.future.set_result((completion, version))
+            self._prefixes.clear()  # computed with the old weights: never reused after an update
+            self.weight_version += 1
+            _resolve(update.loop, update.future, None)
 
-    def _locked_batch(self, batch: list[_Row]) -> tuple[list[Completion], int]:
-        with self._model_lock:
-            return self.generate_batch(batch), self.weight_version
+    # ---- prefill, decode, sample ------------------------------------------------------------------------------
 
-    # ---- the sampling loop --------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _row_generator(row: _Row, device: torch.device) -> torch.Generator:
-        assert row.params.seed is not None
-        return torch.Generator(device=device).manual_seed(row.params.seed + row.sample_index)
-
-    @torch.no_grad()
-    def generate_batch(self, rows: Sequence[_Row]) -> list[Completion]:
-        """Sample one static batch synchronously (what the worker thread runs)."""
-        device = self.device
-        batch = len(rows)
-        prompt_len = max(len(r.prompt_ids) for r in rows)
-        input_ids = torch.full((batch, prompt_len), self.pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros((batch, prompt_len), dtype=torch.long, device=device)
-        for b, row in enumerate(rows):  # left padding: every row's last prompt token sits in the last column
-            input_ids[b, prompt_len - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids, device=device)
-            attention_mask[b, prompt_len - len(row.prompt_ids) :] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
-        temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
-        top_p_B = torch.tensor([r.params.top_p for r in rows], device=device)
-        greedy = [r.params.temperature == 0 for r in rows]
-        seeded = [b for b, r in enumerate(rows) if r.params.seed is not None and r.params.temperature > 0]
-        generators = {b: self._row_generator(rows[b], device) for b in seeded}
-        max_tokens = [r.params.max_tokens for r in rows]
-        stops = [set(r.params.stop_token_ids) for r in rows]
-        out_ids: list[list[int]] = [[] for _ in rows]
-        out_logprobs: list[list[float]] = [[] for _ in rows]
-        finish: list[str | None] = [None] * batch
-
-        cache = self._new_cache()
-        step_ids = input_ids
-        for _ in range(max(max_tokens)):
-            kwargs = {self._cache_kwarg: cache}
-            logits = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=1,
-                **kwargs,
-            ).logits[:, -1, :]  # [B, V]
-            logp_BV = nucleus_logprobs(logits, temperature_B, top_p_B)
-            next_B = self._sample(logp_BV, greedy, seeded, generators, finish)
-            picked_B = logp_BV.gather(1, next_B[:, None])[:, 0].tolist()
-            next_list = next_B.tolist()
-            for b in range(batch):
-                if finish[b] is not None:
-                    continue
-                out_ids[b].append(next_list[b])
-                out_logprobs[b].append(float(picked_B[b]))
-                if next_list[b] in stops[b]:
-                    finish[b] = "stop"
-                elif len(out_ids[b]) >= max_tokens[b]:
-                    finish[b] = "length"
-            if all(f is not None for f in finish):
-                break
-            step_ids = next_B[:, None]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-        return [
-            Completion(token_ids=ids, logprobs=lps, finish_reason=reason)  # type: ignore[arg-type]
-            for ids, lps, reason in zip(out_ids, out_logprobs, finish, strict=True)
-        ]
-
-    def _sample(
-        self,
-        logp_BV: torch.Tensor,
-        greedy: list[bool],
-        seeded: list[int],
-        generators: dict[int, torch.Generator],
-        finish: list[str | None],
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
     ) -> torch.Tensor:
-        """Next token per row: argmax for greedy rows, one batched draw from the engine's generator for unseeded
-        rows, a draw from its own generator for each seeded row; finished rows get the pad id."""
-        device = logp_BV.device
-        next_B = logp_BV.argmax(dim=-1)  # [B]
-        seeded_set = set(seeded)
-        shared = [
-            b for b in range(len(finish)) if not greedy[b] and b not in seeded_set and finish[b] is None
-        ]
-        if shared:
-            if self._generator is None or self._generator.device != device:
-                self._generator = torch.Generator(device=device).manual_seed(self._seed)
-            idx = torch.tensor(shared, device=device)
-            next_B[idx] = torch.multinomial(logp_BV[idx].exp(), 1, generator=self._generator)[:, 0]
-        for b in seeded:
-            if finish[b] is None:
-                next_B[b] = torch.multinomial(logp_BV[b].exp(), 1, generator=generators[b])[0]
-        done = [b for b in range(len(finish)) if finish[b] is not None]
-        if done:
-            next_B[torch.tensor(done, device=device)] = self.pad_token_id
-        return next_B
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1, :]  # [B, V]
 
-    def _new_cache(self) -> Any:
-        with requires_extra("rollout"):
-            from transformers import DynamicCache
+    def _admit(self, rows: list[_Row]) -> None:
+        """Prefill newly arrived rows together (each after its longest stored prefix), sample their first tokens,
+        and add the rows that go on to the running batch."""
+        device = self.device
+        for row in rows:
+            row.version = self.weight_version
+            if row.params.temperature > 0:
+                seed = row.params.seed
+                seed = int(torch.randint(2**62, (1,), generator=self._seed_stream)) if seed is None else seed
+                row.generator = torch.Generator().manual_seed(seed + row.sample_index)
+        found = [self._prefixes.lookup(row.prompt_ids) for row in rows]
+        for row, (_, _, key) in zip(rows, found, strict=True):
+            row.prefix_key = key
+        inputs = prefill_inputs(
+            self._config,
+            [kv for _, kv, _ in found],
+            [row.prompt_ids[n:] for (n, _, _), row in zip(found, rows, strict=True)],
+            self.pad_token_id,
+            device,
+        )
+        logits = self._forward(inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.cache)
+        temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
+        new = _Running(
+            rows=rows,
+            cache=BatchCache(inputs.cache, inputs.attention_mask),
+            next_B=torch.zeros(len(rows), dtype=torch.long, device=device),
+            positions_B=torch.tensor([len(r.prompt_ids) for r in rows], device=device),
+            temperature_B=temperature_B,
+            top_p_B=torch.tensor([r.params.top_p for r in rows], device=device),
+            greedy_B=temperature_B == 0,
+        )
+        self._sample_and_record(new, logits)
+        if new.rows:
+            if self._running is None:
+                self._running = new
+            else:
+                self._running.extend(new)
 
-        return DynamicCache(config=getattr(self.model, "config", None))
+    def _step(self, rows: list[_Row]) -> None:
+        """One decode step of the running batch: feed every row's last token, sample its next."""
+        running = self._running
+        assert running is not None
+        cache = running.cache
+        attention_mask = torch.cat([cache.mask, cache.mask.new_ones((cache.rows, 1))], dim=1)
+        logits = self._forward(
+            running.next_B[:, None], attention_mask, running.positions_B[:, None], cache.cache
+        )
+        cache.mask = attention_mask
+        running.positions_B = running.positions_B + 1
+        self._sample_and_record(running, logits)
+        if not running.rows:
+            self._running = None
 
-    def _load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def _sample_and_record(self, running: _Running, logits: torch.Tensor) -> None:
+        """Sample each row's next token from ``logits`` ``[B, V]``, append it, and retire the rows that finished
+        (their results go to their callers, their caches to the prefix store)."""
+        ids, logprobs, running.next_B = self._sample(logits, running)
+        finished = []
+        for b, row in enumerate(running.rows):
+            if row.record(ids[b], logprobs[b]) or row.future.done():
+                finished.append(b)
+        if not finished:
+            return
+        for b in finished:
+            row = running.rows[b]
+            if row.future.done():
+                continue
+            if self._prefixes.max_tokens > 0:
+                self._prefixes.add(row.cached_ids(), running.cache.row_kv(b), extends=row.prefix_key)
+            completion = Completion(row.token_ids, row.logprobs, row.finish_reason)  # type: ignore[arg-type]
+            _resolve(row.loop, row.future, (completion, row.version))
+        gone = set(finished)
+        running.select([b for b in range(len(running.rows)) if b not in gone])
+
+    def _sample(self, logits: torch.Tensor, running: _Running) -> tuple[list[int], list[float], torch.Tensor]:
+        """Next token per row (argmax for greedy rows, else inverse-CDF sampling with the row's own uniform) and
+        its log-prob; one batched draw and one device-to-host copy for the whole batch."""
+        logp_BV = nucleus_logprobs(logits, running.temperature_B, running.top_p_B)
+        pick_B = logp_BV.argmax(dim=-1)
+        samplers = [row.params.temperature > 0 for row in running.rows]
+        if any(samplers):
+            u_B = torch.tensor(
+                [row.next_uniform() if s else 0.0 for row, s in zip(running.rows, samplers, strict=True)],
+                dtype=torch.float64,
+                device=logits.device,
+            )
+            # float64 so that a token's slice of [0, 1) keeps its width however far down the vocabulary it lies
+            cdf_BV = logp_BV.double().exp().cumsum(dim=-1)
+            drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
+            pick_B = torch.where(running.greedy_B, pick_B, drawn_B.clamp_(max=logp_BV.shape[1] - 1))
+        picked_B = logp_BV.gather(1, pick_B[:, None])[:, 0]
+        host = torch.stack([pick_B.double(), picked_B.double()]).cpu()
+        return [int(t) for t in host[0].tolist()], host[1].tolist(), pick_B
+
+    def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         expected = set(self.model.state_dict())
         unexpected = set(state_dict) - expected
         if unexpected:
@@ -334,6 +511,3 @@ class HFEngine:
         untied_missing = [k for k in missing if k not in tied_to_loaded and k not in buffers]
         if untied_missing:
             raise ValueError(f"weights lacks parameters of the model: {sorted(untied_missing)[:5]}")
-        with self._model_lock:
-            self.model.load_state_dict(state_dict, strict=False)
-            self.weight_version += 1

@@ -1,10 +1,12 @@
 import asyncio
+import threading
 
 import pytest
 import torch
 
 from orchard.rollout.engine import GenerateRequest, SamplingParams
 from orchard.rollout.hf_engine import HFEngine, nucleus_logprobs
+from orchard.rollout.kv_cache import PrefixStore
 
 
 def _recomputed_logprobs(model, prompt, sampled, temperature):
@@ -109,16 +111,18 @@ def test_seeds_reproduce_and_n_samples_differ(tiny_model):
     assert len({tuple(c.token_ids) for c in one.completions}) > 1
 
 
+def _count_forwards(model):
+    """Record the ``input_ids`` shape of every forward of ``model``; returns the list and the hook handle."""
+    shapes = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    return shapes, handle
+
+
 def test_concurrent_calls_are_batched(tiny_model):
     engine = HFEngine(tiny_model, max_batch_size=16, batch_wait_s=0.05)
-    batches = []
-    original = engine.generate_batch
-
-    def counting(rows):
-        batches.append(len(rows))
-        return original(rows)
-
-    engine.generate_batch = counting
+    shapes, handle = _count_forwards(tiny_model)
 
     async def main():
         calls = [
@@ -129,27 +133,174 @@ def test_concurrent_calls_are_batched(tiny_model):
         await engine.close()
         return out
 
-    out = asyncio.run(main())
-    assert batches == [5] and all(len(r[0].completions[0].token_ids) == 3 for r in out)
+    try:
+        out = asyncio.run(main())
+    finally:
+        handle.remove()
+    # 5 rows of 2-token prompts, 3 tokens each: one prefill [5, 2] samples token 1, two decode steps [5, 1]
+    assert shapes == [(5, 2), (5, 1), (5, 1)]
+    assert all(len(r[0].completions[0].token_ids) == 3 for r in out)
 
 
-def test_update_weights_changes_samples_and_version(tokenizer, tiny_model):
+def test_request_joins_running_batch_and_gets_its_solo_result(tiny_model):
+    long_req = GenerateRequest([5, 6, 7, 8, 9], SamplingParams(temperature=1.0, max_tokens=12, seed=1))
+    late_req = GenerateRequest([11, 12, 13], SamplingParams(temperature=0.8, max_tokens=4, seed=2))
+    solo = [asyncio.run(HFEngine(tiny_model).generate([r]))[0].completions[0] for r in (long_req, late_req)]
+    engine = HFEngine(tiny_model, batch_wait_s=0.0)
+    release = threading.Event()
+    shapes = []
+
+    def hold(module, args, kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        if len(shapes) == 3:  # the long row's 2nd decode step waits until the late request is queued
+            release.wait(timeout=30)
+
+    handle = tiny_model.register_forward_pre_hook(hold, with_kwargs=True)
+
+    async def main():
+        first = asyncio.create_task(engine.generate([long_req]))
+        while len(shapes) < 3:
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(engine.generate([late_req]))
+        await asyncio.sleep(0)  # the late call queues its row before its first await
+        release.set()
+        out = await asyncio.gather(first, second)
+        await engine.close()
+        return [r[0].completions[0] for r in out]
+
+    try:
+        long_c, late_c = asyncio.run(main())
+    finally:
+        handle.remove()
+    # forwards: long prefill [1, 5], decodes [1, 1] x 2 (the 2nd held); then the late prefill [1, 3] joins and the
+    # late row's 3 remaining tokens decode alongside the long row ([2, 1] x 3); the long row ends alone:
+    # 12 tokens = 1 (prefill) + 2 + 3 + 6 decode steps.
+    assert shapes == [(1, 5), (1, 1), (1, 1), (1, 3)] + [(2, 1)] * 3 + [(1, 1)] * 6
+    for got, alone, req in zip((long_c, late_c), solo, (long_req, late_req), strict=True):
+        assert got.token_ids == alone.token_ids
+        torch.testing.assert_close(
+            torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0
+        )
+        ref = _recomputed_logprobs(tiny_model, req.prompt_ids, got.token_ids, req.params.temperature)
+        torch.testing.assert_close(torch.tensor(got.logprobs), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_failed_prefill_fails_its_request_and_spares_the_running_rows(tiny_model):
+    engine = HFEngine(tiny_model, batch_wait_s=0.0)
+    calls = []
+
+    def fail_on_marker(module, args, kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        if 3 in kwargs["input_ids"][:, 0].tolist() and kwargs["input_ids"].shape[1] > 1:
+            raise RuntimeError("injected prefill failure")
+
+    good = GenerateRequest([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=10))
+    bad = GenerateRequest([3, 9, 9], SamplingParams(temperature=0, max_tokens=4))
+    alone = asyncio.run(HFEngine(tiny_model).generate([good]))[0].completions[0]
+    handle = tiny_model.register_forward_pre_hook(fail_on_marker, with_kwargs=True)
+
+    async def main():
+        first = asyncio.create_task(engine.generate([good]))
+        while len(calls) < 2:  # the good row is decoding
+            await asyncio.sleep(0.001)
+        with pytest.raises(RuntimeError, match="injected"):
+            await engine.generate([bad])
+        out = await first
+        await engine.close()
+        return out[0].completions[0]
+
+    try:
+        survived = asyncio.run(main())
+    finally:
+        handle.remove()
+    assert survived.token_ids == alone.token_ids and survived.finish_reason == "length"
+
+
+_TURN_PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=7)
+
+
+def _two_turns(engine, model, observation, between=None):
+    """Turn 1 samples a completion; turn 2's prompt is turn 1's prompt + completion + ``observation``."""
+    prompt = [4, 8, 15, 16, 23]
+    first = asyncio.run(engine.generate([GenerateRequest(prompt, _TURN_PARAMS)]))[0].completions[0]
+    if between is not None:
+        between()
+    second_prompt = prompt + first.token_ids + observation
+    shapes, handle = _count_forwards(model)
+    try:
+        second = asyncio.run(engine.generate([GenerateRequest(second_prompt, _TURN_PARAMS)]))[0]
+    finally:
+        handle.remove()
+    return second_prompt, second, shapes
+
+
+def test_prefix_from_previous_turn_is_reused_and_changes_nothing(tiny_model):
+    observation = [42, 43, 44, 45]
+    prompt, cached, shapes = _two_turns(HFEngine(tiny_model), tiny_model, observation)
+    _, uncached, shapes_off = _two_turns(HFEngine(tiny_model, prefix_cache_tokens=0), tiny_model, observation)
+    # with the store, turn 1's prompt (5) + its first 5 sampled tokens are cached; turn 2 prefills the 6th sampled
+    # token + the 4 observation tokens = 5 columns. Without it the whole 5 + 6 + 4 = 15-token prompt.
+    assert len(prompt) == 15 and shapes[0] == (1, 5) and shapes_off[0] == (1, 15)
+    got, ref = cached.completions[0], uncached.completions[0]
+    assert got.token_ids == ref.token_ids
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+    forward = _recomputed_logprobs(tiny_model, prompt, got.token_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(got.logprobs), forward, atol=2e-5, rtol=1e-5)
+
+
+def test_update_weights_drops_cached_prefixes(tokenizer):
     from orchard.train.tiny import tiny_qwen3
 
-    engine = HFEngine(tiny_qwen3(tokenizer, seed=0))
-    request = GenerateRequest([5, 6, 7], SamplingParams(temperature=0, max_tokens=5))
-    before = asyncio.run(engine.generate([request]))[0]
-    other = tiny_qwen3(tokenizer, seed=1)
-    state = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}  # tied: may be left out
-    asyncio.run(engine.update_weights(state))
-    after = asyncio.run(engine.generate([request]))[0]
-    assert (before.weight_version, after.weight_version) == (0, 1)
-    ref = HFEngine(other)
-    assert after.completions[0].token_ids == asyncio.run(ref.generate([request]))[0].completions[0].token_ids
-    with pytest.raises(ValueError, match="does not"):
-        asyncio.run(engine.update_weights({"nope": torch.zeros(1)}))
-    with pytest.raises(ValueError, match="lacks"):
-        asyncio.run(engine.update_weights({"model.norm.weight": torch.ones(64)}))
+    model, other = tiny_qwen3(tokenizer, seed=0), tiny_qwen3(tokenizer, seed=1)
+    engine = HFEngine(model)
+
+    def update():
+        asyncio.run(engine.update_weights(other))
+
+    prompt, after, shapes = _two_turns(engine, model, [42, 43], between=update)
+    # the prefix cached under the old weights is not reused: the whole 5 + 6 + 2 = 13-token prompt is prefilled
+    assert after.weight_version == 1 and shapes[0] == (1, 13)
+    fresh = asyncio.run(HFEngine(other).generate([GenerateRequest(prompt, _TURN_PARAMS)]))[0]
+    assert after.completions[0].token_ids == fresh.completions[0].token_ids
+
+
+def _kv(ids):
+    """One layer, one head, head dim 1; the key of a token is its id (enough to see which entry answered)."""
+    t = torch.tensor(ids, dtype=torch.float32).reshape(1, len(ids), 1)
+    return [(t, t)]
+
+
+def test_prefix_store_reuses_longest_prefix_within_budget():
+    store = PrefixStore(max_tokens=8)
+    store.add([1, 2, 3, 4], _kv([1, 2, 3, 4]))
+    # [1, 2, 3, 9, 9] shares 3 tokens; [1, 2, 3, 4] shares 4 but its last token must be prefilled -> 3
+    assert store.lookup([1, 2, 3, 9, 9])[0] == 3 and store.lookup([1, 2, 3, 4])[0] == 3
+    assert store.lookup([7, 1, 2])[0] == 0 and store.lookup([1])[0] == 0
+    n, found, key = store.lookup([1, 2, 9])
+    assert n == 2 and found[0][0].flatten().tolist() == [1.0, 2.0]
+    # the next turn reused [1, 2, 3, 4] and starts with all of it: it replaces it, 6 tokens held, not 4 + 6
+    store.add([1, 2, 3, 4, 5, 6], _kv([1, 2, 3, 4, 5, 6]), extends=key)
+    assert store.tokens == 6 and store.lookup([1, 2, 3, 4, 5, 6, 7])[0] == 6
+    store.add([8, 9, 10], _kv([8, 9, 10]))  # 6 + 3 > 8: the least recently used entry goes
+    assert store.tokens == 3 and store.lookup([1, 2, 3, 4])[0] == 0
+    store.add(list(range(20, 29)), _kv(list(range(20, 29))))  # alone over the budget: not stored
+    assert store.tokens == 3
+    store.clear()
+    assert store.tokens == 0 and store.lookup([8, 9, 10, 11])[0] == 0
+
+
+def test_prefix_store_index_finds_the_shared_blocks_among_many_entries():
+    gen = torch.Generator().manual_seed(0)
+    store = PrefixStore(max_tokens=100_000)
+    for _ in range(40):  # 40 unrelated 70-token sequences (ids >= 1000)
+        ids = torch.randint(1000, 5000, (70,), generator=gen).tolist()
+        store.add(ids, _kv(ids))
+    target = list(range(100, 170))
+    store.add(target, _kv(target))
+    # shares 2 whole 32-token blocks + 5 tokens = 69 tokens with the target, then differs
+    prompt = [*target[:69], 7, 7, 7]
+    n, found, _ = store.lookup(prompt)
+    assert n == 69 and found[0][0].flatten().tolist() == [float(t) for t in target[:69]]
 
 
 def test_bad_inputs_raise_value_error(tiny_model):
