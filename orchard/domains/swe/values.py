@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 from collections.abc import Sequence
@@ -315,7 +316,8 @@ def step_values(
     :func:`~orchard.domains.swe.prompts.parse_value_estimation`: ``{state index: value}`` with indices in
     ``[0, trajectory.num_steps]``, which ``orchard.stages.sft_samples(..., mode="credit", step_values=...)``
     interpolates into per-step credit (``functools.partial(step_values, client_or_engine=url)``). Runs its own
-    event loop; inside one, await :func:`step_values_async`.
+    event loop, on a worker thread when called from a coroutine (an in-process engine must then serve a second
+    loop, as ``HFEngine`` and the scripted engines do); a coroutine may instead await :func:`step_values_async`.
 
     Args:
         trajectory: a scored trajectory (its messages and reward).
@@ -334,6 +336,13 @@ def step_values(
         ``{state index: value}``, or None when the answer could not be read (the caller counts these; such a
         trajectory gets no credit, not zero credit). A transport failure (HTTP error, unreachable server) raises.
     """
-    return asyncio.run(step_values_async(
+    ask = step_values_async(
         trajectory, client_or_engine=client_or_engine, tokenizer=tokenizer, resolved=resolved, model=model,
-        api_key=api_key, max_tokens=max_tokens, max_observation_chars=max_observation_chars, timeout_s=timeout_s))
+        api_key=api_key, max_tokens=max_tokens, max_observation_chars=max_observation_chars, timeout_s=timeout_s)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(ask)
+    # called (e.g. by sft_samples) from a coroutine: this loop is blocked, so the request gets a loop of its own
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, ask).result()
