@@ -25,6 +25,7 @@ from orchard.domains.swe.prompts import parse_value_estimation, value_estimation
 from orchard.rollout.engine import (
     Completion,
     Engine,
+    FinishReason,
     GenerateRequest,
     GenerateResult,
     SamplingParams,
@@ -61,6 +62,8 @@ _EDIT_COMMAND = re.compile(
     r"\bsed\s+(?:-\w*\s+)*-i|\bperl\s+-\w*i|\bapply_patch\b|\bgit\s+apply\b|\bpatch\s+-p|\bcat\s*>|\bcat\s*<<"
     r"|\btee\b|(?<![0-9&])>\s*['\"]?(?:\./)?[A-Za-z_][\w/.-]*\.\w+|\.write(?:_text)?\(")
 _EDIT_TOOL = re.compile(r"edit|write|str_replace|create|insert|replace|patch", re.IGNORECASE)
+# arguments render as JSON or, when a harness recorded a dict, as its Python repr
+_VIEW_ARGUMENT = re.compile(r"""["']command["']\s*:\s*["'](?:view|list)["']""")
 _READ = re.compile(r"\b(?:cat|sed\s+-n|grep|rg|head|tail|nl|less|more|view|open|read|show)\b", re.IGNORECASE)
 _FAIL = re.compile(r"Traceback \(most recent call last\)|\b\w*Error\b|\bFAILED\b|\b\d+ failed\b|\bFAIL:"
                    r"|exit code: [1-9]")
@@ -74,7 +77,8 @@ class _Step:
     """What the agent did: its tool calls' arguments, or its text when it called no tool."""
     observation: str
     """What came back (observations and feedback)."""
-    tools: tuple[str, ...]
+    calls: tuple[tuple[str, str], ...]
+    """``(tool name, arguments)`` of its tool calls."""
 
 
 def _issue_names(task: str) -> tuple[set[str], set[str]]:
@@ -101,12 +105,14 @@ def _steps(transcript: str) -> list[_Step]:
         calls = _CALL.findall(action)
         # with tool calls, what the agent did is in their arguments; its prose may only talk about running things
         command = "\n".join(arguments for _, arguments in calls) if calls else action
-        steps.append(_Step(int(head.group(1)), command, observation, tuple(name.strip() for name, _ in calls)))
+        steps.append(_Step(int(head.group(1)), command, observation, tuple((n.strip(), a) for n, a in calls)))
     return steps
 
 
 def _is_edit(step: _Step) -> bool:
-    return any(_EDIT_TOOL.search(t) for t in step.tools) or bool(_EDIT_COMMAND.search(step.command))
+    # an editor tool (SWE-agent's str_replace_editor) also views files: its "view" command changes nothing
+    by_tool = any(_EDIT_TOOL.search(name) and not _VIEW_ARGUMENT.search(arguments) for name, arguments in step.calls)
+    return by_tool or bool(_EDIT_COMMAND.search(step.command))
 
 
 def _mentions(text: str, words: set[str]) -> bool:
@@ -218,12 +224,12 @@ class ScriptedValueEstimator:
             prompt = self.tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
             ids = list(self.tokenizer(estimate_values_text(prompt), add_special_tokens=False)["input_ids"])
             ids.append(self.tokenizer.eos_token_id)
-            finish = "stop"
+            finish: FinishReason = "stop"
             if len(ids) > request.params.max_tokens:
                 ids, finish = ids[: request.params.max_tokens], "length"
             completions = [Completion(list(ids), [0.0] * len(ids), finish) for _ in range(request.params.n)]
             results.append(GenerateResult(tuple(request.prompt_ids), completions, self.weight_version))
-        return results  # type: ignore[return-value]
+        return results
 
     async def update_weights(self, weights: Any) -> None:
         raise NotImplementedError("the scripted value estimator has no weights")

@@ -104,6 +104,20 @@ def test_a_failure_that_does_not_touch_the_issue_is_no_reproduction():
     assert values_of(traj) == {0: 0.4, 1: 0.5, 2: 0.1}
 
 
+def test_an_editor_tool_views_and_edits():
+    # SWE-agent's editor: its "view" command reads the module (locate, +0.05), "str_replace" changes it (edit, +0.10
+    # in a resolved trajectory): 0.40 -> 0.45 -> 0.55, then the resolved end 1.0.
+    messages = [Message("user", ISSUE)]
+    calls = [{"command": "view", "path": "/workspace/inventory/items.py"},
+             {"command": "str_replace", "path": "/workspace/inventory/items.py", "old_str": "pass", "new_str": "x"}]
+    for i, arguments in enumerate(calls):
+        messages.append(Message("assistant", None, tool_calls=[ToolCall("str_replace_editor", arguments, id=f"e{i}")]))
+        messages.append(Message("tool", "def cheapest(items):" if i == 0 else "The file has been edited.",
+                                tool_call_id=f"e{i}"))
+    messages.append(Message("assistant", "Done."))
+    assert values_of(Trajectory(messages=messages, reward=1.0)) == {0: 0.4, 1: 0.45, 2: 0.55, 3: 1.0}
+
+
 def test_rules_hold_over_random_trajectories():
     pool = [LIST, OPEN, REPRODUCE, UNRELATED_FAILURE, FIX, WRONG_FIX, PASS, FAIL, DONE]
     for seed in range(40):
