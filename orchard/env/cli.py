@@ -13,6 +13,10 @@ KUBERNETES_FACTORY = "orchard.env.backends.kubernetes:from_environment"
 """What `--backend kubernetes` hands the service (the embedded service takes other backends as module:factory)."""
 
 
+STORE_ENV = "ORCHARD_ENV_REDIS_URL"
+"""The default of ``--store`` (the deploy manifests' Redis component sets it on every replica)."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add `env` (with `serve`) to the top-level `orchard` parser."""
     env = subparsers.add_parser("env", help="the sandbox service", description="The sandbox service.")
@@ -39,9 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument("--allow-weak-isolation", action="store_true",
                        help="without bubblewrap, still create sandboxes with block_network=true (refused "
                        "otherwise): their commands then reach the host's network and files")
-    serve.add_argument("--store", default="sqlite",
+    serve.add_argument("--store", default=os.environ.get(STORE_ENV) or "sqlite",
                        help="where the state lives: sqlite (a file in the state directory) or redis://host:port/db, "
-                       "shared by every replica started with the same URL (pip install 'orchard[redis]')")
+                       f"shared by every replica started with the same URL (pip install 'orchard[redis]'); "
+                       f"${STORE_ENV} sets the default")
     serve.add_argument("--max-concurrent-execs", type=int, default=64, help="execs running at once")
     serve.add_argument("--max-pending-execs", type=int, default=None,
                        help="execs allowed to wait for a slot before 503 (None: unbounded)")

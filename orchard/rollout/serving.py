@@ -1,8 +1,8 @@
 """Serve an ASGI app (the recording proxy, a model server) on the caller's running event loop.
 
-`serve_app` runs uvicorn's ``Server.serve()`` as an asyncio task of the caller's loop, not in a thread: an engine
-behind the app (`HFEngine` batches per event loop) then shares the loop with the caller's other rollouts, and
-nothing crosses threads. A harness program in a child process reaches the app on a loopback port.
+`serve_app` runs uvicorn's ``Server.serve()`` as an asyncio task of the caller's loop, not in a thread: requests
+through the app reach the engine behind it next to the caller's other rollouts (`HFEngine` batches them all
+continuously). A harness program in a child process reaches the app on a loopback port.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ One batch (`run_text_episodes`)::
     samples = proxy.samples(session id)                # then the session is dropped from the proxy
     delete every sandbox (always, errors and cancellation included)
 
-Where the proxy runs: on the caller's event loop (`orchard.rollout.serving.serve_app`), not in a thread. The engine behind it (`HFEngine` batches per event loop) then shares the loop with
-the caller's other rollouts, and nothing crosses threads. The child process blocks nothing: it is awaited.
+Where the proxy runs: on the caller's event loop (`orchard.rollout.serving.serve_app`), not in a thread, so the
+program's model calls and the caller's other rollouts reach the engine together (`HFEngine` batches them
+continuously). The child process blocks nothing: it is awaited.
 
 Environment failures (a sandbox that could not be created, prepared or verified; the program's own ``env_error``s;
 an episode the program never reported, e.g. because it crashed or ran past its time) give ``env_error`` with

@@ -1,2 +1,3 @@
 """The SWE domain: repository tasks in the SWE-bench schema (`instances`), a seeded toy generator (`generator`),
-sandboxes and the reward (`sandbox`), and the teacher's value-estimation and process-reward prompts (`prompts`)."""
+sandboxes and the reward (`sandbox`), the teacher's value-estimation and process-reward prompts (`prompts`), and a
+scripted hindsight-value estimator behind the engine / OpenAI interface (`values`)."""
