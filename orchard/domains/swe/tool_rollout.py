@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from orchard.data import Message, RenderedSample, Trajectory, merge_prefix_samples
-from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, task_prompt
+from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_prompt
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
 from orchard.rollout.agent_loop import ENV_ERRORS
@@ -69,7 +69,8 @@ class _Episode:
 
     def trajectory(self, samples: list[RenderedSample], convention: str) -> Trajectory:
         """The episode as a `Trajectory` whose ``samples`` are the proxy's, one per recorded call, in order; with
-        one call per assistant turn, each assistant message also carries its call's sampled ids and log-probs."""
+        one call per assistant turn, each assistant message also carries its call's sampled ids and log-probs. The
+        tool convention's ``tools`` are its schemas, so rendering the trajectory gives the prompts the model saw."""
         messages = [Message.from_dict(m) for m in self.messages]
         turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
         if turns and len(turns) == len(samples):
@@ -78,7 +79,7 @@ class _Episode:
                 messages[i].token_ids = sample.input_ids[action].tolist()
                 messages[i].logprobs = sample.old_logprobs[action].tolist()
         return Trajectory(
-            messages=messages, reward=self.reward, reward_components=dict(self.reward_components),
+            messages=messages, tools=TOOL_SCHEMAS if convention == "tool" else [], reward=self.reward, reward_components=dict(self.reward_components),
             task_id=self.instance.instance_id, group_id=self.instance.instance_id,
             termination_reason=self.termination_reason,  # type: ignore[arg-type]
             metadata={"harness": convention, "session_id": self.session_id, "group_index": self.group_index,
