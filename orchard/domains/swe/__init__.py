@@ -1,2 +1,4 @@
 """The SWE domain: repository tasks in the SWE-bench schema (`instances`), a seeded toy generator (`generator`),
-sandboxes and the reward (`sandbox`), and the teacher's value-estimation and process-reward prompts (`prompts`)."""
+sandboxes and the reward (`sandbox`), the teacher's value-estimation and process-reward prompts (`prompts`), the
+three harness conventions (`convention`; in process: `harness`; the bash and tool program: `tool_harness`, its
+Rollouts: `tool_rollout`) and the scripted teacher (`teacher`)."""
