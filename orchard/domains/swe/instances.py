@@ -60,6 +60,11 @@ class SWEInstance:
     generator's ``template``, ``seed``, ``level``, ``mutations``)."""
 
     @property
+    def id(self) -> str:
+        """``instance_id``, under the name the rollout layer reads a task's id by (`orchard.rollout.harness.task_id`)."""
+        return self.instance_id
+
+    @property
     def tests(self) -> list[str]:
         """``FAIL_TO_PASS`` then ``PASS_TO_PASS``: every test that decides the task."""
         return [*self.FAIL_TO_PASS, *self.PASS_TO_PASS]

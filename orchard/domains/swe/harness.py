@@ -1,0 +1,127 @@
+"""The in-process SWE harness: the evaluation-only convention as an `orchard.rollout.Harness` for the `AgentLoop`.
+
+`SWEEvalHarness` plays the ``eval`` convention of `orchard.domains.swe.convention` (``run_command``,
+``read_file``, ``write_file``, ``replace_in_file``, ``done``): tool names and schemas no training harness uses, to
+measure how a policy trained in the bash and tool conventions transfers to an unseen harness (the paper's
+Kimi-CLI column). ``AgentLoopRollouts(client, SWEEvalHarness(), tokenizer)`` gives it the `Rollouts` interface.
+
+The bash and tool conventions run as a separate program (`orchard.domains.swe.tool_harness`): the bash
+convention's actions are text the harness parses itself, and the `Harness` protocol cannot express that (the agent
+loop parses native tool calls, and a turn without one ends the episode as done), so it lives beside the tool
+convention in the program, which reaches the model only through the recording proxy.
+
+Tasks are `SWEInstance`s. Set-up is `prepare_sandbox`, the reward `score_sandbox` after the episode: +1 resolved /
+-1 not, the verdict's components in ``reward_components`` and the per-test results in ``metadata["tests"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchard.data import Message, ToolCall, Trajectory
+from orchard.domains.swe.convention import (
+    EVAL_SCHEMAS,
+    EVAL_SYSTEM,
+    MAX_OUTPUT_CHARS,
+    BadArguments,
+    FileTools,
+    ToolError,
+    command_observation,
+    run_command,
+    task_prompt,
+    truncate_output,
+)
+from orchard.domains.swe.instances import SWEInstance
+from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
+from orchard.rollout.harness import InvalidToolCall, Observation
+
+
+def _instance(task: Any) -> SWEInstance:
+    if not isinstance(task, SWEInstance):
+        raise ValueError(f"task must be a SWEInstance, got {type(task).__name__}")
+    return task
+
+
+class SWEEvalHarness:
+    """The evaluation-only SWE convention (an `orchard.rollout.Harness`; tasks are `SWEInstance`s).
+
+    Args:
+        max_steps: assistant turns per episode. Default 30.
+        exec_timeout_s: each command's limit in the sandbox. Default 60.
+        max_output_chars: observations keep their head and tail beyond this. Default 10 000.
+        test_timeout_s: the scoring test run's limit. Default 300.
+    """
+
+    def __init__(self, *, max_steps: int = 30, exec_timeout_s: float = 60.0,
+                 max_output_chars: int = MAX_OUTPUT_CHARS, test_timeout_s: float = 300.0) -> None:
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+        for name, value in (("exec_timeout_s", exec_timeout_s), ("test_timeout_s", test_timeout_s)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if isinstance(max_output_chars, bool) or not isinstance(max_output_chars, int) or max_output_chars < 2:
+            raise ValueError(f"max_output_chars must be an int >= 2, got {max_output_chars!r}")
+        self.max_steps = max_steps
+        self.exec_timeout_s = float(exec_timeout_s)
+        self.max_output_chars = max_output_chars
+        self.test_timeout_s = float(test_timeout_s)
+
+    def system_prompt(self, task: Any) -> str:
+        return EVAL_SYSTEM
+
+    def tools(self, task: Any) -> list[dict[str, Any]]:
+        return EVAL_SCHEMAS
+
+    def sandbox_spec(self, task: Any) -> dict[str, Any]:
+        return {"image": "host"}
+
+    async def setup(self, sandbox: Any, task: Any) -> list[Message]:
+        instance = _instance(task)
+        await prepare_sandbox(sandbox, instance, timeout=self.exec_timeout_s)
+        return [Message("user", task_prompt(instance.problem_statement))]
+
+    async def act(self, sandbox: Any, call: ToolCall, task: Any) -> Observation:
+        arguments, error = call.parse_arguments()
+        if arguments is None:
+            raise InvalidToolCall(f"arguments of {call.name} are not a JSON object: {error}")
+        tools = FileTools(sandbox, timeout=self.exec_timeout_s)
+        try:
+            return Observation(*await self._act(tools, call.name, arguments))
+        except BadArguments as exc:
+            raise InvalidToolCall(f"{call.name}: {exc}") from None
+        except ToolError as exc:
+            return Observation(f"Error: {exc}")
+
+    async def _act(self, tools: FileTools, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        def text(key: str) -> str:
+            value = arguments.get(key)
+            if not isinstance(value, str):
+                raise BadArguments(f"argument {key!r} must be a string, got {value!r:.80}")
+            return value
+
+        if name == "done":
+            return "Stopped.", True
+        if name == "run_command":
+            if not text("command").strip():
+                raise BadArguments("argument 'command' is empty")
+            code, output, timed_out = await run_command(tools.sandbox, text("command"), timeout=self.exec_timeout_s)
+            return command_observation(code, output, timed_out=timed_out, max_chars=self.max_output_chars), False
+        path = tools.path(arguments.get("path"))
+        if name == "read_file":
+            bounds = [arguments.get("start", 1), arguments.get("end", -1)]
+            bounds = [-1 if b is None else b for b in bounds]
+            if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+                raise BadArguments(f"start and end must be integers, got {bounds!r:.80}")
+            return truncate_output(await tools.view(path, max(bounds[0], 1), bounds[1]), self.max_output_chars), False
+        if name == "write_file":
+            await tools.write(path, text("content"))
+            return f"Wrote {len(text('content'))} characters to {path}.", False
+        if name == "replace_in_file":
+            return await tools.replace(path, text("old"), text("new")), False
+        raise BadArguments(f"unknown tool {name!r}")
+
+    async def evaluate(self, sandbox: Any, task: Any, trajectory: Trajectory) -> tuple[float, dict[str, float]]:
+        verdict = await score_sandbox(sandbox, _instance(task), self.test_timeout_s, setup_timeout_s=self.exec_timeout_s)
+        trajectory.metadata["tests"] = verdict.tests
+        trajectory.metadata["patch"] = verdict.patch
+        return verdict.reward, verdict.components

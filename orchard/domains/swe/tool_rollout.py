@@ -1,0 +1,330 @@
+"""Rollouts of the SWE harness program (tool and bash conventions): the recipe's side of the separate program.
+
+The program (`orchard.domains.swe.tool_harness`) runs as a child process that sees only an OpenAI endpoint and
+its sandboxes. The training data comes from the recording proxy in front of the policy, never from the program:
+per model call, the prompt ids the engine saw (context, masked) and the ids it sampled (actions, supervised, with
+their sampling log-probs).
+
+One batch (`run_swe_episodes`)::
+
+    for each instance x group member: create a sandbox, prepare_sandbox (the repository at its base commit)
+    write the episodes file (session id, sandbox id, opening user message)
+    python -m orchard.domains.swe.tool_harness --convention tool|bash ...   # the proxy answers it from here
+    for each episode that did not fail: score_sandbox -> +1 resolved / -1 not
+    samples = proxy.samples(session id)                # then the session is dropped from the proxy
+    delete every sandbox (always)
+
+Environment failures (a sandbox that could not be created, prepared or scored; the program's own ``env_error``s;
+an episode the program never reported) give ``env_error`` with ``reward = None``, never a 0.
+`SWEToolRollouts` and `SWEBashRollouts` wrap this as `orchard.rollout.Rollouts`, the interface the stages take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import secrets
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchard.data import Message, RenderedSample, Trajectory, merge_prefix_samples
+from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_prompt
+from orchard.domains.swe.instances import SWEInstance
+from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
+from orchard.rollout.agent_loop import ENV_ERRORS
+from orchard.rollout.proxy import RecordingProxy
+from orchard.rollout.serving import serve_app
+
+KEY_ENV = "ORCHARD_SWE_HARNESS_ENV_KEY"
+"""The environment variable that hands the sandbox service's key to the child process."""
+
+PROGRAM = "orchard.domains.swe.tool_harness"
+
+
+@dataclass
+class _Episode:
+    """One episode's state while the batch runs (becomes a `Trajectory` at the end)."""
+
+    instance: SWEInstance
+    session_id: str
+    group_index: int
+    termination_reason: str
+    steps: int = 0
+    format_errors: int = 0
+    tool_calls: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    reward: float | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+    tests: dict[str, bool] = field(default_factory=dict)
+    patch: str = ""
+    error: str | None = None
+    wall_s: float = 0.0
+
+    def trajectory(self, samples: list[RenderedSample], convention: str) -> Trajectory:
+        """The episode as a `Trajectory` whose ``samples`` are the proxy's, one per recorded call, in order; with
+        one call per assistant turn, each assistant message also carries its call's sampled ids and log-probs. The
+        tool convention's ``tools`` are its schemas, so rendering the trajectory gives the prompts the model saw."""
+        messages = [Message.from_dict(m) for m in self.messages]
+        turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
+        if turns and len(turns) == len(samples):
+            for i, sample in zip(turns, samples, strict=True):
+                action = sample.action_mask
+                messages[i].token_ids = sample.input_ids[action].tolist()
+                messages[i].logprobs = sample.old_logprobs[action].tolist()
+        return Trajectory(
+            messages=messages, tools=TOOL_SCHEMAS if convention == "tool" else [], reward=self.reward, reward_components=dict(self.reward_components),
+            task_id=self.instance.instance_id, group_id=self.instance.instance_id,
+            termination_reason=self.termination_reason,  # type: ignore[arg-type]
+            metadata={"harness": convention, "session_id": self.session_id, "group_index": self.group_index,
+                      "steps": self.steps, "format_errors": self.format_errors, "tool_calls": self.tool_calls,
+                      "tests": dict(self.tests), "patch": self.patch, "error": self.error, "wall_s": self.wall_s,
+                      "recorded_calls": len(samples)},
+            samples=list(samples))
+
+
+def _program_env(env_key: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env[KEY_ENV] = env_key or ""
+    root = str(Path(__file__).resolve().parents[3])  # the directory that holds the orchard package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+async def _run_program(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
+    """Run the program; returns (exit status or None when it was killed for time, the tail of its stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", PROGRAM, *argv, env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
+        return proc.returncode, stderr.decode(errors="replace")[-2000:]
+    except TimeoutError:
+        return None, f"the harness program ran past {timeout_s:.0f} s and was killed"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _read_results(path: Path) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return results
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash: that episode was not reported
+            result = json.loads(line)
+            if isinstance(result, dict) and isinstance(result.get("session_id"), str):
+                results[result["session_id"]] = result
+    return results
+
+
+async def run_swe_episodes(
+    instances: Sequence[SWEInstance],
+    *,
+    client: Any,
+    proxy: RecordingProxy,
+    convention: str = "tool",
+    proxy_url: str | None = None,
+    env_url: str | None = None,
+    env_key: str | None = None,
+    group_size: int = 1,
+    concurrency: int = 8,
+    max_steps: int = 30,
+    max_tokens: int = 2048,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_format_errors: int = 3,
+    max_time_s: float = 600.0,
+    exec_timeout_s: float = 60.0,
+    test_timeout_s: float = 300.0,
+    max_output_chars: int = MAX_OUTPUT_CHARS,
+    program_timeout_s: float | None = None,
+    run_id: str | None = None,
+    keep_sessions: bool = False,
+) -> list[Trajectory]:
+    """Play ``group_size`` episodes of every instance through the harness program; score; return them.
+
+    Episode ``i`` plays ``instances[i // group_size]``; its proxy session and its sandbox are both named
+    ``f"{run_id}-{i}"``. One `Trajectory` each, in that order: reward +1 resolved / -1 not (None for
+    ``env_error``), ``reward_components`` the verdict's (`SWEVerdict.components`), ``samples`` the proxy's (one per
+    recorded call), ``metadata`` with ``harness`` (the convention), ``session_id``, ``group_index``, ``steps``,
+    ``format_errors``, ``tool_calls``, ``tests`` (per decisive test: passed), ``patch`` (the agent's diff),
+    ``error``, ``wall_s`` and ``recorded_calls``.
+
+    Args:
+        instances: the tasks, at least one.
+        client: an ``orchard.env.AsyncSandboxClient``; sandboxes are created, prepared, scored and deleted here.
+        proxy: the `RecordingProxy` in front of the policy; its samples become `Trajectory.samples`.
+        convention: "tool" (OpenHands') or "bash" (mini-swe-agent's). Default "tool".
+        proxy_url: where the program reaches the proxy; None (default) serves ``proxy.app`` on this event loop.
+        env_url, env_key: the sandbox service as the program reaches it; default the client's URL and key (the key
+            travels in an environment variable, `KEY_ENV`).
+        group_size: episodes per instance. Default 1.
+        concurrency: sandboxes prepared, episodes played and scored at once. Default 8.
+        max_steps: assistant turns per episode. Default 30.
+        max_tokens: per model call. Default 2048.
+        temperature, top_p: sampling of every call. Default 1.0, 1.0.
+        max_format_errors: malformed turns in a row that end an episode (``format_error``). Default 3.
+        max_time_s: wall-clock budget of one episode in the program. Default 600 (the paper's 10 minutes).
+        exec_timeout_s: per command in a sandbox (and per set-up command). Default 60.
+        test_timeout_s: the scoring test run's limit. Default 300.
+        max_output_chars: observations keep their head and tail beyond this. Default 10 000.
+        program_timeout_s: the whole program's limit; default ``max_time_s x ceil(episodes / concurrency) + 120``.
+        run_id: prefix of session and sandbox ids; default random.
+        keep_sessions: keep the sessions' calls in the proxy afterwards. Default False.
+    """
+    if isinstance(instances, (str, bytes)) or not isinstance(instances, Sequence) or not instances:
+        raise ValueError(f"instances must be a non-empty sequence of SWEInstance, got {instances!r:.100}")
+    for i, instance in enumerate(instances):
+        if not isinstance(instance, SWEInstance):
+            raise ValueError(f"instances[{i}] must be a SWEInstance, got {type(instance).__name__}")
+    if convention not in ("tool", "bash"):
+        raise ValueError(f"convention must be 'tool' or 'bash', got {convention!r}")
+    if not hasattr(client, "create"):
+        raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
+    if not isinstance(proxy, RecordingProxy):
+        raise ValueError(f"proxy must be a RecordingProxy, got {type(proxy).__name__}")
+    for name, count in (("group_size", group_size), ("concurrency", concurrency), ("max_steps", max_steps),
+                        ("max_tokens", max_tokens), ("max_format_errors", max_format_errors),
+                        ("max_output_chars", max_output_chars)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
+    for name, seconds in (("max_time_s", max_time_s), ("exec_timeout_s", exec_timeout_s),
+                          ("test_timeout_s", test_timeout_s)):
+        if not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {seconds!r}")
+    if program_timeout_s is not None and not 0 < program_timeout_s < math.inf:
+        raise ValueError(f"program_timeout_s must be a finite number > 0 or None, got {program_timeout_s!r}")
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    run_id = secrets.token_hex(4) if run_id is None else run_id
+    if not isinstance(run_id, str) or not run_id.replace("-", "").replace("_", "").isalnum() or len(run_id) > 40:
+        raise ValueError(f"run_id must be up to 40 letters, digits, '-' or '_', got {run_id!r}")
+    env_url = env_url or client.base_url
+    env_key = env_key if env_key is not None else client.api_key
+
+    episodes = [_Episode(instance, f"{run_id}-{i}", i % group_size, "env_error")
+                for i, instance in enumerate(x for x in instances for _ in range(group_size))]
+    sandboxes: dict[str, Any] = {}
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def prepare(episode: _Episode) -> None:
+        async with semaphore:
+            try:
+                sandbox = await client.create(sandbox_id=episode.session_id)
+                sandboxes[episode.session_id] = sandbox
+                await asyncio.wait_for(prepare_sandbox(sandbox, episode.instance, timeout=exec_timeout_s),
+                                       4 * exec_timeout_s)
+                episode.termination_reason = "step_budget"  # ready; the program's report replaces this
+            except ENV_ERRORS as exc:
+                episode.error = f"prepare: {type(exc).__name__}: {exc}"
+
+    async def score(episode: _Episode) -> None:
+        async with semaphore:
+            try:
+                verdict = await asyncio.wait_for(
+                    score_sandbox(sandboxes[episode.session_id], episode.instance, test_timeout_s,
+                                  setup_timeout_s=exec_timeout_s), test_timeout_s + 6 * exec_timeout_s)
+            except ENV_ERRORS as exc:
+                episode.termination_reason, episode.error = "env_error", f"score: {type(exc).__name__}: {exc}"
+                return
+            episode.reward, episode.reward_components = verdict.reward, verdict.components
+            episode.tests, episode.patch = verdict.tests, verdict.patch
+
+    try:
+        await asyncio.gather(*(prepare(e) for e in episodes))
+        ready = [e for e in episodes if e.error is None]
+        if ready:
+            async with contextlib.AsyncExitStack() as stack:
+                if proxy_url is None:
+                    proxy_url = await stack.enter_async_context(serve_app(proxy.app))
+                workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swe-harness-")))
+                episodes_path, out_path = workdir / "episodes.jsonl", workdir / "results.jsonl"
+                episodes_path.write_text("".join(
+                    json.dumps({"session_id": e.session_id, "sandbox_id": e.session_id,
+                                "prompt": task_prompt(e.instance.problem_statement)}) + "\n" for e in ready))
+                argv = ["--convention", convention, "--model-url", proxy_url, "--env-url", env_url,
+                        "--env-key-env", KEY_ENV, "--episodes", str(episodes_path), "--out", str(out_path),
+                        "--concurrency", str(concurrency), "--max-steps", str(max_steps),
+                        "--max-tokens", str(max_tokens), "--temperature", repr(float(temperature)),
+                        "--top-p", repr(float(top_p)), "--max-format-errors", str(max_format_errors),
+                        "--max-time-s", repr(float(max_time_s)), "--exec-timeout-s", repr(float(exec_timeout_s)),
+                        "--max-output-chars", str(max_output_chars)]
+                limit = program_timeout_s or max_time_s * math.ceil(len(ready) / concurrency) + 120
+                status, stderr = await _run_program(argv, _program_env(env_key), limit)
+                results = _read_results(out_path)
+            for e in ready:
+                result = results.get(e.session_id)
+                if result is None:
+                    e.termination_reason = "env_error"
+                    e.error = f"program: no report (exit {status}): {stderr.strip()[-500:]}"
+                    continue
+                e.termination_reason = result["termination_reason"]
+                e.steps, e.format_errors = int(result["steps"]), int(result["format_errors"])
+                e.tool_calls, e.messages = int(result["tool_calls"]), list(result["messages"])
+                e.error, e.wall_s = result.get("error"), float(result.get("wall_s", 0.0))
+            await asyncio.gather(*(score(e) for e in ready if e.termination_reason != "env_error"))
+    finally:
+        samples = {e.session_id: proxy.samples(e.session_id) for e in episodes}
+        if not keep_sessions:
+            for e in episodes:
+                proxy.pop_session(e.session_id)
+        await asyncio.shield(asyncio.gather(*(s.delete() for s in sandboxes.values()), return_exceptions=True))
+    return [e.trajectory(samples[e.session_id], convention) for e in episodes]
+
+
+class SWEToolRollouts:
+    """`orchard.rollout.Rollouts` of the harness program: a `RecordingProxy` in front of the engine for each call,
+    the program run by `run_swe_episodes`, each trajectory's per-call samples chained by prefix
+    (`orchard.data.merge_prefix_samples`).
+
+    Args:
+        client: the ``AsyncSandboxClient``; env_url / env_key: the service as the program reaches it.
+        tokenizer: the policy's chat tokenizer (the proxy records token ids with it).
+        convention: "tool" (OpenHands', default) or "bash" (mini-swe-agent's; `SWEBashRollouts`).
+        **kwargs: the rest of `run_swe_episodes`'s keywords (``concurrency``, ``max_steps``, ``max_time_s``, ...).
+    """
+
+    def __init__(self, client: Any, tokenizer: Any, *, convention: str = "tool", env_url: str | None = None,
+                 env_key: str | None = None, **kwargs: Any) -> None:
+        for name in ("instances", "proxy", "group_size", "temperature", "client"):
+            if name in kwargs:
+                raise ValueError(f"kwargs may not set {name!r}: it is an argument of the call or of this class")
+        if convention not in ("tool", "bash"):
+            raise ValueError(f"convention must be 'tool' or 'bash', got {convention!r}")
+        self.client, self.tokenizer, self.convention = client, tokenizer, convention
+        self.env_url, self.env_key, self.kwargs = env_url, env_key, kwargs
+
+    async def __call__(self, engine: Any, tasks: Sequence[SWEInstance], *, group_size: int, temperature: float,
+                       max_tokens: int | None = None) -> list[Trajectory]:
+        kwargs = dict(self.kwargs)
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        proxy = RecordingProxy(engine, self.tokenizer)
+        try:
+            trajectories = await run_swe_episodes(
+                tasks, client=self.client, proxy=proxy, convention=self.convention, env_url=self.env_url,
+                env_key=self.env_key, group_size=group_size, temperature=temperature, **kwargs)
+        finally:
+            await proxy.aclose()
+        for traj in trajectories:
+            traj.samples = merge_prefix_samples(traj.samples)
+        return trajectories
+
+
+class SWEBashRollouts(SWEToolRollouts):
+    """`SWEToolRollouts` of the bash convention (mini-swe-agent's): the same program with ``--convention bash``."""
+
+    def __init__(self, client: Any, tokenizer: Any, **kwargs: Any) -> None:
+        if "convention" in kwargs:
+            raise ValueError("kwargs may not set 'convention': SWEBashRollouts plays the bash convention")
+        super().__init__(client, tokenizer, convention="bash", **kwargs)
