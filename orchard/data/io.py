@@ -36,7 +36,7 @@ schema allows several, so:
 Reading (:func:`table_to_trajectories`, :func:`read_parquet`, :func:`from_hf_dataset`) also takes the layouts of
 others: TRL datasets as they are (``messages`` only, or ``prompt`` + ``completion``; ``tools`` as structs or one
 JSON string; tool-call ``arguments`` as structs or strings; tool messages without ids), and the files of orchard
-before 0.2, whose nested columns were JSON text. Nulls inside arrow structs are dropped, because arrow fills every
+0.1, whose nested columns were JSON text. Nulls inside arrow structs are dropped, because arrow fills every
 key that another row has with null (a tool-call argument that was truly null cannot be told apart in such a dataset;
 ours store arguments as JSON and keep it). Columns of no layout are ignored.
 
@@ -207,7 +207,7 @@ def _python(value: Any, type_: pa.DataType) -> Any:
 
 
 def _decoded(value: Any, name: str, where: str) -> Any:
-    """A field of the pre-0.2 layout (JSON text) or of TRL's (tools as one JSON string) decoded; others as given."""
+    """A field of orchard 0.1's layout (JSON text) or of TRL's (tools as one JSON string) decoded; others as given."""
     if not isinstance(value, str):
         return value
     try:
@@ -274,7 +274,7 @@ def trajectories_to_table(trajs: Iterable[Trajectory]) -> pa.Table:
 
 
 def table_to_trajectories(table: pa.Table) -> list[Trajectory]:
-    """Trajectories of an arrow table in our layout (inverse of :func:`trajectories_to_table`), the pre-0.2 one, or
+    """Trajectories of an arrow table in our layout (inverse of :func:`trajectories_to_table`), orchard 0.1's, or
     TRL's (see the module docstring)."""
     if not isinstance(table, pa.Table):
         raise ValueError(f"table must be a pyarrow.Table, got {type(table).__name__}")

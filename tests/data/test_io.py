@@ -1,5 +1,6 @@
 import gzip
 import json
+import math
 
 import datasets
 import pyarrow as pa
@@ -230,7 +231,7 @@ def test_reads_trl_prompt_completion():
                                                         {"role": "assistant", "content": "Blue."}])]
 
 
-def _pre_0_2_table(trajs: list[Trajectory]) -> pa.Table:
+def _orchard_0_1_table(trajs: list[Trajectory]) -> pa.Table:
     """What write_parquet / to_hf_dataset wrote before the nested layout: nested fields as JSON text columns."""
     text = ("messages", "tools", "reward_components", "metadata")
     schema = pa.schema([("task_id", pa.string()), ("group_id", pa.string()), ("reward", pa.float64()),
@@ -241,8 +242,48 @@ def _pre_0_2_table(trajs: list[Trajectory]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
 
 
-def test_reads_the_pre_0_2_json_text_layout(tmp_path):
+def test_reads_orchard_0_1_json_text_layout(tmp_path):
     trajs = _batch()
-    pq.write_table(_pre_0_2_table(trajs), tmp_path / "old.parquet")
+    pq.write_table(_orchard_0_1_table(trajs), tmp_path / "old.parquet")
     _same(read_parquet(tmp_path / "old.parquet"), trajs)
-    _same(from_hf_dataset(datasets.Dataset(_pre_0_2_table(trajs))), trajs)
+    _same(from_hf_dataset(datasets.Dataset(_orchard_0_1_table(trajs))), trajs)
+
+
+def _float_trajectories() -> list[Trajectory]:
+    logprobs = [-1.2345678901234567e-05, -1.0 / 3.0, -0.0, -5e-324, -745.1332191019411]
+    return [
+        Trajectory(messages=[{"role": "user", "content": "q"},
+                             {"role": "assistant", "content": "a", "token_ids": [1, 2, 3, 4, 5], "logprobs": logprobs}],
+                   reward=0.1 + 0.2, reward_components={"tests": 1.0, "length": -1e-300}, metadata={"n": 1, "x": 2.0}),
+        Trajectory(messages=[{"role": "user", "content": "q"}], reward=1.0, metadata={}),
+    ]
+
+
+def test_floats_through_jsonl_readers(tmp_path):
+    trajs = _float_trajectories()
+    path = tmp_path / "f.jsonl"
+    write_jsonl(trajs, path)
+    line = path.read_text().splitlines()[0]
+    # Floats are written as the shortest repr that parses back to the same double (the literal ...567e-05 and
+    # ...568e-05 are one double; repr picks ...568); ints stay ints.
+    assert '"logprobs": [-1.2345678901234568e-05, -0.3333333333333333, -0.0, -5e-324, -745.1332191019411]' in line
+    assert '"reward": 0.30000000000000004' in line and '"metadata": {"n": 1, "x": 2.0}' in line
+    # Our reader: bit for bit (-0.0 keeps its sign, the subnormal 5e-324 survives).
+    _same(read_jsonl(path), trajs)
+    # datasets' JSON loader re-encodes a batch with pandas' ujson at 10 decimals once any field is mixed (messages
+    # with different keys always are): each float is then off by up to 0.5e-10 (-1.2345678901234567e-05 reads as
+    # -1.23457e-05), and -0.0 and 5e-324 read as 0.0. The docs say to load JSONL with read_jsonl, or parquet.
+    loaded = from_hf_dataset(
+        datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "cache"))
+    )
+    assert [t.openai_messages() for t in loaded] == [t.openai_messages() for t in trajs]
+    assert loaded[0].messages[1].logprobs == pytest.approx(trajs[0].messages[1].logprobs, rel=0, abs=0.5e-10)
+    assert loaded[0].reward == pytest.approx(0.3, rel=0, abs=0.5e-10)
+    # The exact route to a datasets.Dataset: parquet, whose logprobs and rewards are native float64 columns.
+    write_parquet(trajs, tmp_path / "f.parquet")
+    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "f.parquet"), split="train",
+                               cache_dir=str(tmp_path / "cache"))
+    assert ds[0]["messages"][1]["logprobs"] == trajs[0].messages[1].logprobs
+    assert [math.copysign(1.0, x) for x in ds[0]["messages"][1]["logprobs"]] == [-1.0] * 5
+    assert ds["reward"] == [0.1 + 0.2, 1.0]
+    _same(from_hf_dataset(ds), trajs)
