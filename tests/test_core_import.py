@@ -105,9 +105,9 @@ def test_requires_extra_passes_other_errors_through():
 # Import names whose distribution is spelled otherwise, and packages that come with a declared one.
 DISTRIBUTION = {"yaml": "pyyaml", "flash_attn": "flash-attn", "liger_kernel": "liger-kernel"}
 TRANSITIVE = {"safetensors": "transformers", "uvloop": "uvicorn", "starlette": "fastapi"}
-# Used only when installed (a warning otherwise), or only by one benchmark that says so; accelerate is probed by
-# orchard.train.model.quiet_transformers only to stop it importing DeepSpeed when transformers brings it along.
-OPTIONAL = {"wandb", "tensorboard", "liger_kernel", "accelerate"}
+# Used only by one benchmark that says so; accelerate is probed by orchard.train.model.quiet_transformers only to
+# stop it importing DeepSpeed when transformers brings it along.
+OPTIONAL = {"liger_kernel", "accelerate"}
 
 
 def declared_requirements() -> dict[str, set[str]]:
