@@ -107,9 +107,9 @@ DISTRIBUTION = {"yaml": "pyyaml", "flash_attn": "flash-attn", "liger_kernel": "l
                 "kubernetes_validate": "kubernetes-validate"}
 TRANSITIVE = {"safetensors": "transformers", "uvloop": "uvicorn", "starlette": "fastapi",
               "urllib3": "kubernetes"}
-# Used only when installed (a warning otherwise), or only by one benchmark that says so; accelerate is probed by
-# orchard.train.model.quiet_transformers only to stop it importing DeepSpeed when transformers brings it along.
-OPTIONAL = {"wandb", "tensorboard", "liger_kernel", "accelerate"}
+# Used only by one benchmark that says so; accelerate is probed by orchard.train.model.quiet_transformers only to
+# stop it importing DeepSpeed when transformers brings it along.
+OPTIONAL = {"liger_kernel", "accelerate"}
 
 
 def declared_requirements() -> dict[str, set[str]]:

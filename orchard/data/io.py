@@ -1,26 +1,50 @@
 """Trajectory IO: JSONL (optionally gzipped), parquet, and HF ``datasets``; every format round-trips exactly.
 
-JSONL holds one :meth:`Trajectory.to_dict` per line. Parquet and ``datasets`` share one flat table layout: the
-scalar fields are native columns (so a dataset can be filtered on ``reward`` or ``task_id`` without parsing) and
-the nested fields are JSON text columns (so arbitrary tool schemas, metadata and ragged token ids survive exactly,
-which arrow structs would not guarantee for heterogeneous dicts):
+JSONL holds one :meth:`Trajectory.to_dict` per line. Parquet and ``datasets`` share one nested table layout, TRL's
+conversational language-modeling layout (a ``messages`` column of chat messages with ``tool_calls``, a ``tools``
+column), so ``trl.SFTTrainer`` takes :func:`to_hf_dataset` (or ``load_dataset("parquet")`` of
+:func:`write_parquet` files) unchanged, plus our own columns, which TRL ignores:
 
-=====================  ========  ==============================================
-column                 type      content
-=====================  ========  ==============================================
-``task_id``            string    ``Trajectory.task_id`` (null allowed)
-``group_id``           string    ``Trajectory.group_id`` (null allowed)
-``reward``             float64   ``Trajectory.reward`` (null allowed)
-``termination_reason`` string    one of ``TERMINATION_REASONS``
-``num_steps``          int64     number of assistant turns (derived; ignored on read)
-``messages``           string    JSON list of message dicts (with token ids, log-probs)
-``tools``              string    JSON list of tool schemas
-``reward_components``  string    JSON dict
-``metadata``           string    JSON dict
-=====================  ========  ==============================================
+=====================  ===================  =========================================================================
+column                 arrow type           content
+=====================  ===================  =========================================================================
+``messages``           list<struct>         one struct per message, fields below
+``tools``              list<json>           the tool schemas, one JSON object each
+``task_id``            string               ``Trajectory.task_id`` (null allowed)
+``group_id``           string               ``Trajectory.group_id`` (null allowed)
+``reward``             float64              ``Trajectory.reward`` (null allowed)
+``termination_reason`` string               one of ``TERMINATION_REASONS``
+``num_steps``          int64                number of assistant turns (derived; ignored on read)
+``reward_components``  json                 JSON object
+``metadata``           json                 JSON object
+=====================  ===================  =========================================================================
+
+A message struct has the fields ``role``, ``content`` (string), ``content_parts`` (json), ``tool_calls``
+(list<struct<id, type, function: struct<name, arguments: json, arguments_text: string>>>), ``tool_call_id``,
+``name``, ``token_ids`` (list<int64>) and ``logprobs`` (list<float64>). Arrow needs one type per field, where our
+schema allows several, so:
+
+- an absent optional field is null (``token_ids`` / ``logprobs`` of a turn without sampled tokens, ``tool_calls`` of
+  a turn without calls): chat templates test them with ``is not none``;
+- ``content`` holds text; a list of content parts goes to ``content_parts`` (JSON) with ``content`` null;
+- ``arguments`` holds the arguments as a JSON object wherever they are one (``datasets`` decodes it to the dict that
+  chat templates ``| tojson``), and ``arguments_text`` holds the string when the call gave a string (the model's
+  exact text, even malformed; a malformed one also stays a JSON string in ``arguments``). We read
+  ``arguments_text`` first, so a string comes back byte for byte and a dict as a dict;
+- ``json`` is arrow's canonical JSON extension type (storage: string), which ``datasets`` shows as ``Json()``.
+
+Reading (:func:`table_to_trajectories`, :func:`read_parquet`, :func:`from_hf_dataset`) also takes the layouts of
+others: TRL datasets as they are (``messages`` only, or ``prompt`` + ``completion``; ``tools`` as structs or one
+JSON string; tool-call ``arguments`` as structs or strings; tool messages without ids), and the files of orchard
+0.1, whose nested columns were JSON text. Nulls inside arrow structs are dropped, because arrow fills every
+key that another row has with null (a tool-call argument that was truly null cannot be told apart in such a dataset;
+ours store arguments as JSON and keep it). Columns of no layout are ignored.
 
 Floats go through JSON as their shortest round-trip repr and through parquet as float64, so they come back bit
-for bit. Exactness holds for JSON-native data (tuples in ``metadata`` come back as lists).
+for bit through our readers. Exactness holds for JSON-native data (tuples in ``metadata`` come back as lists).
+``datasets`` itself decodes the json columns with pandas' ujson, whose floats may differ in the last digits, and
+``load_dataset("json")`` on our JSONL files rounds every float of a batch to 10 decimals (see ``docs/data.md``): read
+JSONL with :func:`read_jsonl`, or load parquet.
 """
 
 from __future__ import annotations
@@ -28,7 +52,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import IO, Any, cast
 
 from orchard._extras import requires_extra
@@ -37,19 +61,43 @@ with requires_extra("data"):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-from orchard.data.schema import Trajectory, trajectory_list
+from orchard.data.schema import Message, ToolCall, Trajectory, trajectory_list
 
-_JSON_COLUMNS = ("messages", "tools", "reward_components", "metadata")
-_SCHEMA = pa.schema(
-    [
-        ("task_id", pa.string()),
-        ("group_id", pa.string()),
-        ("reward", pa.float64()),
-        ("termination_reason", pa.string()),
-        ("num_steps", pa.int64()),
-        *[(name, pa.string()) for name in _JSON_COLUMNS],
-    ]
-)
+
+def _nested_schema(json_type: pa.DataType) -> pa.Schema:
+    """The table layout, with ``json_type`` where the module docstring says json."""
+    function = pa.struct([("name", pa.string()), ("arguments", json_type), ("arguments_text", pa.string())])
+    tool_call = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", function)])
+    message = pa.struct(
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("content_parts", json_type),
+            ("tool_calls", pa.list_(tool_call)),
+            ("tool_call_id", pa.string()),
+            ("name", pa.string()),
+            ("token_ids", pa.list_(pa.int64())),
+            ("logprobs", pa.list_(pa.float64())),
+        ]
+    )
+    return pa.schema(
+        [
+            ("messages", pa.list_(message)),
+            ("tools", pa.list_(json_type)),
+            ("task_id", pa.string()),
+            ("group_id", pa.string()),
+            ("reward", pa.float64()),
+            ("termination_reason", pa.string()),
+            ("num_steps", pa.int64()),
+            ("reward_components", json_type),
+            ("metadata", json_type),
+        ]
+    )
+
+
+_SCHEMA = _nested_schema(pa.json_())
+# pyarrow builds extension-typed children only by a cast from their storage, so rows are built with strings first.
+_STORAGE_SCHEMA = _nested_schema(pa.string())
 
 
 def _check_path(path: Any, name: str = "path") -> str:
@@ -97,50 +145,144 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[Trajectory]:
     return list(iter_jsonl(path))
 
 
-def _to_columns(items: list[Trajectory]) -> dict[str, list[Any]]:
-    cols: dict[str, list[Any]] = {name: [] for name in _SCHEMA.names}
-    for t in items:
-        d = t.to_dict()
-        cols["task_id"].append(d["task_id"])
-        cols["group_id"].append(d["group_id"])
-        cols["reward"].append(d["reward"])
-        cols["termination_reason"].append(d["termination_reason"])
-        cols["num_steps"].append(t.num_steps)
-        for name in _JSON_COLUMNS:
-            try:
-                cols[name].append(json.dumps(d[name], ensure_ascii=False, allow_nan=False))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"trajectory field {name!r} is not JSON-serialisable: {exc}") from exc
-    return cols
+def _json(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"trajectory field {what!r} is not JSON-serialisable: {exc}") from exc
 
 
-def _from_row(row: dict[str, Any], where: str) -> Trajectory:
-    missing = [c for c in _SCHEMA.names if c != "num_steps" and c not in row]
-    if missing:
-        raise ValueError(f"{where}: missing trajectory columns {missing}")
-    data = {
-        "task_id": row["task_id"],
-        "group_id": row["group_id"],
-        "reward": row["reward"],
-        "termination_reason": row["termination_reason"],
+def _tool_call_row(call: ToolCall) -> dict[str, Any]:
+    parsed, _ = call.parse_arguments()
+    text = call.arguments if isinstance(call.arguments, str) else None
+    arguments = _json(parsed if parsed is not None else call.arguments, "arguments")
+    return {
+        "id": call.id,
+        "type": call.type,
+        "function": {"name": call.name, "arguments": arguments, "arguments_text": text},
     }
-    for name in _JSON_COLUMNS:
-        if not isinstance(row[name], str):
-            raise ValueError(f"{where}: column {name!r} must hold JSON text, got {type(row[name]).__name__}")
-        data[name] = json.loads(row[name])
-    return Trajectory.from_dict(data)
+
+
+def _message_row(m: Message) -> dict[str, Any]:
+    parts = isinstance(m.content, list)
+    return {
+        "role": m.role,
+        "content": None if parts else m.content,
+        "content_parts": _json(m.content, "content") if parts else None,
+        "tool_calls": [_tool_call_row(c) for c in m.tool_calls] or None,
+        "tool_call_id": m.tool_call_id,
+        "name": m.name,
+        "token_ids": m.token_ids,
+        "logprobs": m.logprobs,
+    }
+
+
+def _row(t: Trajectory) -> dict[str, Any]:
+    return {
+        "messages": [_message_row(m) for m in t.messages],
+        "tools": [_json(tool, "tools") for tool in t.tools],
+        "task_id": t.task_id,
+        "group_id": t.group_id,
+        "reward": t.reward,
+        "termination_reason": t.termination_reason,
+        "num_steps": t.num_steps,
+        "reward_components": _json(t.reward_components, "reward_components"),
+        "metadata": _json(t.metadata, "metadata"),
+    }
+
+
+def _python(value: Any, type_: pa.DataType) -> Any:
+    """An arrow value (as ``to_pylist`` gives it) as plain data: json decoded, struct nulls dropped."""
+    if value is None:
+        return None
+    if isinstance(type_, pa.JsonType):
+        return json.loads(value)
+    if pa.types.is_struct(type_):
+        fields = {type_.field(i).name: type_.field(i).type for i in range(type_.num_fields)}
+        out = {k: _python(v, fields[k]) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not None}
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_):
+        return [_python(v, type_.value_type) for v in value]
+    return value
+
+
+def _decoded(value: Any, name: str, where: str) -> Any:
+    """A field of orchard 0.1's layout (JSON text) or of TRL's (tools as one JSON string) decoded; others as given."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: column {name!r} holds a string that is not JSON: {exc}") from exc
+
+
+def _message_dict(m: Any) -> Any:
+    if not isinstance(m, Mapping):
+        return m  # Message.from_dict names the problem
+    m = dict(m)
+    if "content_parts" in m:
+        m["content"] = m.pop("content_parts")
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        m["tool_calls"] = [_tool_call_dict(c) for c in calls]
+    return m
+
+
+def _tool_call_dict(c: Any) -> Any:
+    fn = c.get("function") if isinstance(c, Mapping) else None
+    if not isinstance(fn, Mapping) or "arguments_text" not in fn:
+        return c
+    fn = dict(fn)
+    fn["arguments"] = fn.pop("arguments_text")
+    return {**c, "function": fn}
+
+
+def _from_row(row: Mapping[str, Any], where: str) -> Trajectory:
+    if "messages" in row:
+        messages = _decoded(row["messages"], "messages", where)
+    elif "prompt" in row and "completion" in row:  # TRL's conversational prompt-completion type
+        prompt, completion = row["prompt"], row["completion"]
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            raise ValueError(
+                f"{where}: 'prompt' and 'completion' must be lists of messages (TRL's conversational format), "
+                f"got {type(prompt).__name__} and {type(completion).__name__}"
+            )
+        messages = prompt + completion
+    else:
+        raise ValueError(f"{where}: no 'messages' column (nor 'prompt' and 'completion')")
+    if not isinstance(messages, list):
+        raise ValueError(f"{where}: 'messages' must be a list of messages, got {type(messages).__name__}")
+    data: dict[str, Any] = {"messages": [_message_dict(m) for m in messages]}
+    for name in ("tools", "reward_components", "metadata"):
+        if row.get(name) is not None:
+            data[name] = _decoded(row[name], name, where)
+    for name in ("task_id", "group_id", "reward", "termination_reason"):
+        if row.get(name) is not None:
+            data[name] = row[name]
+    try:
+        return Trajectory.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
 
 
 def trajectories_to_table(trajs: Iterable[Trajectory]) -> pa.Table:
     """The arrow table (layout in the module docstring) of the trajectories."""
-    return pa.Table.from_pydict(_to_columns(trajectory_list(trajs)), schema=_SCHEMA)
+    rows = [_row(t) for t in trajectory_list(trajs)]
+    # One record batch, also when empty: pyarrow cannot combine zero chunks of an extension type, which
+    # ``datasets`` does to fingerprint a table.
+    return pa.Table.from_batches([pa.RecordBatch.from_pylist(rows, schema=_STORAGE_SCHEMA).cast(_SCHEMA)])
 
 
 def table_to_trajectories(table: pa.Table) -> list[Trajectory]:
-    """Inverse of :func:`trajectories_to_table`."""
+    """Trajectories of an arrow table in our layout (inverse of :func:`trajectories_to_table`), orchard 0.1's, or
+    TRL's (see the module docstring)."""
     if not isinstance(table, pa.Table):
         raise ValueError(f"table must be a pyarrow.Table, got {type(table).__name__}")
-    return [_from_row(row, f"row {i}") for i, row in enumerate(table.to_pylist())]
+    types = {f.name: f.type for f in table.schema}
+    return [
+        _from_row({k: _python(v, types[k]) for k, v in row.items()}, f"row {i}")
+        for i, row in enumerate(table.to_pylist())
+    ]
 
 
 def write_parquet(trajs: Iterable[Trajectory], path: str | os.PathLike[str]) -> int:
@@ -157,7 +299,8 @@ def read_parquet(path: str | os.PathLike[str]) -> list[Trajectory]:
 
 
 def to_hf_dataset(trajs: Iterable[Trajectory]) -> Any:
-    """A ``datasets.Dataset`` with the table layout of the module docstring (one row per trajectory)."""
+    """A ``datasets.Dataset`` with the table layout of the module docstring (one row per trajectory), which
+    ``trl.SFTTrainer`` takes as it is."""
     with requires_extra("data"):
         import datasets
 
@@ -165,11 +308,14 @@ def to_hf_dataset(trajs: Iterable[Trajectory]) -> Any:
 
 
 def from_hf_dataset(dataset: Any) -> list[Trajectory]:
-    """Trajectories from a ``datasets.Dataset`` with the table layout (e.g. made by :func:`to_hf_dataset`, or
-    loaded with ``datasets.load_dataset("parquet", ...)`` from :func:`write_parquet` files)."""
+    """Trajectories from a ``datasets.Dataset``: ours (:func:`to_hf_dataset`, ``load_dataset("parquet")`` of
+    :func:`write_parquet` files), or a TRL conversational dataset as it is (see the module docstring).
+
+    The rows are read from the arrow table under the dataset (filters and selections applied), not through
+    ``datasets``' decoding, so floats inside json columns come back exactly."""
     with requires_extra("data"):
         import datasets
 
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(f"dataset must be a datasets.Dataset, got {type(dataset).__name__}")
-    return [_from_row(row, f"row {i}") for i, row in enumerate(dataset)]
+    return table_to_trajectories(dataset.with_format("arrow")[:])

@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = get_args(Role)
-"""The chat roles a message may have."""
+"""The chat roles a message may have. ``developer`` (OpenAI's newer name for ``system``) is read as ``system``."""
 
 TerminationReason = Literal["done", "step_budget", "time_budget", "format_error", "env_error"]
 TERMINATION_REASONS: tuple[str, ...] = get_args(TerminationReason)
@@ -38,6 +38,9 @@ could not be parsed (``format_error``), or the environment failed (``env_error``
 trajectory is dropped, never scored 0)."""
 
 _MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name", "token_ids", "logprobs"})
+# Keys of the ``openai`` client's ``ChatCompletionMessage.model_dump()`` that the schema has no field for: null (or
+# an empty list) is dropped, anything else is refused, since dropping it would lose what the model returned.
+_OPENAI_UNSUPPORTED_KEYS = ("refusal", "annotations", "audio")
 _TRAJECTORY_KEYS = frozenset(
     {
         "messages",
@@ -151,7 +154,7 @@ class Message:
     """One OpenAI chat message, plus the sampled tokens of an assistant turn.
 
     Fields:
-        role: ``system``, ``user``, ``assistant`` or ``tool``.
+        role: ``system``, ``user``, ``assistant`` or ``tool``; ``developer`` is stored as ``system``.
         content: the text (a list of OpenAI content parts is kept as given), or None (an assistant turn that
             only calls tools).
         tool_calls: assistant only: the calls this turn made.
@@ -171,8 +174,14 @@ class Message:
     logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
+        if self.role == "developer":
+            # OpenAI renamed the system role for its reasoning models; chat templates of open models know only
+            # ``system``, so the trajectory stores that (a developer message writes back as a system message).
+            self.role = "system"
         if self.role not in ROLES:
-            raise ValueError(f"Message.role must be one of {list(ROLES)}, got {self.role!r}")
+            raise ValueError(
+                f"Message.role must be one of {list(ROLES)} (or 'developer', read as 'system'), got {self.role!r}"
+            )
         if self.content is not None and not isinstance(self.content, (str, list)):
             raise ValueError(
                 f"Message.content must be a str, a list of parts or None, got {type(self.content).__name__}"
@@ -244,9 +253,27 @@ class Message:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Message:
-        """Read :meth:`to_dict` output or any OpenAI chat message (unknown keys are rejected)."""
+        """Read :meth:`to_dict` output or any OpenAI chat message (unknown keys are rejected).
+
+        What the ``openai`` client returns (``ChatCompletionMessage.model_dump()``) is read as is: its
+        ``refusal`` / ``annotations`` / ``audio`` keys are dropped when null (or an empty list) and refused, naming
+        the key, when they hold something the schema cannot keep; a legacy ``function_call`` becomes the turn's one
+        tool call (without an id).
+        """
         if not isinstance(data, Mapping):
             raise ValueError(f"a message must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        for key in _OPENAI_UNSUPPORTED_KEYS:
+            value = data.pop(key, None)
+            if value is not None and value != []:
+                raise ValueError(
+                    f"message field {key!r} is not supported by the trajectory schema, got {value!r:.100}"
+                )
+        function_call = data.pop("function_call", None)
+        if function_call is not None:
+            if data.get("tool_calls"):
+                raise ValueError("message has both 'function_call' and 'tool_calls'; give one of them")
+            data["tool_calls"] = [{"type": "function", "function": function_call}]
         unknown = set(data) - _MESSAGE_KEYS
         if unknown:
             raise ValueError(f"message has unknown keys {sorted(unknown)}")
@@ -269,7 +296,8 @@ class Trajectory:
 
     Fields:
         messages: the chat, in order.
-        tools: the OpenAI tool schemas offered to the policy (``{"type": "function", "function": {...}}``).
+        tools: the OpenAI tool schemas offered to the policy (``{"type": "function", "function": {...}}``); a JSON
+            string of that list is parsed.
         reward: the scalar reward, None when not (yet) scored.
         reward_components: named parts of the reward (e.g. ``{"tests": 1.0, "rubric": 0.5}``).
         task_id: the task this rollout attempted.
@@ -298,9 +326,15 @@ class Trajectory:
     def __post_init__(self) -> None:
         if not isinstance(self.messages, list):
             raise ValueError(f"Trajectory.messages must be a list, got {type(self.messages).__name__}")
-        self.messages = [m if isinstance(m, Message) else Message.from_dict(m) for m in self.messages]
+        self.messages = [_message(m, i) for i, m in enumerate(self.messages)]
+        if isinstance(self.tools, str):
+            # TRL datasets and OpenAI request logs often carry the tool schemas as one JSON string.
+            try:
+                self.tools = json.loads(self.tools)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"Trajectory.tools is a str but not JSON: {exc}") from exc
         if not isinstance(self.tools, list) or not all(isinstance(t, dict) for t in self.tools):
-            raise ValueError(f"Trajectory.tools must be a list of dicts, got {self.tools!r:.200}")
+            raise ValueError(f"Trajectory.tools must be a list of dicts (or its JSON), got {self.tools!r:.200}")
         if self.reward is not None:
             self.reward = _check_finite_float(self.reward, "Trajectory.reward")
         if not isinstance(self.reward_components, dict):
@@ -406,9 +440,10 @@ class Trajectory:
         messages = data.get("messages", [])
         if not isinstance(messages, Sequence) or isinstance(messages, str):
             raise ValueError(f"trajectory 'messages' must be a list, got {type(messages).__name__}")
+        tools = data.get("tools") or []
         return cls(
-            messages=[Message.from_dict(m) for m in messages],
-            tools=list(data.get("tools") or []),
+            messages=[_message(m, i) for i, m in enumerate(messages)],
+            tools=tools if isinstance(tools, str) else list(tools),
             reward=data.get("reward"),
             reward_components=dict(data.get("reward_components") or {}),
             task_id=data.get("task_id"),
@@ -432,6 +467,16 @@ class Trajectory:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return cls.from_dict(json.loads(text))
+
+
+def _message(m: Message | Mapping[str, Any], index: int) -> Message:
+    """``m`` as a :class:`Message`; a bad message's error says which one it is."""
+    if isinstance(m, Message):
+        return m
+    try:
+        return Message.from_dict(m)
+    except ValueError as exc:
+        raise ValueError(f"messages[{index}]: {exc}") from exc
 
 
 def trajectory_list(trajs: Any) -> list[Trajectory]:

@@ -1,4 +1,7 @@
-"""Metric loggers: one small protocol; ``metrics.jsonl`` always, TensorBoard / W&B when installed and asked for.
+"""Metric loggers: one small protocol; ``metrics.jsonl`` always, TensorBoard and W&B when asked for.
+
+TensorBoard needs the ``[tensorboard]`` extra and W&B the ``[wandb]`` extra; a logger asked for without its package
+fails at start with a one-line message that names the extra (a run that silently logs nowhere is worse).
 
 Every key a trainer logs is documented in ``docs/metrics.md``. A logger receives plain floats (the trainer does
 the one device sync per step), so loggers never touch tensors.
@@ -6,13 +9,13 @@ the one device sync per step), so loggers never touch tensors.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import warnings
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 from orchard._extras import requires_extra
 
@@ -23,6 +26,7 @@ __all__ = [
     "MultiLogger",
     "ProgressLogger",
     "TensorBoardLogger",
+    "WandbConfig",
     "WandbLogger",
     "build_loggers",
     "read_jsonl_metrics",
@@ -86,33 +90,67 @@ def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class TensorBoardLogger:
-    """Scalars to a TensorBoard event directory (needs the ``tensorboard`` package)."""
+    """Scalars to a TensorBoard event file in ``log_dir`` (the ``[tensorboard]`` extra).
+
+    Numbers only (bools and strings are skipped), stored as TensorBoard's float32 ``simple_value``."""
 
     def __init__(self, log_dir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        with requires_extra("tensorboard"):
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(log_dir))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         _check(metrics, step)
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)):
-                self._writer.add_scalar(key, value, global_step=step)
+        values = [
+            self._summary.Value(tag=key, simple_value=float(value))
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
         self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
 
 
+WandbMode = Literal["online", "offline", "disabled"]
+
+
+@dataclass
+class WandbConfig:
+    """Where the ``wandb`` logger sends a run. ``TrainConfig.wandb`` holds one (YAML ``wandb: {project: ...}``)."""
+
+    project: str = "orchard"
+    """W&B project of the run."""
+    mode: WandbMode = "offline"
+    """online: stream to the W&B server; offline: write the run directory only (``wandb sync`` uploads it later,
+    no network needed); disabled: log nothing."""
+    run_name: str | None = None
+    """Run name shown in W&B; None: the name of the output directory."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.project, str) or not self.project:
+            raise ValueError(f"project must be a non-empty str, got {self.project!r}")
+        if self.mode not in get_args(WandbMode):
+            raise ValueError(f"mode must be one of {', '.join(get_args(WandbMode))}, got {self.mode!r}")
+        if self.run_name is not None and not isinstance(self.run_name, str):
+            raise ValueError(f"run_name must be a str or None, got {type(self.run_name).__name__}")
+
+
 class WandbLogger:
-    """Weights & Biases run (needs ``wandb``; ``mode="offline"`` writes locally without a network)."""
+    """A Weights & Biases run (the ``[wandb]`` extra) whose files go under ``log_dir/wandb``."""
 
-    def __init__(
-        self, *, project: str, run_name: str | None, config: Mapping[str, Any], log_dir: str | Path, mode: str
-    ) -> None:
-        import wandb
+    def __init__(self, cfg: WandbConfig, *, log_dir: str | Path, config: Mapping[str, Any] | None = None) -> None:
+        with requires_extra("wandb"):
+            import wandb
 
-        self._run = wandb.init(project=project, name=run_name, config=dict(config), dir=str(log_dir), mode=mode)
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(project=cfg.project, name=cfg.run_name or Path(log_dir).name, mode=cfg.mode,
+                               config=dict(config or {}), dir=str(log_dir))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         _check(metrics, step)
@@ -169,31 +207,26 @@ def build_loggers(
     total_steps: int,
     resume_step: int | None = None,
     config: Mapping[str, Any] | None = None,
-    wandb_project: str = "orchard",
-    wandb_mode: str = "offline",
+    wandb: WandbConfig | None = None,
 ) -> MultiLogger:
     """The loggers named in ``names`` (see ``LOGGER_NAMES``) writing under ``out_dir``.
 
-    ``jsonl`` (``out_dir/metrics.jsonl``) is always included. ``tensorboard`` and ``wandb`` are skipped with a
-    warning when their package is not installed, so a config asking for them still runs on a bare machine.
+    ``jsonl`` (``out_dir/metrics.jsonl``) is always included; ``tensorboard`` writes ``out_dir/tensorboard``;
+    ``wandb`` logs the run ``wandb`` (default ``WandbConfig()``: project ``orchard``, offline) with ``config`` as
+    the run's config, its files under ``out_dir/wandb``. A logger whose package is missing raises
+    ``ModuleNotFoundError`` naming the extra to install.
     """
     unknown = [n for n in names if n not in LOGGER_NAMES]
     if unknown:
         raise ValueError(f"names has unknown logger {unknown[0]!r}; valid: {', '.join(LOGGER_NAMES)}")
+    if wandb is not None and not isinstance(wandb, WandbConfig):
+        raise ValueError(f"wandb must be a WandbConfig or None, got {type(wandb).__name__}")
     out = Path(out_dir)
     loggers: list[MetricLogger] = [JsonlLogger(out / "metrics.jsonl", resume_step=resume_step)]
     if "tensorboard" in names:
-        if importlib.util.find_spec("tensorboard") is None:
-            warnings.warn("logger 'tensorboard' asked for but the tensorboard package is not installed; skipped",
-                          stacklevel=2)
-        else:
-            loggers.append(TensorBoardLogger(out / "tensorboard"))
+        loggers.append(TensorBoardLogger(out / "tensorboard"))
     if "wandb" in names:
-        if importlib.util.find_spec("wandb") is None:
-            warnings.warn("logger 'wandb' asked for but the wandb package is not installed; skipped", stacklevel=2)
-        else:
-            loggers.append(WandbLogger(project=wandb_project, run_name=out.name, config=config or {},
-                                       log_dir=out, mode=wandb_mode))
+        loggers.append(WandbLogger(wandb or WandbConfig(), log_dir=out, config=config))
     if "progress" in names:
         loggers.append(ProgressLogger(total_steps, start_step=resume_step or 0))
     return MultiLogger(loggers)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from orchard.train import checkpoint as ckpt
 from orchard.train.engine import DeepSpeedTrainEngine, PlainEngine, TrainEngine, ds_config, load_ds_config
-from orchard.train.metrics import MultiLogger, build_loggers
+from orchard.train.metrics import MultiLogger, WandbConfig, build_loggers
 from orchard.train.objective import (
     LossTerm,
     check_objective,
@@ -107,6 +107,8 @@ class TrainConfig:
     """Continue from output_dir's latest checkpoint when one exists."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
     """Metric sinks: jsonl (always on), tensorboard, wandb, progress."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B project, mode (online / offline / disabled) and run name, used when loggers has wandb."""
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "global_batch_size", "micro_batch_size", "keep_checkpoints"):
@@ -322,7 +324,7 @@ class Trainer:
             self._load(ckpt.latest_checkpoint(self.ckpt_dir))  # type: ignore[arg-type]
         self.logger = (
             build_loggers(cfg.loggers, self.out_dir, total_steps=cfg.total_steps,
-                          resume_step=self.step if resumed else None, config=log_config)
+                          resume_step=self.step if resumed else None, config=log_config, wandb=cfg.wandb)
             if self.is_main
             else MultiLogger([])
         )

@@ -1,13 +1,17 @@
 import gzip
 import json
+import math
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchard.data import (
+    Message,
+    ToolCall,
     Trajectory,
     from_hf_dataset,
     iter_jsonl,
@@ -124,6 +128,162 @@ def test_io_validation(tmp_path):
         from_hf_dataset([{"messages": "[]"}])
     with pytest.raises(ValueError, match="'metadata' is not JSON-serialisable"):
         write_parquet([Trajectory(metadata={"s": {1, 2}})], tmp_path / "x.parquet")
-    bad = datasets.Dataset.from_dict({"messages": ["[]"]})
-    with pytest.raises(ValueError, match="missing trajectory columns"):
-        from_hf_dataset(bad)
+    with pytest.raises(ValueError, match="row 0: no 'messages' column"):
+        from_hf_dataset(datasets.Dataset.from_dict({"text": ["The sky is blue."]}))
+    with pytest.raises(ValueError, match="row 0: column 'messages' holds a string that is not JSON"):
+        from_hf_dataset(datasets.Dataset.from_dict({"messages": ["hello"]}))
+    with pytest.raises(ValueError, match=r"row 0: messages\[0\]: Message\.role"):
+        from_hf_dataset(datasets.Dataset.from_list([{"messages": [{"role": "robot", "content": "x"}]}]))
+    with pytest.raises(ValueError, match="'prompt' and 'completion' must be lists of messages"):
+        from_hf_dataset(datasets.Dataset.from_dict({"prompt": ["The sky is"], "completion": [" blue."]}))
+
+
+def test_layout_is_trls_conversational_format(tokenizer):
+    trajs = _batch()
+    ds = to_hf_dataset(trajs)
+    schema = trajectories_to_table(trajs).schema
+    assert pa.types.is_list(schema.field("messages").type) and isinstance(schema.field("metadata").type, pa.JsonType)
+    row = ds[0]  # what TRL sees: datasets decodes the json fields
+    call_dict, call_str = row["messages"][2]["tool_calls"]
+    # Arguments are a dict wherever they are a JSON object, as chat templates want; a string keeps its exact text.
+    assert call_dict["function"] == {"name": "exec", "arguments": {"command": "ls"}, "arguments_text": None}
+    assert call_str["function"] == {
+        "name": "exec", "arguments": {"command": "pwd"}, "arguments_text": '{"command": "pwd"}'
+    }
+    malformed = ds[1]["messages"][2]["tool_calls"][1]["function"]
+    assert malformed["arguments"] == malformed["arguments_text"] == '{"command": "pw'
+    assert row["messages"][0]["token_ids"] is None and row["messages"][2]["token_ids"] == [5, 6, 2]
+    assert row["tools"] == trajs[0].tools
+    # A chat template renders the dataset row exactly as it renders the trajectory.
+    for traj, r in zip(trajs[:3], ds, strict=False):
+        assert tokenizer.apply_chat_template(r["messages"], tools=r["tools"] or None, tokenize=False) == (
+            tokenizer.apply_chat_template(traj.openai_messages(), tools=traj.tools or None, tokenize=False)
+        )
+
+
+def test_content_parts_round_trip():
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:x"}}]
+    trajs = [Trajectory(messages=[{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}])]
+    _same(from_hf_dataset(to_hf_dataset(trajs)), trajs)
+    row = to_hf_dataset(trajs)[0]["messages"][0]
+    assert row["content"] is None and row["content_parts"] == parts
+
+
+_TRL_TOOLS = [
+    {"type": "function", "function": {"name": "control_light", "description": "Switch a light.",
+                                      "parameters": {"type": "object", "properties": {"room": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time.",
+                                      "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}},
+]
+
+
+def _trl_rows(arguments_as_text: bool) -> list[dict]:
+    """Two rows in TRL's tool-calling format: no tool-call ids, tool messages answer by name."""
+
+    def call(name: str, arguments: dict) -> dict:
+        return {"type": "function", "function": {"name": name,
+                                                 "arguments": json.dumps(arguments) if arguments_as_text else arguments}}
+
+    return [
+        {"messages": [{"role": "user", "content": "Lights on."},
+                      {"role": "assistant", "tool_calls": [call("control_light", {"room": "hall"})]},
+                      {"role": "tool", "name": "control_light", "content": "on"},
+                      {"role": "assistant", "content": "Done."}],
+         "tools": _TRL_TOOLS},
+        {"messages": [{"role": "user", "content": "Time?"},
+                      {"role": "assistant", "tool_calls": [call("get_time", {"tz": "UTC"})]},
+                      {"role": "tool", "name": "get_time", "content": "12:00"}],
+         "tools": _TRL_TOOLS},
+    ]
+
+
+@pytest.mark.parametrize("arguments_as_text", [False, True])
+@pytest.mark.parametrize("tools_as_text", [False, True])
+def test_reads_trl_datasets_as_they_are(arguments_as_text, tools_as_text, tmp_path):
+    rows = _trl_rows(arguments_as_text)
+    if tools_as_text:
+        rows = [dict(r, tools=json.dumps(r["tools"])) for r in rows]
+    ds = datasets.Dataset.from_list(rows)
+    if not arguments_as_text:
+        # Arrow gives both calls' arguments one struct type {room, tz}: each row holds the other key as null.
+        assert ds[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"room": "hall", "tz": None}
+    got = from_hf_dataset(ds)
+    args = ['{"room": "hall"}', '{"tz": "UTC"}'] if arguments_as_text else [{"room": "hall"}, {"tz": "UTC"}]
+    assert got[0].messages == [
+        Message(role="user", content="Lights on."),
+        Message(role="assistant", tool_calls=[ToolCall(name="control_light", arguments=args[0])]),
+        Message(role="tool", name="control_light", content="on"),
+        Message(role="assistant", content="Done."),
+    ]
+    assert got[1].messages[1].tool_calls == [ToolCall(name="get_time", arguments=args[1])]
+    # Tool schemas lose the struct-union nulls too: control_light's properties do not gain get_time's "tz".
+    assert got[0].tools == got[1].tools == _TRL_TOOLS
+    assert got[0].reward is None and got[0].termination_reason == "done"  # our columns are optional
+    # What we write from them reads back the same, through parquet too.
+    write_parquet(got, tmp_path / "t.parquet")
+    _same(read_parquet(tmp_path / "t.parquet"), got)
+
+
+def test_reads_trl_prompt_completion():
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "Sky?"}],
+                                      "completion": [{"role": "assistant", "content": "Blue."}]}])
+    assert from_hf_dataset(ds) == [Trajectory(messages=[{"role": "user", "content": "Sky?"},
+                                                        {"role": "assistant", "content": "Blue."}])]
+
+
+def _orchard_0_1_table(trajs: list[Trajectory]) -> pa.Table:
+    """What write_parquet / to_hf_dataset wrote before the nested layout: nested fields as JSON text columns."""
+    text = ("messages", "tools", "reward_components", "metadata")
+    schema = pa.schema([("task_id", pa.string()), ("group_id", pa.string()), ("reward", pa.float64()),
+                        ("termination_reason", pa.string()), ("num_steps", pa.int64()),
+                        *[(name, pa.string()) for name in text]])
+    rows = [{**{k: d[k] for k in ("task_id", "group_id", "reward", "termination_reason")}, "num_steps": t.num_steps,
+             **{k: json.dumps(d[k]) for k in text}} for t, d in ((t, t.to_dict()) for t in trajs)]
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def test_reads_orchard_0_1_json_text_layout(tmp_path):
+    trajs = _batch()
+    pq.write_table(_orchard_0_1_table(trajs), tmp_path / "old.parquet")
+    _same(read_parquet(tmp_path / "old.parquet"), trajs)
+    _same(from_hf_dataset(datasets.Dataset(_orchard_0_1_table(trajs))), trajs)
+
+
+def _float_trajectories() -> list[Trajectory]:
+    logprobs = [-1.2345678901234567e-05, -1.0 / 3.0, -0.0, -5e-324, -745.1332191019411]
+    return [
+        Trajectory(messages=[{"role": "user", "content": "q"},
+                             {"role": "assistant", "content": "a", "token_ids": [1, 2, 3, 4, 5], "logprobs": logprobs}],
+                   reward=0.1 + 0.2, reward_components={"tests": 1.0, "length": -1e-300}, metadata={"n": 1, "x": 2.0}),
+        Trajectory(messages=[{"role": "user", "content": "q"}], reward=1.0, metadata={}),
+    ]
+
+
+def test_floats_through_jsonl_readers(tmp_path):
+    trajs = _float_trajectories()
+    path = tmp_path / "f.jsonl"
+    write_jsonl(trajs, path)
+    line = path.read_text().splitlines()[0]
+    # Floats are written as the shortest repr that parses back to the same double (the literal ...567e-05 and
+    # ...568e-05 are one double; repr picks ...568); ints stay ints.
+    assert '"logprobs": [-1.2345678901234568e-05, -0.3333333333333333, -0.0, -5e-324, -745.1332191019411]' in line
+    assert '"reward": 0.30000000000000004' in line and '"metadata": {"n": 1, "x": 2.0}' in line
+    # Our reader: bit for bit (-0.0 keeps its sign, the subnormal 5e-324 survives).
+    _same(read_jsonl(path), trajs)
+    # datasets' JSON loader re-encodes a batch with pandas' ujson at 10 decimals once any field is mixed (messages
+    # with different keys always are): each float is then off by up to 0.5e-10 (-1.2345678901234567e-05 reads as
+    # -1.23457e-05), and -0.0 and 5e-324 read as 0.0. The docs say to load JSONL with read_jsonl, or parquet.
+    loaded = from_hf_dataset(
+        datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "cache"))
+    )
+    assert [t.openai_messages() for t in loaded] == [t.openai_messages() for t in trajs]
+    assert loaded[0].messages[1].logprobs == pytest.approx(trajs[0].messages[1].logprobs, rel=0, abs=0.5e-10)
+    assert loaded[0].reward == pytest.approx(0.3, rel=0, abs=0.5e-10)
+    # The exact route to a datasets.Dataset: parquet, whose logprobs and rewards are native float64 columns.
+    write_parquet(trajs, tmp_path / "f.parquet")
+    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "f.parquet"), split="train",
+                               cache_dir=str(tmp_path / "cache"))
+    assert ds[0]["messages"][1]["logprobs"] == trajs[0].messages[1].logprobs
+    assert [math.copysign(1.0, x) for x in ds[0]["messages"][1]["logprobs"]] == [-1.0] * 5
+    assert ds["reward"] == [0.1 + 0.2, 1.0]
+    _same(from_hf_dataset(ds), trajs)

@@ -162,3 +162,87 @@ def test_non_json_metadata_is_a_value_error():
         traj.to_json()
     with pytest.raises(ValueError, match="not JSON-serialisable"):
         Trajectory(metadata={"x": float("nan")}).to_json()
+
+
+def _openai_dump(**kwargs) -> dict:
+    """What the ``openai`` client hands back: ``message.model_dump()`` of its pydantic type (all keys, nulls too)."""
+    from openai.types.chat import ChatCompletionMessage
+
+    return ChatCompletionMessage(role="assistant", **kwargs).model_dump()
+
+
+def test_openai_client_dumps_are_read_as_they_are():
+    from openai.types.chat.chat_completion_message_function_tool_call import (
+        ChatCompletionMessageFunctionToolCall,
+        Function,
+    )
+
+    call = ChatCompletionMessageFunctionToolCall(
+        id="call_1", type="function", function=Function(name="exec", arguments='{"command":"ls"}')
+    )
+    text = _openai_dump(content="hi")
+    calls = _openai_dump(content=None, tool_calls=[call])
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(text)  # the keys the schema lacks
+    traj = Trajectory(messages=[{"role": "user", "content": "go"}, text, calls])
+    # The null keys are dropped; what the schema holds is kept, the arguments string untouched.
+    assert traj.to_dict()["messages"][1:] == [
+        {"role": "assistant", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "exec", "arguments": '{"command":"ls"}'}}
+            ],
+        },
+    ]
+    assert Trajectory.from_dict({"messages": [text]}) == Trajectory(messages=[{"role": "assistant", "content": "hi"}])
+    # An empty annotations list carries nothing either.
+    assert Message.from_dict(_openai_dump(content="hi", annotations=[])).content == "hi"
+
+
+def test_openai_legacy_function_call_becomes_the_tool_call():
+    from openai.types.chat.chat_completion_message import FunctionCall
+
+    dump = _openai_dump(content=None, function_call=FunctionCall(name="exec", arguments='{"command": "ls"}'))
+    msg = Message.from_dict(dump)
+    assert msg.tool_calls == [ToolCall(name="exec", arguments='{"command": "ls"}', id=None)]
+    both = dict(dump, tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}])
+    with pytest.raises(ValueError, match="both 'function_call' and 'tool_calls'"):
+        Message.from_dict(both)
+
+
+def test_openai_fields_the_schema_cannot_keep_are_refused_by_name():
+    from openai.types.chat import ChatCompletionAudio
+    from openai.types.chat.chat_completion_message import Annotation, AnnotationURLCitation
+
+    citation = Annotation(
+        type="url_citation",
+        url_citation=AnnotationURLCitation(end_index=2, start_index=0, title="t", url="https://example.org"),
+    )
+    audio = ChatCompletionAudio(id="a1", data="AAAA", expires_at=0, transcript="hi")
+    cases = {"refusal": dict(refusal="I can't help with that."), "annotations": dict(annotations=[citation]),
+             "audio": dict(audio=audio)}
+    for key, kwargs in cases.items():
+        dump = _openai_dump(content="x", **kwargs)
+        # The message index and the field are both named: the user knows which turn of which dump to look at.
+        with pytest.raises(ValueError, match=rf"messages\[1\]: message field '{key}' is not supported"):
+            Trajectory(messages=[{"role": "user", "content": "q"}, dump])
+
+
+def test_developer_role_is_read_as_system():
+    traj = Trajectory.from_dict({"messages": [{"role": "developer", "content": "Be brief."}]})
+    assert traj.messages == [Message(role="system", content="Be brief.")]
+    assert Message(role="developer", content="x").role == "system"
+    with pytest.raises(ValueError, match=r"or 'developer'.*got 'robot'"):
+        Message(role="robot")
+
+
+def test_tools_given_as_a_json_string():
+    tools = [{"type": "function", "function": {"name": "exec", "parameters": {"type": "object"}}}]
+    as_list = Trajectory(tools=tools)
+    assert Trajectory(tools=json.dumps(tools)) == as_list
+    assert Trajectory.from_dict({"tools": json.dumps(tools)}) == as_list
+    with pytest.raises(ValueError, match=r"Trajectory\.tools is a str but not JSON"):
+        Trajectory(tools='[{"type": ')
+    with pytest.raises(ValueError, match=r"Trajectory\.tools must be a list of dicts"):
+        Trajectory(tools='{"type": "function"}')  # one schema, not a list of them

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from orchard.train import checkpoint as ckpt
-from orchard.train.metrics import JsonlLogger, MetricLogger, build_loggers, read_jsonl_metrics
+from orchard.train.metrics import JsonlLogger, MetricLogger, read_jsonl_metrics
 from orchard.train.schedule import cosine_lr, cosine_schedule
 
 
@@ -62,24 +62,6 @@ def test_jsonl_logger_truncates_on_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] == 30.0
     assert rows[0]["bad"] == "nan"
     json.loads(path.read_text().splitlines()[0])  # valid JSON despite the NaN
-
-
-def test_build_loggers_skips_missing_packages(tmp_path: Path) -> None:
-    import importlib.util
-
-    names = ["jsonl", "tensorboard", "wandb"]
-    expect = 1 + sum(importlib.util.find_spec(p) is not None for p in ("tensorboard", "wandb"))
-    if expect < 3:
-        with pytest.warns(UserWarning, match="not installed"):
-            multi = build_loggers(names, tmp_path, total_steps=2, config={"a": 1})
-    else:  # pragma: no cover - depends on the machine
-        multi = build_loggers(names, tmp_path, total_steps=2, config={"a": 1})
-    assert len(multi.loggers) == expect
-    multi.log({"x": 1.0}, 1)
-    multi.close()
-    assert read_jsonl_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "x": 1.0}]
-    with pytest.raises(ValueError, match="unknown logger 'tb'"):
-        build_loggers(["tb"], tmp_path, total_steps=1)
 
 
 def test_checkpoint_pointer_and_prune(tmp_path: Path) -> None:
