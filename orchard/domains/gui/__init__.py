@@ -6,7 +6,13 @@ A Chromium per sandbox driven by Playwright inside it (`BrowserSession`), offlin
 """
 
 from orchard.domains.gui.session import BROWSER_MEMORY, BrowserSession
-from orchard.domains.gui.tools import GUI_TOOL_NAMES, GUI_TOOLS, IMAGE_PLACEHOLDER, Observation, keep_last_images
+from orchard.domains.gui.tools import (
+           GUI_TOOL_NAMES,
+           GUI_TOOLS,
+           IMAGE_PLACEHOLDER,
+           Observation,
+           keep_last_images,
+)
 
 __all__ = ["BROWSER_MEMORY", "GUI_TOOLS", "GUI_TOOL_NAMES", "IMAGE_PLACEHOLDER", "BrowserSession", "Observation",
            "keep_last_images"]

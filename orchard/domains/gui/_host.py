@@ -51,6 +51,8 @@ _TEXT_VIEW_JS = """() => {
     const x = Math.round(Math.min(Math.max(r.left + r.width / 2, 0), W - 1));
     const y = Math.round(Math.min(Math.max(r.top + r.height / 2, 0), H - 1));
     let name = el.getAttribute('aria-label') || '';
+    if (!name && (role === 'checkbox' || role === 'radio') && el.labels && el.labels.length)
+      name = el.labels[0].innerText.trim();
     if (!name && el.tagName === 'INPUT') name = el.value || el.placeholder || el.name || '';
     if (!name && el.tagName === 'SELECT') name = el.selectedIndex >= 0 ? el.options[el.selectedIndex].text : '';
     if (!name) name = (el.innerText || '').trim().replace(/\\s+/g, ' ').slice(0, 120);
@@ -214,9 +216,8 @@ class Host:
             if index < self.active or self.active >= len(self.pages):
                 self.active -= 1
             self.page.bring_to_front()
-        elif name == "done":
-            if not isinstance(args["response"], str):
-                raise ToolError(f"response must be a string, got {args['response']!r}")
+        elif name == "done" and not isinstance(args["response"], str):
+            raise ToolError(f"response must be a string, got {args['response']!r}")
         if name in ("click", "press_keys", "drag"):
             self.settle()
 

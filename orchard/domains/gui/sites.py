@@ -12,7 +12,8 @@ Routes (one server on loopback inside the sandbox's network namespace):
     /shop/cart              the cart, remove buttons, a checkout form
     /forms/                 links to the booking and settings forms
     /forms/booking          name, date (YYYY-MM-DD), guests (select), room (radio), breakfast (checkbox)
-    /forms/settings         display name, language (select), newsletter (checkbox), theme (radio)
+    /forms/settings         display name, language (select), newsletter (checkbox), theme (radio), font size
+                            (a range slider, set by dragging)
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ FORM_CHOICES = {
     "language": ("English", "French", "German", "Spanish", "Japanese"),
     "theme": ("light", "dark"),
 }
-DEFAULT_SETTINGS = {"display_name": "guest", "language": "English", "newsletter": True, "theme": "light"}
+DEFAULT_SETTINGS = {"display_name": "guest", "language": "English", "newsletter": True, "theme": "light",
+                    "font_size": 16}
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
@@ -82,7 +84,8 @@ class SiteState:
 _STYLE = ("body{font-family:sans-serif;margin:24px;font-size:16px}a{color:#1a4fd6}"
           "button,input[type=submit]{font-size:16px;padding:6px 14px;margin:4px}"
           "input,select{font-size:16px;margin:4px}table{border-collapse:collapse}"
-          "td,th{border:1px solid #999;padding:4px 10px}.error{color:#b00020}.item{margin:6px 0}")
+          "td,th{border:1px solid #999;padding:4px 10px}.error{color:#b00020}.item{margin:6px 0}"
+          ".help .tip{display:none}.help:hover .tip{display:inline}")
 
 
 def _page(title: str, body: str) -> bytes:
@@ -135,7 +138,8 @@ class Sites:
                 f"<input name='max_price' placeholder='max price' size='8' value='{max_price or ''}'> "
                 f"<select name='sort'>{sort_opts}</select> <input type='submit' value='Search'></form>")
         cart_n = sum(self.state.cart.values())
-        return 200, _page("Shop", f"<h1>Shop</h1><p><a href='/shop/cart'>Cart ({cart_n})</a></p>{form}"
+        return 200, _page("Shop", f"<h1>Shop</h1><p><a href='/shop/cart'>Cart ({cart_n})</a></p>"
+                                  f"<p class='help'>Help <span class='tip'>Free returns within 30 days</span></p>{form}"
                                   f"<p>{len(rows)} products</p><ul>{items}</ul>")
 
     def shop_product(self, product_id: int) -> tuple[int, bytes]:
@@ -238,16 +242,19 @@ class Sites:
                                       f"{_options(FORM_CHOICES['language'], s['language'])}</select></p>"
                                       "<p><label><input type='checkbox' name='newsletter' value='yes'"
                                       f"{' checked' if s['newsletter'] else ''}> Newsletter</label></p>"
-                                      f"<p>Theme {themes}</p><p><button type='submit'>Save</button></p></form>")
+                                      f"<p>Theme {themes}</p><p>Font size <input type='range' name='font_size' min='10' max='30' "
+                                      f"value='{s['font_size']}'></p><p><button type='submit'>Save</button></p></form>")
 
     def settings_post(self, form: dict[str, str]) -> tuple[int, bytes]:
-        name = form.get("display_name", "").strip()
+        name, font_size = form.get("display_name", "").strip(), form.get("font_size", "")
         if not name or form.get("language") not in FORM_CHOICES["language"] \
-                or form.get("theme") not in FORM_CHOICES["theme"]:
+                or form.get("theme") not in FORM_CHOICES["theme"] or not font_size.isdigit() \
+                or not 10 <= int(font_size) <= 30:
             return self.settings_page("Please fill in every field.")
         with self.state.lock:
             self.state.settings = {"display_name": name, "language": form["language"],
-                                   "newsletter": form.get("newsletter") == "yes", "theme": form["theme"]}
+                                   "newsletter": form.get("newsletter") == "yes", "theme": form["theme"],
+                                   "font_size": int(font_size)}
         return self.settings_page("Saved.")
 
     # -- routing -------------------------------------------------------------------------------------------
@@ -291,10 +298,10 @@ def serve_sites(sites: Sites, port: int) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(page)
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             self._reply(*sites.handle("GET", self.path))
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             length = min(int(self.headers.get("Content-Length") or 0), 1 << 20)
             self._reply(*sites.handle("POST", self.path, self.rfile.read(length)))
 
