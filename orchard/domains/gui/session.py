@@ -67,7 +67,8 @@ class BrowserSession:
         text_view: add the text view (elements with centre coordinates) to every observation by default.
         chromium: Chromium's path inside the sandbox (the distribution's package; `scripts/setup` installs it).
         python: the sandbox's interpreter.
-        playwright_path: a folder to put on the host's PYTHONPATH (see the module docstring); None for none.
+        playwright_path: a folder to put on the host's PYTHONPATH (see the module docstring); "default":
+            `default_playwright_path()`; None: nothing (the image's python3 has Playwright).
         start_timeout: seconds to wait for Chromium to start.
         step_timeout: seconds to wait for one request's answer before the browser counts as gone.
         own_sandbox: delete `sandbox` on `close()` (what `open` does).
