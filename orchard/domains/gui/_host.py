@@ -1,0 +1,363 @@
+"""The browser host: one process inside a GUI sandbox that serves the sites and drives Chromium with Playwright.
+
+Standard library and Playwright only: `BrowserSession` uploads this file and `sites.py` into the sandbox and
+runs `python3 _host.py ...` there as a sandbox terminal (the service's PTY), under the sandbox's isolation. The
+site server (a thread), the Playwright driver and Chromium are all its descendants, so they share one network
+namespace (loopback only, unless the sandbox has network) and die together with the terminal: the terminal's
+bubblewrap ends its pid namespace when the session closes or the sandbox is deleted.
+
+Protocol over the terminal, which the host puts in raw mode first (no echo, no newline translation): the client
+writes one JSON object per line, `{"op": ...}`; the host answers each with one line `FRAME_MARK + JSON + "\\n"`.
+Only the answer lines go to the terminal: the host keeps a private copy of it and points its own stdout and
+stderr (which Chromium and the Playwright driver inherit) at a log file.
+
+Requests: `observe {text_view}`, `tool {name, arguments, text_view}`, `reset {url, text_view}`, `state`, `close`.
+An answer carries either an observation (`tabs`, `active`, `viewport`, `screenshot` base64 PNG, optional
+`text`, `error` for an invalid or failed action) or `state`; `env_error` says the browser itself is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fcntl
+import json
+import math
+import os
+import sys
+import termios
+import tty
+from typing import Any
+
+FRAME_MARK = "\x1eORCHARD-GUI "
+_NAV_TIMEOUT_MS = 15000
+_SETTLE_MS = 150
+_MAX_WAIT_S = 10.0
+
+# A flattened accessibility view: visible elements a user can act on or read, each with its role, accessible
+# name and the centre of its box in viewport pixels (what a text-only policy passes to click).
+_TEXT_VIEW_JS = """() => {
+  const W = window.innerWidth, H = window.innerHeight, out = [];
+  const roles = {A: 'link', BUTTON: 'button', SELECT: 'combobox', TEXTAREA: 'textbox', H1: 'heading',
+                 H2: 'heading', H3: 'heading', TD: 'cell', TH: 'columnheader', LABEL: 'label', P: 'text',
+                 LI: 'listitem', OPTION: null};
+  const inputRole = t => ({checkbox: 'checkbox', radio: 'radio', submit: 'button', button: 'button',
+                           hidden: null}[t] ?? 'textbox');
+  for (const el of document.querySelectorAll('a,button,input,select,textarea,h1,h2,h3,th,td,label,p,li,[role]')) {
+    let role = el.getAttribute('role') || (el.tagName === 'INPUT' ? inputRole(el.type) : roles[el.tagName]);
+    if (!role) continue;
+    const r = el.getBoundingClientRect();
+    if (r.width < 1 || r.height < 1 || r.bottom < 0 || r.right < 0 || r.top >= H || r.left >= W) continue;
+    const x = Math.round(Math.min(Math.max(r.left + r.width / 2, 0), W - 1));
+    const y = Math.round(Math.min(Math.max(r.top + r.height / 2, 0), H - 1));
+    let name = el.getAttribute('aria-label') || '';
+    if (!name && (role === 'checkbox' || role === 'radio') && el.labels && el.labels.length)
+      name = el.labels[0].innerText.trim();
+    if (!name && el.tagName === 'INPUT') name = el.value || el.placeholder || el.name || '';
+    if (!name && el.tagName === 'SELECT') name = el.selectedIndex >= 0 ? el.options[el.selectedIndex].text : '';
+    if (!name) name = (el.innerText || '').trim().replace(/\\s+/g, ' ').slice(0, 120);
+    // a paragraph that only wraps a link or a button would repeat it
+    const inner = el.querySelector('a,button,input,select,textarea');
+    if (['text', 'listitem', 'label', 'cell'].includes(role) && inner
+        && (inner.innerText || '').trim() === (el.innerText || '').trim()) continue;
+    let extra = '';
+    if (role === 'checkbox' || role === 'radio') extra = el.checked ? ' checked' : ' unchecked';
+    out.push(`[${role}] ${JSON.stringify(name)}${extra} @(${x},${y})`);
+  }
+  return out.join('\\n');
+}"""
+
+
+class Host:
+    """The browser, its tabs and the sites of one sandbox."""
+
+    def __init__(self, playwright: Any, chromium: str, width: int, height: int) -> None:
+        self.width, self.height = width, height
+        self.browser = playwright.chromium.launch(
+            executable_path=chromium,
+            # the sandbox already isolates Chromium (bubblewrap), and its own sandbox needs namespaces that
+            # are not available inside ours; /dev/shm is small or absent in a sandbox
+            chromium_sandbox=False, args=["--disable-dev-shm-usage", "--disable-gpu"])
+        self.context = self.browser.new_context(viewport={"width": width, "height": height})
+        self.active = 0
+        self.context.new_page()
+
+    @property
+    def pages(self) -> list[Any]:
+        return self.context.pages
+
+    @property
+    def page(self) -> Any:
+        self.active = min(self.active, len(self.pages) - 1)
+        return self.pages[self.active]
+
+    def alive(self) -> bool:
+        return self.browser.is_connected() and bool(self.pages)
+
+    def observe(self, text_view: bool) -> dict[str, Any]:
+        page = self.page
+        tabs = []
+        for p in self.pages:
+            try:
+                title = p.title()
+            except Exception:  # a tab in the middle of a navigation has no title yet
+                title = ""
+            tabs.append({"url": p.url, "title": title})
+        obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height],
+                               "screenshot": base64.b64encode(page.screenshot(type="png")).decode("ascii")}
+        if text_view:
+            obs["text"] = page.evaluate(_TEXT_VIEW_JS)
+        return obs
+
+    def settle(self) -> None:
+        """Let an action's navigation (if any) start and load, without failing when there is none."""
+        page = self.page
+        page.wait_for_timeout(_SETTLE_MS)
+        try:
+            page.wait_for_load_state("load", timeout=_NAV_TIMEOUT_MS)
+        except Exception:
+            pass  # a slow page is observed as it is
+
+    def point(self, args: dict[str, Any], x: str, y: str) -> tuple[float, float]:
+        px, py = _number(args, x), _number(args, y)
+        if not (0 <= px < self.width and 0 <= py < self.height):
+            raise ToolError(f"({x}, {y}) = ({px:g}, {py:g}) is outside the viewport "
+                            f"[0, {self.width}) x [0, {self.height})")
+        return px, py
+
+    def tab(self, args: dict[str, Any], name: str = "tab_index") -> int:
+        index = args[name]
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.pages):
+            raise ToolError(f"{name} must be an int in [0, {len(self.pages) - 1}] (0-based, {len(self.pages)} "
+                            f"tabs open), got {index!r}")
+        return index
+
+    def goto(self, page: Any, url: Any) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://", "about:blank")):
+            raise ToolError(f"url must be an http(s) URL, got {url!r}")
+        try:
+            page.goto(url, wait_until="load", timeout=_NAV_TIMEOUT_MS)
+        except Exception as exc:
+            if not self.alive():
+                raise
+            raise ToolError(f"could not open {url}: {str(exc).splitlines()[0]}") from None
+
+    def run_tool(self, name: str, args: dict[str, Any]) -> None:
+        spec = TOOL_ARGS.get(name)
+        if spec is None:
+            raise ToolError(f"unknown tool {name!r}; the tools are {', '.join(TOOL_ARGS)}")
+        required, optional = spec
+        if not isinstance(args, dict):
+            raise ToolError(f"arguments must be an object, got {args!r}")
+        missing = [a for a in required if a not in args]
+        unknown = [a for a in args if a not in required and a not in optional]
+        if missing or unknown:
+            raise ToolError(f"{name} takes {', '.join(required + optional) or 'no arguments'}; "
+                            f"missing {missing}, unknown {unknown}")
+        page, mouse, keyboard = self.page, self.page.mouse, self.page.keyboard
+        if name == "click":
+            mouse.click(*self.point(args, "x", "y"))
+        elif name == "hover":
+            mouse.move(*self.point(args, "x", "y"))
+        elif name == "drag":
+            start, end = self.point(args, "start_x", "start_y"), self.point(args, "end_x", "end_y")
+            mouse.move(*start)
+            mouse.down()
+            mouse.move(*end, steps=8)
+            mouse.up()
+        elif name == "write":
+            if not isinstance(args["text"], str):
+                raise ToolError(f"text must be a string, got {args['text']!r}")
+            keyboard.type(args["text"])
+        elif name == "press_keys":
+            keys = args["keys"]
+            if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+                raise ToolError(f"keys must be a non-empty list of key names, got {keys!r}")
+            try:
+                keyboard.press("+".join(keys))
+            except Exception as exc:
+                if not self.alive():
+                    raise
+                raise ToolError(f"cannot press {keys!r}: {str(exc).splitlines()[0]}") from None
+        elif name == "scroll":
+            direction, amount = args["direction"], _number(args, "amount")
+            if direction not in ("up", "down", "left", "right"):
+                raise ToolError(f"direction must be one of up, down, left, right, got {direction!r}")
+            if not 0.0 <= amount <= 1.0:
+                raise ToolError(f"amount must be in [0.0, 1.0] (a fraction of the viewport), got {amount:g}")
+            dx = {"left": -1, "right": 1}.get(direction, 0) * amount * self.width
+            dy = {"up": -1, "down": 1}.get(direction, 0) * amount * self.height
+            mouse.wheel(dx, dy)
+        elif name == "goto_url":
+            self.goto(page, args["url"])
+        elif name == "go_back":
+            page.go_back(wait_until="load", timeout=_NAV_TIMEOUT_MS)
+        elif name == "wait":
+            seconds = _number(args, "seconds")
+            if not 0 <= seconds <= _MAX_WAIT_S:
+                raise ToolError(f"seconds must be in [0, {_MAX_WAIT_S:g}], got {seconds:g}")
+            page.wait_for_timeout(seconds * 1000)
+        elif name == "new_tab":
+            url = args.get("url")
+            if url is not None and not isinstance(url, str):
+                raise ToolError(f"url must be a string, got {url!r}")
+            new = self.context.new_page()
+            self.active = len(self.pages) - 1
+            if url:
+                self.goto(new, url)
+        elif name == "switch_tab":
+            self.active = self.tab(args)
+            self.page.bring_to_front()
+        elif name == "close_tab":
+            index = self.tab(args) if "tab_index" in args else self.active
+            if len(self.pages) == 1:
+                raise ToolError("cannot close the only tab")
+            self.pages[index].close()
+            if index < self.active or self.active >= len(self.pages):
+                self.active -= 1
+            self.page.bring_to_front()
+        elif name == "done" and not isinstance(args["response"], str):
+            raise ToolError(f"response must be a string, got {args['response']!r}")
+        if name in ("click", "press_keys", "drag"):
+            self.settle()
+
+    def reset(self, url: str) -> None:
+        for extra in self.pages[1:]:
+            extra.close()
+        self.active = 0
+        self.goto(self.page, url)
+
+
+class ToolError(Exception):
+    """An invalid or failed action: the policy sees it as an error observation; the episode goes on."""
+
+
+TOOL_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "click": (("x", "y"), ()), "hover": (("x", "y"), ()),
+    "drag": (("start_x", "start_y", "end_x", "end_y"), ()), "write": (("text",), ()),
+    "press_keys": (("keys",), ()), "scroll": (("direction", "amount"), ()), "goto_url": (("url",), ()),
+    "go_back": ((), ()), "wait": (("seconds",), ()), "new_tab": ((), ("url",)), "switch_tab": (("tab_index",), ()),
+    "close_tab": ((), ("tab_index",)), "done": (("response",), ()),
+}
+"""Each tool's (required, optional) arguments; `orchard.domains.gui.tools.GUI_TOOLS` has the full schemas."""
+
+
+def _number(args: dict[str, Any], name: str) -> float:
+    value = args[name]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ToolError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, text_default: bool) -> None:
+    buffer = b""
+    while True:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if not line.strip():
+                continue
+            try:
+                request = json.loads(line)
+                op = request["op"]
+            except (ValueError, KeyError, TypeError) as exc:
+                send({"error": f"bad request: {exc}"})
+                continue
+            if op == "close":
+                send({"closed": True})
+                return
+            if op == "state":
+                send({"state": sites.state.snapshot()})
+                continue
+            if host is None or not host.alive():
+                send({"env_error": launch_error or "the browser is gone (crashed or killed)"})
+                continue
+            text_view = bool(request.get("text_view", text_default))
+            error = None
+            try:
+                if op == "tool":
+                    host.run_tool(str(request.get("name")), request.get("arguments") or {})
+                elif op == "reset":
+                    host.reset(request["url"])
+                elif op != "observe":
+                    raise ToolError(f"unknown op {op!r}")
+            except ToolError as exc:
+                error = str(exc)
+            except Exception as exc:
+                if not host.alive():
+                    send({"env_error": f"the browser is gone: {type(exc).__name__}: {str(exc)[:300]}"})
+                    continue
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            try:
+                obs = host.observe(text_view)
+            except Exception as exc:
+                send({"env_error": f"cannot observe the browser: {type(exc).__name__}: {str(exc)[:300]}"})
+                continue
+            obs["error"] = error
+            send({"observation": obs})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--width", type=int, default=1280)
+    parser.add_argument("--height", type=int, default=720)
+    parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--lock", default=".gui.lock")
+    parser.add_argument("--log", default="gui-host.log")
+    parser.add_argument("--text-view", action="store_true")
+    args = parser.parse_args(argv)
+
+    out = os.dup(1)
+    if os.isatty(0):
+        tty.setraw(0, termios.TCSANOW)
+    log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+    def send(frame: dict[str, Any]) -> None:
+        data = (FRAME_MARK + json.dumps(frame) + "\n").encode()
+        while data:
+            data = data[os.write(out, data):]
+
+    # One browser per sandbox: the lock lives in the workspace, which every terminal of the sandbox shares,
+    # and is released by the kernel when this process dies however it dies.
+    lock = os.open(args.lock, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        send({"hello": False, "env_error": "a browser is already running in this sandbox"})
+        return
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sites as sites_module
+
+    sites = sites_module.Sites(args.seed)
+    sites_module.serve_sites(sites, args.port)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        send({"hello": False, "env_error": f"playwright is not importable in the sandbox: {exc}"})
+        return
+    with sync_playwright() as playwright:
+        host, launch_error = None, None
+        try:
+            host = Host(playwright, args.chromium, args.width, args.height)
+        except Exception as exc:
+            launch_error = f"Chromium did not start: {type(exc).__name__}: {str(exc)[:500]}"
+        send({"hello": host is not None, "uid": os.getuid(), "pid": os.getpid(), "env_error": launch_error,
+              "base_url": f"http://127.0.0.1:{args.port}"})
+        if host is not None:
+            _serve(host, sites, send, launch_error, args.text_view)
+            try:
+                host.browser.close()
+            except Exception:
+                pass  # already gone
+
+
+if __name__ == "__main__":
+    main()

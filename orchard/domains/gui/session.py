@@ -1,0 +1,233 @@
+"""A browser in a sandbox: Chromium driven by Playwright inside the sandbox, the sites served beside it.
+
+    with SandboxClient() as client, BrowserSession.open(client, seed=3) as browser:
+        obs = browser.reset(browser.url("/shop/"))
+        obs = browser.step("click", {"x": 200, "y": 140})
+        state = browser.site_state()          # the cart, orders, bookings and settings, for the verifier
+
+Where the driver runs: inside the sandbox. `BrowserSession` uploads the browser host (`_host.py`) and the sites
+(`sites.py`) into the workspace and starts the host as a sandbox terminal (the service's PTY); the host starts
+the site server on 127.0.0.1 and Chromium through Playwright, and answers JSON requests over the terminal. So
+the browser runs under the sandbox's isolation, in its network namespace (with `block_network`, the default,
+it reaches the sites the sandbox serves and nothing else), and it dies with the terminal: closing the session,
+a lost connection or deleting the sandbox ends the terminal's bubblewrap, whose pid namespace takes every
+Chromium process with it. Driving Chromium from outside over CDP would need a port out of that namespace.
+
+One browser per sandbox (the host takes a lock in the workspace), one fixed viewport per session.
+
+Memory: the local backend's memory limit is RLIMIT_AS, an address-space cap per process, and Chromium's V8
+reserves about a terabyte of address space for its sandbox cage: below ~128 GiB Chromium dies at start
+(SIGTRAP). `open` therefore asks for `BROWSER_MEMORY` by default; the paper's 8 GiB per browser is a resident
+limit, which only a cgroup can enforce (the Kubernetes backend's memory limit), not an rlimit.
+
+The image needs python3 with Playwright and Chromium. On the "host" image the sandbox's python3 is the
+system's, which usually lacks Playwright; `playwright_path` (default: where this process found Playwright,
+when it is on a path the sandbox can read) is put on its PYTHONPATH. Playwright's Python part is pure Python
+plus greenlet, so the two interpreters must share a minor version.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from orchard.domains.gui import _host, sites
+from orchard.domains.gui.tools import Observation
+from orchard.env import Sandbox, SandboxClient, SandboxError
+
+BROWSER_MEMORY = "1024Gi"
+"""The memory (RLIMIT_AS) `BrowserSession.open` asks for: see the module docstring."""
+HOST_DIR = ".orchard-gui"
+"""The workspace folder the host, the sites, the lock and the host's log go to."""
+SITE_PORT = 8000
+
+
+def default_playwright_path() -> str | None:
+    """The folder holding this interpreter's `playwright` package (and, by pip's layout, greenlet and pyee),
+    or None when Playwright is not installed here."""
+    try:
+        import playwright
+    except ImportError:
+        return None
+    return str(Path(playwright.__file__).resolve().parents[1])
+
+
+class BrowserSession:
+    """One browser in one sandbox; a context manager that closes the browser (and owned sandbox) on exit.
+
+    Args:
+        sandbox: a ready sandbox whose image has python3, Playwright (or `playwright_path`) and Chromium.
+        seed: the sites' seed (the same seed gives the same products; tasks are built from it).
+        viewport: (width, height) in pixels, fixed for the session. Default (1280, 720).
+        text_view: add the text view (elements with centre coordinates) to every observation by default.
+        chromium: Chromium's path inside the sandbox (the distribution's package; `scripts/setup` installs it).
+        python: the sandbox's interpreter.
+        playwright_path: a folder to put on the host's PYTHONPATH (see the module docstring); "default":
+            `default_playwright_path()`; None: nothing (the image's python3 has Playwright).
+        start_timeout: seconds to wait for Chromium to start.
+        step_timeout: seconds to wait for one request's answer before the browser counts as gone.
+        own_sandbox: delete `sandbox` on `close()` (what `open` does).
+    """
+
+    def __init__(self, sandbox: Sandbox, *, seed: int = 0, viewport: tuple[int, int] = (1280, 720),
+                 text_view: bool = False, chromium: str = "/usr/bin/chromium", python: str = "python3",
+                 playwright_path: str | None = "default", start_timeout: float = 60.0,
+                 step_timeout: float = 60.0, own_sandbox: bool = False) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if (not isinstance(viewport, tuple) or len(viewport) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and 64 <= v <= 4096 for v in viewport)):
+            raise ValueError(f"viewport must be a (width, height) tuple of ints in [64, 4096], got {viewport!r}")
+        for name, value in (("start_timeout", start_timeout), ("step_timeout", step_timeout)):
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        self.sandbox, self.seed, self.viewport, self.text_view = sandbox, seed, viewport, text_view
+        self.step_timeout = float(step_timeout)
+        self.own_sandbox = own_sandbox
+        self.env_error: str | None = None
+        self.closed = False
+        self._buffer = b""
+        if playwright_path == "default":
+            playwright_path = default_playwright_path()
+        for source in (_host, sites):
+            sandbox.upload(f"{HOST_DIR}/{Path(source.__file__).name}", Path(source.__file__).read_text())
+        argv = [python, f"{HOST_DIR}/_host.py", "--seed", str(seed), "--port", str(SITE_PORT),
+                "--width", str(viewport[0]), "--height", str(viewport[1]), "--chromium", chromium,
+                "--lock", f"{HOST_DIR}/lock", "--log", f"{HOST_DIR}/host.log"]
+        env = f"PYTHONPATH={shlex.quote(playwright_path)} " if playwright_path else ""
+        cwd = sandbox.info.get("workdir") or "/workspace"
+        self._pty = sandbox.pty(f"cd {shlex.quote(cwd)} && exec env {env}{shlex.join(argv)}")
+        hello = self._receive(start_timeout)
+        self.uid: int | None = hello.get("uid")
+        """The sandbox uid the browser runs as (its processes are found by it)."""
+        if not hello.get("hello"):
+            error = hello.get("env_error") or "the browser host did not start"
+            self.close()
+            raise SandboxError(f"no browser in sandbox {sandbox.sandbox_id}: {error}")
+
+    @classmethod
+    def open(cls, client: SandboxClient, *, image: str = "host", memory: str = BROWSER_MEMORY,
+             block_network: bool = True, **kwargs: Any) -> BrowserSession:
+        """Create a sandbox for one browser and start it; the session deletes the sandbox on `close()`."""
+        sandbox = client.create(image, block_network=block_network, memory=memory)
+        try:
+            return cls(sandbox, own_sandbox=True, **kwargs)
+        except BaseException:
+            sandbox.delete()
+            raise
+
+    @staticmethod
+    def url(path: str = "/") -> str:
+        """The address of a site page inside the sandbox, e.g. `url("/shop/")`."""
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError(f"path must start with '/', got {path!r}")
+        return f"http://127.0.0.1:{SITE_PORT}{path}"
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def _receive(self, timeout: float) -> dict[str, Any]:
+        """The next answer frame; everything else on the terminal (there should be nothing) is skipped."""
+        mark = _host.FRAME_MARK.encode()
+        deadline = time.monotonic() + timeout
+        while True:
+            start = self._buffer.find(mark)
+            end = self._buffer.find(b"\n", start) if start >= 0 else -1
+            if end >= 0:
+                frame, self._buffer = self._buffer[start + len(mark):end], self._buffer[end + 1:]
+                return json.loads(frame)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"env_error": f"the browser host did not answer within {timeout:g}s"}
+            try:
+                chunk = self._pty.read(left)
+            except SandboxError:
+                continue  # the deadline check above ends the wait
+            if not chunk:
+                return {"env_error": f"the browser host exited (code {self._pty.returncode}, "
+                                     f"{self._pty.error or 'no error'})"}
+            self._buffer += chunk
+
+    def _request(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.closed:
+            raise ValueError("the session is closed")
+        if self.env_error is not None:
+            return {"env_error": self.env_error}
+        try:
+            self._pty.write(json.dumps(request) + "\n")
+        except Exception as exc:
+            self.env_error = f"cannot reach the browser host: {type(exc).__name__}: {exc}"
+            return {"env_error": self.env_error}
+        answer = self._receive(self.step_timeout)
+        if answer.get("env_error"):
+            self.env_error = answer["env_error"]
+        return answer
+
+    def _observation(self, answer: dict[str, Any]) -> Observation:
+        if answer.get("env_error") or "observation" not in answer:
+            return Observation(b"", self.viewport, (), 0,
+                               env_error=answer.get("env_error") or answer.get("error") or "no observation")
+        obs = answer["observation"]
+        return Observation(screenshot=base64.b64decode(obs["screenshot"]), viewport=tuple(obs["viewport"]),
+                           tabs=tuple((t["url"], t["title"]) for t in obs["tabs"]), active=int(obs["active"]),
+                           text=obs.get("text"), error=obs.get("error"))
+
+    # -- the API --------------------------------------------------------------------------------------------
+
+    def reset(self, url: str, *, text_view: bool | None = None) -> Observation:
+        """Close every tab but the first and open `url` in it (a task's start URL)."""
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"url must be a non-empty string, got {url!r}")
+        return self._observation(self._request({"op": "reset", "url": url, "text_view": self._text(text_view)}))
+
+    def observe(self, *, text_view: bool | None = None) -> Observation:
+        """The current observation, without acting."""
+        return self._observation(self._request({"op": "observe", "text_view": self._text(text_view)}))
+
+    def step(self, name: str, arguments: dict[str, Any] | None = None, *,
+             text_view: bool | None = None) -> Observation:
+        """Run one tool call and observe. An invalid call gives an observation with `error`; a gone browser
+        one with `env_error` (and every later step the same). `done` acts on nothing: the caller ends the
+        episode with its response."""
+        answer = self._request({"op": "tool", "name": name, "arguments": arguments if arguments is not None
+                                else {}, "text_view": self._text(text_view)})
+        return self._observation(answer)
+
+    def site_state(self) -> dict[str, Any]:
+        """What the agent changed on the sites (cart, orders, bookings, settings), from the site server.
+
+        Raises:
+            SandboxError: the host is gone (the state went with it).
+        """
+        answer = self._request({"op": "state"})
+        if "state" not in answer:
+            raise SandboxError(f"no site state: {answer.get('env_error') or answer}")
+        return answer["state"]
+
+    def _text(self, text_view: bool | None) -> bool:
+        return self.text_view if text_view is None else bool(text_view)
+
+    def close(self) -> None:
+        """End the browser (and delete the sandbox when the session owns it). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.env_error is None:
+            with contextlib.suppress(Exception):
+                self._pty.write(json.dumps({"op": "close"}) + "\n")
+                self._receive(5.0)
+        with contextlib.suppress(Exception):
+            self._pty.close()
+        if self.own_sandbox:
+            self.sandbox.delete()
+
+    def __enter__(self) -> BrowserSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,272 @@
+"""A real headless Chromium in a real sandbox (embedded service, bubblewrap): every tool, tabs, scroll bounds,
+bad arguments, network isolation, a browser crash, and no browser process left after delete or timeout.
+
+CI promises Chromium and Playwright (scripts/setup installs them): when either is missing these tests fail with
+that message instead of skipping. One browser serves the module; the tests that kill or delete a browser start
+their own, so at most two are alive at once.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import shutil
+import signal
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchard.domains.gui import BROWSER_MEMORY, BrowserSession
+from orchard.domains.gui.sites import shop_catalog
+from orchard.env import SandboxClient, SandboxError
+from orchard.env.embedded import serve
+
+CHROMIUM = "/usr/bin/chromium"
+SHOP = BrowserSession.url("/shop/")
+FORMS = BrowserSession.url("/forms/")
+
+
+def _require_browser() -> None:
+    missing = [what for what, ok in (("chromium (apt package)", shutil.which(CHROMIUM) is not None),
+                                     ("playwright (pip, the [gui] extra)", _importable("playwright"))) if not ok]
+    if missing:
+        pytest.fail(f"the GUI tests need {' and '.join(missing)}: run scripts/setup", pytrace=False)
+
+
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def client():
+    _require_browser()
+    with serve(reap_interval_s=0.5) as (url, key), \
+            SandboxClient(url, key) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def browser(client):
+    with BrowserSession.open(client, seed=7, text_view=True) as session:
+        yield session
+
+
+def at(obs, role: str, name: str) -> tuple[int, int]:
+    """The centre of the text view's first element with this role whose name contains `name`."""
+    for line in (obs.text or "").splitlines():
+        m = re.match(r'\[(\w+)\] (".*")(?: \w+)? @\((\d+),(\d+)\)$', line)
+        if m and m.group(1) == role and name in m.group(2):
+            return int(m.group(3)), int(m.group(4))
+    raise AssertionError(f"no [{role}] {name!r} in the text view:\n{obs.text}")
+
+
+def sandbox_processes(uid: int) -> list[str]:
+    """The host's processes running as a sandbox's uid (each sandbox has a uid of its own): 'pid comm'."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if entry.name.isdigit() and int(fields["Uid"].split()[0]) == uid:
+            found.append(f"{entry.name} {fields['Name'].strip()}")
+    return found
+
+
+def wait_no_processes(uid: int, timeout: float = 15.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := sandbox_processes(uid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_observation_is_the_screenshot_viewport_and_tabs(browser):
+    obs = browser.reset(SHOP)
+    assert obs.error is None and obs.env_error is None
+    assert obs.tabs == ((SHOP, "Shop"),) and obs.active == 0 and obs.viewport == (1280, 720)
+    # a PNG: the signature, then IHDR's width and height (big-endian) at bytes 16-24
+    assert obs.screenshot[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", obs.screenshot[16:24]) == (1280, 720)
+    parts = obs.to_content()
+    assert parts[0]["type"] == "text" and "Tab 0 (active): 'Shop'" in parts[0]["text"]
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,iVBORw0KGgo")
+    assert browser.observe(text_view=False).text is None
+
+
+def test_click_write_and_press_keys_search_the_shop(browser):
+    obs = browser.reset(SHOP)
+    browser.step("click", {"x": at(obs, "textbox", "Search")[0], "y": at(obs, "textbox", "Search")[1]})
+    browser.step("write", {"text": "pro"})
+    obs = browser.step("press_keys", {"keys": ["Enter"]})
+    expected = sum("pro" in p["name"].lower() for p in shop_catalog(7))
+    assert obs.error is None and obs.tabs[0][0] == BrowserSession.url("/shop/?q=pro&category=&color=&max_price=&sort=")
+    assert f'"{expected} products"' in obs.text
+    # a key combination: select the search box's text and replace it
+    browser.step("click", {"x": at(obs, "textbox", "pro")[0], "y": at(obs, "textbox", "pro")[1]})
+    browser.step("press_keys", {"keys": ["Control", "a"]})
+    browser.step("write", {"text": "zzz"})
+    obs = browser.step("press_keys", {"keys": ["Enter"]})
+    assert '"0 products"' in obs.text
+
+
+def test_cart_and_order_are_site_state(browser):
+    obs = browser.step("goto_url", {"url": BrowserSession.url("/shop/product/3")})
+    assert obs.error is None and obs.tabs[0][1] == shop_catalog(7)[2]["name"]
+    obs = browser.step("click", {"x": at(obs, "button", "Add to cart")[0], "y": at(obs, "button", "Add to cart")[1]})
+    assert obs.tabs[0][1] == "Cart"
+    state = browser.site_state()
+    assert state["cart"] == [{"id": 3, "quantity": 1}] and state["orders"] == []
+    obs = browser.step("click", {"x": at(obs, "button", "Place order")[0], "y": at(obs, "button", "Place order")[1]})
+    state = browser.site_state()
+    assert state["cart"] == [] and state["orders"] == [{"items": [{"id": 3, "quantity": 1}]}]
+
+
+def test_hover_shows_the_tooltip(browser):
+    obs = browser.reset(SHOP)
+    assert "Free returns" not in obs.text
+    x, y = at(obs, "text", "Help")
+    obs = browser.step("hover", {"x": x, "y": y})
+    assert obs.error is None and "Free returns within 30 days" in obs.text
+
+
+def test_drag_moves_a_slider_and_forms_submit(browser):
+    obs = browser.reset(BrowserSession.url("/forms/settings"))
+    assert '[textbox] "16"' in obs.text  # the font-size slider starts at 16
+    x, y = at(obs, "textbox", "16")
+    # pressing on the track jumps the thumb there; dragging far right pins it at the maximum, 30
+    obs = browser.step("drag", {"start_x": x, "start_y": y, "end_x": x + 400, "end_y": y})
+    assert obs.error is None and '[textbox] "30"' in obs.text
+    obs = browser.step("click", {"x": at(obs, "checkbox", "Newsletter")[0], "y": at(obs, "checkbox", "Newsletter")[1]})
+    obs = browser.step("click", {"x": at(obs, "radio", "dark")[0], "y": at(obs, "radio", "dark")[1]})
+    obs = browser.step("click", {"x": at(obs, "button", "Save")[0], "y": at(obs, "button", "Save")[1]})
+    assert browser.site_state()["settings"] == {"display_name": "guest", "language": "English",
+                                                "newsletter": False, "theme": "dark", "font_size": 30}
+
+
+def test_scroll_moves_by_a_fraction_of_the_viewport_and_checks_its_bounds(browser):
+    obs = browser.reset(SHOP)
+    assert at(obs, "heading", "Shop") == (640, 43)
+    obs = browser.step("scroll", {"direction": "down", "amount": 0.0})
+    assert at(obs, "heading", "Shop") == (640, 43)  # 0.0 is a valid no-op
+    obs = browser.step("scroll", {"direction": "down", "amount": 1.0})
+    assert obs.error is None and '[heading] "Shop"' not in obs.text  # 720 px down: the heading (y 43) is gone
+    obs = browser.step("scroll", {"direction": "up", "amount": 1.0})
+    assert at(obs, "heading", "Shop") == (640, 43)
+    for bad, message in (({"direction": "down", "amount": 1.5}, "amount must be in [0.0, 1.0]"),
+                         ({"direction": "down", "amount": -0.1}, "amount must be in [0.0, 1.0]"),
+                         ({"direction": "sideways", "amount": 0.5}, "direction must be one of"),
+                         ({"direction": "down", "amount": "1"}, "amount must be a finite number")):
+        assert message in browser.step("scroll", bad).error
+
+
+def test_goto_url_and_go_back(browser):
+    browser.reset(SHOP)
+    obs = browser.step("goto_url", {"url": FORMS})
+    assert obs.tabs == ((FORMS, "Forms"),)
+    obs = browser.step("go_back")
+    assert obs.error is None and obs.tabs == ((SHOP, "Shop"),)
+    assert "url must be an http(s) URL" in browser.step("goto_url", {"url": "file:///etc/passwd"}).error
+
+
+def test_the_browser_reaches_only_the_sandbox_own_sites(browser):
+    # a server on the host's loopback: the sandbox has a loopback of its own, where nothing listens there
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        obs = browser.step("goto_url", {"url": f"http://127.0.0.1:{server.server_address[1]}/"})
+        assert "ERR_CONNECTION_REFUSED" in obs.error and obs.env_error is None
+    finally:
+        server.shutdown()
+    assert "could not open" in browser.step("goto_url", {"url": "http://example.com/"}).error
+
+
+def test_tabs_are_zero_based_and_checked(browser):
+    browser.reset(SHOP)
+    obs = browser.step("new_tab", {"url": FORMS})
+    assert obs.tabs == ((SHOP, "Shop"), (FORMS, "Forms")) and obs.active == 1
+    obs = browser.step("switch_tab", {"tab_index": 0})
+    assert obs.active == 0 and obs.error is None
+    for bad in (2, -1, True, "0"):
+        obs = browser.step("switch_tab", {"tab_index": bad})
+        assert "tab_index must be an int in [0, 1]" in obs.error and obs.active == 0
+    obs = browser.step("new_tab")  # a blank tab, active
+    assert len(obs.tabs) == 3 and obs.active == 2 and obs.tabs[2][0] == "about:blank"
+    obs = browser.step("close_tab", {"tab_index": 0})  # closing a tab before the active one keeps it active
+    assert obs.tabs == ((FORMS, "Forms"), ("about:blank", "")) and obs.active == 1
+    obs = browser.step("close_tab")  # the active one
+    assert obs.tabs == ((FORMS, "Forms"),) and obs.active == 0
+    assert browser.step("close_tab").error == "cannot close the only tab"
+    assert "tab_index must be an int in [0, 0]" in browser.step("close_tab", {"tab_index": 1}).error
+
+
+def test_bad_arguments_are_error_observations(browser):
+    browser.reset(SHOP)
+    cases = [
+        ("click", {"x": 1280, "y": 10}, "(x, y) = (1280, 10) is outside the viewport [0, 1280) x [0, 720)"),
+        ("hover", {"x": -1, "y": 10}, "is outside the viewport"),
+        ("drag", {"start_x": 1, "start_y": 1, "end_x": 1, "end_y": 720}, "(end_x, end_y) = (1, 720) is outside"),
+        ("click", {"x": "5", "y": 10}, "x must be a finite number"),
+        ("click", {"x": 5}, "missing ['y']"),
+        ("go_back", {"steps": 2}, "unknown ['steps']"),
+        ("press_keys", {"keys": ["NoSuchKey"]}, 'Unknown key: "NoSuchKey"'),
+        ("press_keys", {"keys": []}, "keys must be a non-empty list"),
+        ("write", {"text": 5}, "text must be a string"),
+        ("wait", {"seconds": 11}, "seconds must be in [0, 10]"),
+        ("done", {"response": None}, "response must be a string"),
+        ("fly", {}, "unknown tool 'fly'"),
+    ]
+    for name, args, message in cases:
+        obs = browser.step(name, args)
+        assert obs.error is not None and message in obs.error, (name, args, obs.error)
+        assert obs.env_error is None and obs.tabs == ((SHOP, "Shop"),)
+    assert browser.step("wait", {"seconds": 0.1}).error is None
+    assert browser.step("done", {"response": "42"}).error is None
+
+
+def test_one_browser_per_sandbox(browser):
+    with pytest.raises(SandboxError, match="a browser is already running in this sandbox"):
+        BrowserSession(browser.sandbox)
+
+
+def test_a_crashed_browser_is_an_env_error_and_delete_leaves_no_process(client):
+    session = BrowserSession.open(client)
+    try:
+        assert session.reset(SHOP).env_error is None
+        uid = session.uid
+        chromium = [int(p.split()[0]) for p in sandbox_processes(uid) if p.split()[1] == "chromium"]
+        assert chromium, sandbox_processes(uid)
+        # the browser process is the first Chromium started (lowest pid in a fresh pid range)
+        os.kill(min(chromium), signal.SIGKILL)
+        obs = session.step("click", {"x": 10, "y": 10})
+        assert obs.env_error is not None and obs.screenshot == b""
+        assert session.step("wait", {"seconds": 0}).env_error == obs.env_error  # and so it stays
+    finally:
+        session.close()
+    assert session.sandbox.deleted
+    assert wait_no_processes(uid) == []
+
+
+def test_delete_and_timeout_leave_no_browser_process(client):
+    session = BrowserSession.open(client)
+    uid = session.uid
+    assert any(p.endswith(" chromium") for p in sandbox_processes(uid))
+    session.sandbox.delete()  # the sandbox goes while the browser runs
+    assert wait_no_processes(uid) == []
+    session.close()
+
+    sandbox = client.create(memory=BROWSER_MEMORY, ttl_seconds=6)  # the service deletes it after its TTL
+    session = BrowserSession(sandbox)
+    uid = session.uid
+    assert session.reset(SHOP).env_error is None
+    assert wait_no_processes(uid, timeout=30.0) == []
+    assert session.step("wait", {"seconds": 0}).env_error is not None
+    session.close()
