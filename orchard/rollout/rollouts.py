@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from orchard.data import Trajectory, render_trajectory
+from orchard.data import Trajectory, merge_prefix_samples, render_trajectory
 from orchard.rollout.agent_loop import AgentLoop
 from orchard.rollout.engine import Engine, SamplingParams
 from orchard.rollout.harness import Harness
+from orchard.rollout.proxy import RecordingProxy
 
-__all__ = ["AgentLoopRollouts", "Rollouts"]
+__all__ = ["AgentLoopRollouts", "ProxyRollouts", "Rollouts"]
 
 
 @runtime_checkable
@@ -65,4 +66,43 @@ class AgentLoopRollouts:
         for traj in trajectories:
             if traj.valid and traj.has_token_ids:
                 traj.samples = [render_trajectory(traj, self.tokenizer)]
+        return trajectories
+
+
+class ProxyRollouts:
+    """`Rollouts` of a harness program that reaches the model only through a `RecordingProxy`.
+
+    Each call puts a fresh proxy in front of ``engine``, awaits ``play(tasks, proxy=proxy, group_size=...,
+    temperature=..., **kwargs)`` (the domain's runner: it serves the proxy to the program, runs it, scores the
+    sandboxes, and returns task-major trajectories whose samples are the proxy's, one per recorded call), closes
+    the proxy, and chains each trajectory's per-call samples by prefix into as few sequences as the conversation
+    allows (`orchard.data.merge_prefix_samples`).
+
+    Args:
+        play: the domain's episode runner (e.g. the Claw text harness's ``run_text_episodes`` with its client bound).
+        tokenizer: the policy's chat tokenizer (the proxy records token ids with it).
+        **kwargs: passed to every ``play`` call; a call's ``max_tokens`` overrides theirs.
+    """
+
+    def __init__(self, play: Callable[..., Awaitable[list[Trajectory]]], tokenizer: Any, **kwargs: Any) -> None:
+        if not callable(play):
+            raise ValueError(f"play must be an async callable, got {type(play).__name__}")
+        for name in ("tasks", "proxy", "group_size", "temperature"):
+            if name in kwargs:
+                raise ValueError(f"kwargs may not set {name!r}: it is an argument of the call")
+        self.play, self.tokenizer, self.kwargs = play, tokenizer, kwargs
+
+    async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
+                       max_tokens: int | None = None) -> list[Trajectory]:
+        kwargs = dict(self.kwargs)
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        proxy = RecordingProxy(engine, self.tokenizer)
+        try:
+            trajectories = await self.play(tasks, proxy=proxy, group_size=group_size, temperature=temperature,
+                                           **kwargs)
+        finally:
+            await proxy.aclose()
+        for traj in trajectories:
+            traj.samples = merge_prefix_samples(traj.samples)
         return trajectories

@@ -131,12 +131,16 @@ class RLConfig:
             raise ValueError(f"bar_n_max must be >= group_size when use_bar, got {self.bar_n_max} < {self.group_size}")
 
 
-def derived_keys(sft: str = "sft", rl: str = "rl") -> dict[str, str]:
-    """The trainer fields the stages set themselves, by dotted key under a recipe's ``sft`` / ``rl`` blocks, each
-    with what it is derived from (for ``load_config(..., derived=)`` and ``format_config(..., derived=)``)."""
-    out = {f"{sft}.train.total_steps": f"{sft}.epochs",
-           f"{rl}.train.total_steps": f"{rl}.steps x {rl}.ppo_epochs x {rl}.mini_batches"}
-    for prefix in (sft, rl):
+def derived_keys(sft: str | None = "sft", rl: str | None = "rl") -> dict[str, str]:
+    """The trainer fields the stages set themselves, by dotted key under a recipe's ``sft`` / ``rl`` blocks (None:
+    the recipe has no such block), each with what it is derived from (for ``load_config(..., derived=)`` and
+    ``format_config(..., derived=)``)."""
+    out: dict[str, str] = {}
+    if sft is not None:
+        out[f"{sft}.train.total_steps"] = f"{sft}.epochs"
+    if rl is not None:
+        out[f"{rl}.train.total_steps"] = f"{rl}.steps x {rl}.ppo_epochs x {rl}.mini_batches"
+    for prefix in (p for p in (sft, rl) if p is not None):
         out[f"{prefix}.train.seed"] = "seed"
         out[f"{prefix}.train.output_dir"] = "output_dir"
     return out

@@ -37,14 +37,16 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from orchard.data import Message, RenderedSample, Trajectory, merge_prefix_samples
+from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.claw.harness import prepare_sandbox, verify_sandbox
 from orchard.domains.claw.tasks import ClawTask
 from orchard.rollout.agent_loop import ENV_ERRORS
 from orchard.rollout.proxy import RecordingProxy
+from orchard.rollout.rollouts import ProxyRollouts
 from orchard.rollout.serving import serve_app
 
 KEY_ENV = "ORCHARD_TEXT_HARNESS_ENV_KEY"
@@ -281,10 +283,9 @@ async def run_text_episodes(
     return [e.trajectory(samples[e.session_id]) for e in episodes]
 
 
-class ClawTextRollouts:
-    """`orchard.rollout.Rollouts` of the text harness: a `RecordingProxy` in front of the engine for each call, the
-    program run by `run_text_episodes`, each trajectory's per-call samples chained by prefix into as few sequences
-    as the conversation allows (`orchard.data.merge_prefix_samples`).
+class ClawTextRollouts(ProxyRollouts):
+    """`orchard.rollout.Rollouts` of the text harness: `run_text_episodes` behind a fresh `RecordingProxy` per call
+    (`orchard.rollout.rollouts.ProxyRollouts`), each trajectory's per-call samples chained by prefix.
 
     Args:
         client: the ``AsyncSandboxClient``; env_url / env_key: the service as the program reaches it (default the
@@ -296,26 +297,8 @@ class ClawTextRollouts:
 
     def __init__(self, client: Any, tokenizer: Any, *, env_url: str | None = None, env_key: str | None = None,
                  **kwargs: Any) -> None:
-        for name in ("tasks", "proxy", "group_size", "temperature", "client"):
-            if name in kwargs:
-                raise ValueError(f"kwargs may not set {name!r}: it is an argument of the call or of this class")
-        self.client, self.tokenizer, self.env_url, self.env_key, self.kwargs = client, tokenizer, env_url, env_key, kwargs
-
-    async def __call__(self, engine: Any, tasks: Sequence[ClawTask], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
-        kwargs = dict(self.kwargs)
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
-        proxy = RecordingProxy(engine, self.tokenizer)
-        try:
-            trajectories = await run_text_episodes(
-                tasks, client=self.client, proxy=proxy, env_url=self.env_url, env_key=self.env_key,
-                group_size=group_size, temperature=temperature, **kwargs)
-        finally:
-            await proxy.aclose()
-        for traj in trajectories:
-            traj.samples = merge_prefix_samples(traj.samples)
-        return trajectories
+        super().__init__(partial(run_text_episodes, client=client, env_url=env_url, env_key=env_key), tokenizer,
+                         **kwargs)
 
 
 def summarize_text_episodes(trajectories: Sequence[Trajectory]) -> dict[str, float]:

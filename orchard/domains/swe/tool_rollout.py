@@ -31,15 +31,17 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from orchard.data import Message, RenderedSample, Trajectory, merge_prefix_samples
+from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_prompt
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
 from orchard.rollout.agent_loop import ENV_ERRORS
 from orchard.rollout.proxy import RecordingProxy
+from orchard.rollout.rollouts import ProxyRollouts
 from orchard.rollout.serving import serve_app
 
 KEY_ENV = "ORCHARD_SWE_HARNESS_ENV_KEY"
@@ -282,10 +284,9 @@ async def run_swe_episodes(
     return [e.trajectory(samples[e.session_id], convention) for e in episodes]
 
 
-class SWEToolRollouts:
-    """`orchard.rollout.Rollouts` of the harness program: a `RecordingProxy` in front of the engine for each call,
-    the program run by `run_swe_episodes`, each trajectory's per-call samples chained by prefix
-    (`orchard.data.merge_prefix_samples`).
+class SWEToolRollouts(ProxyRollouts):
+    """`orchard.rollout.Rollouts` of the harness program: `run_swe_episodes` behind a fresh `RecordingProxy` per call
+    (`orchard.rollout.rollouts.ProxyRollouts`), each trajectory's per-call samples chained by prefix.
 
     Args:
         client: the ``AsyncSandboxClient``; env_url / env_key: the service as the program reaches it.
@@ -296,29 +297,11 @@ class SWEToolRollouts:
 
     def __init__(self, client: Any, tokenizer: Any, *, convention: str = "tool", env_url: str | None = None,
                  env_key: str | None = None, **kwargs: Any) -> None:
-        for name in ("instances", "proxy", "group_size", "temperature", "client"):
-            if name in kwargs:
-                raise ValueError(f"kwargs may not set {name!r}: it is an argument of the call or of this class")
         if convention not in ("tool", "bash"):
             raise ValueError(f"convention must be 'tool' or 'bash', got {convention!r}")
-        self.client, self.tokenizer, self.convention = client, tokenizer, convention
-        self.env_url, self.env_key, self.kwargs = env_url, env_key, kwargs
-
-    async def __call__(self, engine: Any, tasks: Sequence[SWEInstance], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
-        kwargs = dict(self.kwargs)
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
-        proxy = RecordingProxy(engine, self.tokenizer)
-        try:
-            trajectories = await run_swe_episodes(
-                tasks, client=self.client, proxy=proxy, convention=self.convention, env_url=self.env_url,
-                env_key=self.env_key, group_size=group_size, temperature=temperature, **kwargs)
-        finally:
-            await proxy.aclose()
-        for traj in trajectories:
-            traj.samples = merge_prefix_samples(traj.samples)
-        return trajectories
+        self.convention = convention
+        super().__init__(partial(run_swe_episodes, client=client, convention=convention, env_url=env_url,
+                                 env_key=env_key), tokenizer, **kwargs)
 
 
 class SWEBashRollouts(SWEToolRollouts):
