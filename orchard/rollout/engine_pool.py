@@ -75,10 +75,18 @@ class EnginePool:
         self._episodes: OrderedDict[tuple[int, int], int] = OrderedDict()  # (length, hash of ids) -> replica
         self._lengths: Counter[int] = Counter()
         self._next = itertools.count()
-        self._open = asyncio.Event()
-        self._open.set()
-        self._drained = asyncio.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._saved: list[Path] = []
+
+    def _sync_primitives(self) -> None:
+        """(Re)create the pause and drain primitives for the running loop: asyncio binds them to the first loop
+        that waits on them, and a recipe may call ``asyncio.run`` more than once with the same pool."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop = loop
+            self._open = asyncio.Event()
+            self._open.set()
+            self._drained = asyncio.Condition()
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], model: str = "orchard", **kwargs: Any) -> EnginePool:
@@ -134,6 +142,7 @@ class EnginePool:
     # ---- the Engine interface ------------------------------------------------------------------------------------
 
     async def _one(self, request: GenerateRequest) -> GenerateResult:
+        self._sync_primitives()
         await self._open.wait()
         replica = self._route(request.prompt_ids)
         version = self.weight_version
@@ -164,6 +173,7 @@ class EnginePool:
         """
         if self.push_weights:
             path = self._save(weights)
+        self._sync_primitives()
         self._open.clear()
         try:
             async with self._drained:

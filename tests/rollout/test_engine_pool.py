@@ -195,3 +195,22 @@ def test_two_served_replicas_load_the_same_weights(tmp_path, tokenizer):
         assert engine.weight_version == 1
         for name, value in weights.items():
             torch.testing.assert_close(engine.model.get_parameter(name), value, rtol=0, atol=0, msg=name)
+
+
+def test_one_pool_serves_successive_event_loops():
+    # A recipe may run evaluation and RL under separate asyncio.run calls with the same pool; each loop here
+    # really waits on the pool (an update draining a held request), which binds asyncio primitives to it.
+    pool = EnginePool([Echo(0, [])])
+
+    async def update_during_a_request(path):
+        pool.engines[0].gate = asyncio.Event()
+        held = asyncio.create_task(pool.generate([req(1)]))
+        await settle()
+        update = asyncio.create_task(pool.update_weights(path))
+        await settle()
+        pool.engines[0].gate.set()
+        await asyncio.gather(held, update)
+
+    asyncio.run(update_during_a_request("v1"))
+    asyncio.run(update_during_a_request("v2"))
+    assert pool.weight_version == 2
