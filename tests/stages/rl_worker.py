@@ -3,7 +3,8 @@
 Usage: ``python rl_worker.py OUT_DIR ENGINE [DIE_RANK]``. It runs 2 GRPO steps of ``rl_stage`` on the tiny model of
 ``tests/train/train_helpers`` with deterministic rollouts (`FixedRollouts`: every member's sample and reward are
 a function of its task and index, whatever rank plays it) and writes (rank 0) ``OUT_DIR/final.pt`` with the
-weights handed to the engine after the last step, the step stats and which tasks each rank played. With
+weights handed to the engine after the last step, the step stats, which tasks each rank played and the
+rows of an evaluation of tasks 0-6 run after the RL stage. With
 DIE_RANK=r, rank r SIGKILLs itself while it plays its tasks of step 2; the others are left waiting for it.
 """
 
@@ -23,7 +24,7 @@ torch.set_num_threads(1)
 from train_helpers import VOCAB, make_model  # noqa: E402
 
 from orchard.data import RenderedSample, RenderReport, Trajectory  # noqa: E402
-from orchard.stages import RLConfig, RolloutConfig, rl_stage  # noqa: E402
+from orchard.stages import RLConfig, RolloutConfig, evaluate, rl_stage  # noqa: E402
 from orchard.stages.ranks import init_ranks  # noqa: E402
 from orchard.train.objective import LossTerm  # noqa: E402
 from orchard.train.trainer import OptimConfig, TrainConfig  # noqa: E402
@@ -84,7 +85,8 @@ def main() -> None:
     engine = WeightsEngine()
     history = asyncio.run(rl_stage(make_model(seed=1), engine, harnesses, list(range(12)), cfg,
                                    rollout=RolloutConfig(), pad_id=0, seed=5, output_dir=str(out / "train")))
-    torch.save({"weights": engine.last, "history": history,
+    rows = asyncio.run(evaluate(harnesses, engine, list(range(7)), attempts=3, temperature=1.0))
+    torch.save({"weights": engine.last, "history": history, "eval": rows,
                 "played": {name: h.played for name, h in harnesses.items()}}, out / f"rank{ranks.rank}.pt")
 
 

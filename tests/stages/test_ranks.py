@@ -122,6 +122,11 @@ def test_two_ranks_train_the_parameters_of_one_process(tmp_path):
             assert mine[key] == ref[key], key
         assert mine["loss/policy"] == pytest.approx(ref["loss/policy"], rel=1e-5)
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    # Evaluation shards its 7 tasks (3 + 4) and gathers: every rank reports the rows of the one process.
+    # Tasks 0-6 x 3 attempts: member j of task t passes when (t + j) mod 3 == 0 and t != 3, so 6 tasks pass once
+    # -> success (6 / 3) / 7 = 0.2857, pass@3 6/7, pass^3 0.
+    assert ranks[0]["eval"] == ranks[1]["eval"] == one["eval"]
+    assert one["eval"]["a"]["success"] == pytest.approx(2 / 7) and one["eval"]["a"]["tasks"] == 7
     assert one["history"][1]["rl/groups_with_signal"] == 4.0  # the flat group (task t mod 4 == 3) was dropped
 
 
