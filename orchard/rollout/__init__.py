@@ -3,7 +3,7 @@
 Names load lazily (``orchard --help`` imports this package's CLI and must stay fast):
 
 - engines: `Engine`, `SamplingParams`, `GenerateRequest`, `GenerateResult`, `Completion`, `HFEngine`,
-  `VLLMEngine` (GPU extra), `OpenAIEngine`, `ScriptedEngine`
+  `VLLMEngine` (GPU extra), `OpenAIEngine`, `ScriptedEngine`, `EnginePool` (several served replicas as one engine)
 - serving: `build_app`, `serve_in_thread`, `RecordingProxy`, `CallRecord`
 - serving: `serve_app` (any ASGI app on the caller's event loop)
 - acting: `AgentLoop`, `PromptBuilder`, `Harness`, `Observation`, `InvalidToolCall`, `EnvironmentFailure`,
@@ -26,6 +26,7 @@ _EXPORTS = {
     "VLLMEngine": "vllm_engine",
     "OpenAIEngine": "openai_engine",
     "ScriptedEngine": "scripted",
+    "EnginePool": "engine_pool",
     "build_app": "server",
     "serve_in_thread": "server",
     "RecordingProxy": "proxy",

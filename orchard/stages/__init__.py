@@ -15,6 +15,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
   `trajectory_reward`
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `plot_learning_curve`
+- ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
+  `evaluate` and `rl_stage` shard their tasks over the launcher's ranks by themselves
 """
 
 from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, derived_keys

@@ -8,6 +8,7 @@ pass@k), and ``tasks`` says how many did. Success is each trajectory's evaluatio
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from orchard.data import Trajectory
 from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import avg_at_k, pass_at_k, pass_hat_k
+from orchard.stages.ranks import all_gather_concat, init_ranks, shard_range
 
 __all__ = ["evaluate", "format_table", "success_row"]
 
@@ -49,15 +51,22 @@ def success_row(trajectories: Sequence[Trajectory], attempts: int) -> dict[str, 
 
 async def evaluate(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequence[Any], *, attempts: int,
                    temperature: float) -> dict[str, dict[str, float]]:
-    """``attempts`` episodes of every task through each harness; one `success_row` per harness name."""
+    """``attempts`` episodes of every task through each harness; one `success_row` per harness name.
+
+    Under a launcher (several ranks) each rank plays its block of ``tasks`` (`orchard.stages.ranks.shard_range`)
+    with its own ``engine``; the trajectories (without their training samples) are gathered, so every rank
+    returns the same rows, those of one process playing every task.
+    """
     if not harnesses:
         raise ValueError("harnesses must name at least one Rollouts, got none")
     if not tasks:
         raise ValueError("tasks must hold at least one task, got none")
+    ranks = init_ranks()
+    mine = [tasks[i] for i in shard_range(len(tasks), ranks.rank, ranks.world_size)]
     rows = {}
     for name, rollouts in harnesses.items():
-        trajectories = await rollouts(engine, tasks, group_size=attempts, temperature=temperature)
-        rows[name] = success_row(trajectories, attempts)
+        trajectories = await rollouts(engine, mine, group_size=attempts, temperature=temperature) if mine else []
+        rows[name] = success_row(all_gather_concat([replace(t, samples=[]) for t in trajectories]), attempts)
     return rows
 
 

@@ -29,6 +29,14 @@ from orchard.data import RenderedSample, RolloutGroup, Trajectory, collate
 from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import GROUP_FILTER_RULES, BARConfig, abar_select, filter_groups, group_advantages
 from orchard.stages.config import RLConfig, RolloutConfig
+from orchard.stages.ranks import (
+    all_gather_concat,
+    all_reduce_sum,
+    barrier,
+    init_ranks,
+    ranks_from_env,
+    shard_range,
+)
 from orchard.train.action_logprobs import action_logprobs
 from orchard.train.trainer import Trainer
 
@@ -119,19 +127,31 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
     return [g for g, _ in selected], [t for _, pool in selected for t in pool]
 
 
-def _rollout_stats(groups: Sequence[RolloutGroup], generated: Sequence[Trajectory]) -> dict[str, float]:
-    trained = [t for g in groups for t in g.trajectories]
+def _rollout_counts(groups: Sequence[RolloutGroup], generated: Sequence[Trajectory]) -> dict[str, float]:
+    """What `_rollout_stats` divides, as sums, so ranks can add theirs up before dividing."""
+    trained = [t for g in groups for t in g.trajectories if t.valid]
     valid = [t for t in generated if t.valid]
     return {
-        # success over every scored episode generated, and over the episodes the groups kept (differs under BAR)
-        "rl/success_generated": float(np.mean([t.passed for t in valid])) if valid else 0.0,
-        "rl/success": float(np.mean([t.passed for t in trained if t.valid])) if any(t.valid for t in trained)
-        else 0.0,
+        "valid_generated": float(len(valid)), "passed_generated": float(sum(t.passed for t in valid)),
+        "valid_trained": float(len(trained)), "passed_trained": float(sum(t.passed for t in trained)),
         "rl/episodes": float(len(generated)),
         "rl/env_errors": float(sum(t.is_env_error for t in generated)),
         "rl/format_errors": float(sum(t.termination_reason == "format_error" for t in generated)),
         "rl/timeouts": float(sum(t.termination_reason == "time_budget" for t in generated)),
     }
+
+
+def _rollout_stats(counts: Mapping[str, float]) -> dict[str, float]:
+    stats = {k: v for k, v in counts.items() if k.startswith("rl/")}
+    # success over every scored episode generated, and over the episodes the groups kept (differs under BAR)
+    stats["rl/success_generated"] = counts["passed_generated"] / counts["valid_generated"] \
+        if counts["valid_generated"] else 0.0
+    stats["rl/success"] = counts["passed_trained"] / counts["valid_trained"] if counts["valid_trained"] else 0.0
+    return stats
+
+
+def _unzip(pairs: Sequence[tuple[RenderedSample, float]]) -> tuple[list[RenderedSample], list[float]]:
+    return [s for s, _ in pairs], [a for _, a in pairs]
 
 
 async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], tasks: Sequence[Any],
@@ -141,7 +161,15 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
 
     Tasks are drawn without replacement per step (``cfg.tasks_per_step`` of ``tasks``) with a generator seeded by
     ``seed`` and dealt round-robin to ``harnesses``. Returns each step's stats (also passed to ``log(stats,
-    step)``).
+    step)``, on rank 0 only).
+
+    Under a launcher (``WORLD_SIZE`` > 1; ``cfg.train.engine`` must be ``deepspeed``) every rank draws the same
+    tasks and plays its block of them (`orchard.stages.ranks.shard_range`) with its own ``engine``; rewards,
+    group filter and advantages are computed where the group lives, then the trained samples and the counts are
+    gathered in task order, so every optimizer step sees the single-process batch (module docstring of
+    `orchard.stages.ranks`). After each rollout batch every rank passes the full weights to its ``engine`` and
+    waits for the others: an `EnginePool` over served replicas shared by the ranks pushes from rank 0 only
+    (``push_weights=ranks.is_main``), and no rank generates before the push is done.
     """
     if not isinstance(cfg, RLConfig):
         raise ValueError(f"cfg must be an RLConfig, got {type(cfg).__name__}")
@@ -149,6 +177,11 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         raise ValueError("harnesses must name at least one Rollouts, got none")
     if cfg.tasks_per_step > len(tasks):
         raise ValueError(f"tasks_per_step ({cfg.tasks_per_step}) must be <= the task pool ({len(tasks)} tasks)")
+    world = ranks_from_env().world_size
+    if world > 1 and cfg.train.engine != "deepspeed":
+        raise ValueError(f"cfg.train.engine must be 'deepspeed' under {world} ranks (plain torch trains one "
+                         f"process), got {cfg.train.engine!r}")
+    ranks = init_ranks()
     updates = cfg.steps * cfg.ppo_epochs * cfg.mini_batches
     trainer = Trainer(model, replace(cfg.train, total_steps=updates, seed=seed, output_dir=output_dir, resume=False))
     reference = None
@@ -161,10 +194,15 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         for step in range(1, cfg.steps + 1):
             step_tasks = rng.sample(list(tasks), cfg.tasks_per_step)
             harness_of = [names[i % len(names)] for i in range(len(step_tasks))]
-            groups, generated = await rollout_groups(harnesses, engine, step_tasks, harness_of, cfg, rollout)
-            stats = _rollout_stats(groups, generated)
+            mine = shard_range(len(step_tasks), ranks.rank, ranks.world_size)
+            groups, generated = await rollout_groups(harnesses, engine, [step_tasks[i] for i in mine],
+                                                     [harness_of[i] for i in mine], cfg, rollout)
             samples, advantages, batch_stats = group_batch(groups, reward=cfg.reward, group_filter=cfg.group_filter)
-            stats.update(batch_stats)
+            counts = {**_rollout_counts(groups, generated), **batch_stats}
+            if ranks.world_size > 1:
+                samples, advantages = _unzip(all_gather_concat(list(zip(samples, advantages, strict=True))))
+                counts = all_reduce_sum(counts)
+            stats = _rollout_stats(counts)
             if samples:
                 # PPO-style reuse of one rollout batch: ppo_epochs passes over shuffled mini-batches, the clipped
                 # ratio against the sampling log-probs keeping each update near the rollout policy.
@@ -180,8 +218,9 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
                                     attention_mask=batch["attention_mask"])
                         stats.update(trainer.train_step(batch))
                 await engine.update_weights(trainer.full_state_dict())
+                barrier()
             history.append(stats)
-            if log is not None:
+            if log is not None and ranks.is_main:
                 log(stats, step)
     finally:
         trainer.close()

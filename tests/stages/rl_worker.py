@@ -1,0 +1,94 @@
+"""An RL stage the rank tests launch as child processes: plain (one process) or DeepSpeed under ``torchrun``.
+
+Usage: ``python rl_worker.py OUT_DIR ENGINE [DIE_RANK]``. It runs 2 GRPO steps of ``rl_stage`` on the tiny model of
+``tests/train/train_helpers`` with deterministic rollouts (`FixedRollouts`: every member's sample and reward are
+a function of its task and index, whatever rank plays it) and writes (rank 0) ``OUT_DIR/final.pt`` with the
+weights handed to the engine after the last step, the step stats, which tasks each rank played and the
+rows of an evaluation of tasks 0-6 run after the RL stage. With
+DIE_RANK=r, rank r SIGKILLs itself while it plays its tasks of step 2; the others are left waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "train"))
+torch.set_num_threads(1)
+
+from train_helpers import VOCAB, make_model  # noqa: E402
+
+from orchard.data import RenderedSample, RenderReport, Trajectory  # noqa: E402
+from orchard.stages import RLConfig, RolloutConfig, evaluate, rl_stage  # noqa: E402
+from orchard.stages.ranks import init_ranks  # noqa: E402
+from orchard.train.objective import LossTerm  # noqa: E402
+from orchard.train.trainer import OptimConfig, TrainConfig  # noqa: E402
+
+TIMEOUT_S = 60.0
+"""The process group's collective timeout: the bound on how long a rank waits for a dead peer."""
+
+
+class FixedRollouts:
+    """Member ``j`` of task ``t``: 8 + (3t + j) mod 7 random tokens from seed 1000 t + j, the second half actions
+    with sampling log-probs in [-4.9, -4.3] (near
+    the tiny model's, log 1/97 = -4.57, so ratios fall inside the clip range); reward +1 when (t + j) mod 3 == 0 else -1, and -1 for every member of
+    a task with t mod 4 == 3 (a flat group the ``all_equal`` filter drops)."""
+
+    def __init__(self, die: bool = False) -> None:
+        self.calls = 0
+        self.die = die
+        self.played: list[int] = []
+
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+        self.calls += 1
+        if self.die and self.calls == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = []
+        for t in tasks:
+            self.played.append(t)
+            for j in range(group_size):
+                gen = torch.Generator().manual_seed(1000 * t + j)
+                T = 8 + (3 * t + j) % 7
+                ids = torch.randint(0, VOCAB, (T,), generator=gen)
+                action = torch.arange(T) >= T // 2
+                old = torch.where(action, -4.6 + 0.6 * torch.rand(T, generator=gen) - 0.3, torch.zeros(()))
+                sample = RenderedSample(ids, action, torch.where(action, 0, -1), old, action.clone(), RenderReport())
+                reward = -1.0 if t % 4 == 3 else (1.0 if (t + j) % 3 == 0 else -1.0)
+                out.append(Trajectory(reward=reward, task_id=str(t), samples=[sample]))
+        return out
+
+
+class WeightsEngine:
+    """Keeps the weights of the last update."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, torch.Tensor] = {}
+
+    async def update_weights(self, weights):
+        self.last = weights
+
+
+def main() -> None:
+    out, engine_name = Path(sys.argv[1]), sys.argv[2]
+    die_rank = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    ranks = init_ranks(timeout_s=TIMEOUT_S)
+    cfg = RLConfig(steps=2, tasks_per_step=5, group_size=3, mini_batches=2, train=TrainConfig(
+        micro_batch_size=2, engine=engine_name, zero_stage=2,
+        optim=OptimConfig(lr=1e-3, min_lr=1e-4, eps=1e-6, grad_clip=0.5),
+        objective=[LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})]))
+    harnesses = {"a": FixedRollouts(die=ranks.rank == die_rank), "b": FixedRollouts()}
+    engine = WeightsEngine()
+    history = asyncio.run(rl_stage(make_model(seed=1), engine, harnesses, list(range(12)), cfg,
+                                   rollout=RolloutConfig(), pad_id=0, seed=5, output_dir=str(out / "train")))
+    rows = asyncio.run(evaluate(harnesses, engine, list(range(7)), attempts=3, temperature=1.0))
+    torch.save({"weights": engine.last, "history": history, "eval": rows,
+                "played": {name: h.played for name, h in harnesses.items()}}, out / f"rank{ranks.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
