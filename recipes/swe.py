@@ -39,7 +39,7 @@ import torch
 
 from orchard import stages
 from orchard._cli import run_main
-from orchard.domains.swe.generator import LEVELS, generate_instances
+from orchard.domains.swe.generator import LEVELS, TEMPLATES, generate_instances
 from orchard.domains.swe.harness import SWEEvalHarness
 from orchard.domains.swe.instances import SWEInstance, load_instances
 from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine, teacher_trajectories
@@ -69,6 +69,8 @@ class InstancesConfig:
     """Toy held-out instances per template (bugs never seen in training)."""
     levels: list[int] = field(default_factory=lambda: list(LEVELS))
     """Toy difficulty levels: 1 the issue names the module, 2 it must be found, 3 the fix spans two places."""
+    templates: list[str] = field(default_factory=list)
+    """Toy repository templates to draw from (empty: all six)."""
 
 
 @dataclass
@@ -130,15 +132,17 @@ class SWEConfig:
             raise ValueError("instances.heldout_path must be set exactly when instances.path is")
         if any(level not in LEVELS for level in self.instances.levels) or not self.instances.levels:
             raise ValueError(f"instances.levels must be among {list(LEVELS)}, got {self.instances.levels!r}")
+        if any(t not in TEMPLATES for t in self.instances.templates):
+            raise ValueError(f"instances.templates must be among {sorted(TEMPLATES)}, got {self.instances.templates!r}")
 
 
 def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance]]:
     """(train, held-out): from disk, or seeded toy instances whose held-out bugs never appear in training."""
     if cfg.instances.path is not None:
         return load_instances(cfg.instances.path), load_instances(cfg.instances.heldout_path, split="heldout")
-    levels = tuple(cfg.instances.levels)
-    return (generate_instances("train", cfg.instances.train_per_template, levels=levels),
-            generate_instances("heldout", cfg.instances.heldout_per_template, levels=levels))
+    kw = {"levels": tuple(cfg.instances.levels), "templates": tuple(cfg.instances.templates) or None}
+    return (generate_instances("train", cfg.instances.train_per_template, **kw),
+            generate_instances("heldout", cfg.instances.heldout_per_template, **kw))
 
 
 def swe_harnesses(cfg: SWEConfig, tokenizer: Any, client: AsyncSandboxClient) -> dict[str, Rollouts]:
