@@ -38,7 +38,7 @@ def _harness(base_url, headers=None, user=None):
     extra = {"user": user} if user else {}
     for _ in range(5):
         resp = client.chat.completions.create(
-            model="m", messages=messages, tools=TOOLS, temperature=1.0, **extra
+            model="orchard", messages=messages, tools=TOOLS, temperature=1.0, **extra
         )
         msg = resp.choices[0].message
         assistant = {"role": "assistant", "content": msg.content}
@@ -116,16 +116,16 @@ def test_proxy_in_front_of_a_real_server_keeps_the_client_view(tokenizer, tiny_m
         with serve_in_thread(proxy.app) as url:
             client = openai.OpenAI(base_url=f"{url}/sessions/s/v1", api_key="unused", max_retries=0)
             plain = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+                model="orchard", messages=[{"role": "user", "content": "hi"}], max_tokens=5
             )
             assert plain.choices[0].logprobs is None  # the client did not ask
             asked = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, seed=1
+                model="orchard", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, seed=1
             )
             labels = [t.token for t in asked.choices[0].logprobs.content]
             ids = asked.choices[0].model_extra["token_ids"]
             assert labels == [tokenizer.decode([t]) for t in ids]  # text labels, as OpenAI returns them
-            comp = client.completions.create(model="m", prompt=[4, 5, 6], max_tokens=4)
+            comp = client.completions.create(model="orchard", prompt=[4, 5, 6], max_tokens=4)
             assert comp.choices[0].logprobs is None
             assert (
                 httpx.post(f"{url}/v1/chat/completions", json={"messages": [], "stream": True}).status_code
