@@ -31,6 +31,7 @@ from orchard.rollout.engine import (
     GenerateRequest,
     GenerateResult,
     SamplingParams,
+    choice_seed,
     validate_requests,
 )
 from orchard.rollout.kv_cache import BatchCache, PrefixStore, check_cache_layers, prefill_inputs
@@ -452,7 +453,7 @@ class HFEngine:
             if row.params.temperature > 0:
                 seed = row.params.seed
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_stream)) if seed is None else seed
-                row.generator = torch.Generator().manual_seed(seed + row.sample_index)
+                row.generator = torch.Generator().manual_seed(choice_seed(seed, row.sample_index))
         found = [self._prefixes.lookup(row.prompt_ids) for row in rows]
         for row, (_, _, key) in zip(rows, found, strict=True):
             row.prefix_key = key

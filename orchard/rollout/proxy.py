@@ -414,6 +414,8 @@ class RecordingProxy:
 
         for entry in logprobs.get("content") or []:
             entry["token"] = text(entry.get("token"))
+            for alternative in entry.get("top_logprobs") or []:
+                alternative["token"] = text(alternative.get("token"))
         if logprobs.get("tokens") is not None:
             logprobs["tokens"] = [text(t) for t in logprobs["tokens"]]
         if logprobs.get("top_logprobs") is not None:

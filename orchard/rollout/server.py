@@ -19,8 +19,9 @@ calls arrive whole in the choice's last chunk; ``stream_options.include_usage`` 
 Validation follows vLLM's server: a ``model`` other than the served one is a 404; a prompt that leaves no room in
 the context, or an explicit ``max_tokens`` that does not fit after it, a 400; a seed outside the signed 64-bit
 range a 400. Fields the engines do not implement (``response_format`` other than text, ``tool_choice`` other than
-``auto`` / ``none``, ``logit_bias``, presence / frequency / repetition penalties, ``top_k``, ``min_p``,
-``top_logprobs`` > 0, ``echo``, guided decoding) are refused with 400, never ignored. Choice ``i`` of a seeded
+``auto`` / ``none``, ``logit_bias``, presence / frequency / repetition penalties, ``top_k``, ``min_p``, ``echo``,
+guided decoding) are refused with 400, never ignored. ``top_logprobs`` (chat) / ``logprobs: k`` (completions)
+alternatives are scored by a forward pass over the engine's in-process model (`alternatives`), not streamed. Choice ``i`` of a seeded
 request samples with `choice_seed` ``(seed, i)``. ``stop`` strings are applied to the decoded text: the sample is
 cut after the token that completes the first stop string (those ids are kept, the text ends before the stop
 string), finish reason ``stop``.
@@ -29,7 +30,6 @@ string), finish reason ``stop``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import threading
 import time
@@ -40,13 +40,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from orchard._extras import requires_extra
 
 with requires_extra("rollout"):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-from orchard.rollout.engine import Completion, Engine, GenerateRequest, SamplingParams
+from orchard.rollout.engine import Completion, Engine, GenerateRequest, SamplingParams, choice_seed
+from orchard.rollout.hf_engine import nucleus_logprobs
 from orchard.rollout.streaming import ChoiceStreams, ChoiceText
 from orchard.rollout.tool_calls import parse_tool_calls
 
@@ -235,15 +238,6 @@ def refuse_unhonoured(body: Mapping[str, Any]) -> None:
             raise RequestError(f"{name}={body.get(name)!r:.100} is not supported by this server", name)
 
 
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice ``index`` of a request seeded ``seed``: ``seed`` itself for the first, then a hash of
-    ``(seed, index)`` in ``[0, 2**63)``, so that seed ``s``'s second choice is not seed ``s + 1``'s first."""
-    if seed is None or index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
 def choice_requests(prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerateRequest]:
     """One single-sample request per choice, seeded with `choice_seed`."""
     return [
@@ -310,6 +304,51 @@ def chat_message(text: str, parse_tools: bool) -> tuple[dict[str, Any], bool]:
         for c in parsed.tool_calls
     ]
     return message, True
+
+
+_MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on ``top_logprobs``."""
+
+
+def top_logprobs_k(engine: Engine, body: Mapping[str, Any], k: int | None, name: str) -> int:
+    """How many alternatives per token a request asks for (0: none); 400 where they cannot be given: over
+    `_MAX_TOP_LOGPROBS`, streamed, or an engine without an in-process ``model`` to score them with."""
+    if not k:
+        return 0
+    if k > _MAX_TOP_LOGPROBS:
+        raise RequestError(f"{name} must be <= {_MAX_TOP_LOGPROBS}, got {k}", name)
+    if body.get("stream"):
+        raise RequestError(f"{name} > 0 is not supported with stream", name)
+    if not isinstance(getattr(engine, "model", None), torch.nn.Module):
+        raise RequestError(f"{name} > 0 needs an engine with an in-process model", name)
+    return k
+
+
+async def alternatives(
+    engine: Any, prompt_ids: Sequence[int], sampled: Sequence[int], params: SamplingParams, k: int
+) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely ``(token id, log-prob)`` of the distribution each sampled token was drawn from
+    (tempered, top-p nucleus, as `nucleus_logprobs`), scored by one forward pass over prompt + sample on a worker
+    thread (the engine's sampled log-probs stay the engine's). Tokens outside the nucleus get -9999.0, as vLLM
+    writes -inf in JSON."""
+
+    def score() -> list[list[tuple[int, float]]]:
+        model = engine.model
+        device = next(model.parameters()).device
+        ids = torch.tensor([[*prompt_ids, *sampled[:-1]]], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]  # [S, V]
+        steps = logits.shape[0]
+        logp_SV = nucleus_logprobs(
+            logits,
+            torch.full((steps,), float(params.temperature), device=device),
+            torch.full((steps,), float(params.top_p), device=device),
+        )
+        values, indices = logp_SV.topk(min(k, logp_SV.shape[1]), dim=-1)  # [S, k]
+        values = values.clamp(min=-9999.0)
+        return [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+
+    return await asyncio.to_thread(score) if sampled else []
 
 
 def _sse(data: Any) -> bytes:
@@ -406,8 +445,7 @@ def build_app(
             raise RequestError(
                 f"tool_choice {tool_choice!r:.100} is not supported (only 'auto' and 'none')", "tool_choice"
             )
-        if body.get("top_logprobs"):
-            raise RequestError("top_logprobs > 0 is not supported", "top_logprobs")
+        top_k = top_logprobs_k(engine, body, _int_field(body, "top_logprobs", None, 0), "top_logprobs")
         params = sampling_from_body(body, default_max_tokens=default_max_tokens, extra_stop_ids=eot_ids)
         stops = stop_strings(body)
         try:
@@ -423,15 +461,16 @@ def build_app(
         want_logprobs = bool(body.get("logprobs"))
         parse = tools is not None and tool_choice != "none"
 
-        def logprob_entries(ids: Sequence[int], lps: Sequence[float]) -> list[dict[str, Any]]:
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            label = _token_label(tokenizer, t, as_ids)
+            return {"token": label, "logprob": lp, "bytes": list(tokenizer.decode([t]).encode("utf-8"))}
+
+        def logprob_entries(
+            ids: Sequence[int], lps: Sequence[float], top: list[list[tuple[int, float]]] | None = None
+        ) -> list[dict[str, Any]]:
             return [
-                {
-                    "token": _token_label(tokenizer, t, as_ids),
-                    "logprob": lp,
-                    "bytes": list(tokenizer.decode([t], skip_special_tokens=False).encode("utf-8")),
-                    "top_logprobs": [],
-                }
-                for t, lp in zip(ids, lps, strict=True)
+                {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top[k]] if top else []}
+                for k, (t, lp) in enumerate(zip(ids, lps, strict=True))
             ]
 
         if body.get("stream"):
@@ -444,6 +483,7 @@ def build_app(
         for index, result in enumerate(results):
             completion, cut_text = apply_stop_strings(tokenizer, result.completions[0], stops)
             ids = completion.token_ids
+            top = await alternatives(engine, prompt_ids, ids, params, top_k) if want_logprobs and top_k else None
             visible = (
                 ids[:-1]
                 if completion.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
@@ -458,7 +498,7 @@ def build_app(
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": {"content": logprob_entries(ids, completion.logprobs)} if want_logprobs else None,
+                    "logprobs": {"content": logprob_entries(ids, completion.logprobs, top)} if want_logprobs else None,
                     "finish_reason": "tool_calls" if has_calls and finish == "stop" else finish,
                     "token_ids": ids,
                 }
@@ -546,8 +586,7 @@ def build_app(
             body.get("prompt"), tokenizer, bool(body.get("add_special_tokens", True))
         )
         logprobs_k = _int_field(body, "logprobs", None, 0)
-        if logprobs_k:
-            raise RequestError("logprobs > 0 (top alternatives) is not supported; use 0", "logprobs")
+        top_k = top_logprobs_k(engine, body, logprobs_k, "logprobs")
         # vLLM's default: stop at the end of turn / eos unless `ignore_eos`
         stop_ids = [] if body.get("ignore_eos") else eot_ids
         params = sampling_from_body(body, default_max_tokens=16, extra_stop_ids=stop_ids)  # OpenAI's default
@@ -557,18 +596,19 @@ def build_app(
         requests = [r for p in prompts for r in choice_requests(p, params)]
         as_ids = bool(body.get("return_tokens_as_token_ids"))
 
-        def logprobs_of(ids: Sequence[int], lps: Sequence[float], start: int) -> dict[str, Any]:
+        def logprobs_of(
+            ids: Sequence[int], lps: Sequence[float], start: int, top: list[list[tuple[int, float]]] | None = None
+        ) -> dict[str, Any]:
             labels = [_token_label(tokenizer, t, as_ids) for t in ids]
             offsets, acc = [], start
             for t in ids:
                 offsets.append(acc)
                 acc += len(tokenizer.decode([t], skip_special_tokens=True))
-            return {
-                "tokens": labels,
-                "token_logprobs": list(lps),
-                "top_logprobs": [{lab: lp} for lab, lp in zip(labels, lps, strict=True)],
-                "text_offset": offsets,
-            }
+            tops = [
+                {**{_token_label(tokenizer, a, as_ids): alp for a, alp in (top[k] if top else [])}, lab: lp}
+                for k, (lab, lp) in enumerate(zip(labels, lps, strict=True))
+            ]
+            return {"tokens": labels, "token_logprobs": list(lps), "top_logprobs": tops, "text_offset": offsets}
 
         if body.get("stream"):
             return StreamingResponse(
@@ -580,6 +620,7 @@ def build_app(
         for index, result in enumerate(results):
             completion, cut_text = apply_stop_strings(tokenizer, result.completions[0], stops)
             ids = completion.token_ids
+            top = await alternatives(engine, result.prompt_ids, ids, params, top_k) if top_k else None
             stopped_on_id = completion.finish_reason == "stop" and cut_text is None
             visible = ids[:-1] if stopped_on_id else ids
             text = cut_text if cut_text is not None else tokenizer.decode(visible, skip_special_tokens=True)
@@ -587,7 +628,7 @@ def build_app(
                 {
                     "index": index,
                     "text": text,
-                    "logprobs": logprobs_of(ids, completion.logprobs, 0) if logprobs_k is not None else None,
+                    "logprobs": logprobs_of(ids, completion.logprobs, 0, top) if logprobs_k is not None else None,
                     "finish_reason": completion.finish_reason,
                     "token_ids": ids,
                     "prompt_token_ids": list(result.prompt_ids),

@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from orchard.rollout.engine import Completion, GenerateRequest, GenerateResult, SamplingParams
+from orchard.rollout.engine import Completion, GenerateRequest, GenerateResult, SamplingParams, choice_seed
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.scripted import ScriptedEngine
-from orchard.rollout.server import build_app, choice_seed, serve_in_thread
+from orchard.rollout.server import build_app, serve_in_thread
 
 TOOLS = [
     {
@@ -158,7 +158,7 @@ def test_completions_stop_at_end_of_turn_unless_ignore_eos(tokenizer):
         assert raw.model_extra["token_ids"] == [5, 6, eos, 0, 0, 0] and raw.finish_reason == "length"
 
 
-def test_choice_seeds_do_not_alias(tiny_server):
+def test_choice_seeds_do_not_alias(tiny_server, tiny_model):
     client = _client(tiny_server)
 
     def sample(seed, n):
@@ -170,6 +170,10 @@ def test_choice_seeds_do_not_alias(tiny_server):
     assert three[1] != four[0]  # before: choice i drew from seed + i, so seed 3's second was seed 4's first
     assert three[0] == sample(3, 1)[0]  # the first choice keeps the request's seed
     assert choice_seed(3, 0) == 3 and choice_seed(3, 1) != 4 and 0 <= choice_seed(-(2**63), 5) < 2**63
+    # the engine in process seeds its samples alike: the same samples as served
+    params = dict(max_tokens=8, temperature=1.0)
+    direct = asyncio.run(HFEngine(tiny_model).generate([GenerateRequest([5, 6, 7], SamplingParams(seed=3, n=2, **params))]))
+    assert [c.token_ids for c in direct[0].completions] == three
 
 
 def _collect_chat(stream):
@@ -253,3 +257,25 @@ def test_hf_generate_stream_yields_the_generate_tokens(tiny_model):
     whole, streamed, again = asyncio.run(main())
     assert [t for t, _ in streamed] == whole.token_ids == again.token_ids
     assert [lp for _, lp in streamed] == whole.logprobs
+
+
+def test_top_logprobs_are_the_sampling_distributions_best(tiny_server, tokenizer):
+    client = _client(tiny_server)
+    resp = client.chat.completions.create(model="tiny", messages=USER, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"return_tokens_as_token_ids": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == len(resp.choices[0].model_extra["token_ids"])
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 3 and [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        # greedy: the sampled token is the most likely one, scored alike by the engine and the forward pass
+        assert top[0].token == entry.token and top[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert sum(2.718281828 ** t.logprob for t in top) <= 1 + 1e-5
+    comp = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=2)
+    for label, lp, top in zip(comp.choices[0].logprobs.tokens, comp.choices[0].logprobs.token_logprobs,
+                              comp.choices[0].logprobs.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top, key=top.get) == label and top[label] == lp
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=USER, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.chat.completions.create(model="tiny", messages=USER, logprobs=True, top_logprobs=2, stream=True)
