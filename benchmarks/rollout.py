@@ -11,14 +11,18 @@
    a static-batch loop over plain ``generate`` (all episodes' histories left-padded into one call per turn,
    ``max_new_tokens`` = the longest cut, log-probs as above). `HFEngine` runs the episodes as concurrent tasks,
    with and without its prefix store. Useful tokens (up to each cut) per second.
-3. Acting: agent-loop rollouts per minute against the embedded sandbox service (LocalBackend, bubblewrap), with
+3. Streaming: time to first token and tokens/s of streamed ``/v1/completions`` (``--stream-requests`` requests
+   of ``--new-tokens`` tokens, one at a time) straight to the model server (`build_app` over `HFEngine`, the
+   benchmark's shape over the offline chat tokenizer) and through the recording proxy, which forwards each chunk
+   as it arrives and records the call's token ids and log-probs. Baseline: direct. Target: proxy TTFT <= 1.1 x.
+4. Acting: agent-loop rollouts per minute against the embedded sandbox service (LocalBackend, bubblewrap), with
    a scripted policy (three ``exec`` turns and an answer: the loop's and the sandboxes' cost alone) and with the
    tiny model above as the policy (``--steps`` turns of up to 24 tokens; a random model rarely emits a tool
    call, so most of its rollouts answer once and end), ``--rollouts`` rollouts, ``--concurrency`` at a time.
 
     python benchmarks/rollout.py                           # CPU, 1 thread, batch 1 and 16, 64 new tokens
     python benchmarks/rollout.py --device cuda --batch 1 16 64 --new-tokens 128
-    python benchmarks/rollout.py --skip-rollouts           # generation and episodes only (no bwrap needed)
+    python benchmarks/rollout.py --skip-rollouts           # no agent loop (no bwrap needed)
 """
 
 from __future__ import annotations
@@ -191,6 +195,53 @@ def time_episodes(
     return {name: useful / statistics.median(ts) for name, ts in times.items()}
 
 
+def time_streaming(device: str, dtype: torch.dtype, requests: int, prompt_len: int, new_tokens: int) -> dict:
+    """Median TTFT (s) and tokens/s of streamed completions, direct and through the recording proxy (requests
+    alternate between the two, after one warm-up each); also checks that the proxy recorded every token."""
+    import httpx
+
+    from orchard.data.tokenizer import build_chat_tokenizer
+    from orchard.rollout.hf_engine import HFEngine
+    from orchard.rollout.proxy import RecordingProxy
+    from orchard.rollout.server import build_app, serve_in_thread
+    from orchard.train.tiny import tiny_qwen3
+
+    tokenizer = build_chat_tokenizer()
+    model = tiny_qwen3(tokenizer, seed=0, **BENCH_SIZE).to(device=device, dtype=dtype).eval()
+
+    def stream(url: str, seed: int) -> tuple[float, float, int]:
+        body = {"model": "orchard", "prompt": [5 + k % 500 for k in range(prompt_len)], "max_tokens": new_tokens,
+                "temperature": 1.0, "seed": seed, "ignore_eos": True, "logprobs": 0, "stream": True}
+        t0, first, n = time.perf_counter(), None, 0
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                got = sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+                if got and first is None:
+                    first = time.perf_counter() - t0
+                n += got
+        total = time.perf_counter() - t0
+        return first or total, n / total, n
+
+    out: dict = {"direct": {"ttft": [], "tps": []}, "proxy": {"ttft": [], "tps": []}}
+    with serve_in_thread(build_app(HFEngine(model), tokenizer)) as upstream:
+        proxy = RecordingProxy(upstream)
+        with serve_in_thread(proxy.app) as via:
+            for url in (upstream, via):
+                stream(url, -1)  # warm-up
+            for i in range(requests):
+                for name, url in (("direct", upstream), ("proxy", via)):
+                    ttft, tps, n = stream(url, i)
+                    out[name]["ttft"].append(ttft)
+                    out[name]["tps"].append(tps)
+                    assert n == new_tokens, (name, n)
+    recorded = [len(r.choices[0].token_ids) == len(r.choices[0].logprobs) == new_tokens
+                for r in proxy.calls("default")]
+    assert len(recorded) == requests + 1 and all(recorded), "the proxy did not record every streamed token"
+    return {name: {k: statistics.median(v) for k, v in d.items()} for name, d in out.items()}
+
+
 def exec_call(command: str) -> str:
     return f'<tool_call>\n{{"name": "exec", "arguments": {json.dumps({"command": command})}}}\n</tool_call>'
 
@@ -280,6 +331,8 @@ def main() -> int:
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="step budget of the tiny-model rollouts")
+    parser.add_argument("--stream-requests", type=int, default=8, help="streamed requests, direct and via proxy")
+    parser.add_argument("--skip-streaming", action="store_true")
     parser.add_argument("--skip-rollouts", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -317,6 +370,19 @@ def main() -> int:
             f"| {episodes} | {r['static_generate']:.0f} | {r['engine_no_prefix']:.0f} | {r['engine']:.0f} | "
             f"{r['engine'] / r['static_generate']:.2f} |"
         )
+    if not args.skip_streaming:
+        r = time_streaming(args.device, dtype, args.stream_requests, args.prompt_len, args.new_tokens)
+        print(
+            f"\n## streaming: /v1/completions, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+            f"median of {args.stream_requests}, one at a time; proxy records ids + log-probs"
+        )
+        print("| path | TTFT ms | tokens/s | TTFT / direct |")
+        print("|---|---:|---:|---:|")
+        for name in ("direct", "proxy"):
+            print(
+                f"| {name} | {1000 * r[name]['ttft']:.1f} | {r[name]['tps']:.0f} | "
+                f"{r[name]['ttft'] / r['direct']['ttft']:.2f} |"
+            )
     if args.skip_rollouts:
         return 0
     print(f"\n## agent loop: {args.rollouts} rollouts, concurrency {args.concurrency}, embedded sandboxes")

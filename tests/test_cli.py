@@ -25,8 +25,8 @@ def test_version_prints_the_package_version():
 @pytest.mark.parametrize(
     ("argv", "shown"),
     [
-        (["serve-model"], ["(default: 8000)", "(default: 127.0.0.1)", "(default: float32)", "(default: 512)"]),
-        (["serve-proxy"], ["(default: 8001)", "(default: warning)"]),
+        (["serve-model"], ["(default: 8001)", "(default: 127.0.0.1)", "(default: float32)", "(default: 512)"]),
+        (["serve-proxy"], ["(default: 8002)", "(default: info)"]),
         # a subcommand registered by another module inherits the parser class: an option without help shows it too
         (["env", "serve"], ["(default: 64)", "(default: warning)"]),
     ],

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
+import signal
 import tempfile
+from typing import Any
 
 from orchard.env.embedded import API_KEY_ENV, BACKENDS, run_forever
 
@@ -61,12 +65,32 @@ def _help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+_BIND_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    temporary = args.root is None
     root = args.root or tempfile.mkdtemp(prefix="orchard-env-")
     print(f"orchard env: state and sandboxes in {root}", flush=True)
-    run_forever(root, host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                backend=KUBERNETES_FACTORY if args.backend == KUBERNETES else args.backend,
-                allow_weak_isolation=args.allow_weak_isolation, log_level=args.log_level,
-                max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
-                heartbeat_timeout_s=args.heartbeat_timeout, store=args.store)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler it found: a default
+    # handler would end the process before the temporary root is removed.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        run_forever(root, host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                    backend=KUBERNETES_FACTORY if args.backend == KUBERNETES else args.backend,
+                    allow_weak_isolation=args.allow_weak_isolation, log_level=args.log_level,
+                    max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
+                    heartbeat_timeout_s=args.heartbeat_timeout, store=args.store)
+    except OSError as exc:
+        if exc.errno not in _BIND_ERRORS:
+            raise
+        raise OSError(exc.errno, f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if temporary:  # a root we made is ours to remove; one the user named is theirs
+            shutil.rmtree(root, ignore_errors=True)
     return 0

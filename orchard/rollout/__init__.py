@@ -31,6 +31,7 @@ _EXPORTS = {
     "serve_in_thread": "server",
     "RecordingProxy": "proxy",
     "CallRecord": "proxy",
+    "fetch_trajectory": "proxy",
     "serve_app": "serving",
     "Rollouts": "rollouts",
     "AgentLoopRollouts": "rollouts",

@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     serve.add_argument("--model", required=True, help="a local HF model directory, or 'tiny' (a random tiny Qwen3)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind")
-    serve.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    serve.add_argument("--port", type=int, default=8001,
+                       help="port (0: any free port); not 8000, the sandbox client's default URL")
     serve.add_argument("--model-name", default=None, help="the id /v1/models lists (default: the --model value)")
     serve.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         action="store_true",
         help="serve POST /update_weights {path} (reads checkpoints from this machine)",
     )
-    serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    serve.add_argument("--log-level", default="info", help="uvicorn's log level (info: a line per request)")
     serve.set_defaults(func=_serve_model)
 
     proxy = subparsers.add_parser(
@@ -47,11 +48,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "GET /sessions/{id}/calls returns what a session recorded. "
         f"Prints {READY_PREFIX}http://host:port once it listens.",
     )
-    proxy.add_argument("--upstream", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    proxy.add_argument("--upstream", required=True,
+                       help="base URL of the server, e.g. http://127.0.0.1:8001 (a trailing /v1 is accepted)")
+    proxy.add_argument("--tokenizer", default=None,
+                       help="the upstream model's tokenizer: a local HF directory or 'tiny'; the proxy then asks for "
+                       "token-id labels, which any vLLM returns (None: the upstream must return token_ids, as "
+                       "orchard serve-model and vLLM >= 0.10.2 do)")
     proxy.add_argument("--host", default="127.0.0.1", help="interface to bind")
-    proxy.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
-    proxy.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    proxy.add_argument("--port", type=int, default=8002, help="port (0: any free port)")
+    proxy.add_argument("--log-level", default="info", help="uvicorn's log level (info: a line per request)")
     proxy.set_defaults(func=_serve_proxy)
+
+
+def load_tokenizer(name: str) -> Any:
+    """``tiny`` (the offline chat tokenizer of ``orchard.models.tiny_chat_model``), or a local HF directory."""
+    if name == "tiny":
+        from orchard.data.tokenizer import build_chat_tokenizer
+
+        return build_chat_tokenizer()
+    if not Path(name).is_dir():
+        raise ValueError(f"--tokenizer {name!r} is not a directory; give a local HF model directory or 'tiny'")
+    with requires_extra("rollout"):
+        from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
 
 
 def load_model_and_tokenizer(name: str, *, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
@@ -129,5 +149,6 @@ def _serve_model(args: argparse.Namespace) -> int:
 def _serve_proxy(args: argparse.Namespace) -> int:
     from orchard.rollout.proxy import RecordingProxy
 
-    run_app(RecordingProxy(args.upstream).app, args.host, args.port, args.log_level)
+    tokenizer = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
+    run_app(RecordingProxy(args.upstream, tokenizer).app, args.host, args.port, args.log_level)
     return 0

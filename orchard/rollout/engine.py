@@ -12,12 +12,22 @@ At ``temperature = 0`` (greedy) it is ``log_softmax(logits)`` at the argmax.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length"]
 """``stop``: a stop token was sampled (it is the last of ``token_ids``); ``length``: ``max_tokens`` ran out."""
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed``: ``seed`` itself for the first, then a hash of
+    ``(seed, index)`` in ``[0, 2**63)``, so that seed ``s``'s second choice is not seed ``s + 1``'s first."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -33,7 +43,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Sampling one of these ends the sample (finish reason ``stop``); the stop token is kept in ``token_ids``."""
     seed: int | None = None
-    """Per-request seed: sample ``i`` of the request draws from a generator seeded with ``seed + i``."""
+    """Per-request seed: sample ``i`` of the request draws from a generator seeded with `choice_seed` ``(seed, i)``
+    (``seed`` itself for the first sample)."""
     n: int = 1
     """Independent samples of the same prompt."""
 

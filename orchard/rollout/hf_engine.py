@@ -19,7 +19,7 @@ import inspect
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from orchard.rollout.engine import (
     GenerateRequest,
     GenerateResult,
     SamplingParams,
+    choice_seed,
     validate_requests,
 )
 from orchard.rollout.kv_cache import BatchCache, PrefixStore, check_cache_layers, prefill_inputs
@@ -56,6 +57,8 @@ class _Row:
     prefix_key: int | None = None
     """The prefix-store entry its prompt reused, if any."""
     uniforms: list[float] = field(default_factory=list)
+    on_token: Callable[[int, float], None] | None = None
+    """Called on the scheduler thread with each sampled token and its log-prob (`HFEngine.generate_stream`)."""
 
     def next_uniform(self) -> float:
         """The next draw of this row's own uniform stream, so its samples do not depend on its batch mates."""
@@ -71,6 +74,8 @@ class _Row:
         """Append a sampled token; True when the row has finished."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
+        if self.on_token is not None:
+            self.on_token(token, logprob)
         if token in self.params.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.params.max_tokens:
@@ -257,6 +262,44 @@ class HFEngine:
                 for row in request_rows:
                     row.future.cancel()
 
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[tuple[int, float]]:
+        """Sample one request with ``n == 1``, yielding each ``(token_id, logprob)`` as the scheduler samples it.
+
+        The row decodes in the running batch like any `generate` row (same seed, same tokens). The stream ends
+        after the stop token or the ``max_tokens``-th token; leaving the iteration early frees the row's slot at
+        the next step.
+        """
+        if not isinstance(request, GenerateRequest):
+            raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
+        if request.params.n != 1:
+            raise ValueError(f"request.params.n must be 1 to stream, got {request.params.n}")
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+
+        def on_token(token: int, logprob: float) -> None:
+            try:
+                loop.call_soon_threadsafe(tokens.put_nowait, (token, logprob))
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
+        row = _Row(tuple(request.prompt_ids), request.params, 0, loop.create_future(), loop, on_token=on_token)
+        self._submit([row])
+        try:
+            while True:
+                get = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({get, row.future}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                    continue
+                get.cancel()
+                # Tokens and the result reach this loop in the order the scheduler sent them: all are queued.
+                row.future.result()
+                while not tokens.empty():
+                    yield tokens.get_nowait()
+                return
+        finally:
+            row.future.cancel()
+
     async def update_weights(self, weights: Any) -> None:
         """Load new weights (a state dict or a module with the same parameter names) once no row is decoding.
 
@@ -410,7 +453,7 @@ class HFEngine:
             if row.params.temperature > 0:
                 seed = row.params.seed
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_stream)) if seed is None else seed
-                row.generator = torch.Generator().manual_seed(seed + row.sample_index)
+                row.generator = torch.Generator().manual_seed(choice_seed(seed, row.sample_index))
         found = [self._prefixes.lookup(row.prompt_ids) for row in rows]
         for row, (_, _, key) in zip(rows, found, strict=True):
             row.prefix_key = key

@@ -10,20 +10,27 @@ Session key, first that applies: the path prefix ``/sessions/{id}/v1/...``; the 
 request's ``user`` field; else ``"default"``.
 
 Out of process (``orchard serve-proxy``): ``GET /sessions`` lists sessions, ``GET /sessions/{id}/calls`` returns a
-session's `CallRecord`s as JSON, ``DELETE /sessions/{id}`` drops them.
+session's `CallRecord`s as JSON, ``GET /sessions/{id}/samples`` its training samples and
+``GET /sessions/{id}/trajectory`` its conversation as a `Trajectory` with them (`fetch_trajectory` reads it back),
+``DELETE /sessions/{id}`` drops them.
+
+Streaming (``stream: true``): each upstream chunk is forwarded to the client as it arrives (in the client's view),
+while the proxy accumulates the chunks' token ids and log-probs; the call is recorded, like a whole answer, before
+the final ``[DONE]`` is forwarded. A stream the client or the upstream broke off is not recorded.
 
 Upstream: a base URL of an OpenAI-compatible server that returns token ids (our ``orchard serve-model``, or vLLM
-with ``return_token_ids``), or an in-process `Engine` plus tokenizer (served by `build_app` through an ASGI
-transport, no socket). Streaming is not supported (400).
+>= 0.10.2 with ``return_token_ids``; a trailing ``/v1`` is accepted), or an in-process `Engine` plus tokenizer
+(served by `build_app` through an ASGI transport, no socket).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -33,11 +40,11 @@ from orchard._extras import requires_extra
 with requires_extra("rollout"):
     import httpx
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orchard.data import RenderedSample, RenderReport
+from orchard.data import Message, RenderedSample, RenderReport, Trajectory
 from orchard.rollout.engine import Engine
-from orchard.rollout.server import build_app
+from orchard.rollout.server import build_app, normalize_messages
 
 SESSION_HEADER = "X-Session-Id"
 DEFAULT_SESSION = "default"
@@ -106,21 +113,31 @@ def _choice_logprobs(choice: Mapping[str, Any]) -> list[float] | None:
 
 class RecordingProxy:
     """Args:
-    upstream: base URL of an OpenAI-compatible server (``http://host:port``, without ``/v1``), or an `Engine`.
-    tokenizer: needed with an `Engine` upstream; with a URL it is used to turn ``token_id:N`` labels back into
-        text for clients that asked for log-probs but not for ids.
+    upstream: base URL of an OpenAI-compatible server (``http://host:port``; a trailing ``/v1`` is accepted), or
+        an `Engine`.
+    tokenizer: needed with an `Engine` upstream. With a URL it is optional: with it the proxy asks the upstream
+        for ``token_id:N`` labels and turns them back into text for clients that asked for log-probs but not for
+        ids (works with any vLLM); without it the upstream labels tokens as text and the ids come from the
+        choices' ``token_ids`` (vLLM >= 0.10.2, ``orchard serve-model``).
     timeout_s: per upstream call. Default 600.
+    model_name: with an `Engine` upstream, the model name requests must give (what ``/v1/models`` lists).
+        Default ``"orchard"``.
     """
 
-    def __init__(self, upstream: str | Engine, tokenizer: Any = None, *, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, upstream: str | Engine, tokenizer: Any = None, *, timeout_s: float = 600.0, model_name: str = "orchard"
+    ) -> None:
         if isinstance(upstream, str):
             if not upstream.startswith(("http://", "https://")):
                 raise ValueError(f"upstream must be an http(s) URL or an Engine, got {upstream!r}")
-            self._client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s)
+            # the OpenAI base-URL habit: routes are forwarded under /v1 already
+            self.upstream = upstream.rstrip("/").removesuffix("/v1")
+            self._client = httpx.AsyncClient(base_url=self.upstream, timeout=timeout_s)
         elif hasattr(upstream, "generate"):
             if tokenizer is None:
                 raise ValueError("tokenizer is required when upstream is an Engine")
-            inner = build_app(upstream, tokenizer)
+            self.upstream = "in-process engine"
+            inner = build_app(upstream, tokenizer, model_name=model_name)
             self._client = httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=inner), base_url="http://engine", timeout=timeout_s
             )
@@ -177,6 +194,35 @@ class RecordingProxy:
                 )
         return out
 
+    def trajectory(self, session_id: str) -> Trajectory:
+        """The session as one `Trajectory`: the conversation of its last chat call (the request's messages and the
+        answer's first choice, which carries its sampled ids and log-probs), the tools offered, and every call's
+        training samples (`samples`) in ``samples``. A session without chat calls gives empty messages."""
+        calls = self.calls(session_id)
+        samples = self.samples(session_id)
+        metadata = {"session_id": session_id, "calls": len(calls)}
+        chats = [c for c in calls if c.endpoint == "chat.completions"]
+        if not chats:
+            return Trajectory(metadata=metadata, samples=samples)
+        last = chats[-1]
+        keys = ("role", "content", "tool_calls", "tool_call_id", "name")
+        messages = [
+            Message.from_dict({k: m[k] for k in keys if m.get(k) is not None})
+            for m in normalize_messages(last.request.get("messages"))
+        ]
+        choices = last.response.get("choices") or []
+        if choices and last.choices:
+            answer = {k: v for k, v in (choices[0].get("message") or {}).items() if k in keys and v is not None}
+            recorded = last.choices[0]
+            known = len(recorded.logprobs) == len(recorded.token_ids)
+            messages.append(
+                Message.from_dict(
+                    {**answer, "token_ids": recorded.token_ids, "logprobs": recorded.logprobs if known else None}
+                )
+            )
+        return Trajectory(messages=messages, tools=list(last.request.get("tools") or []), metadata=metadata,
+                          samples=samples)
+
     # ---- the app ----------------------------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
@@ -189,7 +235,10 @@ class RecordingProxy:
         @app.get("/v1/models")
         @app.get("/sessions/{session_id}/v1/models")
         async def models(session_id: str | None = None) -> Response:
-            r = await self._client.get("/v1/models")
+            try:
+                r = await self._client.get("/v1/models")
+            except httpx.HTTPError as exc:
+                return self._upstream_failed(exc)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
 
         @app.get("/sessions")
@@ -199,6 +248,15 @@ class RecordingProxy:
         @app.get("/sessions/{session_id}/calls")
         async def session_calls(session_id: str) -> dict[str, Any]:
             return {"session_id": session_id, "calls": [asdict(c) for c in self.calls(session_id)]}
+
+        @app.get("/sessions/{session_id}/samples")
+        async def session_samples(session_id: str) -> dict[str, Any]:
+            return {"session_id": session_id, "samples": [sample_to_json(s) for s in self.samples(session_id)]}
+
+        @app.get("/sessions/{session_id}/trajectory")
+        async def session_trajectory(session_id: str) -> dict[str, Any]:
+            trajectory = self.trajectory(session_id)
+            return {**trajectory.to_dict(), "samples": [sample_to_json(s) for s in trajectory.samples]}
 
         @app.delete("/sessions/{session_id}")
         async def drop_session(session_id: str) -> dict[str, Any]:
@@ -226,34 +284,79 @@ class RecordingProxy:
             )
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "body must be a JSON object"}}, status_code=400)
-        if body.get("stream"):
-            return JSONResponse(
-                {"error": {"message": "stream is not supported by the recording proxy", "param": "stream"}},
-                400,
-            )
         user = body.get("user") if isinstance(body.get("user"), str) else None
         session = path_session or request.headers.get(SESSION_HEADER) or user or DEFAULT_SESSION
         upstream_body = copy.deepcopy(body)
         upstream_body["return_token_ids"] = True
-        upstream_body["return_tokens_as_token_ids"] = True
+        if self.tokenizer is not None:
+            upstream_body["return_tokens_as_token_ids"] = True
         if kind == "chat.completions":
             upstream_body["logprobs"] = True
         elif upstream_body.get("logprobs") is None:
             upstream_body["logprobs"] = 0
         started, t0 = time.time(), time.perf_counter()
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        if body.get("stream"):
+            return await self._forward_stream(endpoint, kind, session, body, upstream_body, headers)
         try:
             r = await self._client.post(f"/v1/{endpoint}", json=upstream_body, headers=headers)
         except httpx.HTTPError as exc:
-            return JSONResponse(
-                {"error": {"message": f"upstream failed: {exc}", "type": "upstream_error"}}, 502
-            )
+            return self._upstream_failed(exc)
         duration = time.perf_counter() - t0
         if r.status_code != 200:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         data = r.json()
         self._record(session, kind, body, data, started, duration)
         return JSONResponse(self._client_view(body, data, kind))
+
+    def _upstream_failed(self, exc: httpx.HTTPError) -> JSONResponse:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        return JSONResponse(
+            {"error": {"message": f"upstream {self.upstream} failed: {type(exc).__name__}: {reason}",
+                       "type": "upstream_error", "param": None, "code": None}},
+            502,
+        )
+
+    async def _forward_stream(
+        self,
+        endpoint: str,
+        kind: str,
+        session: str,
+        body: dict[str, Any],
+        upstream_body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> Response:
+        started, t0 = time.time(), time.perf_counter()
+        upstream = self._client.build_request("POST", f"/v1/{endpoint}", json=upstream_body, headers=headers)
+        try:
+            r = await self._client.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            return self._upstream_failed(exc)
+        if r.status_code != 200:
+            content = await r.aread()
+            await r.aclose()
+            return Response(content, status_code=r.status_code, media_type="application/json")
+
+        async def relay() -> AsyncIterator[bytes]:
+            whole = _StreamedCall(kind)
+            try:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # event separators and SSE comments
+                    payload = line.removeprefix("data:").strip()
+                    if payload == "[DONE]":
+                        if not whole.failed:
+                            duration = time.perf_counter() - t0
+                            self._record(session, kind, body, whole.response(), started, duration)
+                        yield b"data: [DONE]\n\n"
+                        return
+                    chunk = json.loads(payload)
+                    whole.add(chunk)
+                    yield f"data: {json.dumps(self._client_view(body, chunk, kind))}\n\n".encode()
+            finally:
+                await r.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
 
     def _record(
         self,
@@ -311,6 +414,8 @@ class RecordingProxy:
 
         for entry in logprobs.get("content") or []:
             entry["token"] = text(entry.get("token"))
+            for alternative in entry.get("top_logprobs") or []:
+                alternative["token"] = text(alternative.get("token"))
         if logprobs.get("tokens") is not None:
             logprobs["tokens"] = [text(t) for t in logprobs["tokens"]]
         if logprobs.get("top_logprobs") is not None:
@@ -318,3 +423,106 @@ class RecordingProxy:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def sample_to_json(sample: RenderedSample) -> dict[str, Any]:
+    """A `RenderedSample`'s tensors as JSON lists (what ``GET /sessions/{id}/samples`` returns)."""
+    return {
+        name: getattr(sample, name).tolist()
+        for name in ("input_ids", "action_mask", "turn_index", "old_logprobs", "logprob_mask")
+    }
+
+
+def sample_from_json(data: Mapping[str, Any]) -> RenderedSample:
+    """Invert `sample_to_json`."""
+    ids = data["input_ids"]
+    return RenderedSample(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        action_mask=torch.tensor(data["action_mask"], dtype=torch.bool),
+        turn_index=torch.tensor(data["turn_index"], dtype=torch.long),
+        old_logprobs=torch.tensor(data["old_logprobs"], dtype=torch.float32),
+        logprob_mask=torch.tensor(data["logprob_mask"], dtype=torch.bool),
+        report=RenderReport(full_length=len(ids)),
+    )
+
+
+def fetch_trajectory(proxy_url: str, session_id: str, *, timeout_s: float = 60.0) -> Trajectory:
+    """A session of an out-of-process proxy (``orchard serve-proxy``) as a `Trajectory` with its training samples
+    (`RecordingProxy.trajectory` over HTTP)."""
+    if not isinstance(proxy_url, str) or not proxy_url.startswith(("http://", "https://")):
+        raise ValueError(f"proxy_url must be an http(s) URL, got {proxy_url!r}")
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+    r = httpx.get(f"{proxy_url.rstrip('/')}/sessions/{session_id}/trajectory", timeout=timeout_s)
+    r.raise_for_status()
+    data = r.json()
+    samples = [sample_from_json(s) for s in data.pop("samples")]
+    trajectory = Trajectory.from_dict(data)
+    trajectory.samples = samples
+    return trajectory
+
+
+@dataclass
+class _StreamedChoice:
+    token_ids: list[int] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    """Chat log-prob entries (``logprobs.content``)."""
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class _StreamedCall:
+    """The chunks of a streamed call, joined into the body the upstream would have answered without streaming."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.choices: dict[int, _StreamedChoice] = {}
+        self.prompt_token_ids: list[int] | None = None
+        self.usage: Any = None
+        self.failed = False
+
+    def add(self, chunk: Mapping[str, Any]) -> None:
+        if "error" in chunk:
+            self.failed = True
+            return
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = list(chunk["prompt_token_ids"])
+        self.usage = chunk.get("usage") or self.usage
+        for c in chunk.get("choices") or []:
+            choice = self.choices.setdefault(int(c.get("index", 0)), _StreamedChoice())
+            choice.token_ids += [int(t) for t in c.get("token_ids") or []]
+            if c.get("prompt_token_ids") is not None:
+                choice.prompt_token_ids = list(c["prompt_token_ids"])
+            logprobs = c.get("logprobs") or {}
+            choice.entries += logprobs.get("content") or []
+            choice.tokens += logprobs.get("tokens") or []
+            choice.token_logprobs += logprobs.get("token_logprobs") or []
+            delta = c.get("delta") or {}
+            choice.text += (delta.get("content") if self.kind == "chat.completions" else c.get("text")) or ""
+            for call in delta.get("tool_calls") or []:
+                whole = choice.tool_calls.setdefault(int(call.get("index", 0)), {"function": {"arguments": ""}})
+                for key in ("id", "type"):
+                    whole[key] = call.get(key) or whole.get(key)
+                function = call.get("function") or {}
+                whole["function"]["name"] = function.get("name") or whole["function"].get("name")
+                whole["function"]["arguments"] += function.get("arguments") or ""
+            choice.finish_reason = c.get("finish_reason") or choice.finish_reason
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, c in sorted(self.choices.items()):
+            if self.kind == "chat.completions":
+                message: dict[str, Any] = {"role": "assistant", "content": c.text or None}
+                if c.tool_calls:
+                    message["tool_calls"] = [c.tool_calls[k] for k in sorted(c.tool_calls)]
+                choice = {"index": index, "message": message, "logprobs": {"content": c.entries}}
+            else:
+                choice = {"index": index, "text": c.text,
+                          "logprobs": {"tokens": c.tokens, "token_logprobs": c.token_logprobs},
+                          "prompt_token_ids": c.prompt_token_ids}
+            choices.append({**choice, "finish_reason": c.finish_reason, "token_ids": c.token_ids})
+        return {"choices": choices, "prompt_token_ids": self.prompt_token_ids, "usage": self.usage}

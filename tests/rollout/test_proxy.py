@@ -4,11 +4,12 @@ import threading
 
 import httpx
 import openai
+import pytest
 import torch
 
 from orchard.data import Message, ToolCall, Trajectory, render_turns
 from orchard.rollout.hf_engine import HFEngine
-from orchard.rollout.proxy import RecordingProxy
+from orchard.rollout.proxy import RecordingProxy, fetch_trajectory
 from orchard.rollout.scripted import ScriptedEngine
 from orchard.rollout.server import build_app, serve_in_thread
 
@@ -38,7 +39,7 @@ def _harness(base_url, headers=None, user=None):
     extra = {"user": user} if user else {}
     for _ in range(5):
         resp = client.chat.completions.create(
-            model="m", messages=messages, tools=TOOLS, temperature=1.0, **extra
+            model="orchard", messages=messages, tools=TOOLS, temperature=1.0, **extra
         )
         msg = resp.choices[0].message
         assistant = {"role": "assistant", "content": msg.content}
@@ -116,24 +117,25 @@ def test_proxy_in_front_of_a_real_server_keeps_the_client_view(tokenizer, tiny_m
         with serve_in_thread(proxy.app) as url:
             client = openai.OpenAI(base_url=f"{url}/sessions/s/v1", api_key="unused", max_retries=0)
             plain = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+                model="orchard", messages=[{"role": "user", "content": "hi"}], max_tokens=5
             )
             assert plain.choices[0].logprobs is None  # the client did not ask
             asked = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, seed=1
+                model="orchard", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, seed=1
             )
             labels = [t.token for t in asked.choices[0].logprobs.content]
             ids = asked.choices[0].model_extra["token_ids"]
             assert labels == [tokenizer.decode([t]) for t in ids]  # text labels, as OpenAI returns them
-            comp = client.completions.create(model="m", prompt=[4, 5, 6], max_tokens=4)
+            comp = client.completions.create(model="orchard", prompt=[4, 5, 6], max_tokens=4)
             assert comp.choices[0].logprobs is None
             assert (
-                httpx.post(f"{url}/v1/chat/completions", json={"messages": [], "stream": True}).status_code
-                == 400
-            )
+                httpx.post(f"{url}/v1/chat/completions", json={"model": "orchard", "messages": [], "stream": True})
+                .status_code == 400
+            )  # upstream's, streamed or not
             assert httpx.post(f"{url}/v1/embeddings", json={}).status_code == 404
             assert (
-                httpx.post(f"{url}/v1/chat/completions", json={"messages": []}).status_code == 400
+                httpx.post(f"{url}/v1/chat/completions", json={"model": "orchard", "messages": []}).status_code
+                == 400
             )  # upstream's
         samples = proxy.samples("s")
         assert len(samples) == 3 and all(bool(s.logprob_mask[s.action_mask].all()) for s in samples)
@@ -146,3 +148,109 @@ def test_proxy_in_front_of_a_real_server_keeps_the_client_view(tokenizer, tiny_m
             s.old_logprobs[1:][s.action_mask[1:]], ref[s.action_mask[1:]], atol=3e-5, rtol=1e-5
         )
         assert samples[2].input_ids[:3].tolist() == [4, 5, 6]
+
+
+class GatedStreamEngine:
+    """Streams ``tokens`` (log-prob of token k: -0.1 * (k + 1)), pausing after the first until the test opens
+    ``gate`` (at most 10 s): ``gate_was_open`` tells whether the client saw the first token while the engine was
+    still generating, i.e. whether everything between them forwards chunks as they arrive."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+        self.gate = threading.Event()
+        self.gate_was_open = None
+
+    async def generate_stream(self, request):
+        import asyncio
+
+        for k, t in enumerate(self.tokens):
+            yield t, -0.1 * (k + 1)
+            if k == 0:
+                self.gate_was_open = await asyncio.to_thread(self.gate.wait, 10)
+
+    async def generate(self, requests):
+        raise AssertionError("this engine only streams")
+
+    async def update_weights(self, weights):
+        pass
+
+    async def close(self):
+        pass
+
+
+def test_streamed_tool_call_through_the_proxy_is_forwarded_live_and_recorded(tokenizer):
+    text = "Looking.\n" + _call("ls")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    engine = GatedStreamEngine(ids)
+    with serve_in_thread(build_app(engine, tokenizer)) as upstream:
+        proxy = RecordingProxy(f"{upstream}/v1")  # the OpenAI base-URL habit; no tokenizer: text labels
+        with serve_in_thread(proxy.app) as url:
+            client = openai.OpenAI(base_url=f"{url}/sessions/s/v1", api_key="unused", max_retries=0)
+            stream = client.chat.completions.create(
+                model="orchard", messages=[{"role": "user", "content": "Fix it."}], tools=TOOLS, stream=True
+            )
+            content, calls, finish, streamed_ids = "", [], None, []
+            for chunk in stream:
+                for c in chunk.choices:
+                    assert c.logprobs is None  # the client did not ask
+                    streamed_ids += c.model_extra.get("token_ids") or []
+                    if streamed_ids:
+                        engine.gate.set()
+                    content += c.delta.content or ""
+                    calls += c.delta.tool_calls or []
+                    finish = c.finish_reason or finish
+            assert engine.gate_was_open is True  # the first token reached the client before the second was made
+            assert content == "Looking." and finish == "tool_calls" and streamed_ids == ids
+            (call,) = calls
+            assert call.function.name == "exec" and call.function.arguments == '{"command": "ls"}'
+            fetched = fetch_trajectory(url, "s")
+        (record,) = proxy.calls("s")
+        assert record.choices[0].token_ids == ids and record.choices[0].finish_reason == "tool_calls"
+        assert record.choices[0].logprobs == pytest.approx([-0.1 * (k + 1) for k in range(len(ids))])
+        # the recorded prompt is the one the engine sampled from: the chat template of the request
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Fix it."}], tools=TOOLS, add_generation_prompt=True, tokenize=False
+        )
+        assert record.prompt_ids == [tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+    # the same session, read back over HTTP as a Trajectory with its training samples
+    (sample,) = proxy.samples("s")
+    (got,) = fetched.samples
+    for name in ("input_ids", "action_mask", "turn_index", "old_logprobs", "logprob_mask"):
+        assert torch.equal(getattr(sample, name), getattr(got, name)), name
+    assert [m.role for m in fetched.messages] == ["user", "assistant"] and fetched.tools == TOOLS
+    answer = fetched.messages[-1]
+    assert answer.token_ids == ids and answer.tool_calls[0].name == "exec" and answer.content == "Looking."
+    assert fetched.metadata == {"session_id": "s", "calls": 1}
+
+
+def test_without_a_tokenizer_labels_are_text_and_ids_still_recorded(tokenizer, tiny_model):
+    with serve_in_thread(build_app(HFEngine(tiny_model), tokenizer)) as upstream:
+        proxy = RecordingProxy(upstream)
+        with serve_in_thread(proxy.app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            asked = client.chat.completions.create(
+                model="orchard", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True
+            )
+            ids = asked.choices[0].model_extra["token_ids"]
+            assert [t.token for t in asked.choices[0].logprobs.content] == [tokenizer.decode([t]) for t in ids]
+            as_ids = client.chat.completions.create(
+                model="orchard", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True,
+                extra_body={"return_tokens_as_token_ids": True},
+            )
+            ids2 = as_ids.choices[0].model_extra["token_ids"]
+            assert [t.token for t in as_ids.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids2]
+    assert [r.choices[0].token_ids for r in proxy.calls("default")] == [ids, ids2]
+    assert all(len(r.choices[0].logprobs) == len(r.choices[0].token_ids) for r in proxy.calls("default"))
+
+
+def test_a_dead_upstream_is_one_clear_502():
+    proxy = RecordingProxy("http://127.0.0.1:9/v1")  # port 9 (discard): nothing listens on loopback
+    with serve_in_thread(proxy.app) as url:
+        body = {"model": "orchard", "messages": [{"role": "user", "content": "hi"}]}
+        for r in (
+            httpx.get(f"{url}/v1/models"),
+            httpx.post(f"{url}/v1/chat/completions", json=body),
+            httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": True}),
+        ):
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["message"].startswith("upstream http://127.0.0.1:9 failed: ConnectError")

@@ -132,9 +132,7 @@ def test_completions_with_token_ids_stop_strings_and_errors(hf_server, tokenizer
     assert stop in tokenizer.decode(c.model_extra["token_ids"], skip_special_tokens=True)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="hi", temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True)
-    r = httpx.post(f"{hf_server}/v1/chat/completions", json={"messages": []})
+    r = httpx.post(f"{hf_server}/v1/chat/completions", json={"model": "tiny", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert httpx.get(f"{hf_server}/health").json() == {"status": "ok"}
 
@@ -168,12 +166,13 @@ def test_one_engine_serves_a_server_thread_and_the_callers_loop(tokenizer, tiny_
     from orchard.rollout.engine import GenerateRequest, SamplingParams
 
     engine = HFEngine(tiny_model)
-    request = GenerateRequest([5, 6, 7], SamplingParams(max_tokens=6, seed=9))
+    request = GenerateRequest([5, 6, 7], SamplingParams(max_tokens=6, seed=9))  # no stop token, as ignore_eos
     with serve_in_thread(build_app(engine, tokenizer)) as url:
         remote = {}
 
         def call():
-            body = {"prompt": [5, 6, 7], "max_tokens": 6, "seed": 9, "logprobs": 0}
+            body = {"model": "orchard", "prompt": [5, 6, 7], "max_tokens": 6, "seed": 9, "logprobs": 0,
+                    "ignore_eos": True}
             remote["r"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
 
         thread = threading.Thread(target=call)

@@ -200,12 +200,12 @@ def test_step_values_by_url_against_a_server(tokenizer):
     app = build_app(ScriptedValueEstimator(tokenizer), tokenizer, model_name="value-teacher")
     with serve_in_thread(app) as url:
         assert step_values(FAILED, client_or_engine=url, model="value-teacher") == values_of(FAILED)
-        assert step_values(RESOLVED, client_or_engine=url + "/v1") == values_of(RESOLVED)
+        assert step_values(RESOLVED, client_or_engine=url + "/v1", model="value-teacher") == values_of(RESOLVED)
         # the values feed credit-assigned SFT: the failed trajectory is supervised on its run, steps 0-1 only
         failed = trajectory([REPRODUCE, OPEN, WRONG_FIX, PASS, WRONG_FIX, FAIL, DONE], -1.0)
         failed.samples = [render_trajectory(failed, tokenizer)]
         samples, stats = sft_samples([failed], mode="credit",
-                                     step_values=functools.partial(step_values, client_or_engine=url))
+                                     step_values=functools.partial(step_values, client_or_engine=url, model="value-teacher"))
         assert stats["sft/credit_trajectories"] == 1 and stats["sft/credit_steps"] == 2
         (sample,) = samples
         supervised = set(sample.turn_index[sample.action_mask].tolist())
