@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from orchard._extras import requires_extra
@@ -59,7 +60,8 @@ from orchard.domains.swe.convention import (
     run_command,
     truncate_output,
 )
-from orchard.env import AsyncSandboxClient, RetryPolicy, SandboxError
+from orchard.env import AsyncSandboxClient, SandboxError
+from orchard.rollout.program import play_all, read_episodes
 
 SESSION_HEADER = "X-Session-Id"
 """The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
@@ -261,54 +263,8 @@ async def run_episode(http: httpx.AsyncClient, env: AsyncSandboxClient, settings
     return out
 
 
-def read_episodes(path: str) -> list[dict[str, Any]]:
-    """The episodes file: JSONL objects with str ``session_id``, ``sandbox_id`` and ``prompt``; ids unique."""
-    episodes, seen = [], set()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                episode = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"episodes line {n} is not JSON: {exc.msg}") from exc
-            for key in ("session_id", "sandbox_id", "prompt"):
-                if not isinstance(episode, dict) or not isinstance(episode.get(key), str) or not episode[key]:
-                    raise ValueError(f"episodes line {n} needs a non-empty str {key!r}, got {line.strip()[:120]!r}")
-            if episode["session_id"] in seen:
-                raise ValueError(f"episodes line {n} repeats session_id {episode['session_id']!r}")
-            seen.add(episode["session_id"])
-            episodes.append(episode)
-    return episodes
-
-
-async def run_all(episodes: list[dict[str, Any]], settings: Settings, *, env_url: str, env_key: str | None,
-                  out_path: str, concurrency: int) -> dict[str, int]:
-    """Play every episode, at most ``concurrency`` at once, appending each result to ``out_path`` as it ends;
-    returns the count of each termination reason."""
-    semaphore = asyncio.Semaphore(concurrency)
-    counts: dict[str, int] = {}
-    retry = RetryPolicy(max_attempts=3, backoff_base_s=0.2, backoff_max_s=2.0)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with AsyncSandboxClient(env_url, env_key, retry=retry, auto_cleanup=False) as env, \
-            httpx.AsyncClient(limits=limits) as http:
-        with open(out_path, "w") as out:
-
-            async def one(episode: dict[str, Any]) -> None:
-                async with semaphore:
-                    try:
-                        result = await run_episode(http, env, settings, episode)
-                    except Exception as exc:  # a bug here must not lose the other episodes' reports
-                        result = {"session_id": episode["session_id"], "sandbox_id": episode["sandbox_id"],
-                                  "termination_reason": "env_error", "steps": 0, "format_errors": 0,
-                                  "tool_calls": 0, "error": f"harness: {type(exc).__name__}: {exc}",
-                                  "messages": [], "wall_s": 0.0}
-                out.write(json.dumps(result) + "\n")
-                out.flush()
-                counts[result["termination_reason"]] = counts.get(result["termination_reason"], 0) + 1
-
-            await asyncio.gather(*(one(e) for e in episodes))
-    return counts
+async def _play(http: Any, env: Any, episode: dict[str, Any], *, settings: Settings) -> dict[str, Any]:
+    return await run_episode(http, env, settings, episode)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -366,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                         temperature=args.temperature, top_p=args.top_p, max_format_errors=args.max_format_errors,
                         max_time_s=args.max_time_s, model_timeout_s=args.model_timeout_s,
                         exec_timeout_s=args.exec_timeout_s, max_output_chars=args.max_output_chars)
-    counts = asyncio.run(run_all(episodes, settings, env_url=args.env_url, env_key=env_key, out_path=args.out,
-                                 concurrency=args.concurrency))
+    counts = asyncio.run(play_all(episodes, partial(_play, settings=settings), env_url=args.env_url,
+                                  env_key=env_key, out_path=args.out,
+                                  concurrency=args.concurrency))
     print(json.dumps({"episodes": len(episodes), "termination": counts}), file=sys.stderr)
     return 0
 

@@ -25,9 +25,7 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import secrets
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
 from orchard.rollout.agent_loop import ENV_ERRORS
+from orchard.rollout.program import program_env, read_results, run_program
 from orchard.rollout.proxy import RecordingProxy
 from orchard.rollout.rollouts import ProxyRollouts
 from orchard.rollout.serving import serve_app
@@ -91,40 +90,8 @@ class _Episode:
             samples=list(samples))
 
 
-def _program_env(env_key: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env[KEY_ENV] = env_key or ""
-    root = str(Path(__file__).resolve().parents[3])  # the directory that holds the orchard package
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-async def _run_program(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
-    """Run the program; returns (exit status or None when it was killed for time, the tail of its stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", PROGRAM, *argv, env=env,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    try:
-        _, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
-        return proc.returncode, stderr.decode(errors="replace")[-2000:]
-    except TimeoutError:
-        return None, f"the harness program ran past {timeout_s:.0f} s and was killed"
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
-def _read_results(path: Path) -> dict[str, dict[str, Any]]:
-    results: dict[str, dict[str, Any]] = {}
-    if not path.exists():
-        return results
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash: that episode was not reported
-            result = json.loads(line)
-            if isinstance(result, dict) and isinstance(result.get("session_id"), str):
-                results[result["session_id"]] = result
-    return results
+_run_program = partial(run_program, PROGRAM)
+"""Runs the program (``orchard.rollout.program.run_program`` of this module); a test may put a spy here."""
 
 
 async def run_swe_episodes(
@@ -262,8 +229,8 @@ async def run_swe_episodes(
                         "--max-time-s", repr(float(max_time_s)), "--exec-timeout-s", repr(float(exec_timeout_s)),
                         "--max-output-chars", str(max_output_chars)]
                 limit = program_timeout_s or max_time_s * math.ceil(len(ready) / concurrency) + 120
-                status, stderr = await _run_program(argv, _program_env(env_key), limit)
-                results = _read_results(out_path)
+                status, stderr = await _run_program(argv, program_env(KEY_ENV, env_key), limit)
+                results = read_results(out_path)
             for e in ready:
                 result = results.get(e.session_id)
                 if result is None:

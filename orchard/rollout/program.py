@@ -1,0 +1,129 @@
+"""A harness we do not control, as a separate program: both sides of the contract, once for every domain.
+
+A domain's harness program (the Claw text harness, the SWE bash / tool harness) reaches the model only through an
+OpenAI endpoint (the recording proxy) and its sandboxes through the service. The launcher writes an episodes
+file, runs the program, and reads one JSON result per episode back::
+
+    launcher (this process)                          program (python -m <module> ...)
+    episodes.jsonl: {session_id, sandbox_id, prompt}  read_episodes(path)
+    run_program(module, argv, program_env(...))  -->  play_all(episodes, play, ...)  # one line per finished episode
+    read_results(out.jsonl)                      <--  results.jsonl: {session_id, termination_reason, ...}
+
+The service's key travels to the child in an environment variable (``program_env``), never on its command line.
+An episode the program never reported (it crashed, or ran past its time) is simply absent from ``read_results``:
+the launcher marks it ``env_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from orchard._extras import requires_extra
+from orchard.env import AsyncSandboxClient, RetryPolicy
+
+__all__ = ["play_all", "program_env", "read_episodes", "read_results", "run_program"]
+
+EPISODE_KEYS = ("session_id", "sandbox_id", "prompt")
+"""What every line of an episodes file holds (non-empty strings; ``session_id`` unique)."""
+
+
+def program_env(key_env: str, env_key: str | None) -> dict[str, str]:
+    """The child's environment: this one, the service key in ``key_env``, and the orchard package importable."""
+    env = dict(os.environ)
+    env[key_env] = env_key or ""
+    root = str(Path(__file__).resolve().parents[2])  # the directory that holds the orchard package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+async def run_program(module: str, argv: list[str], env: Mapping[str, str], timeout_s: float,
+                      ) -> tuple[int | None, str]:
+    """``python -m module *argv``; returns (exit status, or None when it was killed for time; the tail of its
+    stderr). The child is killed and reaped on timeout, error or cancellation."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *argv, env=dict(env),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
+        return proc.returncode, stderr.decode(errors="replace")[-2000:]
+    except TimeoutError:
+        return None, f"the harness program ran past {timeout_s:.0f} s and was killed"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def read_results(path: Path) -> dict[str, dict[str, Any]]:
+    """The program's results by ``session_id``; a line cut by a crash is an episode that was not reported."""
+    results: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return results
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            result = json.loads(line)
+            if isinstance(result, dict) and isinstance(result.get("session_id"), str):
+                results[result["session_id"]] = result
+    return results
+
+
+def read_episodes(path: str) -> list[dict[str, Any]]:
+    """The episodes file: JSONL objects with str ``session_id``, ``sandbox_id`` and ``prompt``; ids unique."""
+    episodes, seen = [], set()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                episode = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"episodes line {n} is not JSON: {exc.msg}") from exc
+            for key in EPISODE_KEYS:
+                if not isinstance(episode, dict) or not isinstance(episode.get(key), str) or not episode[key]:
+                    raise ValueError(f"episodes line {n} needs a non-empty str {key!r}, got {line.strip()[:120]!r}")
+            if episode["session_id"] in seen:
+                raise ValueError(f"episodes line {n} repeats session_id {episode['session_id']!r}")
+            seen.add(episode["session_id"])
+            episodes.append(episode)
+    return episodes
+
+
+async def play_all(episodes: list[dict[str, Any]], play: Callable[[Any, AsyncSandboxClient, dict[str, Any]],
+                                                                  Awaitable[dict[str, Any]]],
+                   *, env_url: str, env_key: str | None, out_path: str, concurrency: int) -> dict[str, int]:
+    """``await play(http, sandboxes, episode)`` for every episode, at most ``concurrency`` at once, appending each
+    result to ``out_path`` as it ends (a bug in one episode is reported as its ``env_error``, never losing the
+    others); returns the count of each termination reason."""
+    with requires_extra("rollout"):
+        import httpx
+
+    semaphore = asyncio.Semaphore(concurrency)
+    counts: dict[str, int] = {}
+    retry = RetryPolicy(max_attempts=3, backoff_base_s=0.2, backoff_max_s=2.0)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with AsyncSandboxClient(env_url, env_key, retry=retry, auto_cleanup=False) as env, \
+            httpx.AsyncClient(limits=limits) as http:
+        with open(out_path, "w") as out:
+
+            async def one(episode: dict[str, Any]) -> None:
+                async with semaphore:
+                    try:
+                        result = await play(http, env, episode)
+                    except Exception as exc:  # a bug here must not lose the other episodes' reports
+                        result = {"session_id": episode["session_id"], "sandbox_id": episode["sandbox_id"],
+                                  "termination_reason": "env_error", "steps": 0, "format_errors": 0,
+                                  "tool_calls": 0, "error": f"harness: {type(exc).__name__}: {exc}",
+                                  "messages": [], "wall_s": 0.0}
+                out.write(json.dumps(result) + "\n")
+                out.flush()
+                counts[result["termination_reason"]] = counts.get(result["termination_reason"], 0) + 1
+
+            await asyncio.gather(*(one(e) for e in episodes))
+    return counts
