@@ -26,9 +26,6 @@ supported yet.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import random
 import sys
 from dataclasses import dataclass, field
@@ -49,7 +46,7 @@ from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
 from orchard.stages.sandboxes import sandbox_service
-from orchard.train.config import config_to_dict, format_config, load_config
+from orchard.train.config import config_to_dict
 
 HARNESSES = ("react", "text")
 DERIVED = stages.derived_keys("sft", "rl")
@@ -149,12 +146,7 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
             trained = {h: harnesses[h] for h in cfg.harnesses}
 
             async def held_out(stage: str, step: int) -> None:
-                evaluated = {h: harnesses[h] for h in cfg.eval.harnesses}
-                results[stage] = await stages.evaluate(evaluated, engine, heldout, attempts=cfg.eval.attempts,
-                                                       temperature=cfg.eval.temperature)
-                for harness, row in results[stage].items():
-                    log.log({f"eval/{stage}/{harness}/{k}": float(v) for k, v in row.items()}, step)
-                    log.print(f"eval {stage:4s} {harness:5s} " + " ".join(f"{k}={v:.3f}" for k, v in row.items()))
+                results[stage] = await stages.evaluate_stage(stage, step, harnesses, engine, heldout, cfg.eval, log)
 
             await held_out("base", 0)
             if cfg.sft.enabled:
@@ -185,25 +177,13 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                 await held_out("rl", cfg.rl.steps)
     await engine.close()
     log.close()
-    (out / "results.json").write_text(json.dumps(
-        {"results": results, "config": config_to_dict(cfg), "wall_s": log.elapsed_s}, indent=2))
-    stages.plot_learning_curve(sft_history, rl_history, results, out / "learning_curve.png")
-    print("\n" + stages.format_table(results, cfg.eval.attempts))
+    stages.write_results(out, results, config_to_dict(cfg), log, attempts=cfg.eval.attempts,
+                         sft_history=sft_history, rl_history=rl_history)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML file filling ClawConfig")
-    parser.add_argument("--show-config", action="store_true",
-                        help="print the resolved config (defaults, then --config, then overrides) and exit")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nested fields")
-    args = parser.parse_args(argv)
-    cfg = load_config(ClawConfig, args.config, args.overrides, derived=DERIVED)
-    print(format_config(cfg, derived=DERIVED), flush=True)
-    if not args.show_config:
-        asyncio.run(run(cfg))
-    return 0
+    return stages.recipe_main(ClawConfig, run, argv, doc=__doc__, derived=DERIVED)
 
 
 if __name__ == "__main__":

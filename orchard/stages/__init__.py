@@ -14,14 +14,15 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   credit-assigned SFT from hindsight step values), `sft_stage`
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
   `trajectory_reward`
-- reporting: `RunLog` (metrics.jsonl + timestamped console lines), `plot_learning_curve`
+- reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
+  `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
   `evaluate` and `rl_stage` shard their tasks over the launcher's ranks by themselves
 """
 
 from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, derived_keys
-from orchard.stages.evaluate import evaluate, format_table, success_row
-from orchard.stages.report import RunLog, plot_learning_curve
+from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, success_row
+from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sft import SFT_MODES, demonstrations, sft_samples, sft_stage
 
@@ -35,13 +36,16 @@ __all__ = [
     "demonstrations",
     "derived_keys",
     "evaluate",
+    "evaluate_stage",
     "format_table",
     "group_batch",
     "plot_learning_curve",
+    "recipe_main",
     "rl_stage",
     "rollout_groups",
     "sft_samples",
     "sft_stage",
     "success_row",
     "trajectory_reward",
+    "write_results",
 ]

@@ -16,9 +16,11 @@ import numpy as np
 from orchard.data import Trajectory
 from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import avg_at_k, pass_at_k, pass_hat_k
+from orchard.stages.config import EvalConfig
 from orchard.stages.ranks import all_gather_concat, init_ranks, shard_range
+from orchard.stages.report import RunLog
 
-__all__ = ["evaluate", "format_table", "success_row"]
+__all__ = ["evaluate", "evaluate_stage", "format_table", "success_row"]
 
 
 def success_row(trajectories: Sequence[Trajectory], attempts: int) -> dict[str, float]:
@@ -67,6 +69,21 @@ async def evaluate(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequen
     for name, rollouts in harnesses.items():
         trajectories = await rollouts(engine, mine, group_size=attempts, temperature=temperature) if mine else []
         rows[name] = success_row(all_gather_concat([replace(t, samples=[]) for t in trajectories]), attempts)
+    return rows
+
+
+async def evaluate_stage(stage: str, step: int, harnesses: Mapping[str, Rollouts], engine: Any,
+                         tasks: Sequence[Any], cfg: EvalConfig, log: RunLog) -> dict[str, dict[str, float]]:
+    """`evaluate` on the harnesses ``cfg.harnesses`` names, each row logged as ``eval/<stage>/<harness>/<key>`` at
+    ``step`` and printed: what a recipe does after each stage."""
+    missing = [h for h in cfg.harnesses if h not in harnesses]
+    if missing:
+        raise ValueError(f"cfg.harnesses names harnesses the recipe does not have: {missing}")
+    rows = await evaluate({h: harnesses[h] for h in cfg.harnesses}, engine, tasks, attempts=cfg.attempts,
+                          temperature=cfg.temperature)
+    for harness, row in rows.items():
+        log.log({f"eval/{stage}/{harness}/{k}": float(v) for k, v in row.items()}, step)
+        log.print(f"eval {stage:4s} {harness:5s} " + " ".join(f"{k}={v:.3f}" for k, v in row.items()))
     return rows
 
 

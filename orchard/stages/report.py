@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from orchard._extras import requires_extra
 from orchard.train.metrics import JsonlLogger
 
-__all__ = ["RunLog", "plot_learning_curve"]
+__all__ = ["RunLog", "plot_learning_curve", "recipe_main", "write_results"]
 
 
 class RunLog:
@@ -73,3 +75,40 @@ def plot_learning_curve(sft_history: Sequence[Mapping[str, float]], rl_history: 
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
+
+
+def write_results(out: str | Path, results: Mapping[str, Mapping[str, Mapping[str, float]]], config: Mapping[str, Any],
+                  log: RunLog, *, attempts: int, sft_history: Sequence[Mapping[str, float]] = (),
+                  rl_history: Sequence[Mapping[str, float]] = ()) -> None:
+    """The end of a run: ``results.json`` (results, the resolved config, wall time), ``learning_curve.png`` and the
+    printed table."""
+    from orchard.stages.evaluate import format_table
+
+    out = Path(out)
+    (out / "results.json").write_text(json.dumps({"results": results, "config": config,
+                                                  "wall_s": log.elapsed_s}, indent=2))
+    plot_learning_curve(sft_history, rl_history, results, out / "learning_curve.png")
+    print("\n" + format_table(results, attempts))
+
+
+def recipe_main(config_cls: type, run: Callable[[Any], Awaitable[Any]], argv: Sequence[str] | None, *,
+                doc: str | None, derived: Mapping[str, str]) -> int:
+    """A recipe's command line: ``[--config YAML] [--show-config] [key=value ...]``. The config is resolved
+    (defaults, then the YAML, then the overrides) and validated before any work, printed, then ``run`` (unless
+    ``--show-config``). Wrap it in ``orchard._cli.run_main`` so a config mistake is one line."""
+    import argparse
+    import asyncio
+
+    from orchard.train.config import format_config, load_config
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help=f"YAML file filling {config_cls.__name__}")
+    parser.add_argument("--show-config", action="store_true",
+                        help="print the resolved config (defaults, then --config, then overrides) and exit")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nested fields")
+    args = parser.parse_args(argv)
+    cfg = load_config(config_cls, args.config, args.overrides, derived=derived)
+    print(format_config(cfg, derived=derived), flush=True)
+    if not args.show_config:
+        asyncio.run(run(cfg))
+    return 0
