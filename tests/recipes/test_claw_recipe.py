@@ -108,4 +108,4 @@ def test_show_config_prints_the_resolved_config_and_exits():
                                                                         "rl.train.optim.lr:", "sft.epochs:"))] == [
         "sft.epochs: 16.0", "rl.steps: 5", "rl.train.global_batch_size: 64", "rl.train.optim.lr: 0.0001"]
     assert "(derived from rl.steps x rl.ppo_epochs x rl.mini_batches)" in proc.stdout
-    assert "held-out" not in proc.stdout and "eval base" not in proc.stdout  # it did not run
+    assert "eval base" not in proc.stdout and "stage  harness" not in proc.stdout  # it did not run
