@@ -20,7 +20,9 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,19 @@ from typing import Any
 from orchard._extras import requires_extra
 from orchard.env import AsyncSandboxClient, RetryPolicy
 
-__all__ = ["play_all", "program_env", "read_episodes", "read_results", "run_program"]
+__all__ = ["SESSION_HEADER", "ModelCallFailed", "OutOfTime", "chat_completion", "chat_url", "play_all",
+           "program_env", "read_episodes", "read_results", "run_program"]
+
+SESSION_HEADER = "X-Session-Id"
+"""The header that files a program's model call under its episode's proxy session."""
+
+
+class ModelCallFailed(RuntimeError):
+    """The model did not answer (after retries): the episode ends as ``env_error``, not as the policy's failure."""
+
+
+class OutOfTime(Exception):
+    """The episode's wall-clock budget ran out (``time_budget``)."""
 
 EPISODE_KEYS = ("session_id", "sandbox_id", "prompt")
 """What every line of an episodes file holds (non-empty strings; ``session_id`` unique)."""
@@ -127,3 +141,55 @@ async def play_all(episodes: list[dict[str, Any]], play: Callable[[Any, AsyncSan
 
             await asyncio.gather(*(one(e) for e in episodes))
     return counts
+
+
+def chat_url(model_url: str) -> str:
+    """``{model_url}/v1/chat/completions``, accepting a base URL with or without its ``/v1``."""
+    if not isinstance(model_url, str) or not model_url.startswith(("http://", "https://")):
+        raise ValueError(f"model_url must be an http(s) URL, got {model_url!r}")
+    base = model_url.rstrip("/")
+    return (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+
+
+async def chat_completion(http: Any, model_url: str, body: Mapping[str, Any], *, session_id: str,
+                          api_key: str | None, deadline: float, timeout_s: float, retries: int) -> dict[str, Any]:
+    """One chat completion for an episode's session; returns the reply message (a dict).
+
+    Transport failures and 5xx answers are retried ``retries`` times with jittered backoff; a 4xx is not (the
+    request is wrong). Raises `OutOfTime` when ``deadline`` (``time.monotonic()``) passes, `ModelCallFailed`
+    when no usable answer came.
+    """
+    with requires_extra("rollout"):
+        import httpx
+
+    headers = {SESSION_HEADER: session_id}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    error = ""
+    for attempt in range(retries + 1):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OutOfTime
+        try:
+            r = await http.post(chat_url(model_url), json=dict(body), headers=headers, timeout=min(left, timeout_s))
+        except httpx.TimeoutException as exc:
+            if time.monotonic() >= deadline:
+                raise OutOfTime from exc
+            error = f"timeout: {exc}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            if r.status_code == 200:
+                try:
+                    message = r.json()["choices"][0]["message"]
+                    if not isinstance(message, dict):
+                        raise TypeError("message is not an object")
+                except (ValueError, KeyError, IndexError, TypeError) as exc:
+                    raise ModelCallFailed(f"model: not a chat completion: {r.text[:300]!r}") from exc
+                return message
+            error = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code < 500:  # the request is wrong; asking again will not help
+                break
+        if attempt < retries:
+            await asyncio.sleep(random.uniform(0, 0.5 * 2**attempt))
+    raise ModelCallFailed(f"model: {error}")

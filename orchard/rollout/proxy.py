@@ -44,9 +44,9 @@ with requires_extra("rollout"):
 
 from orchard.data import Message, RenderedSample, RenderReport, Trajectory
 from orchard.rollout.engine import Engine
+from orchard.rollout.program import SESSION_HEADER
 from orchard.rollout.server import build_app, normalize_messages
 
-SESSION_HEADER = "X-Session-Id"
 DEFAULT_SESSION = "default"
 
 

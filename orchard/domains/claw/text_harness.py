@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -45,9 +44,15 @@ with requires_extra("all"):
 
 from orchard.domains.claw.convention import TEXT_SYSTEM, ToolProgramError, parse_text_action, run_tool
 from orchard.env import AsyncSandboxClient, SandboxError
-from orchard.rollout.program import play_all, read_episodes
+from orchard.rollout.program import (
+    ModelCallFailed,
+    OutOfTime,
+    chat_completion,
+    chat_url,
+    play_all,
+    read_episodes,
+)
 
-SESSION_HEADER = "X-Session-Id"
 """The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
 
 ENV_FAILURES: tuple[type[BaseException], ...] = (
@@ -72,58 +77,20 @@ class Settings:
     exec_timeout_s: float = 30.0
 
 
-class _ModelFailed(Exception):
-    pass
-
-
-class _OutOfTime(Exception):
-    pass
-
-
-def chat_url(model_url: str) -> str:
-    """``{model_url}/v1/chat/completions``, accepting a base URL with or without its ``/v1``."""
-    if not isinstance(model_url, str) or not model_url.startswith(("http://", "https://")):
-        raise ValueError(f"model_url must be an http(s) URL, got {model_url!r}")
-    base = model_url.rstrip("/")
-    return (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+_ModelFailed = ModelCallFailed
+_OutOfTime = OutOfTime
 
 
 async def _complete(http: httpx.AsyncClient, settings: Settings, session_id: str,
                     messages: list[dict[str, Any]], deadline: float) -> str:
-    """One chat completion; returns the reply's text. Retries transport failures and 5xx answers."""
+    """One chat completion; returns the reply's text (`orchard.rollout.program.chat_completion` retries)."""
     body = {"model": settings.model, "messages": messages, "max_tokens": settings.max_tokens,
             "temperature": settings.temperature, "top_p": settings.top_p}
-    headers = {SESSION_HEADER: session_id}
-    if settings.model_key:
-        headers["Authorization"] = f"Bearer {settings.model_key}"
-    error = ""
-    for attempt in range(settings.model_retries + 1):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _OutOfTime
-        try:
-            r = await http.post(chat_url(settings.model_url), json=body, headers=headers,
-                                timeout=min(left, settings.model_timeout_s))
-        except httpx.TimeoutException as exc:
-            if time.monotonic() >= deadline:
-                raise _OutOfTime from exc
-            error = f"timeout: {exc}"
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        else:
-            if r.status_code == 200:
-                try:
-                    message = r.json()["choices"][0]["message"]
-                except (ValueError, KeyError, IndexError, TypeError) as exc:
-                    raise _ModelFailed(f"model: not a chat completion: {r.text[:300]!r}") from exc
-                # A reply the server parsed into tool calls has no content: to this harness it is malformed.
-                return message.get("content") or ""
-            error = f"HTTP {r.status_code}: {r.text[:300]}"
-            if r.status_code < 500:  # the request is wrong; asking again will not help
-                break
-        if attempt < settings.model_retries:
-            await asyncio.sleep(random.uniform(0, 0.5 * 2**attempt))
-    raise _ModelFailed(f"model: {error}")
+    message = await chat_completion(http, settings.model_url, body, session_id=session_id,
+                                    api_key=settings.model_key, deadline=deadline,
+                                    timeout_s=settings.model_timeout_s, retries=settings.model_retries)
+    # A reply the server parsed into tool calls has no content: to this harness it is malformed.
+    return message.get("content") or ""
 
 
 async def run_episode(http: httpx.AsyncClient, env: AsyncSandboxClient, settings: Settings,

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -61,9 +60,15 @@ from orchard.domains.swe.convention import (
     truncate_output,
 )
 from orchard.env import AsyncSandboxClient, SandboxError
-from orchard.rollout.program import play_all, read_episodes
+from orchard.rollout.program import (
+    ModelCallFailed,
+    OutOfTime,
+    chat_completion,
+    chat_url,
+    play_all,
+    read_episodes,
+)
 
-SESSION_HEADER = "X-Session-Id"
 """The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
 
 ENV_FAILURES: tuple[type[BaseException], ...] = (SandboxError, ConnectionError, TimeoutError, OSError, httpx.HTTPError)
@@ -89,63 +94,22 @@ class Settings:
     max_output_chars: int = MAX_OUTPUT_CHARS
 
 
-class _ModelFailed(Exception):
-    pass
-
-
-class _OutOfTime(Exception):
-    pass
-
-
-def chat_url(model_url: str) -> str:
-    """``{model_url}/v1/chat/completions``, accepting a base URL with or without its ``/v1``."""
-    if not isinstance(model_url, str) or not model_url.startswith(("http://", "https://")):
-        raise ValueError(f"model_url must be an http(s) URL, got {model_url!r}")
-    base = model_url.rstrip("/")
-    return (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+_ModelFailed = ModelCallFailed
+_OutOfTime = OutOfTime
 
 
 async def _complete(http: httpx.AsyncClient, settings: Settings, session_id: str,
                     messages: list[dict[str, Any]], deadline: float) -> dict[str, Any]:
-    """One chat completion; returns the reply message. Retries transport failures and 5xx answers."""
+    """One chat completion; returns the reply message (`orchard.rollout.program.chat_completion` retries)."""
     body: dict[str, Any] = {"model": settings.model, "messages": messages, "max_tokens": settings.max_tokens,
                             "temperature": settings.temperature, "top_p": settings.top_p}
     if settings.convention == "tool":
         body["tools"] = TOOL_SCHEMAS
     else:
         body["tool_choice"] = "none"  # the bash convention parses its own text: no server-side tool parsing
-    headers = {SESSION_HEADER: session_id}
-    if settings.model_key:
-        headers["Authorization"] = f"Bearer {settings.model_key}"
-    error = ""
-    for attempt in range(settings.model_retries + 1):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _OutOfTime
-        try:
-            r = await http.post(chat_url(settings.model_url), json=body, headers=headers,
-                                timeout=min(left, settings.model_timeout_s))
-        except httpx.TimeoutException as exc:
-            if time.monotonic() >= deadline:
-                raise _OutOfTime from exc
-            error = f"timeout: {exc}"
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        else:
-            if r.status_code == 200:
-                try:
-                    message = r.json()["choices"][0]["message"]
-                    if not isinstance(message, dict):
-                        raise TypeError("message is not an object")
-                except (ValueError, KeyError, IndexError, TypeError) as exc:
-                    raise _ModelFailed(f"model: not a chat completion: {r.text[:300]!r}") from exc
-                return message
-            error = f"HTTP {r.status_code}: {r.text[:300]}"
-            if r.status_code < 500:  # the request is wrong; asking again will not help
-                break
-        if attempt < settings.model_retries:
-            await asyncio.sleep(random.uniform(0, 0.5 * 2**attempt))
-    raise _ModelFailed(f"model: {error}")
+    return await chat_completion(http, settings.model_url, body, session_id=session_id,
+                                 api_key=settings.model_key, deadline=deadline,
+                                 timeout_s=settings.model_timeout_s, retries=settings.model_retries)
 
 
 async def _bounded(coro: Any, settings: Settings, deadline: float) -> Any:
