@@ -385,7 +385,8 @@ class Trainer:
 
         show = self.is_main and "progress" not in self.cfg.loggers and sys.stderr.isatty()
         return tqdm(total=self.cfg.total_steps, initial=self.step, desc=Path(self.cfg.output_dir).name or "train",
-                    unit="step", disable=not show, leave=False, dynamic_ncols=True)
+                    unit="step", disable=not show, leave=False, dynamic_ncols=True,
+                    mininterval=0)  # every step redraws: a step takes far longer than a redraw
 
     def save_checkpoint(self) -> Path:
         """Save engine, RNG, cursor and ``extra_state`` for the current step; returns the directory."""

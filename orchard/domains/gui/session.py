@@ -21,8 +21,10 @@ reserves about a terabyte of address space for its sandbox cage: below ~128 GiB 
 limit, which only a cgroup can enforce (the Kubernetes backend's memory limit), not an rlimit.
 
 The image needs python3 with Playwright and Chromium. On the "host" image the sandbox's python3 is the
-system's, which usually lacks Playwright; `playwright_path` (default: where this process found Playwright,
-when it is on a path the sandbox can read) is put on its PYTHONPATH. Playwright's Python part is pure Python
+system's, which usually lacks Playwright; `playwright_path` is put on its PYTHONPATH. By default it is
+``$ORCHARD_GUI_PLAYWRIGHT_PATH`` (`scripts/setup` installs Playwright for sandboxes into a system folder every
+sandbox can read and exports it), else where this process found Playwright — which a sandbox cannot see when it
+is under ``/tmp`` (the sandbox's own tmpfs) or a home directory it may not enter. Playwright's Python part is pure Python
 plus greenlet, so the two interpreters must share a minor version.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import shlex
 import time
 from pathlib import Path
@@ -47,9 +50,15 @@ HOST_DIR = ".orchard-gui"
 SITE_PORT = 8000
 
 
+PLAYWRIGHT_PATH_ENV = "ORCHARD_GUI_PLAYWRIGHT_PATH"
+"""Where a sandbox's python3 finds Playwright (a folder of packages); `scripts/setup` sets it."""
+
+
 def default_playwright_path() -> str | None:
-    """The folder holding this interpreter's `playwright` package (and, by pip's layout, greenlet and pyee),
-    or None when Playwright is not installed here."""
+    """``$ORCHARD_GUI_PLAYWRIGHT_PATH``, else the folder holding this interpreter's `playwright` package (and,
+    by pip's layout, greenlet and pyee), or None when Playwright is not installed here."""
+    if os.environ.get(PLAYWRIGHT_PATH_ENV):
+        return os.environ[PLAYWRIGHT_PATH_ENV]
     try:
         import playwright
     except ImportError:
