@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -30,8 +32,8 @@ from typing import Any
 from orchard._extras import requires_extra
 from orchard.env import AsyncSandboxClient, RetryPolicy
 
-__all__ = ["SESSION_HEADER", "ModelCallFailed", "OutOfTime", "chat_completion", "chat_url", "play_all",
-           "program_env", "read_episodes", "read_results", "run_program"]
+__all__ = ["SESSION_HEADER", "ModelCallFailed", "OutOfTime", "chat_completion", "chat_url", "check_launch",
+           "play_all", "program_env", "read_episodes", "read_results", "run_program"]
 
 SESSION_HEADER = "X-Session-Id"
 """The header that files a program's model call under its episode's proxy session."""
@@ -46,6 +48,38 @@ class OutOfTime(Exception):
 
 EPISODE_KEYS = ("session_id", "sandbox_id", "prompt")
 """What every line of an episodes file holds (non-empty strings; ``session_id`` unique)."""
+
+
+def check_launch(*, client: Any, proxy: Any, counts: Mapping[str, Any], seconds: Mapping[str, Any],
+                 program_timeout_s: Any, temperature: Any, top_p: Any, run_id: Any, env_url: str | None,
+                 env_key: str | None) -> tuple[str, str, str | None]:
+    """The checks every launcher of a harness program makes; returns ``(run_id, env_url, env_key)`` with the
+    defaults filled in (a random run id; the client's URL and key).
+
+    ``counts`` must be ints >= 1 and ``seconds`` finite numbers > 0, each checked by its name.
+    """
+    from orchard.rollout.proxy import RecordingProxy
+
+    if not hasattr(client, "create"):
+        raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
+    if not isinstance(proxy, RecordingProxy):
+        raise ValueError(f"proxy must be a RecordingProxy, got {type(proxy).__name__}")
+    for name, count in counts.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
+    for name, value in seconds.items():
+        if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if program_timeout_s is not None and not 0 < program_timeout_s < math.inf:
+        raise ValueError(f"program_timeout_s must be a finite number > 0 or None, got {program_timeout_s!r}")
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    run_id = secrets.token_hex(4) if run_id is None else run_id
+    if not isinstance(run_id, str) or not run_id.replace("-", "").replace("_", "").isalnum() or len(run_id) > 40:
+        raise ValueError(f"run_id must be up to 40 letters, digits, '-' or '_', got {run_id!r}")
+    return run_id, env_url or client.base_url, env_key if env_key is not None else client.api_key
 
 
 def program_env(key_env: str, env_key: str | None) -> dict[str, str]:

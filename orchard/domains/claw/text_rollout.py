@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import math
-import secrets
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.claw.harness import prepare_sandbox, verify_sandbox
 from orchard.domains.claw.tasks import ClawTask
 from orchard.rollout.agent_loop import ENV_ERRORS
-from orchard.rollout.program import program_env, read_results, run_program
+from orchard.rollout.program import check_launch, program_env, read_results, run_program
 from orchard.rollout.proxy import RecordingProxy
 from orchard.rollout.rollouts import ProxyRollouts
 from orchard.rollout.serving import serve_app
@@ -159,28 +158,12 @@ async def run_text_episodes(
     for i, task in enumerate(tasks):
         if not isinstance(task, ClawTask):
             raise ValueError(f"tasks[{i}] must be a ClawTask, got {type(task).__name__}")
-    if not hasattr(client, "create"):
-        raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
-    if not isinstance(proxy, RecordingProxy):
-        raise ValueError(f"proxy must be a RecordingProxy, got {type(proxy).__name__}")
-    for name, count in (("group_size", group_size), ("concurrency", concurrency), ("max_steps", max_steps),
-                        ("max_tokens", max_tokens), ("max_format_errors", max_format_errors)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
-    for name, seconds in (("max_time_s", max_time_s), ("exec_timeout_s", exec_timeout_s)):
-        if not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise ValueError(f"{name} must be a finite number > 0, got {seconds!r}")
-    if program_timeout_s is not None and not 0 < program_timeout_s < math.inf:
-        raise ValueError(f"program_timeout_s must be a finite number > 0 or None, got {program_timeout_s!r}")
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    run_id = secrets.token_hex(4) if run_id is None else run_id
-    if not isinstance(run_id, str) or not run_id.replace("-", "").replace("_", "").isalnum() or len(run_id) > 40:
-        raise ValueError(f"run_id must be up to 40 letters, digits, '-' or '_', got {run_id!r}")
-    env_url = env_url or client.base_url
-    env_key = env_key if env_key is not None else client.api_key
+    run_id, env_url, env_key = check_launch(
+        client=client, proxy=proxy, counts={"group_size": group_size, "concurrency": concurrency,
+                                            "max_steps": max_steps, "max_tokens": max_tokens,
+                                            "max_format_errors": max_format_errors},
+        seconds={"max_time_s": max_time_s, "exec_timeout_s": exec_timeout_s}, program_timeout_s=program_timeout_s,
+        temperature=temperature, top_p=top_p, run_id=run_id, env_url=env_url, env_key=env_key)
 
     episodes = [_Episode(task, f"{run_id}-{i}", i % group_size, "env_error")
                 for i, task in enumerate(t for t in tasks for _ in range(group_size))]

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import math
-import secrets
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
 from orchard.rollout.agent_loop import ENV_ERRORS
-from orchard.rollout.program import program_env, read_results, run_program
+from orchard.rollout.program import check_launch, program_env, read_results, run_program
 from orchard.rollout.proxy import RecordingProxy
 from orchard.rollout.rollouts import ProxyRollouts
 from orchard.rollout.serving import serve_app
@@ -156,30 +155,14 @@ async def run_swe_episodes(
             raise ValueError(f"instances[{i}] must be a SWEInstance, got {type(instance).__name__}")
     if convention not in ("tool", "bash"):
         raise ValueError(f"convention must be 'tool' or 'bash', got {convention!r}")
-    if not hasattr(client, "create"):
-        raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
-    if not isinstance(proxy, RecordingProxy):
-        raise ValueError(f"proxy must be a RecordingProxy, got {type(proxy).__name__}")
-    for name, count in (("group_size", group_size), ("concurrency", concurrency), ("max_steps", max_steps),
-                        ("max_tokens", max_tokens), ("max_format_errors", max_format_errors),
-                        ("max_output_chars", max_output_chars)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
-    for name, seconds in (("max_time_s", max_time_s), ("exec_timeout_s", exec_timeout_s),
-                          ("test_timeout_s", test_timeout_s)):
-        if not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise ValueError(f"{name} must be a finite number > 0, got {seconds!r}")
-    if program_timeout_s is not None and not 0 < program_timeout_s < math.inf:
-        raise ValueError(f"program_timeout_s must be a finite number > 0 or None, got {program_timeout_s!r}")
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    run_id = secrets.token_hex(4) if run_id is None else run_id
-    if not isinstance(run_id, str) or not run_id.replace("-", "").replace("_", "").isalnum() or len(run_id) > 40:
-        raise ValueError(f"run_id must be up to 40 letters, digits, '-' or '_', got {run_id!r}")
-    env_url = env_url or client.base_url
-    env_key = env_key if env_key is not None else client.api_key
+    run_id, env_url, env_key = check_launch(
+        client=client, proxy=proxy, counts={"group_size": group_size, "concurrency": concurrency,
+                                            "max_steps": max_steps, "max_tokens": max_tokens,
+                                            "max_format_errors": max_format_errors,
+                                            "max_output_chars": max_output_chars},
+        seconds={"max_time_s": max_time_s, "exec_timeout_s": exec_timeout_s, "test_timeout_s": test_timeout_s},
+        program_timeout_s=program_timeout_s, temperature=temperature, top_p=top_p, run_id=run_id,
+        env_url=env_url, env_key=env_key)
 
     episodes = [_Episode(instance, f"{run_id}-{i}", i % group_size, "env_error")
                 for i, instance in enumerate(x for x in instances for _ in range(group_size))]
