@@ -195,9 +195,14 @@ def time_episodes(
     return {name: useful / statistics.median(ts) for name, ts in times.items()}
 
 
-def time_streaming(device: str, dtype: torch.dtype, requests: int, prompt_len: int, new_tokens: int) -> dict:
+def time_streaming(device: str, dtype: torch.dtype, requests: int, prompt_len: int, new_tokens: int,
+                   processes: bool = False) -> dict:
     """Median TTFT (s) and tokens/s of streamed completions, direct and through the recording proxy (requests
-    alternate between the two, after one warm-up each); also checks that the proxy recorded every token."""
+    alternate between the two, after one warm-up each); also checks that the proxy recorded every token.
+
+    ``processes``: the model server (``orchard serve-model``) and the proxy (``orchard serve-proxy``) each run in
+    their own process, as deployed; otherwise both are threads of this process, sharing its interpreter lock with
+    the client."""
     import httpx
 
     from orchard.data.tokenizer import build_chat_tokenizer
@@ -225,6 +230,8 @@ def time_streaming(device: str, dtype: torch.dtype, requests: int, prompt_len: i
         return first or total, n / total, n
 
     out: dict = {"direct": {"ttft": [], "tps": []}, "proxy": {"ttft": [], "tps": []}}
+    if processes:
+        return _time_streaming_processes(model, tokenizer, device, stream, requests, new_tokens, out)
     with serve_in_thread(build_app(HFEngine(model), tokenizer)) as upstream:
         proxy = RecordingProxy(upstream)
         with serve_in_thread(proxy.app) as via:
@@ -238,6 +245,50 @@ def time_streaming(device: str, dtype: torch.dtype, requests: int, prompt_len: i
                     assert n == new_tokens, (name, n)
     recorded = [len(r.choices[0].token_ids) == len(r.choices[0].logprobs) == new_tokens
                 for r in proxy.calls("default")]
+    assert len(recorded) == requests + 1 and all(recorded), "the proxy did not record every streamed token"
+    return {name: {k: statistics.median(v) for k, v in d.items()} for name, d in out.items()}
+
+
+def _time_streaming_processes(model, tokenizer, device, stream, requests: int, new_tokens: int, out: dict) -> dict:
+    import subprocess
+    import tempfile
+
+    import httpx
+
+    from orchard.rollout.cli import READY_PREFIX
+
+    def start(args: list[str]) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([sys.executable, "-m", "orchard", *args, "--port", "0", "--log-level", "warning"],
+                                stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith(READY_PREFIX):
+                return proc, line.strip().removeprefix(READY_PREFIX)
+        raise RuntimeError(f"orchard {args[0]} exited with {proc.wait()} before it listened")
+
+    procs = []
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        try:
+            server, upstream = start(["serve-model", "--model", folder, "--model-name", "orchard",
+                                      "--device", device])
+            procs.append(server)
+            proxy, via = start(["serve-proxy", "--upstream", upstream])
+            procs.append(proxy)
+            for url in (upstream, via):
+                stream(url, -1)  # warm-up
+            for i in range(requests):
+                for name, url in (("direct", upstream), ("proxy", via)):
+                    ttft, tps, n = stream(url, i)
+                    out[name]["ttft"].append(ttft)
+                    out[name]["tps"].append(tps)
+                    assert n == new_tokens, (name, n)
+            calls = httpx.get(f"{via}/sessions/default/calls", timeout=60).json()["calls"]
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=30)
+    recorded = [len(c["choices"][0]["token_ids"]) == len(c["choices"][0]["logprobs"]) == new_tokens for c in calls]
     assert len(recorded) == requests + 1 and all(recorded), "the proxy did not record every streamed token"
     return {name: {k: statistics.median(v) for k, v in d.items()} for name, d in out.items()}
 
@@ -333,6 +384,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="step budget of the tiny-model rollouts")
     parser.add_argument("--stream-requests", type=int, default=8, help="streamed requests, direct and via proxy")
     parser.add_argument("--skip-streaming", action="store_true")
+    parser.add_argument("--stream-processes", action="store_true",
+                        help="run the model server and the proxy as their own processes (as deployed)")
     parser.add_argument("--skip-rollouts", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -371,10 +424,12 @@ def main() -> int:
             f"{r['engine'] / r['static_generate']:.2f} |"
         )
     if not args.skip_streaming:
-        r = time_streaming(args.device, dtype, args.stream_requests, args.prompt_len, args.new_tokens)
+        r = time_streaming(args.device, dtype, args.stream_requests, args.prompt_len, args.new_tokens,
+                           processes=args.stream_processes)
+        where = "server and proxy in their own processes" if args.stream_processes else "server and proxy in threads"
         print(
             f"\n## streaming: /v1/completions, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-            f"median of {args.stream_requests}, one at a time; proxy records ids + log-probs"
+            f"median of {args.stream_requests}, one at a time, {where}; proxy records ids + log-probs"
         )
         print("| path | TTFT ms | tokens/s | TTFT / direct |")
         print("|---|---:|---:|---:|")
