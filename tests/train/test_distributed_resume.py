@@ -60,8 +60,38 @@ def _deepspeed_args(out: Path, stage: int) -> list[str]:
             str(_free_port()), str(WORKER), str(out), "deepspeed", str(stage), str(STEPS), "2"]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc): torchrun may start its ranks in sessions of their own, which
+    a kill of its process group misses."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _run_until_killed(args: list[str], out: Path) -> None:
-    """Start ``args`` in its own process group, wait for the worker's kill point, SIGKILL the whole group."""
+    """Start ``args`` in its own process group, wait for the worker's kill point, SIGKILL it and every process it
+    started (the ranks too, whatever session they are in)."""
     proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
@@ -71,11 +101,11 @@ def _run_until_killed(args: list[str], out: Path) -> None:
             assert time.monotonic() < deadline, "worker never reached the kill point"
             time.sleep(0.2)
         time.sleep(0.5)  # let every rank reach its sleep
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc)
             proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
