@@ -4,6 +4,7 @@ Names load lazily (``orchard --help`` imports this package's CLI and must stay f
 
 - engines: `Engine`, `SamplingParams`, `GenerateRequest`, `GenerateResult`, `Completion`, `HFEngine`,
   `VLLMEngine` (GPU extra), `OpenAIEngine`, `ScriptedEngine`, `EnginePool` (several served replicas as one engine)
+- scoring (optional on an engine; a teacher's log-probs): `Scorer`, `ScoreRequest`
 - serving: `build_app`, `serve_in_thread`, `RecordingProxy`, `CallRecord`
 - serving: `serve_app` (any ASGI app on the caller's event loop)
 - acting: `AgentLoop`, `PromptBuilder`, `Harness`, `Observation`, `InvalidToolCall`, `EnvironmentFailure`,
@@ -22,6 +23,8 @@ _EXPORTS = {
     "GenerateRequest": "engine",
     "GenerateResult": "engine",
     "Completion": "engine",
+    "ScoreRequest": "engine",
+    "Scorer": "engine",
     "HFEngine": "hf_engine",
     "VLLMEngine": "vllm_engine",
     "OpenAIEngine": "openai_engine",

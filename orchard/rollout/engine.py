@@ -8,6 +8,12 @@ Log-prob convention (all engines): the log-probability of each sampled token und
 from, i.e. ``log_softmax(logits / temperature)`` restricted to the top-p nucleus and renormalised over it. With
 ``top_p = 1`` this is exactly what a trainer computes as ``log_softmax(logits / temperature)`` at the sampled ids.
 At ``temperature = 0`` (greedy) it is ``log_softmax(logits)`` at the argmax.
+
+Scoring (optional, `Scorer`): an engine that can also *score* given tokens answers ``score(requests)`` with the
+log-prob of each completion token after its prompt under the untempered model, ``log_softmax(logits)`` (no
+temperature, no nucleus): what on-policy distillation needs from a teacher (`orchard.stages.distill`).
+`HFEngine` scores with one batched forward pass; `OpenAIEngine` through ``/v1/completions`` with
+``echo`` and ``prompt_logprobs`` (vLLM's way, which ``orchard serve-model`` accepts too).
 """
 
 from __future__ import annotations
@@ -104,7 +110,10 @@ class GenerateResult:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the server, the proxy and the agent loop need from an inference engine."""
+    """What the server, the proxy and the agent loop need from an inference engine.
+
+    Optional beyond these: ``score`` (`Scorer`), the teacher's side of on-policy distillation.
+    """
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         """Sample every request (concurrent calls may be batched together); results in request order."""
@@ -118,6 +127,44 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Release workers, connections and memory. Idempotent."""
         ...
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Token ids to score: ``completion_ids`` after ``prompt_ids`` (the prompt's own tokens are not scored)."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_ids", "completion_ids"):
+            ids = list(getattr(self, name))
+            if not ids:
+                raise ValueError(f"{name} must hold at least one token id, got an empty sequence")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                raise ValueError(f"{name} must be non-negative ints, got {ids[:8]!r}...")
+            object.__setattr__(self, name, tuple(ids))
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """The optional scoring capability of an engine (`HFEngine`, `OpenAIEngine`, `EnginePool`)."""
+
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[list[float]]:
+        """Per request, ``len(completion_ids)`` log-probs: entry ``j`` is ``log p(completion_ids[j] | prompt_ids
+        + completion_ids[:j])`` under the model's untempered distribution ``log_softmax(logits)``. In request
+        order; an empty sequence of requests gets ``[]``."""
+        ...
+
+
+def validate_score_requests(requests: Sequence[ScoreRequest]) -> list[ScoreRequest]:
+    """Check the argument of `Scorer.score`: a sequence of `ScoreRequest` (possibly empty)."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise ValueError(f"requests must be a sequence of ScoreRequest, got {type(requests).__name__}")
+    for i, request in enumerate(requests):
+        if not isinstance(request, ScoreRequest):
+            raise ValueError(f"requests[{i}] must be a ScoreRequest, got {type(request).__name__}")
+    return list(requests)
 
 
 def validate_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:

@@ -10,6 +10,9 @@ arrived and they join the running batch, and a row that stops leaves it at once 
 a finished row is kept in a prefix store (`orchard.rollout.kv_cache`), so the next turn of an agent episode, whose
 prompt starts with the previous prompt and completion, prefills only its new tokens. Per step the batch shares one
 forward, one batched draw and one device-to-host copy; the per-row Python is the bookkeeping of its output.
+
+`HFEngine.score` (a teacher's log-probs of given tokens) runs on the same thread, between two decode steps: one
+forward pass per ``max_batch_size`` sequences, ordered with weight updates like any arriving row.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from orchard.rollout.engine import (
     GenerateRequest,
     GenerateResult,
     SamplingParams,
+    ScoreRequest,
     choice_seed,
     validate_requests,
+    validate_score_requests,
 )
 from orchard.rollout.kv_cache import BatchCache, PrefixStore, check_cache_layers, prefill_inputs
 
@@ -91,6 +96,13 @@ class _Row:
 class _WeightUpdate:
     state_dict: dict[str, torch.Tensor]
     future: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _ScoreJob:
+    requests: list[ScoreRequest]
+    future: asyncio.Future[list[list[float]]]
     loop: asyncio.AbstractEventLoop
 
 
@@ -320,6 +332,22 @@ class HFEngine:
         self._submit(update)
         await update.future
 
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[list[float]]:
+        """Per request, the untempered log-prob ``log_softmax(logits)`` of each completion token after its prompt
+        and the completion tokens before it (see `orchard.rollout.engine.Scorer`).
+
+        Runs on the scheduler thread between decode steps: requests are left-padded together, up to
+        ``max_batch_size`` per forward pass, and only the logits of the last ``longest completion + 1`` positions
+        are computed. A score submitted after an `update_weights` uses the new weights.
+        """
+        requests = validate_score_requests(requests)
+        if not requests:
+            return []
+        loop = asyncio.get_running_loop()
+        job = _ScoreJob(requests, loop.create_future(), loop)
+        self._submit(job)
+        return await job.future
+
     async def close(self) -> None:
         """Stop the scheduler thread; rows not finished fail with ``RuntimeError``. A later `generate` starts a new
         one. Idempotent."""
@@ -367,20 +395,27 @@ class HFEngine:
         with torch.no_grad():
             waiting: list[_Row] = []
             updates: list[_WeightUpdate] = []
+            scores: list[_ScoreJob] = []
             while True:
-                idle = self._running is None and not waiting and not updates
+                idle = self._running is None and not waiting and not updates and not scores
                 for item in self._receive(inbox, block=idle):
                     if item is _STOP:
-                        self._fail_all(inbox, waiting, updates)
+                        self._fail_all(inbox, waiting, [*updates, *scores])
                         return
                     if isinstance(item, _WeightUpdate):
                         updates.append(item)
+                    elif isinstance(item, _ScoreJob):
+                        scores.append(item)
                     else:
                         waiting.extend(item)
                 waiting = [row for row in waiting if not row.future.done()]
                 if updates and self._running is None:
                     self._apply_updates(updates)
                     updates = []
+                if scores and not updates:  # a score waits for an update submitted before it, as rows do
+                    for job in scores:
+                        self._run_score(job)
+                    scores = []
                 running = 0 if self._running is None else len(self._running.rows)
                 if waiting and not updates and running < self.max_batch_size:
                     admitted = waiting[: self.max_batch_size - running]
@@ -403,12 +438,12 @@ class HFEngine:
                 _resolve(row.loop, row.future, exc, error=True)
 
     def _fail_all(
-        self, inbox: queue.SimpleQueue[Any], waiting: list[_Row], updates: list[_WeightUpdate]
+        self, inbox: queue.SimpleQueue[Any], waiting: list[_Row], updates: list[_WeightUpdate | _ScoreJob]
     ) -> None:
         rows = waiting + (self._running.rows if self._running is not None else [])
         self._running = None
         for item in self._receive(inbox, block=False):
-            if isinstance(item, _WeightUpdate):
+            if isinstance(item, (_WeightUpdate, _ScoreJob)):
                 updates.append(item)
             elif isinstance(item, list):
                 rows.extend(item)
@@ -428,6 +463,43 @@ class HFEngine:
             self._prefixes.clear()  # computed with the old weights: never reused after an update
             self.weight_version += 1
             _resolve(update.loop, update.future, None)
+
+    def _run_score(self, job: _ScoreJob) -> None:
+        if job.future.done():  # the caller gave up
+            return
+        try:
+            scores: list[list[float]] = []
+            for start in range(0, len(job.requests), self.max_batch_size):
+                scores += self._score_chunk(job.requests[start : start + self.max_batch_size])
+        except Exception as exc:
+            _resolve(job.loop, job.future, exc, error=True)
+        else:
+            _resolve(job.loop, job.future, scores)
+
+    def _score_chunk(self, requests: list[ScoreRequest]) -> list[list[float]]:
+        """One forward over left-padded prompt + completion rows; each row's completion is its last tokens, so
+        the last ``K = longest completion + 1`` positions hold every logit that predicts a completion token."""
+        device = self.device
+        seqs = [(*r.prompt_ids, *r.completion_ids) for r in requests]
+        width = max(len(seq) for seq in seqs)
+        ids_BL = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask_BL = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            ids_BL[b, width - len(seq) :] = torch.tensor(seq)
+            mask_BL[b, width - len(seq) :] = 1
+        ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+        positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+        keep = max(len(r.completion_ids) for r in requests) + 1
+        logits_BKV = self.model(
+            input_ids=ids_BL, attention_mask=mask_BL, position_ids=positions_BL, use_cache=False,
+            logits_to_keep=keep,
+        ).logits[:, -keep:]
+        # local position j predicts the token at global position width - keep + j + 1
+        logp_BK = torch.log_softmax(logits_BKV[:, :-1].float(), dim=-1).gather(
+            -1, ids_BL[:, width - keep + 1 :, None]
+        )[..., 0]  # [B, K - 1]
+        host = logp_BK.double().cpu()
+        return [host[b, host.shape[1] - len(r.completion_ids) :].tolist() for b, r in enumerate(requests)]
 
     # ---- prefill, decode, sample ------------------------------------------------------------------------------
 

@@ -7,6 +7,15 @@ from the choice's ``token_ids`` (vLLM >= 0.10.2 and ``orchard serve-model``) or,
 --logprobs-mode processed_logprobs`` (vLLM reports the raw model's log-probs by default; the processed mode gives
 the log-probs of the distribution after temperature and top-p, our convention).
 
+Scoring (`OpenAIEngine.score`, a teacher's log-probs of given tokens): vLLM's way, which ``orchard serve-model``
+accepts too: ``POST /v1/completions`` with the prompt = prompt + completion ids, ``max_tokens: 1``, ``echo: true``,
+``logprobs: 0``, ``prompt_logprobs: 0`` and ``temperature: 1``. The choice's ``prompt_logprobs`` (vLLM's field: one
+entry per prompt token, ``null`` for the first, else ``{"<id>": {"logprob": ...}}``) gives each token's log-prob;
+a server without that field is read from the echoed ``logprobs.token_logprobs``. vLLM computes prompt log-probs
+from the raw logits (no temperature, no top-p, whatever ``--logprobs-mode``): the untempered convention of
+`orchard.rollout.engine.Scorer`. The one token sampled after the echo is ignored (``max_tokens: 0`` with ``echo``
+is refused by some servers).
+
 Weights: ``update_weights(path)`` asks the server to load a checkpoint from ``path`` (``POST /update_weights``,
 served by ``orchard serve-model --allow-weight-updates``). vLLM's server has no such route: restart it, or use
 `VLLMEngine` in-process.
@@ -24,7 +33,14 @@ from orchard._extras import requires_extra
 with requires_extra("rollout"):
     import httpx
 
-from orchard.rollout.engine import Completion, GenerateRequest, GenerateResult, validate_requests
+from orchard.rollout.engine import (
+    Completion,
+    GenerateRequest,
+    GenerateResult,
+    ScoreRequest,
+    validate_requests,
+    validate_score_requests,
+)
 
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -114,6 +130,30 @@ class OpenAIEngine:
         requests = validate_requests(requests)
         return list(await asyncio.gather(*(self._one(r) for r in requests)))
 
+    async def _score_one(self, request: ScoreRequest) -> list[float]:
+        ids = [*request.prompt_ids, *request.completion_ids]
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "echo": True,
+            "logprobs": 0,
+            "prompt_logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        data = await self._post("/v1/completions", body)
+        choices = data.get("choices") or []
+        if not choices:
+            raise RuntimeError("the server returned no choice for a scoring request")
+        return parse_prompt_logprobs(choices[0], ids)[len(request.prompt_ids) - 1 :]
+
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[list[float]]:
+        """The untempered log-prob of each completion token (`orchard.rollout.engine.Scorer`); one concurrent
+        HTTP call per request, results in request order."""
+        requests = validate_score_requests(requests)
+        return list(await asyncio.gather(*(self._score_one(r) for r in requests)))
+
     async def update_weights(self, weights: Any) -> None:
         """Ask the server to load the checkpoint at ``weights`` (a path on the server's machine)."""
         if not isinstance(weights, str):
@@ -152,3 +192,36 @@ def parse_completion_choice(choice: dict[str, Any]) -> Completion:
     return Completion(
         [int(t) for t in ids], [float(x) for x in lps], "length" if reason == "length" else "stop"
     )
+
+
+def parse_prompt_logprobs(choice: dict[str, Any], prompt_ids: Sequence[int]) -> list[float]:
+    """The log-probs of ``prompt_ids[1:]`` from an echoed ``/v1/completions`` choice (``len(prompt_ids) - 1``).
+
+    Read from vLLM's ``prompt_logprobs`` (``[null, {"<id>": {"logprob": x, ...}}, ...]``), else from the echoed
+    ``logprobs`` (``token_logprobs[0]`` is null; when the tokens are ``token_id:{id}`` labels they are checked
+    against ``prompt_ids``). ``ValueError`` when neither holds a log-prob for every prompt token after the first.
+    """
+    n = len(prompt_ids)
+    entries = choice.get("prompt_logprobs")
+    if entries is not None:
+        if len(entries) != n:
+            raise ValueError(f"the server returned {len(entries)} prompt_logprobs entries for {n} prompt tokens")
+        out = []
+        for j in range(1, n):
+            entry = (entries[j] or {}).get(str(prompt_ids[j]))
+            if entry is None:
+                raise ValueError(f"the server's prompt_logprobs[{j}] has no log-prob for token {prompt_ids[j]}")
+            out.append(float(entry["logprob"] if isinstance(entry, dict) else entry))
+        return out
+    logprobs = choice.get("logprobs") or {}
+    lps = logprobs.get("token_logprobs") or []
+    labels = logprobs.get("tokens") or []
+    if len(lps) < n or any(lp is None for lp in lps[1:n]):
+        raise ValueError(
+            f"the server echoed {len(lps)} log-probs for {n} prompt tokens (needs echo with logprobs, or vLLM's "
+            "prompt_logprobs)"
+        )
+    for j, label in enumerate(labels[:n]):
+        if isinstance(label, str) and label.startswith("token_id:") and int(label[9:]) != prompt_ids[j]:
+            raise ValueError(f"the server echoed token {label!r} at prompt position {j}, sent {prompt_ids[j]}")
+    return [float(lp) for lp in lps[1:n]]

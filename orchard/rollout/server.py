@@ -19,12 +19,20 @@ calls arrive whole in the choice's last chunk; ``stream_options.include_usage`` 
 Validation follows vLLM's server: a ``model`` other than the served one is a 404; a prompt that leaves no room in
 the context, or an explicit ``max_tokens`` that does not fit after it, a 400; a seed outside the signed 64-bit
 range a 400. Fields the engines do not implement (``response_format`` other than text, ``tool_choice`` other than
-``auto`` / ``none``, ``logit_bias``, presence / frequency / repetition penalties, ``top_k``, ``min_p``, ``echo``,
-guided decoding) are refused with 400, never ignored. ``top_logprobs`` (chat) / ``logprobs: k`` (completions)
+``auto`` / ``none``, ``logit_bias``, presence / frequency / repetition penalties, ``top_k``, ``min_p``, chat
+``echo``, guided decoding) are refused with 400, never ignored. ``top_logprobs`` (chat) / ``logprobs: k`` (completions)
 alternatives are scored by a forward pass over the engine's in-process model (`alternatives`), not streamed. Choice ``i`` of a seeded
 request samples with `choice_seed` ``(seed, i)``. ``stop`` strings are applied to the decoded text: the sample is
 cut after the token that completes the first stop string (those ids are kept, the text ends before the stop
 string), finish reason ``stop``.
+
+Scoring, in vLLM's request shape (`orchard.rollout.openai_engine` sends it to either server): a completion with
+``echo: true`` starts each choice's text, ``token_ids``-free log-probs and offsets with the prompt (the first
+prompt token's log-prob is ``null``), ``max_tokens: 0`` with ``echo`` returns the prompt alone, and
+``prompt_logprobs: 0`` adds vLLM's per-choice ``prompt_logprobs`` (``[null, {"<id>": {"logprob", "rank",
+"decoded_token"}}, ...]``, ``rank`` null). Prompt log-probs come from the engine's ``score`` (untempered, as
+vLLM's); 400 for an engine without one, with ``stream``, and for ``prompt_logprobs`` > 0 or ``logprobs`` > 0 with
+``echo`` (no prompt alternatives).
 """
 
 from __future__ import annotations
@@ -48,7 +56,16 @@ with requires_extra("rollout"):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-from orchard.rollout.engine import Completion, Engine, GenerateRequest, SamplingParams, choice_seed
+from orchard.rollout.engine import (
+    Completion,
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    Scorer,
+    ScoreRequest,
+    choice_seed,
+)
 from orchard.rollout.hf_engine import nucleus_logprobs
 from orchard.rollout.streaming import ChoiceStreams, ChoiceText
 from orchard.rollout.tool_calls import parse_tool_calls
@@ -407,8 +424,6 @@ def build_app(
                 status=404,
                 code="model_not_found",
             )
-        if body.get("echo"):
-            raise RequestError("echo is not supported", "echo")
         refuse_unhonoured(body)
         stream_options = body.get("stream_options")
         if stream_options is not None and not isinstance(stream_options, Mapping):
@@ -436,6 +451,8 @@ def build_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         body = await body_of(request)
+        if body.get("echo"):
+            raise RequestError("echo is not supported for chat completions", "echo")
         messages = normalize_messages(body.get("messages"))
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
@@ -587,9 +604,14 @@ def build_app(
         )
         logprobs_k = _int_field(body, "logprobs", None, 0)
         top_k = top_logprobs_k(engine, body, logprobs_k, "logprobs")
+        echo, prompt_k = bool(body.get("echo")), _int_field(body, "prompt_logprobs", None, 0)
+        check_scoring(body, echo, prompt_k, logprobs_k)
+        echo_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0  # vLLM's echo without generation
         # vLLM's default: stop at the end of turn / eos unless `ignore_eos`
         stop_ids = [] if body.get("ignore_eos") else eot_ids
-        params = sampling_from_body(body, default_max_tokens=16, extra_stop_ids=stop_ids)  # OpenAI's default
+        params = sampling_from_body(  # OpenAI's default max_tokens: 16
+            {**body, "max_tokens": 1} if echo_only else body, default_max_tokens=16, extra_stop_ids=stop_ids
+        )
         stops = stop_strings(body)
         for p in sorted(prompts, key=len)[-1:]:  # the longest prompt bounds them all
             params = fit_context(params, body, len(p), max_model_len, "prompt")
@@ -597,7 +619,8 @@ def build_app(
         as_ids = bool(body.get("return_tokens_as_token_ids"))
 
         def logprobs_of(
-            ids: Sequence[int], lps: Sequence[float], start: int, top: list[list[tuple[int, float]]] | None = None
+            ids: Sequence[int], lps: Sequence[float | None], start: int,
+            top: list[list[tuple[int, float]]] | None = None,
         ) -> dict[str, Any]:
             labels = [_token_label(tokenizer, t, as_ids) for t in ids]
             offsets, acc = [], start
@@ -605,6 +628,7 @@ def build_app(
                 offsets.append(acc)
                 acc += len(tokenizer.decode([t], skip_special_tokens=True))
             tops = [
+                None if lp is None else
                 {**{_token_label(tokenizer, a, as_ids): alp for a, alp in (top[k] if top else [])}, lab: lp}
                 for k, (lab, lp) in enumerate(zip(labels, lps, strict=True))
             ]
@@ -615,7 +639,12 @@ def build_app(
                 completion_stream(body, requests, stops, params, logprobs_k is not None, logprobs_of),
                 media_type="text/event-stream",
             )
-        results = await engine.generate(requests)
+        scored = (echo and logprobs_k is not None) or prompt_k is not None
+        prompt_lps = await score_prompts(engine, prompts) if scored else [[] for _ in prompts]
+        if echo_only:
+            results = [GenerateResult(tuple(r.prompt_ids), [Completion([], [], "length")]) for r in requests]
+        else:
+            results = await engine.generate(requests)
         choices = []
         for index, result in enumerate(results):
             completion, cut_text = apply_stop_strings(tokenizer, result.completions[0], stops)
@@ -624,16 +653,26 @@ def build_app(
             stopped_on_id = completion.finish_reason == "stop" and cut_text is None
             visible = ids[:-1] if stopped_on_id else ids
             text = cut_text if cut_text is not None else tokenizer.decode(visible, skip_special_tokens=True)
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": logprobs_of(ids, completion.logprobs, 0, top) if logprobs_k is not None else None,
-                    "finish_reason": completion.finish_reason,
-                    "token_ids": ids,
-                    "prompt_token_ids": list(result.prompt_ids),
-                }
-            )
+            shown_ids, shown_lps = ids, list(completion.logprobs)
+            prompt, prompt_lp = list(result.prompt_ids), [None, *prompt_lps[index // params.n]]
+            if echo:
+                text = tokenizer.decode(prompt, skip_special_tokens=False) + text
+                shown_ids, shown_lps = [*prompt, *ids], [*prompt_lp, *shown_lps]
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs_of(shown_ids, shown_lps, 0, top) if logprobs_k is not None else None,
+                "finish_reason": completion.finish_reason,
+                "token_ids": ids,
+                "prompt_token_ids": prompt,
+            }
+            if prompt_k is not None:
+                choice["prompt_logprobs"] = [
+                    None if lp is None else {str(t): {"logprob": lp, "rank": None,
+                                                      "decoded_token": _token_label(tokenizer, t, as_ids)}}
+                    for t, lp in zip(prompt, prompt_lp, strict=True)
+                ]
+            choices.append(choice)
         n_in = sum(len(p) for p in prompts)
         n_out = sum(len(c["token_ids"]) for c in choices)
         return JSONResponse(
@@ -712,6 +751,31 @@ def build_app(
         return JSONResponse({"status": "ok", "weight_version": getattr(engine, "weight_version", None)})
 
     return app
+
+
+def check_scoring(body: Mapping[str, Any], echo: bool, prompt_k: int | None, logprobs_k: int | None) -> None:
+    """400 for the scoring requests this server cannot answer (module docstring)."""
+    if prompt_k:
+        raise RequestError(f"prompt_logprobs must be 0 (the prompt token's own log-prob), got {prompt_k}",
+                           "prompt_logprobs")
+    if echo and logprobs_k:
+        raise RequestError(f"logprobs must be 0 with echo (no alternatives for prompt tokens), got {logprobs_k}",
+                           "logprobs")
+    if (echo or prompt_k is not None) and body.get("stream"):
+        raise RequestError("echo and prompt_logprobs are not supported with stream", "stream")
+
+
+async def score_prompts(engine: Any, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+    """The untempered log-prob of every prompt token after the first (`orchard.rollout.engine.Scorer`)."""
+    if not isinstance(engine, Scorer):
+        raise RequestError("echo with logprobs and prompt_logprobs need an engine that scores (Scorer.score)",
+                           "prompt_logprobs")
+    long = [i for i, p in enumerate(prompts) if len(p) > 1]
+    scores = await engine.score([ScoreRequest(prompts[i][:1], prompts[i][1:]) for i in long])
+    out: list[list[float]] = [[] for _ in prompts]
+    for i, lps in zip(long, scores, strict=True):
+        out[i] = lps
+    return out
 
 
 def _completion_prompts(prompt: Any, tokenizer: Any, add_special_tokens: bool) -> list[list[int]]:

@@ -14,6 +14,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   credit-assigned SFT from hindsight step values), `sft_stage`
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
   `trajectory_reward`
+- on-policy distillation (`orchard.stages.distill`): `teacher_logprobs` (a teacher engine's log-probs on the
+  student's action tokens), `check_teacher`, `OPD_TERMS`; `rl_stage(..., teacher=...)` uses them
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
   `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
@@ -21,12 +23,14 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 """
 
 from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, derived_keys
+from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, success_row
 from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sft import SFT_MODES, demonstrations, sft_samples, sft_stage
 
 __all__ = [
+    "OPD_TERMS",
     "SFT_MODES",
     "EvalConfig",
     "RLConfig",
@@ -46,6 +50,7 @@ __all__ = [
     "sft_samples",
     "sft_stage",
     "success_row",
+    "teacher_logprobs",
     "trajectory_reward",
     "write_results",
 ]

@@ -10,7 +10,9 @@ One step (the paper's GRPO, Orchard-Claw and Orchard-SWE)::
     ppo_epochs x mini_batches optimizer steps on the batch (clipped ratio against the sampling log-probs)
     engine.update_weights(new weights)   # once per rollout batch, after its last update
 
-A `kl` objective term anchors the policy to the model RL started from (a frozen copy made here).
+A `kl` objective term anchors the policy to the model RL started from (a frozen copy made here). An OPD term
+(``k2_opd`` / ``k3_opd`` / ``js_opd``) reads a separate ``teacher``'s log-probs on the student's sampled tokens
+(`orchard.stages.distill.teacher_logprobs`, scored once per rollout batch).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from orchard.data import RenderedSample, RolloutGroup, Trajectory, collate
 from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import GROUP_FILTER_RULES, BARConfig, abar_select, filter_groups, group_advantages
 from orchard.stages.config import RLConfig, RolloutConfig
+from orchard.stages.distill import check_teacher, teacher_logprobs
 from orchard.stages.ranks import (
     all_gather_concat,
     all_reduce_sum,
@@ -156,7 +159,8 @@ def _unzip(pairs: Sequence[tuple[RenderedSample, float]]) -> tuple[list[Rendered
 
 async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], tasks: Sequence[Any],
                    cfg: RLConfig, *, rollout: RolloutConfig, pad_id: int, seed: int, output_dir: str,
-                   log: Callable[[dict[str, float], int], None] | None = None) -> list[dict[str, float]]:
+                   log: Callable[[dict[str, float], int], None] | None = None,
+                   teacher: Any = None) -> list[dict[str, float]]:
     """``cfg.steps`` GRPO steps of ``model`` (trained in place) with rollouts of ``engine`` (updated after each).
 
     Tasks are drawn without replacement per step (``cfg.tasks_per_step`` of ``tasks``) with a generator seeded by
@@ -170,6 +174,10 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     `orchard.stages.ranks`). After each rollout batch every rank passes the full weights to its ``engine`` and
     waits for the others: an `EnginePool` over served replicas shared by the ranks pushes from rank 0 only
     (``push_weights=ranks.is_main``), and no rank generates before the push is done.
+
+    ``teacher``: a scoring engine (`orchard.rollout.engine.Scorer`, never ``engine`` itself) whose log-probs on
+    each rollout batch fill ``batch["teacher_logprobs"]``; required exactly when ``cfg.train.objective`` has an
+    OPD term (`orchard.stages.distill.check_teacher`). The paper's best SWE variant is ``policy`` + ``js_opd``.
     """
     if not isinstance(cfg, RLConfig):
         raise ValueError(f"cfg must be an RLConfig, got {type(cfg).__name__}")
@@ -177,6 +185,7 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         raise ValueError("harnesses must name at least one Rollouts, got none")
     if cfg.tasks_per_step > len(tasks):
         raise ValueError(f"tasks_per_step ({cfg.tasks_per_step}) must be <= the task pool ({len(tasks)} tasks)")
+    check_teacher(teacher, engine, cfg.train.objective)
     world = ranks_from_env().world_size
     if world > 1 and cfg.train.engine != "deepspeed":
         raise ValueError(f"cfg.train.engine must be 'deepspeed' under {world} ranks (plain torch trains one "
@@ -204,6 +213,7 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
                 counts = all_reduce_sum(counts)
             stats = _rollout_stats(counts)
             if samples:
+                teacher_BT = await teacher_logprobs(teacher, samples) if teacher is not None else None
                 # PPO-style reuse of one rollout batch: ppo_epochs passes over shuffled mini-batches, the clipped
                 # ratio against the sampling log-probs keeping each update near the rollout policy.
                 for _ in range(cfg.ppo_epochs):
@@ -216,6 +226,9 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
                                 batch["ref_logprobs"] = action_logprobs(
                                     reference, batch["input_ids"], batch["action_mask"],
                                     attention_mask=batch["attention_mask"])
+                        if teacher_BT is not None:  # collate pads to the mini-batch's longest sample
+                            width = batch["input_ids"].shape[1]
+                            batch["teacher_logprobs"] = teacher_BT[torch.as_tensor(part), :width]
                         stats.update(trainer.train_step(batch))
                 await engine.update_weights(trainer.full_state_dict())
                 barrier()

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from orchard.rollout.engine import GenerateRequest, SamplingParams
+from orchard.rollout.engine import GenerateRequest, SamplingParams, ScoreRequest
 from orchard.rollout.hf_engine import HFEngine, nucleus_logprobs
 from orchard.rollout.kv_cache import PrefixStore
 
@@ -343,3 +343,54 @@ def test_mixed_sampling_params_share_one_batch(tiny_model):
     )
     assert results[0].completions[0].token_ids == greedy[0].completions[0].token_ids
     assert len(results[3].completions) == 2
+
+
+def _forward_logprobs(model, prompt, completion):
+    """log_softmax of one plain forward over prompt + completion, at the completion tokens."""
+    ids = torch.tensor([[*prompt, *completion]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [len(completion), V]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def test_score_equals_a_forward_pass_per_sequence(tiny_model):
+    # odd prompt and completion lengths, left-padded together; max_batch_size 2 splits 3 requests into 2 passes
+    requests = [
+        ScoreRequest([5, 6, 7], [8, 9]),
+        ScoreRequest([3], [4, 5, 6, 7, 8]),
+        ScoreRequest([1, 2, 3, 4, 5, 6, 7], [9]),
+    ]
+    engine = HFEngine(tiny_model, max_batch_size=2)
+    scores = asyncio.run(engine.score(requests))
+    for request, got in zip(requests, scores, strict=True):
+        want = _forward_logprobs(tiny_model, request.prompt_ids, request.completion_ids)
+        assert got == pytest.approx(want, abs=1e-5)
+    assert asyncio.run(engine.score([])) == []
+
+
+def test_score_waits_for_an_earlier_weight_update(tokenizer):
+    from orchard.train.tiny import tiny_qwen3
+
+    engine = HFEngine(tiny_qwen3(tokenizer, seed=0))
+    other = tiny_qwen3(tokenizer, seed=5)
+
+    async def main():
+        update = asyncio.ensure_future(engine.update_weights(other.state_dict()))
+        await asyncio.sleep(0)  # the update is queued before the score
+        got = await engine.score([ScoreRequest([4, 2], [7, 1, 3])])
+        await update
+        return got
+
+    [got] = asyncio.run(main())
+    assert got == pytest.approx(_forward_logprobs(other, [4, 2], [7, 1, 3]), abs=1e-5)
+
+
+def test_score_bad_inputs_raise_value_error(tiny_model):
+    with pytest.raises(ValueError, match="completion_ids"):
+        ScoreRequest([1], [])
+    with pytest.raises(ValueError, match="prompt_ids"):
+        ScoreRequest([], [1])
+    with pytest.raises(ValueError, match="prompt_ids"):
+        ScoreRequest([-1], [1])
+    with pytest.raises(ValueError, match=r"requests\[0\]"):
+        asyncio.run(HFEngine(tiny_model).score([([1], [2])]))

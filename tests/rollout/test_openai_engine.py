@@ -3,9 +3,9 @@ import importlib.util
 
 import pytest
 
-from orchard.rollout.engine import GenerateRequest, SamplingParams
+from orchard.rollout.engine import GenerateRequest, SamplingParams, ScoreRequest
 from orchard.rollout.hf_engine import HFEngine
-from orchard.rollout.openai_engine import OpenAIEngine, parse_completion_choice
+from orchard.rollout.openai_engine import OpenAIEngine, parse_completion_choice, parse_prompt_logprobs
 from orchard.rollout.server import build_app, serve_in_thread
 
 
@@ -70,3 +70,56 @@ def test_vllm_engine_says_how_to_install():
 
     with pytest.raises(ImportError, match=r"orchard\[gpu\]"):
         VLLMEngine("some/model")
+
+
+def test_score_over_our_server_equals_the_engine_and_vllms_request_shape(tokenizer, tiny_model):
+    import httpx
+
+    requests = [ScoreRequest([5, 6, 7], [8, 9]), ScoreRequest([3], [4, 5, 6, 7])]
+    direct = asyncio.run(HFEngine(tiny_model).score(requests))
+    with serve_in_thread(build_app(HFEngine(tiny_model), tokenizer)) as url:
+
+        async def main():
+            engine = OpenAIEngine(url, retries=0)
+            try:
+                return await engine.score(requests)
+            finally:
+                await engine.close()
+
+        remote = asyncio.run(main())
+        # vLLM's scoring request, answered as vLLM answers it: echo without generation, one entry per prompt token
+        body = {"model": "orchard", "prompt": [3, 4, 5], "max_tokens": 0, "echo": True, "logprobs": 0,
+                "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+        choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+        refused = [httpx.post(f"{url}/v1/completions", json={**body, **extra}).json()["error"]["param"]
+                   for extra in ({"prompt_logprobs": 2}, {"logprobs": 1}, {"stream": True})]
+    for a, b in zip(direct, remote, strict=True):
+        assert b == pytest.approx(a, abs=1e-5)
+    [[lp4, lp5]] = asyncio.run(HFEngine(tiny_model).score([ScoreRequest([3], [4, 5])]))
+    assert choice["token_ids"] == [] and choice["logprobs"]["tokens"] == ["token_id:3", "token_id:4", "token_id:5"]
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([lp4, lp5], abs=1e-6)
+    assert choice["prompt_logprobs"][0] is None
+    assert choice["prompt_logprobs"][2]["5"]["logprob"] == pytest.approx(lp5, abs=1e-6)
+    assert refused == ["prompt_logprobs", "logprobs", "stream"]
+
+
+def test_parse_prompt_logprobs_from_vllm_fields_and_echo():
+    ids = [11, 12, 13]
+    # vLLM: `prompt_logprobs` keyed by the token id as a string (top-0 may still list a more likely token)
+    vllm_choice = {
+        "prompt_logprobs": [None, {"12": {"logprob": -0.5, "rank": 2}, "99": {"logprob": -0.1, "rank": 1}},
+                            {"13": {"logprob": -2.0, "rank": 1}}],
+        "logprobs": {"tokens": ["token_id:11", "token_id:12", "token_id:13", "token_id:7"],
+                     "token_logprobs": [None, -9.0, -9.0, -0.3]},
+    }
+    assert parse_prompt_logprobs(vllm_choice, ids) == [-0.5, -2.0]
+    # a server without `prompt_logprobs`: the echoed log-probs (the sampled token after them is ignored)
+    assert parse_prompt_logprobs({"logprobs": vllm_choice["logprobs"]}, ids) == [-9.0, -9.0]
+    with pytest.raises(ValueError, match="no log-prob for token 13"):
+        parse_prompt_logprobs({"prompt_logprobs": [None, {"12": {"logprob": -0.5}}, {"14": {"logprob": -1}}]}, ids)
+    with pytest.raises(ValueError, match="position 1"):
+        parse_prompt_logprobs({"logprobs": {"tokens": ["token_id:11", "token_id:99", "token_id:13"],
+                                            "token_logprobs": [None, -1.0, -1.0]}}, ids)
+    with pytest.raises(ValueError, match="echo"):
+        parse_prompt_logprobs({"logprobs": {"token_logprobs": [-1.0]}}, ids)
