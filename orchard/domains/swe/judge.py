@@ -32,6 +32,7 @@ leaves its reward as the verifier gave it.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -82,6 +83,11 @@ _CREATE_TOOL = re.compile(r"write|create", re.IGNORECASE)
 _SKIP_MARKER = re.compile(r"pytest\.mark\.(?:skip|xfail)|unittest\.skip|@skip\b|pytest\.skip\(")
 _OWN_SELECTOR = re.compile(r"\bpython3?\s+-c\b|::|\s-k\s")
 _SUITE_RUNNER = re.compile(r"\b(?:pytest|unittest|tox|nox)\b")
+# the value teacher's run outcomes (``exit code: N``, pytest's summary), plus the exit codes the SWE harness
+# conventions print: the tool convention's "[The command completed with exit code N.]", the bash one's returncode
+_FAILED = re.compile(rf"{_FAIL.pattern}|<returncode>\s*[1-9]\d*\s*</returncode>|completed with exit code [1-9]")
+_PASSED = re.compile(rf"{_PASS.pattern}|<returncode>\s*0\s*</returncode>|completed with exit code 0\b",
+                     re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -110,9 +116,14 @@ class _Evidence:
 
 
 def _arguments(raw: str) -> object:
+    """A tool call's arguments as the transcript shows them: JSON, or the Python repr of a recorded dict."""
     try:
         return json.loads(raw)
     except ValueError:
+        pass
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
         return raw
 
 
@@ -189,8 +200,8 @@ def _evidence(steps: list[_Step], issue_words: set[str], reference_paths: set[st
         own_files = [b for b in created if _names_file(step.command, b)]
         own = bool(own_files) or bool(_OWN_SELECTOR.search(step.command)) or not _SUITE_RUNNER.search(step.command)
         relevant = any(created[b] for b in own_files) or _mentions(step.command + step.observation, words)
-        failed = bool(_FAIL.search(step.observation))
-        passed = not failed and bool(_PASS.search(step.observation))
+        failed = bool(_FAILED.search(step.observation))
+        passed = not failed and bool(_PASSED.search(step.observation))
         trusted = tamper_step is None or step.index < tamper_step
         runs.append(_Run(step.index, step.command.strip(), own, relevant, failed, passed and trusted))
     return _Evidence(tuple(source_edits), on_target, tamper_step, created_test, tuple(runs))

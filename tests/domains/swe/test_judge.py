@@ -250,3 +250,44 @@ async def test_bad_arguments(tokenizer):
         JudgedRollouts(object(), judge)
     with pytest.raises(ValueError, match="tokenizer"):
         ScriptedJudge(object())
+
+
+def test_the_harness_conventions_exit_codes():
+    """The tool convention's ``[The command completed with exit code N.]`` and the bash convention's
+    ``<returncode>N</returncode>`` are read as the run's outcome, as ``exit code: N`` is."""
+
+    def call(name, arguments, observation, i):
+        return [Message("assistant", "", tool_calls=[ToolCall(name, arguments, id=f"c{i}")]),
+                Message("tool", observation, tool_call_id=f"c{i}")]
+
+    def done(code):
+        return f"[The command completed with exit code {code}.]"
+
+    test_file = "from inventory.items import Item, cheapest\n\ndef test_ties():\n    assert cheapest([]) is None\n"
+    turns = [
+        ("execute_bash", {"command": CHECK}, "Traceback (most recent call last):\nAssertionError\n" + done(1)),
+        ("str_replace_editor", {"command": "str_replace", "path": "/workspace/inventory/items.py", "old_str": "pass",
+                                "new_str": "best = min(items, key=lambda i: i.price)"}, "The file has been edited."),
+        ("execute_bash", {"command": CHECK}, done(0)),
+        ("str_replace_editor", {"command": "create", "path": "/workspace/tests/test_cheapest_ties.py",
+                                "file_text": test_file}, "File created."),
+        ("execute_bash", {"command": "python -m pytest -q tests/test_cheapest_ties.py"}, done(0)),
+        ("execute_bash", {"command": "python -m pytest -q tests"}, done(0)),
+    ]
+    messages = [Message("system", "You fix bugs."), Message("user", ISSUE)]
+    for i, (name, arguments, observation) in enumerate(turns):
+        messages += call(name, arguments, observation, i)
+    prompt = process_reward_messages(Trajectory(messages=[*messages, Message("assistant", "Done.")]))
+    answer = json.loads(judge_process_text(prompt[1]["content"]))
+    # the DILIGENT trajectory in the tool convention: the same evidence, full marks
+    assert [answer[f"R{k}"] for k in range(1, 8)] == [10] * 7
+
+    bash = [Message("system", "You fix bugs."), Message("user", ISSUE),
+            Message("assistant", f"THOUGHT: fix it.\n```bash\n{FIX[0]}\n```"),
+            Message("user", "<returncode>0</returncode>\n<output>\n</output>"),
+            Message("assistant", f"THOUGHT: check.\n```bash\n{CHECK}\n```"),
+            Message("user", "<returncode>1</returncode>\n<output>\nFalse\n</output>"),
+            Message("assistant", "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```")]
+    answer = json.loads(judge_process_text(process_reward_messages(Trajectory(messages=bash))[1]["content"]))
+    # R1 4 + 2; its one check is relevant (R2 10, R3 4); the check failed after the edit and was left: R7 2
+    assert [answer[f"R{k}"] for k in range(1, 8)] == [6, 10, 4, 0, 0, 0, 2]
