@@ -11,14 +11,15 @@
 - :func:`judge_trajectories` applies a judge to RL rollouts (the RL reward below); :class:`JudgedRollouts` wraps a
   domain's `Rollouts` so every rollout batch is judged before the RL stage groups it.
 
-**The RL reward.** The papers give the RPR's dimensions and weights, not how the rubric enters the RL reward beside
-the test outcome; we choose (our reading)::
+**The RL reward.** The RPR's dimensions and weights are the paper's; we found no statement of how the rubric enters
+the RL reward beside the test outcome, so this is our choice::
 
     reward = outcome + rubric_weight * rubric          # outcome +1 resolved / -1 not; rubric in [0, 1]
 
 With the default ``rubric_weight = 1`` a resolved rollout never ranks below an unresolved one (unresolved
 ``<= -1 + 1 = 0``, resolved ``>= 1``), so the rubric orders rollouts of equal outcome: a group whose rollouts
-all failed, which GRPO on the outcome alone cannot learn from, gets a process signal. The outcome is kept in
+all failed, which GRPO on the outcome alone cannot learn from, gets a process signal (the ``all_equal`` group
+filter keeps it now), while BAR's positives (``reward > 0``) stay the resolved rollouts. The outcome is kept in
 ``reward_components["outcome"]`` (re-judging reads it, so judging twice does not add twice), the rubric in
 ``reward_components["rubric"]``, and the evaluation's pass rule stays the outcome's
 (``reward_components["passed"]``).
@@ -456,7 +457,8 @@ async def judge_trajectories(
     Args:
         judge: a URL or an ``Engine`` (see :func:`judge_trajectory`).
         trajectories: the rollouts, scored by the verifier (``reward`` +1 / -1).
-        rubric_weight: the rubric's weight beside the outcome; default 1 (our choice, see the module doc).
+        rubric_weight: the rubric's weight beside the outcome, in ``[0, 1]``; default 1 (our choice, see the module
+            doc). Up to 1 the RL reward stays positive exactly for resolved rollouts, which BAR counts as positives.
         reference: ``trajectory -> {"fail_to_pass": [...], "gold_patch": "..."}``, the prompt's reference block
             per rollout (e.g. from its task); default none.
         concurrency: judge calls in flight at once, >= 1.
@@ -473,9 +475,9 @@ async def judge_trajectories(
     for i, t in enumerate(trajectories):
         if not isinstance(t, Trajectory):
             raise ValueError(f"trajectories[{i}] must be a Trajectory, got {type(t).__name__}")
-    if isinstance(rubric_weight, bool) or not isinstance(rubric_weight, (int, float)) or not 0 <= rubric_weight < \
-            float("inf"):
-        raise ValueError(f"rubric_weight must be a finite number >= 0, got {rubric_weight!r}")
+    if isinstance(rubric_weight, bool) or not isinstance(rubric_weight, (int, float)) or not 0 <= rubric_weight <= 1:
+        raise ValueError(f"rubric_weight must be a number in [0, 1] (above 1 an unresolved rollout could outrank a "
+                         f"resolved one and count as a positive for BAR), got {rubric_weight!r}")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
     if reference is not None and not callable(reference):

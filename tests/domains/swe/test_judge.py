@@ -240,6 +240,9 @@ async def test_bad_arguments(tokenizer):
         await judge_trajectory(trajectory(BLIND), judge=judge, max_tokens=0)
     with pytest.raises(ValueError, match="rubric_weight"):
         await judge_trajectories(judge, [trajectory(BLIND)], rubric_weight=float("nan"))
+    with pytest.raises(ValueError, match="rubric_weight"):
+        # 1.5: a failed rollout with rubric 1 would get -1 + 1.5 > 0, a positive for BAR
+        await judge_trajectories(judge, [trajectory(BLIND)], rubric_weight=1.5)
     with pytest.raises(ValueError, match="concurrency"):
         await judge_trajectories(judge, [trajectory(BLIND)], concurrency=0)
     with pytest.raises(ValueError, match="trajectories"):
