@@ -179,7 +179,8 @@ def _evidence(steps: list[_Step], issue_words: set[str], reference_paths: set[st
                     if path is not None and creates and not _names_file(seen, base):
                         created[base] = _mentions(step.command, issue_words)
                     else:
-                        source_edits.append(step.index)
+                        if step.index not in source_edits:
+                            source_edits.append(step.index)
                         if path is not None:
                             source_paths.add(path)
                 elif creates and not _names_file(seen, base):
