@@ -11,7 +11,8 @@ writes one JSON object per line, `{"op": ...}`; the host answers each with one l
 Only the answer lines go to the terminal: the host keeps a private copy of it and points its own stdout and
 stderr (which Chromium and the Playwright driver inherit) at a log file.
 
-Requests: `observe {text_view}`, `tool {name, arguments, text_view}`, `reset {url, text_view}`, `state`, `close`.
+Requests: `observe {text_view}`, `tool {name, arguments, text_view}`, `reset {url, text_view, fresh_state}`,
+`state`, `close`.
 An answer carries either an observation (`tabs`, `active`, `viewport`, `screenshot` base64 PNG, optional
 `text`, `error` for an invalid or failed action) or `state`; `env_error` says the browser itself is gone.
 """
@@ -31,7 +32,6 @@ from typing import Any
 
 FRAME_MARK = "\x1eORCHARD-GUI "
 _NAV_TIMEOUT_MS = 15000
-_SETTLE_MS = 150
 _MAX_WAIT_S = 10.0
 
 # A flattened accessibility view: visible elements a user can act on or read, each with its role, accessible
@@ -67,6 +67,22 @@ _TEXT_VIEW_JS = """() => {
   return out.join('\\n');
 }"""
 
+# Every page records, as the events happen, that it is about to be left (a form submitted, a same-tab link
+# followed, beforeunload) or that a link opened a new tab. A form's navigation starts in a task queued after the
+# input event, so the action's return alone does not say whether a navigation is coming; these flags do.
+_WATCH_JS = """(() => {
+  const leave = () => { window.__orchardLeaving = true; };
+  addEventListener('submit', e => { if (!e.defaultPrevented) leave(); });
+  addEventListener('beforeunload', leave);
+  addEventListener('click', e => {
+    const a = e.target instanceof Element ? e.target.closest('a[href]') : null;
+    if (!a || e.defaultPrevented || a.getAttribute('href').startsWith('#')) return;
+    if (a.target === '_blank') window.__orchardOpened = (window.__orchardOpened || 0) + 1; else leave();
+  });
+})()"""
+# Settled: the document loaded and not being left. The answer is 1 + the tabs its links opened (truthy).
+_SETTLED_JS = "() => document.readyState === 'complete' && !window.__orchardLeaving && 1 + (window.__orchardOpened || 0)"
+
 
 class Host:
     """The browser, its tabs and the sites of one sandbox."""
@@ -79,6 +95,7 @@ class Host:
             # are not available inside ours; /dev/shm is small or absent in a sandbox
             chromium_sandbox=False, args=["--disable-dev-shm-usage", "--disable-gpu"])
         self.context = self.browser.new_context(viewport={"width": width, "height": height})
+        self.context.add_init_script(_WATCH_JS)
         self.active = 0
         self.context.new_page()
 
@@ -109,14 +126,21 @@ class Host:
             obs["text"] = page.evaluate(_TEXT_VIEW_JS)
         return obs
 
-    def settle(self) -> None:
-        """Let an action's navigation (if any) start and load, without failing when there is none."""
+    def settle(self, tabs_before: int) -> None:
+        """Wait on page events, never a fixed time: the navigation an action started (if any) until its page has
+        loaded, and the tabs its links opened until they have. A slow page is observed as it is."""
         page = self.page
-        page.wait_for_timeout(_SETTLE_MS)
         try:
-            page.wait_for_load_state("load", timeout=_NAV_TIMEOUT_MS)
+            # re-evaluated in the next document when a navigation replaces this one
+            opened = int(page.wait_for_function(_SETTLED_JS, polling=20, timeout=_NAV_TIMEOUT_MS).json_value()) - 1
+            page.evaluate("() => { window.__orchardOpened = 0; }")
+            while len(self.pages) < tabs_before + opened:
+                self.context.wait_for_event("page", timeout=_NAV_TIMEOUT_MS)
+            for new in self.pages[tabs_before:]:
+                new.wait_for_load_state("load", timeout=_NAV_TIMEOUT_MS)
         except Exception:
-            pass  # a slow page is observed as it is
+            if not self.alive():
+                raise
 
     def point(self, args: dict[str, Any], x: str, y: str) -> tuple[float, float]:
         px, py = _number(args, x), _number(args, y)
@@ -155,6 +179,7 @@ class Host:
             raise ToolError(f"{name} takes {', '.join(required + optional) or 'no arguments'}; "
                             f"missing {missing}, unknown {unknown}")
         page, mouse, keyboard = self.page, self.page.mouse, self.page.keyboard
+        tabs_before = len(self.pages)
         if name == "click":
             mouse.click(*self.point(args, "x", "y"))
         elif name == "hover":
@@ -219,9 +244,10 @@ class Host:
         elif name == "done" and not isinstance(args["response"], str):
             raise ToolError(f"response must be a string, got {args['response']!r}")
         if name in ("click", "press_keys", "drag"):
-            self.settle()
+            self.settle(tabs_before)
 
     def reset(self, url: str) -> None:
+        """Close every tab but the first and open `url` in it."""
         for extra in self.pages[1:]:
             extra.close()
         self.active = 0
@@ -281,6 +307,8 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                 if op == "tool":
                     host.run_tool(str(request.get("name")), request.get("arguments") or {})
                 elif op == "reset":
+                    if request.get("fresh_state"):
+                        sites.state = type(sites.state)()
                     host.reset(request["url"])
                 elif op != "observe":
                     raise ToolError(f"unknown op {op!r}")

@@ -187,11 +187,14 @@ class BrowserSession:
 
     # -- the API --------------------------------------------------------------------------------------------
 
-    def reset(self, url: str, *, text_view: bool | None = None) -> Observation:
-        """Close every tab but the first and open `url` in it (a task's start URL)."""
+    def reset(self, url: str, *, text_view: bool | None = None, fresh_state: bool = False) -> Observation:
+        """Close every tab but the first and open `url` in it (a task's start URL). With `fresh_state` the sites
+        forget what earlier visitors changed first (cart, orders, bookings, settings, captcha hits): one task
+        attempt's `site_state()` then shows only what that attempt did."""
         if not isinstance(url, str) or not url:
             raise ValueError(f"url must be a non-empty string, got {url!r}")
-        return self._observation(self._request({"op": "reset", "url": url, "text_view": self._text(text_view)}))
+        return self._observation(self._request({"op": "reset", "url": url, "text_view": self._text(text_view),
+                                                "fresh_state": bool(fresh_state)}))
 
     def observe(self, *, text_view: bool | None = None) -> Observation:
         """The current observation, without acting."""

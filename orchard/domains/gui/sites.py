@@ -1,10 +1,16 @@
-"""Offline, seeded websites served inside a GUI sandbox: a shop and a form-heavy site.
+"""Offline, seeded websites served inside a GUI sandbox: a shop, a form-heavy site, an information site, and the
+distractors and the "captcha" page that real sites put in an agent's way.
 
 Standard library only: this file is uploaded into the sandbox and run there by the browser host
 (`orchard.domains.gui._host`), and imported on the trainer's side to build tasks from the same data.
 Everything a site shows is a pure function of its seed (`shop_catalog(seed)`, `FORM_CHOICES`); everything a
 visitor changes (cart, orders, bookings, settings) lives in one `SiteState` that the host reports on request,
 never over HTTP, so an agent cannot read the answer key from a page.
+
+Distractors: product and information pages carry a seeded banner ("You have won a prize...") that leads to a
+promotion page with more such links and none back (only `go_back` returns). The captcha page is the paper's largest
+environmental failure: it cannot be passed (every answer "fails"), and every time it is shown or answered
+`SiteState.captcha_hits` counts it, so a run that met it is recognisable and can be removed from the loss.
 
 Routes (one server on loopback inside the sandbox's network namespace):
     /shop/                  search (q), filters (category, color, max_price), sort (price_asc, price_desc, rating)
@@ -14,6 +20,14 @@ Routes (one server on loopback inside the sandbox's network namespace):
     /forms/booking          name, date (YYYY-MM-DD), guests (select), room (radio), breakfast (checkbox)
     /forms/settings         display name, language (select), newsletter (checkbox), theme (radio), font size
                             (a range slider, set by dragging)
+    /info/                  the information site: city articles, rankings, price watch, archive
+    /info/city/<slug>       a city's article: a paragraph, a fact table, related articles (open in a new tab)
+    /info/rankings          every city in one table (city, population, area, founded), largest population first
+    /info/prices            "price watch": market prices of some shop products (opens from a product page in a
+                            new tab), for tasks that compare values across tabs
+    /info/archive           archived reports; each report is behind the captcha
+    /captcha                the security check (GET shows it, POST always fails)
+    /promo/<n>              where the distractor banners lead
 """
 
 from __future__ import annotations
@@ -64,6 +78,42 @@ def shop_catalog(seed: int, n_products: int = 30) -> list[dict[str, Any]]:
     return products
 
 
+_CITY_HEADS = ("Bel", "Cor", "Dun", "Esk", "Fal", "Gor", "Hal", "Kel", "Lor", "Mar", "Nor", "Ost", "Pel", "Ros",
+               "Sel", "Tor", "Ver", "Wen")
+_CITY_TAILS = ("ford", "mouth", "by", "ton", "wick", "stead", "haven", "dale")
+_RIVERS = ("Aln", "Brede", "Colne", "Derwent", "Esk", "Frome", "Lune", "Tamar")
+BANNERS = ("You have won a prize! Claim it now", "Limited offer: 90% off everything today",
+           "Your session is about to expire - click here", "Hot singles in your area")
+"""The distractor banners' texts (seeded per page)."""
+
+
+def info_cities(seed: int, n_cities: int = 12) -> list[dict[str, Any]]:
+    """The information site's cities for `seed`: slug, name, population, founded (year), area (km2), river.
+
+    Names, populations and areas are unique, so "the city with the third-largest population" has one answer.
+    Each article also states a metropolitan population (`metro`, 1.2-1.8 x the city's): a plausible wrong
+    answer next to the right one."""
+    if isinstance(n_cities, bool) or not isinstance(n_cities, int) or not 2 <= n_cities <= 40:
+        raise ValueError(f"n_cities must be an int in [2, 40], got {n_cities!r}")
+    rng = random.Random(f"info-{seed}")
+    names = rng.sample([h + t for h in _CITY_HEADS for t in _CITY_TAILS], n_cities)
+    populations = rng.sample(range(20_000, 2_000_000, 1_000), n_cities)
+    areas = rng.sample(range(30, 900), n_cities)
+    return [{"slug": name.lower(), "name": name, "population": pop, "founded": rng.randint(1100, 1950),
+             "area": area, "river": rng.choice(_RIVERS), "metro": int(pop * rng.uniform(1.2, 1.8)) // 1000 * 1000}
+            for name, pop, area in zip(names, populations, areas, strict=True)]
+
+
+def price_watch(seed: int) -> dict[int, int]:
+    """Product id -> the market price the information site lists for it (10 of the shop's products).
+
+    Each differs from the shop's price by 5 to 60 dollars, up or down, so "where is it cheaper" has one answer."""
+    rng = random.Random(f"prices-{seed}")
+    products = shop_catalog(seed)
+    chosen = rng.sample(products, 10)
+    return {p["id"]: max(1, p["price"] + rng.choice((-1, 1)) * rng.randint(5, 60)) for p in chosen}
+
+
 @dataclass
 class SiteState:
     """What visitors changed; read by the host's `state` request (thread-safe: one lock)."""
@@ -72,20 +122,23 @@ class SiteState:
     orders: list[dict[str, Any]] = field(default_factory=list)
     bookings: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SETTINGS))
+    captcha_hits: int = 0
+    """How often the captcha page was shown or answered: > 0 means the run was blocked by it."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return {"cart": [{"id": k, "quantity": v} for k, v in sorted(self.cart.items())],
                     "orders": json.loads(json.dumps(self.orders)), "bookings": list(self.bookings),
-                    "settings": dict(self.settings)}
+                    "settings": dict(self.settings), "captcha_hits": self.captcha_hits}
 
 
 _STYLE = ("body{font-family:sans-serif;margin:24px;font-size:16px}a{color:#1a4fd6}"
           "button,input[type=submit]{font-size:16px;padding:6px 14px;margin:4px}"
           "input,select{font-size:16px;margin:4px}table{border-collapse:collapse}"
           "td,th{border:1px solid #999;padding:4px 10px}.error{color:#b00020}.item{margin:6px 0}"
-          ".help .tip{display:none}.help:hover .tip{display:inline}")
+          ".help .tip{display:none}.help:hover .tip{display:inline}"
+          ".banner{background:#ffe14d;padding:8px;font-weight:bold}")
 
 
 def _page(title: str, body: str) -> bytes:
@@ -106,7 +159,14 @@ class Sites:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.products = {p["id"]: p for p in shop_catalog(seed)}
+        self.cities = {c["slug"]: c for c in info_cities(seed)}
+        self.market = price_watch(seed)
         self.state = SiteState()
+
+    def banner(self, page_key: str) -> str:
+        """A distractor banner, the same for the same page and seed."""
+        n = random.Random(f"banner-{self.seed}-{page_key}").randrange(len(BANNERS))
+        return f"<p class='banner'><a href='/promo/{n}'>{BANNERS[n]}</a></p>"
 
     # -- shop ----------------------------------------------------------------------------------------------
 
@@ -146,12 +206,15 @@ class Sites:
         p = self.products.get(product_id)
         if p is None:
             return 404, _page("Not found", "<h1>Product not found</h1><a href='/shop/'>Back to the shop</a>")
-        return 200, _page(p["name"], f"<h1>{html.escape(p['name'])}</h1><p>Category: {p['category']}</p>"
+        compare = ("<p><a href='/info/prices' target='_blank'>Compare prices</a></p>"
+                   if product_id in self.market else "")
+        return 200, _page(p["name"], f"<h1>{html.escape(p['name'])}</h1>{self.banner(f'product-{product_id}')}"
+                                     f"<p>Category: {p['category']}</p>"
                                      f"<p>Color: {p['color']}</p><p>Price: ${p['price']}</p>"
                                      f"<p>Rating: {p['rating']}</p><form action='/shop/cart/add' method='post'>"
                                      f"<input type='hidden' name='id' value='{p['id']}'>Quantity "
                                      "<input name='quantity' value='1' size='3'> "
-                                     "<button type='submit'>Add to cart</button></form>"
+                                     f"<button type='submit'>Add to cart</button></form>{compare}"
                                      "<p><a href='/shop/'>Back to the shop</a> <a href='/shop/cart'>Cart</a></p>")
 
     def shop_cart(self, message: str = "") -> tuple[int, bytes]:
@@ -257,6 +320,64 @@ class Sites:
                                    "font_size": int(font_size)}
         return self.settings_page("Saved.")
 
+    # -- information site, captcha, promotions ---------------------------------------------------------------
+
+    def info_index(self) -> tuple[int, bytes]:
+        links = "".join(f"<li><a href='/info/city/{c['slug']}'>{c['name']}</a></li>"
+                        for c in sorted(self.cities.values(), key=lambda c: c["name"]))
+        return 200, _page("City guide", f"<h1>City guide</h1>{self.banner('info')}<p><a href='/info/rankings'>"
+                                        "Rankings</a> <a href='/info/prices'>Price watch</a> <a href='/info/archive'>"
+                                        f"Archive</a></p><h2>Articles</h2><ul>{links}</ul>")
+
+    def info_city(self, slug: str) -> tuple[int, bytes]:
+        c = self.cities.get(slug)
+        if c is None:
+            return 404, _page("Not found", "<h1>Article not found</h1><a href='/info/'>City guide</a>")
+        others = sorted(self.cities)
+        i = others.index(slug)
+        related = "".join(f"<li><a href='/info/city/{o}' target='_blank'>{self.cities[o]['name']}</a></li>"
+                          for o in (others[(i + 1) % len(others)], others[(i + 5) % len(others)]))
+        facts = (("Population", f"{c['population']:,}"), ("Founded", c["founded"]), ("Area", f"{c['area']} km2"),
+                 ("River", c["river"]))
+        rows = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in facts)
+        return 200, _page(c["name"], f"<h1>{c['name']}</h1>{self.banner(f'city-{slug}')}<p>{c['name']} lies on "
+                                     f"the river {c['river']}. Its metropolitan area is home to about "
+                                     f"{c['metro']:,} people.</p><table>{rows}</table><h2>Related articles</h2>"
+                                     f"<ul>{related}</ul><p><a href='/info/'>City guide</a></p>")
+
+    def info_rankings(self) -> tuple[int, bytes]:
+        rows = "".join(f"<tr><td>{c['name']}</td><td>{c['population']:,}</td><td>{c['area']}</td>"
+                       f"<td>{c['founded']}</td></tr>"
+                       for c in sorted(self.cities.values(), key=lambda c: -c["population"]))
+        return 200, _page("Rankings", "<h1>Cities by population</h1><table><tr><th>City</th><th>Population</th>"
+                                      f"<th>Area (km2)</th><th>Founded</th></tr>{rows}</table>"
+                                      "<p><a href='/info/'>City guide</a></p>")
+
+    def info_prices(self) -> tuple[int, bytes]:
+        rows = "".join(f"<tr><td>{self.products[i]['name']}</td><td>${price}</td></tr>"
+                       for i, price in sorted(self.market.items(), key=lambda kv: self.products[kv[0]]["name"]))
+        return 200, _page("Price watch", f"<h1>Price watch</h1>{self.banner('prices')}<table><tr><th>Product</th>"
+                                         f"<th>Market price</th></tr>{rows}</table>")
+
+    def info_archive(self) -> tuple[int, bytes]:
+        links = "".join(f"<li><a href='/info/archive/{slug}'>{c['name']} city report, 1950</a></li>"
+                        for slug, c in sorted(self.cities.items()))
+        return 200, _page("Archive", f"<h1>Archive</h1><ul>{links}</ul><p><a href='/info/'>City guide</a></p>")
+
+    def captcha(self, failed: bool = False) -> tuple[int, bytes]:
+        with self.state.lock:
+            self.state.captcha_hits += 1
+        message = "<p class='error'>Verification failed. Please try again.</p>" if failed else ""
+        return 200, _page("Security check", "<h1>Security check</h1><p>Please confirm that you are a human to "
+                                            f"continue.</p>{message}<form action='/captcha' method='post'><p><label>"
+                                            "<input type='checkbox' name='human' value='yes'> I am not a robot"
+                                            "</label></p><p><button type='submit'>Verify</button></p></form>")
+
+    def promo(self, n: int) -> tuple[int, bytes]:
+        links = "".join(f"<p class='banner'><a href='/promo/{(n + k) % len(BANNERS)}'>"
+                        f"{BANNERS[(n + k) % len(BANNERS)]}</a></p>" for k in (1, 2))
+        return 200, _page("Special offer", f"<h1>{BANNERS[n % len(BANNERS)]}</h1>{links}")
+
     # -- routing -------------------------------------------------------------------------------------------
 
     def handle(self, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
@@ -272,6 +393,8 @@ class Sites:
                 return self.booking_post(form)
             if path == "/forms/settings":
                 return self.settings_post(form)
+            if path == "/captcha":
+                return self.captcha(failed=True)
         elif path in ("/", "/shop", "/shop/"):
             return self.shop_index(query)
         elif path.startswith("/shop/product/") and path.rsplit("/", 1)[1].isdigit():
@@ -284,7 +407,22 @@ class Sites:
             return self.booking_page()
         elif path == "/forms/settings":
             return self.settings_page()
-        return 404, _page("Not found", "<h1>Page not found</h1><a href='/shop/'>Shop</a> <a href='/forms/'>Forms</a>")
+        elif path in ("/info", "/info/"):
+            return self.info_index()
+        elif path.startswith("/info/city/"):
+            return self.info_city(path[len("/info/city/"):])
+        elif path == "/info/rankings":
+            return self.info_rankings()
+        elif path == "/info/prices":
+            return self.info_prices()
+        elif path == "/info/archive":
+            return self.info_archive()
+        elif path.startswith("/info/archive/") or path == "/captcha":
+            return self.captcha()
+        elif path.startswith("/promo/") and path.rsplit("/", 1)[1].isdigit():
+            return self.promo(int(path.rsplit("/", 1)[1]))
+        return 404, _page("Not found", "<h1>Page not found</h1><a href='/shop/'>Shop</a> <a href='/forms/'>Forms</a> "
+                          "<a href='/info/'>City guide</a>")
 
 
 def serve_sites(sites: Sites, port: int) -> ThreadingHTTPServer:

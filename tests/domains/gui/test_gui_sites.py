@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchard.domains.gui.sites import CATEGORIES, Sites, shop_catalog
+from orchard.domains.gui.sites import CATEGORIES, Sites, info_cities, shop_catalog
 
 
 def test_the_catalog_is_a_function_of_the_seed():
@@ -42,3 +42,30 @@ def test_cart_checkout_and_forms_change_the_state():
     assert sites.state.snapshot()["bookings"] == [{"name": "Ada", "date": "2026-05-01", "guests": 2, "room": "suite",
                                                    "breakfast": False}]
     assert sites.handle("GET", "/nowhere")[0] == 404
+
+
+def test_the_captcha_cannot_be_passed_and_is_counted():
+    sites = Sites(0)
+    _, page = sites.handle("GET", "/info/archive/anything")
+    assert b"Security check" in page and sites.state.snapshot()["captcha_hits"] == 1
+    _, page = sites.handle("POST", "/captcha", b"human=yes")  # the right box ticked: it still fails
+    assert b"Verification failed" in page and sites.state.snapshot()["captcha_hits"] == 2  # 1 + 1
+
+
+def test_distractor_banners_lead_away_with_no_way_back():
+    sites = Sites(0)
+    page = sites.handle("GET", "/info/")[1].decode()
+    promo = page[page.index("/promo/"):].split("'")[0]
+    status, target = sites.handle("GET", promo)
+    assert status == 200 and b"/promo/" in target and b"/info/" not in target and b"/shop/" not in target
+    assert sites.banner("info") == Sites(0).banner("info")  # seeded: the same page shows the same banner
+
+
+def test_info_pages_show_the_seeded_facts():
+    city = info_cities(2)[0]
+    page = Sites(2).handle("GET", f"/info/city/{city['slug']}")[1].decode()
+    assert f"<th>Population</th><td>{city['population']:,}</td>" in page
+    assert f"{city['metro']:,}" in page  # the metropolitan figure: a plausible wrong answer beside the right one
+    assert Sites(2).handle("GET", "/info/city/nowhere")[0] == 404
+    with pytest.raises(ValueError, match="n_cities must be an int in"):
+        info_cities(0, n_cities=1)
