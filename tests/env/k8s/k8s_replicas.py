@@ -169,6 +169,8 @@ class KillReport:
     answered_before_kill: int
     wall_s: float
     exec_latencies_s: list[float]
+    audit_errors: dict[str, str]
+    """Sandboxes whose log could not be read or that could not be deleted afterwards, with the error."""
     ran_by: Counter[str]
     """Answered jobs by the replica that ran them ("a", "b"), from the store's job records."""
 
@@ -179,6 +181,7 @@ class KillReport:
         found += [f"{k} answered ok but ran {self.runs.get(k, 0)} times" for k, o in self.outcome.items()
                   if o == "ok" and self.runs.get(k, 0) != 1]
         found += [f"sandbox {s} lost" for s in sorted(set(self.sandboxes) - set(self.listed_after))]
+        found += [f"sandbox {s} afterwards: {e}" for s, e in sorted(self.audit_errors.items())]
         return found
 
     def counts(self) -> Counter[str]:
@@ -236,12 +239,16 @@ async def replica_kill_run(a: Replica, b: Replica, front: RoundRobinFront, api_k
         a.process.wait(timeout=10)
         listed = sorted(s["sandbox_id"] for s in await client.list_sandboxes())
         runs: dict[tuple[str, int], int] = {}
+        audit_errors: dict[str, str] = {}
 
         async def audit(sandbox_id: str) -> None:
             async with gate:
                 sandbox = await client.sandbox(sandbox_id)
-                for line in (await sandbox.download("runs.log")).decode().split():
-                    runs[sandbox_id, int(line)] = runs.get((sandbox_id, int(line)), 0) + 1
+                try:
+                    for line in (await sandbox.download("runs.log")).decode().split():
+                        runs[sandbox_id, int(line)] = runs.get((sandbox_id, int(line)), 0) + 1
+                except Exception as exc:
+                    audit_errors[sandbox_id] = f"{type(exc).__name__}: {exc}"
                 await sandbox.delete()
 
         await asyncio.gather(*(audit(s) for s in ids))
@@ -249,7 +256,7 @@ async def replica_kill_run(a: Replica, b: Replica, front: RoundRobinFront, api_k
     finally:
         for c in (*direct, client):
             await c.aclose()
-    return KillReport(ids, outcome, runs, listed, kill_after, wall, latencies, ran_by)
+    return KillReport(ids, outcome, runs, listed, kill_after, wall, latencies, audit_errors, ran_by)
 
 
 async def _ran_by(store: str, job_ids: list[str]) -> Counter[str]:
