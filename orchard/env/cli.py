@@ -56,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="execs allowed to wait for a slot before 503 (None: unbounded)")
     serve.add_argument("--heartbeat-timeout", type=float, default=600.0,
                        help="seconds without a heartbeat before an idle sandbox is deleted")
+    serve.add_argument("--replica-lease", type=float, default=30.0,
+                       help="seconds a replica's lease in a shared store lasts without renewal: once it ends, "
+                       "another replica reports its queued and running jobs lost")
+    serve.add_argument("--reap-interval", type=float, default=5.0,
+                       help="seconds between reaper passes (expired sandboxes; with a shared store, the jobs "
+                       "of replicas whose lease ended)")
     serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
     serve.set_defaults(func=_serve)
 
@@ -84,7 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
                     backend=KUBERNETES_FACTORY if args.backend == KUBERNETES else args.backend,
                     allow_weak_isolation=args.allow_weak_isolation, log_level=args.log_level,
                     max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
-                    heartbeat_timeout_s=args.heartbeat_timeout, store=args.store)
+                    heartbeat_timeout_s=args.heartbeat_timeout, store=args.store,
+                    replica_lease_s=args.replica_lease, reap_interval_s=args.reap_interval)
     except OSError as exc:
         if exc.errno not in _BIND_ERRORS:
             raise

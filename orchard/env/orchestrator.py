@@ -643,6 +643,14 @@ class Orchestrator:
         if lock is None or lock.token is None:
             await self.store.put_job(job)
         elif not await self.store.put_job_fenced(job, lock.name, lock.token):
+            stored = await self.store.get_job(job.job_id)
+            if stored is not None and stored.status == "running" and stored.replica == self.replica_id:
+                # The lock's lease lapsed while this replica lived (a stall shorter than its own lease): no
+                # reaper reports the job lost, so unless its result is written now it stays "running" for
+                # good. It is written under the lock taken again; a loss reported meanwhile still wins.
+                async with StoreLock(self.store, lock.name, self.replica_lease_s) as again:
+                    if await self.store.put_job_fenced(job, again.name, again.token):  # type: ignore[arg-type]
+                        return
             logger.warning("job %s: result not recorded: the lease of %s ended before it was written (this "
                            "replica stalled past it?)", job.job_id, lock.name)
             await self._refresh(job)

@@ -87,6 +87,20 @@ async def test_execs_of_one_sandbox_run_one_at_a_time_across_replicas(replicas):
     assert (await a.read_file("s", "log")).decode().split() == ["start", "end"] * 3
 
 
+async def test_a_job_whose_lock_lease_lapsed_on_a_live_replica_still_gets_its_result(replicas):
+    a, _ = replicas
+    await a.create_sandbox(CreateParams(sandbox_id="s"))
+    job = await a.submit_exec("s", ExecParams(command="sleep 0.6; echo done"))
+    while (await a.get_job(job.job_id)).status != "running":
+        await asyncio.sleep(0.02)
+    # the lease lapses under A (as when its event loop stalls past it) while A's own replica lease holds:
+    # no reaper reports the job lost, so only A can ever finish its record
+    await a.store._r.delete(f"{a.store.prefix}lock:sandbox:s")
+    done = await a.wait_job(job.job_id, 10)
+    assert (done.status, done.stdout) == ("succeeded", "done\n")  # before: "running" for good
+    assert (await a.get_job(job.job_id)).status == "succeeded"
+
+
 async def test_a_live_replicas_reaper_reports_a_dead_replicas_job_lost_after_its_lease(root, redis_url):
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
