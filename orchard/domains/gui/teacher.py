@@ -257,7 +257,8 @@ def teacher_episode(browser: BrowserSession, task: GUITask, *, attempt: int = 0,
 
     The sites' state is reset first (`reset(..., fresh_state=True)`). The reward is `gui_reward` with every turn
     well formed and the checker standing in for the judge: 1.0 solved, 0.0 not, None (dropped) when blocked by
-    the captcha. ``metadata`` holds the template, kind, attempt, teacher kind, ``blocked`` and the check's reason.
+    the captcha. ``metadata`` holds the template, kind, attempt, teacher kind, ``blocked``, the check's reason and
+    the final ``site_state`` (what the two-stage judge's reference block shows, `orchard.domains.gui.judge`).
 
     Args:
         browser: an open session with ``text_view`` observations (the teacher reads them).
@@ -309,10 +310,11 @@ def teacher_episode(browser: BrowserSession, task: GUITask, *, attempt: int = 0,
         metadata["env_error"] = obs.env_error
         return Trajectory(messages, GUI_TOOLS, None, task_id=task.id, termination_reason="env_error",
                           metadata=metadata)
-    check = check_task(task, response, browser.site_state())
+    state = browser.site_state()
+    check = check_task(task, response, state)
     steps = sum(m.role == "assistant" for m in messages)
     scored = gui_reward([True] * steps, check.success, ended_by_format_failure=False, page_blocked=check.blocked)
-    metadata.update(blocked=check.blocked, check=check.reason, reward_reason=scored.reason)
+    metadata.update(blocked=check.blocked, check=check.reason, reward_reason=scored.reason, site_state=state)
     return Trajectory(messages, GUI_TOOLS, scored.reward, {"passed": float(check.success)}, task_id=task.id,
                       termination_reason=reason, metadata=metadata)
 

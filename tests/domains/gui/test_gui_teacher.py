@@ -1,14 +1,18 @@
 """The scripted teacher in a real headless Chromium in a real sandbox: it solves a task of each kind, its wrong
-answers are rejected by the checker, and the captcha's run is flagged and dropped (about a minute; one browser)."""
+answers are rejected by the checker, the captcha's run is flagged and dropped, and the programmatic two-stage judge
+agrees with the checker on the real runs (about a minute; one browser)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import shutil
 
 import pytest
 
+from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.gui import BrowserSession
+from orchard.domains.gui.judge import ProgrammaticJudge, judge_gui_trajectories
 from orchard.domains.gui.tasks import TEMPLATES, make_task
 from orchard.domains.gui.teacher import attempt_kind, parse_text_view, teacher_episode, teacher_trajectories
 from orchard.domains.gui.tools import GUI_TOOL_NAMES
@@ -51,6 +55,13 @@ def test_the_teacher_solves_every_kind_and_the_captcha_run_is_dropped(client):
     # the kinds that need a second tab used one
     for template in ("multi_price", "multi_city"):
         assert any(c.name == "switch_tab" for m in by_template[template].messages for c in m.tool_calls)
+    # each run records the site state it ended in; from it the programmatic judges confirm every solved run
+    # (outcome 1, process >= 0.8) and the captcha run is removed unjudged
+    assert blocked.metadata["site_state"]["captcha_hits"] > 0
+    stats = asyncio.run(judge_gui_trajectories(ProgrammaticJudge(build_chat_tokenizer()), trajectories, tasks=tasks))
+    assert stats["rl/captcha_blocked"] == 1 and stats["rl/judge_completed"] == len(TEMPLATES) - 1, (
+        stats, {t.metadata["template"]: t.metadata.get("judge") for t in trajectories})
+    assert blocked.metadata["removed"] == "captcha_blocked"
 
 
 def test_wrong_answers_are_rejected_and_state_is_fresh_per_attempt(client):
