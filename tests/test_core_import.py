@@ -135,7 +135,8 @@ def third_party_imports(*folders: str) -> set[str]:
                 else:
                     continue
                 found.update(name.partition(".")[0] for name in names)
-    local = {path.stem for folder in folders for path in (ROOT / folder).rglob("*.py")}
+    # the repository's own modules (benchmarks import the tests' emulators and helpers by path)
+    local = {path.stem for folder in (*folders, "tests") for path in (ROOT / folder).rglob("*.py")}
     return {name for name in found - set(sys.stdlib_module_names) - local if name != "orchard"}
 
 
