@@ -10,7 +10,9 @@ One step (the paper's GRPO, Orchard-Claw and Orchard-SWE)::
     ppo_epochs x mini_batches optimizer steps on the batch (clipped ratio against the sampling log-probs)
     engine.update_weights(new weights)   # once per rollout batch, after its last update
 
-A `kl` objective term anchors the policy to the model RL started from (a frozen copy made here).
+A `kl` objective term anchors the policy to the model RL started from (a frozen copy made here). With
+``async_rollouts`` the next step's rollouts are generated while a step trains (one step off-policy, stale samples
+IS-corrected: `_off_policy`); ``checkpoint_every`` / ``resume`` save and continue the stage between rollout steps.
 """
 
 from __future__ import annotations
