@@ -20,8 +20,21 @@ already running on Kubernetes or elsewhere) — this is the launch line as it st
     SANDBOX_API_KEY=... python recipes/claw.py --config recipes/configs/claw.yaml \\
         model.path=/models/Qwen3-30B-A3B-Thinking env_url=https://sandboxes.example
 
-Rollouts and training share this one process; launching several ranks under ``deepspeed`` / ``torchrun`` is not
-supported yet.
+Several ranks (one node; several with ``--nnodes`` / a ``deepspeed`` hostfile, see docs/distributed.md): every
+rank plays its block of each step's tasks and evaluation, training is DeepSpeed ZeRO-2 over the ranks, and rank 0
+alone writes metrics, results, the plot and the models. Rollouts go to served replicas shared by the ranks
+(``engine_urls``; rank 0 pushes new weights through ``save_dir = output_dir/weights``, a path every replica can
+read), or, with ``engine_urls: []``, to an in-process HF engine per rank:
+
+    orchard serve-model --model /models/policy --model-name orchard --device cuda:0 --port 8001 \\
+        --allow-weight-updates &                   # one line per replica (same weights as model.path)
+    CUDA_VISIBLE_DEVICES=1,2,3,4 torchrun --nproc_per_node 4 recipes/claw.py --config recipes/configs/claw.yaml \\
+        model.path=/models/policy env_url=https://sandboxes.example 'engine_urls=[http://localhost:8001]' \\
+        sft.train.engine=deepspeed rl.train.engine=deepspeed
+
+On CPU (gloo), the tiny run on 2 ranks: ``torchrun --nproc_per_node 2 recipes/claw.py --config
+recipes/configs/claw_tiny.yaml sft.train.engine=deepspeed rl.train.engine=deepspeed``. Under ZeRO-3 the ``model``
+this script saves is partitioned: use ZeRO-2 here.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ from orchard.env import AsyncSandboxClient
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
+from orchard.stages.ranks import Ranks, barrier, init_ranks
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
 
@@ -77,6 +91,9 @@ class ClawConfig:
     """Harnesses trained on (SFT and RL): react (in-process ReAct) and/or text (a separate program via the proxy)."""
     threads: int = 0
     """torch CPU threads (0: leave torch's default)."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Base URLs of served replicas (orchard serve-model --model-name orchard --allow-weight-updates) that every
+    rank's EnginePool shares; [] builds an in-process HF engine (or vLLM, model.engine) per rank."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
@@ -106,6 +123,17 @@ class ClawConfig:
                              f"got {self.rl.tasks_per_step}")
 
 
+def rollout_engine(cfg: ClawConfig, model: Any, tokenizer: Any, ranks: Ranks) -> Any:
+    """An `EnginePool` over ``cfg.engine_urls`` (rank 0 pushes the weights, the others drain and follow), else
+    this process's own engine."""
+    if not cfg.engine_urls:
+        return make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
+    from orchard.rollout.engine_pool import EnginePool
+
+    return EnginePool.from_urls(cfg.engine_urls, save_dir=str(Path(cfg.output_dir) / "weights"),
+                                push_weights=ranks.is_main)
+
+
 def task_pools(cfg: ClawConfig) -> tuple[list[ClawTask], list[ClawTask], list[ClawTask]]:
     """(SFT tasks, RL pool, held-out tasks)."""
     kept_out = tuple(cfg.tasks.heldout_templates)
@@ -133,10 +161,11 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    ranks = init_ranks()
     train_tasks, rl_pool, heldout = task_pools(cfg)
-    log = stages.RunLog(out)
+    log = stages.RunLog(out, enabled=ranks.is_main)
     model, tokenizer = load_policy(cfg.model, tokenizer_corpus(train_tasks), seed=cfg.seed)
-    engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
+    engine = rollout_engine(cfg, model, tokenizer, ranks)
     results: dict[str, dict[str, dict[str, float]]] = {}
     sft_history: list[dict[str, float]] = []
     rl_history: list[dict[str, float]] = []
@@ -159,8 +188,10 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                                                seed=cfg.seed, output_dir=str(out / "sft"))
                 log.print(f"sft: {len(samples)} samples, {len(sft_history)} steps, loss "
                           f"{sft_history[0]['loss/total']:.3f} -> {sft_history[-1]['loss/total']:.3f}")
-                save_policy(model, tokenizer, out / "sft_model")
+                if ranks.is_main:
+                    save_policy(model, tokenizer, out / "sft_model")
                 await engine.update_weights(model.state_dict())
+                barrier()  # served replicas: no rank generates before rank 0's push is done
                 await held_out("sft", len(sft_history))
             if cfg.rl.enabled:
                 def on_step(stats: dict[str, float], step: int) -> None:
@@ -173,10 +204,13 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                 rl_history = await stages.rl_stage(model, engine, trained, rl_pool, cfg.rl, rollout=cfg.rollout,
                                                    pad_id=tokenizer.pad_token_id, seed=cfg.seed,
                                                    output_dir=str(out / "rl"), log=on_step)
-                save_policy(model, tokenizer, out / "rl_model")
+                if ranks.is_main:
+                    save_policy(model, tokenizer, out / "rl_model")
                 await held_out("rl", cfg.rl.steps)
     await engine.close()
     log.close()
+    if not ranks.is_main:
+        return results
     stages.write_results(out, results, config_to_dict(cfg), log, attempts=cfg.eval.attempts,
                          sft_history=sft_history, rl_history=rl_history)
     return results

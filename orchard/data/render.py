@@ -121,6 +121,9 @@ class RenderedSample:
         logprob_mask: True where ``old_logprobs`` holds a sampled log-prob (always within ``action_mask``).
         report: mismatches, prefix breaks, truncation.
         reward, task_id, group_id: copied from the trajectory.
+        policy_version: the version of the policy that sampled it (the RL stage's count of weight updates pushed
+            to the rollout engine before generation; None where nobody recorded one), so a trainer knows how
+            many updates stale it is.
     """
 
     input_ids: torch.Tensor
@@ -132,6 +135,7 @@ class RenderedSample:
     reward: float | None = None
     task_id: str | None = None
     group_id: str | None = None
+    policy_version: int | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

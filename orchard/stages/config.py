@@ -2,9 +2,9 @@
 
 A recipe embeds these dataclasses in its own config (next to its domain's model and task fields); each field has a
 doc line under it (``python recipes/<name>.py --show-config`` prints them with the values that will run). Fields a
-stage derives (the trainers' ``total_steps``, ``seed``, ``output_dir``, ``resume``) are set by the stage, never by
-the user: `derived_keys` names them for the config loader to refuse (a stage also always starts its trainer fresh,
-``resume=False``).
+stage derives (the trainers' ``total_steps``, ``seed``, ``output_dir``, ``resume``, and the RL trainer's
+``checkpoint_every``) are set by the stage, never by the user: `derived_keys` names them for the config loader to
+refuse (the SFT stage always starts its trainer fresh; the RL stage resumes when ``rl.resume`` says).
 """
 
 from __future__ import annotations
@@ -113,6 +113,15 @@ class RLConfig:
     group with two or more trained members)."""
     drop_timeouts: bool = True
     """Episodes ended by the wall-clock budget do not train (the paper's "timeouts dropped")."""
+    async_rollouts: bool = False
+    """Generate step k+1's rollouts while step k trains (one step off-policy): each sample carries the policy
+    version that sampled it, and stale ones train with the importance correction of the policy term
+    (tis_threshold, is_mode; truncated IS by default) against a ratio anchored at the current policy."""
+    checkpoint_every: int = 0
+    """Save the stage (trainer, step, task draws, history, pending rollouts) every this many rollout steps under
+    output_dir/checkpoints (0: never)."""
+    resume: bool = False
+    """Continue from output_dir's latest RL checkpoint when one exists (the engine first gets its weights)."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         global_batch_size=64, micro_batch_size=16, optim=OptimConfig(lr=1e-6, min_lr=1e-7),
         objective=[LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})]))
@@ -122,6 +131,9 @@ class RLConfig:
         for name in ("steps", "tasks_per_step", "group_size", "ppo_epochs", "mini_batches", "bar_n_max",
                      "bar_stride"):
             _positive_int(name, getattr(self, name))
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {list(REWARDS)}, got {self.reward!r}")
         if self.group_filter != "none" and self.group_filter not in GROUP_FILTER_RULES:
@@ -140,6 +152,9 @@ def derived_keys(sft: str | None = "sft", rl: str | None = "rl") -> dict[str, st
         out[f"{sft}.train.total_steps"] = f"{sft}.epochs"
     if rl is not None:
         out[f"{rl}.train.total_steps"] = f"{rl}.steps x {rl}.ppo_epochs x {rl}.mini_batches"
+        # The stage checkpoints between rollout steps only: a save mid-batch could not resume exactly.
+        out[f"{rl}.train.checkpoint_every"] = f"{rl}.checkpoint_every"
+        out[f"{rl}.train.resume"] = f"{rl}.resume"
     for prefix in (p for p in (sft, rl) if p is not None):
         out[f"{prefix}.train.seed"] = "seed"
         out[f"{prefix}.train.output_dir"] = "output_dir"

@@ -18,13 +18,17 @@ __all__ = ["RunLog", "plot_learning_curve", "recipe_main", "write_results"]
 
 class RunLog:
     """Appends metrics to ``<output_dir>/metrics.jsonl`` (a fresh file per run) and prints progress lines that
-    start with the seconds since the run began."""
+    start with the seconds since the run began. With ``enabled=False`` (every rank but 0 under a launcher) it
+    writes and prints nothing."""
 
-    def __init__(self, output_dir: str | Path) -> None:
+    def __init__(self, output_dir: str | Path, *, enabled: bool = True) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)
-        self._jsonl = JsonlLogger(self.path)
+        self.enabled = bool(enabled)
+        self._jsonl: JsonlLogger | None = None
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.unlink(missing_ok=True)
+            self._jsonl = JsonlLogger(self.path)
         self.started = time.monotonic()
 
     @property
@@ -32,13 +36,16 @@ class RunLog:
         return time.monotonic() - self.started
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._jsonl.log(metrics, step)
+        if self._jsonl is not None:
+            self._jsonl.log(metrics, step)
 
     def print(self, message: str) -> None:
-        print(f"[{self.elapsed_s:6.0f}s] {message}", flush=True)
+        if self.enabled:
+            print(f"[{self.elapsed_s:6.0f}s] {message}", flush=True)
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
 
 
 def plot_learning_curve(sft_history: Sequence[Mapping[str, float]], rl_history: Sequence[Mapping[str, float]],

@@ -12,7 +12,9 @@ One step (the paper's GRPO, Orchard-Claw and Orchard-SWE)::
 
 A `kl` objective term anchors the policy to the model RL started from (a frozen copy made here). An OPD term
 (``k2_opd`` / ``k3_opd`` / ``js_opd``) reads a separate ``teacher``'s log-probs on the student's sampled tokens
-(`orchard.stages.distill.teacher_logprobs`, scored once per rollout batch).
+(`orchard.stages.distill.teacher_logprobs`, scored once per rollout batch). With ``async_rollouts`` the next
+step's rollouts are generated while a step trains (one step off-policy, stale samples IS-corrected:
+`_off_policy`); ``checkpoint_every`` / ``resume`` save and continue the stage between rollout steps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import copy
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,7 @@ from orchard.sampling import GROUP_FILTER_RULES, BARConfig, abar_select, filter_
 from orchard.stages.config import RLConfig, RolloutConfig
 from orchard.stages.distill import check_teacher, teacher_logprobs
 from orchard.stages.ranks import (
+    Ranks,
     all_gather_concat,
     all_reduce_sum,
     barrier,
@@ -40,8 +44,9 @@ from orchard.stages.ranks import (
     ranks_from_env,
     shard_range,
 )
+from orchard.train import checkpoint as ckpt
 from orchard.train.action_logprobs import action_logprobs
-from orchard.train.trainer import Trainer
+from orchard.train.trainer import Trainer, forward_logprobs
 
 __all__ = ["group_batch", "rl_stage", "rollout_groups", "trajectory_reward"]
 
@@ -130,6 +135,12 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
     return [g for g, _ in selected], [t for _, pool in selected for t in pool]
 
 
+REMOVAL_REASONS = {"judge_failure": "rl/judge_failures", "judge_unparseable": "rl/judge_unparseable",
+                   "captcha_blocked": "rl/captcha_blocked"}
+"""The ``metadata["removed"]`` values the domains' judges set -> the step stat that counts them (the names the
+judges' own stats use)."""
+
+
 def _rollout_counts(groups: Sequence[RolloutGroup], generated: Sequence[Trajectory]) -> dict[str, float]:
     """What `_rollout_stats` divides, as sums, so ranks can add theirs up before dividing."""
     trained = [t for g in groups for t in g.trajectories if t.valid]
@@ -141,6 +152,10 @@ def _rollout_counts(groups: Sequence[RolloutGroup], generated: Sequence[Trajecto
         "rl/env_errors": float(sum(t.is_env_error for t in generated)),
         "rl/format_errors": float(sum(t.termination_reason == "format_error" for t in generated)),
         "rl/timeouts": float(sum(t.termination_reason == "time_budget" for t in generated)),
+        # remove_sample: episodes a judge could not score (or a blocked site) leave the loss, counted by reason
+        "rl/removed": float(sum(bool(t.metadata.get("removed")) for t in generated)),
+        **{key: float(sum(t.metadata.get("removed") == reason for t in generated))
+           for reason, key in REMOVAL_REASONS.items()},
     }
 
 
@@ -155,6 +170,107 @@ def _rollout_stats(counts: Mapping[str, float]) -> dict[str, float]:
 
 def _unzip(pairs: Sequence[tuple[RenderedSample, float]]) -> tuple[list[RenderedSample], list[float]]:
     return [s for s, _ in pairs], [a for _, a in pairs]
+
+
+Local = tuple[list[RenderedSample], list[float], dict[str, float]]
+"""One rank's share of a rollout batch: its groups' trained samples, their advantages, and the rollout counts."""
+
+
+async def _play(harnesses: Mapping[str, Rollouts], engine: Any, step_tasks: Sequence[Any], harness_of: list[str],
+                cfg: RLConfig, rollout: RolloutConfig, ranks: Ranks, version: int) -> Local:
+    """This rank's block of one step's tasks, played and turned into samples stamped with ``version``."""
+    mine = shard_range(len(step_tasks), ranks.rank, ranks.world_size)
+    groups, generated = await rollout_groups(harnesses, engine, [step_tasks[i] for i in mine],
+                                             [harness_of[i] for i in mine], cfg, rollout)
+    samples, advantages, batch_stats = group_batch(groups, reward=cfg.reward, group_filter=cfg.group_filter)
+    samples = [replace(s, policy_version=version) for s in samples]
+    return samples, advantages, {**_rollout_counts(groups, generated), **batch_stats}
+
+
+def _gather(local: Local, ranks: Ranks) -> tuple[list[RenderedSample], list[float], dict[str, float]]:
+    samples, advantages, counts = local
+    if ranks.world_size > 1:
+        samples, advantages = _unzip(all_gather_concat(list(zip(samples, advantages, strict=True))))
+        counts = all_reduce_sum(counts)
+    return samples, advantages, _rollout_stats(counts)
+
+
+def _current_logprobs(trainer: Trainer, samples: Sequence[RenderedSample], pad_id: int) -> list[torch.Tensor]:
+    """The trained policy's log-probs of each sample's sampled tokens (0 elsewhere), ``[T]`` each, computed
+    ``micro_batch_size`` rows at a time through the engine's forward (ZeRO-3 gathers its parameters there), so
+    every rank runs the same forwards."""
+    out = []
+    mb = trainer.cfg.micro_batch_size
+    device = next(trainer.engine.module.parameters()).device
+    with torch.no_grad():
+        for lo in range(0, len(samples), mb):
+            part = samples[lo:lo + mb]
+            batch = {k: v.to(device) for k, v in collate(part, pad_id).items()}
+            batch["scored_mask"] = batch["logprob_mask"]
+            logp_BT = forward_logprobs(trainer.engine.forward_model(), batch).float().cpu()  # [b, T]
+            out += [torch.where(s.logprob_mask, logp_BT[i, :len(s)], 0.0) for i, s in enumerate(part)]
+    return out
+
+
+def _off_policy(trainer: Trainer, samples: list[RenderedSample], version: int, pad_id: int,
+                ) -> tuple[list[RenderedSample], list[RenderedSample] | None, dict[str, float]]:
+    """Samples ready for the policy term, the samples whose ``old_logprobs`` are the sampling log-probs (the
+    batch's ``rollout_logprobs``; None when no sample is stale), and staleness stats.
+
+    A sample of an older policy version than the trained one (``version``) is stale. Its ratio is anchored at the
+    current policy (``old_logprobs`` := log pi_version, recomputed), and the policy term weights it by the
+    truncated (or masked) importance weight pi_version / pi_sampling. This is our reading of "one step
+    off-policy with the importance correction" (the decoupled PPO objective of AReaL, Fu et al. 2025): the clip
+    keeps each update near the current policy, not near the older one that sampled.
+    """
+    stale = [i for i, s in enumerate(samples) if s.policy_version is not None and s.policy_version < version]
+    lags = [version - s.policy_version for s in samples if s.policy_version is not None]
+    stats = {"rl/stale_sequences": float(len(stale)), "rl/policy_lag": float(np.mean(lags)) if lags else 0.0}
+    if not stale:
+        return samples, None, stats
+    fresh = list(samples)
+    for i, logp in zip(stale, _current_logprobs(trainer, [samples[i] for i in stale], pad_id), strict=True):
+        fresh[i] = replace(samples[i], old_logprobs=logp)
+    return fresh, samples, stats
+
+
+def _train_batch(trainer: Trainer, reference: Any, samples: list[RenderedSample], advantages: list[float],
+                 cfg: RLConfig, rng: random.Random, pad_id: int, version: int, teacher_BT: torch.Tensor | None,
+                 ) -> dict[str, float]:
+    """``ppo_epochs`` x ``mini_batches`` optimizer steps on one gathered rollout batch (``teacher_BT``: the OPD
+    teacher's log-probs of its samples, row per sample); returns the last one's stats with the batch's staleness
+    stats."""
+    samples, sampled, stats = _off_policy(trainer, samples, version, pad_id)
+    # PPO-style reuse of one rollout batch: ppo_epochs passes over shuffled mini-batches, the clipped ratio against
+    # the sampling log-probs keeping each update near the rollout policy.
+    for _ in range(cfg.ppo_epochs):
+        order = rng.sample(range(len(samples)), len(samples))
+        for part in np.array_split(np.array(order), min(cfg.mini_batches, len(order))):
+            batch = collate([samples[i] for i in part], pad_id, advantages=[advantages[i] for i in part])
+            if sampled is not None:
+                batch["rollout_logprobs"] = collate([sampled[i] for i in part], pad_id)["old_logprobs"]
+            if reference is not None:
+                with torch.no_grad():
+                    batch["ref_logprobs"] = action_logprobs(
+                        reference, batch["input_ids"], batch["action_mask"],
+                        attention_mask=batch["attention_mask"])
+            if teacher_BT is not None:  # collate pads to the mini-batch's longest sample
+                width = batch["input_ids"].shape[1]
+                batch["teacher_logprobs"] = teacher_BT[torch.as_tensor(part), :width]
+            stats.update(trainer.train_step(batch))
+    return stats
+
+
+def _state_of(step: int, version: int, rng: random.Random, history: list[dict[str, float]], asynchronous: bool,
+              ) -> dict[str, Any]:
+    """The stage's part of a checkpoint (JSON: ``trainer_state.json``'s ``extra``)."""
+    rng_version, rng_words, gauss = rng.getstate()
+    return {"step": step, "version": version, "rng": [rng_version, list(rng_words), gauss], "history": history,
+            "async_rollouts": asynchronous}
+
+
+def _pending_path(trainer: Trainer, rank: int) -> Path:
+    return ckpt.step_dir(trainer.ckpt_dir, trainer.step) / f"rl_pending_rank{rank}.pt"
 
 
 async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], tasks: Sequence[Any],
@@ -178,6 +294,19 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     ``teacher``: a scoring engine (`orchard.rollout.engine.Scorer`, never ``engine`` itself) whose log-probs on
     each rollout batch fill ``batch["teacher_logprobs"]``; required exactly when ``cfg.train.objective`` has an
     OPD term (`orchard.stages.distill.check_teacher`). The paper's best SWE variant is ``policy`` + ``js_opd``.
+
+    Policy versions: version ``v`` is the policy after ``v`` weight pushes of this stage (0: the model passed
+    in); every sample carries the version that sampled it (``RenderedSample.policy_version``). Synchronous, step
+    k trains on rollouts of the version it starts from. With ``cfg.async_rollouts`` step k+1's rollouts are
+    generated (on the event loop, with the engine's weights of step k's start) while step k trains (in a worker
+    thread), and the push waits for both: step k >= 2 trains on rollouts one version older than the policy it
+    updates, corrected as `_off_policy` says, and no request is served while the engine's weights change.
+
+    Checkpoints (``cfg.checkpoint_every`` rollout steps) hold the trainer's state, the stage's (step, version,
+    task generator, history) and, asynchronous, each rank's rollouts of the next step; ``cfg.resume`` continues
+    from the latest one after pushing its weights to the engine. Resumed, a run with deterministic rollouts ends
+    with the parameters of an uninterrupted one; the reference of a ``kl`` term is still copied from ``model``,
+    so pass the model RL started from.
     """
     if not isinstance(cfg, RLConfig):
         raise ValueError(f"cfg must be an RLConfig, got {type(cfg).__name__}")
@@ -192,49 +321,63 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
                          f"process), got {cfg.train.engine!r}")
     ranks = init_ranks()
     updates = cfg.steps * cfg.ppo_epochs * cfg.mini_batches
-    trainer = Trainer(model, replace(cfg.train, total_steps=updates, seed=seed, output_dir=output_dir, resume=False))
     reference = None
     if any(term.name == "kl" for term in cfg.train.objective):
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        reference = copy.deepcopy(model).eval().requires_grad_(False)  # before a resume loads trained weights
+    trainer = Trainer(model, replace(cfg.train, total_steps=updates, seed=seed, output_dir=output_dir,
+                                     resume=cfg.resume, checkpoint_every=0))
     rng = random.Random(seed)
     names = list(harnesses)
-    history = []
+    history: list[dict[str, float]] = []
+    start, version = 1, 0
+    pending: Local | None = None
+    saved = trainer.extra_state.get("rl")
+    if saved is not None:
+        if saved["async_rollouts"] != cfg.async_rollouts:
+            raise ValueError(f"cfg.async_rollouts must match the checkpoint's ({saved['async_rollouts']}) to "
+                             f"resume, got {cfg.async_rollouts}")
+        start, version, history = saved["step"] + 1, saved["version"], saved["history"]
+        rng.setstate((saved["rng"][0], tuple(saved["rng"][1]), saved["rng"][2]))
+        if cfg.async_rollouts and start <= cfg.steps:
+            pending = torch.load(_pending_path(trainer, ranks.rank), weights_only=False)
+        await engine.update_weights(trainer.full_state_dict())
+        barrier()
+
+    def draw() -> tuple[list[Any], list[str]]:
+        step_tasks = rng.sample(list(tasks), cfg.tasks_per_step)
+        return step_tasks, [names[i % len(names)] for i in range(len(step_tasks))]
+
+    following: asyncio.Future[Local] | None = None
     try:
-        for step in range(1, cfg.steps + 1):
-            step_tasks = rng.sample(list(tasks), cfg.tasks_per_step)
-            harness_of = [names[i % len(names)] for i in range(len(step_tasks))]
-            mine = shard_range(len(step_tasks), ranks.rank, ranks.world_size)
-            groups, generated = await rollout_groups(harnesses, engine, [step_tasks[i] for i in mine],
-                                                     [harness_of[i] for i in mine], cfg, rollout)
-            samples, advantages, batch_stats = group_batch(groups, reward=cfg.reward, group_filter=cfg.group_filter)
-            counts = {**_rollout_counts(groups, generated), **batch_stats}
-            if ranks.world_size > 1:
-                samples, advantages = _unzip(all_gather_concat(list(zip(samples, advantages, strict=True))))
-                counts = all_reduce_sum(counts)
-            stats = _rollout_stats(counts)
+        for step in range(start, cfg.steps + 1):
+            if pending is None:
+                pending = await _play(harnesses, engine, *draw(), cfg, rollout, ranks, version)
+            samples, advantages, stats = _gather(pending, ranks)
+            teacher_BT = await teacher_logprobs(teacher, samples) if teacher is not None and samples else None
+            pending = following = None
+            if cfg.async_rollouts and step < cfg.steps:
+                following = asyncio.ensure_future(_play(harnesses, engine, *draw(), cfg, rollout, ranks, version))
             if samples:
-                teacher_BT = await teacher_logprobs(teacher, samples) if teacher is not None else None
-                # PPO-style reuse of one rollout batch: ppo_epochs passes over shuffled mini-batches, the clipped
-                # ratio against the sampling log-probs keeping each update near the rollout policy.
-                for _ in range(cfg.ppo_epochs):
-                    order = rng.sample(range(len(samples)), len(samples))
-                    for part in np.array_split(np.array(order), min(cfg.mini_batches, len(order))):
-                        batch = collate([samples[i] for i in part], pad_id,
-                                        advantages=[advantages[i] for i in part])
-                        if reference is not None:
-                            with torch.no_grad():
-                                batch["ref_logprobs"] = action_logprobs(
-                                    reference, batch["input_ids"], batch["action_mask"],
-                                    attention_mask=batch["attention_mask"])
-                        if teacher_BT is not None:  # collate pads to the mini-batch's longest sample
-                            width = batch["input_ids"].shape[1]
-                            batch["teacher_logprobs"] = teacher_BT[torch.as_tensor(part), :width]
-                        stats.update(trainer.train_step(batch))
+                train = (trainer, reference, samples, advantages, cfg, rng, pad_id, version, teacher_BT)
+                stats.update(await asyncio.to_thread(_train_batch, *train) if following is not None
+                             else _train_batch(*train))
+            if following is not None:
+                pending = await following
+            if samples:
                 await engine.update_weights(trainer.full_state_dict())
+                version += 1
                 barrier()
             history.append(stats)
             if log is not None and ranks.is_main:
                 log(stats, step)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                trainer.extra_state["rl"] = _state_of(step, version, rng, history, cfg.async_rollouts)
+                if pending is not None:
+                    _pending_path(trainer, ranks.rank).parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(pending, _pending_path(trainer, ranks.rank))
+                trainer.save_checkpoint()
     finally:
+        if following is not None and not following.done():
+            following.cancel()  # training failed: the next step's rollouts have no one to train on them
         trainer.close()
     return history

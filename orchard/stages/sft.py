@@ -17,6 +17,7 @@ from orchard.data import RenderedSample, Trajectory, collate
 from orchard.losses import credit_assigned_sft_mask, credit_runs, interpolate_step_values, td_credit
 from orchard.rollout.rollouts import Rollouts
 from orchard.stages.config import SFTConfig
+from orchard.stages.ranks import ranks_from_env
 from orchard.train.trainer import Trainer
 
 __all__ = ["SFT_MODES", "demonstrations", "sft_samples", "sft_stage"]
@@ -110,6 +111,10 @@ def sft_stage(model: Any, samples: Sequence[RenderedSample], cfg: SFTConfig, *, 
         raise ValueError(f"cfg must be an SFTConfig, got {type(cfg).__name__}")
     if not samples:
         raise ValueError("samples is empty: the teacher solved no task (check the sandbox service and the harnesses)")
+    world = ranks_from_env().world_size
+    if world > 1 and cfg.train.engine != "deepspeed":
+        raise ValueError(f"cfg.train.engine must be 'deepspeed' under {world} ranks (plain torch trains one "
+                         f"process, and every rank would write its logs), got {cfg.train.engine!r}")
     steps = max(1, round(cfg.epochs * len(samples) / cfg.train.global_batch_size))
     trainer = Trainer(model, replace(cfg.train, total_steps=steps, seed=seed, output_dir=output_dir, resume=False))
     try:

@@ -15,7 +15,7 @@ gives the whole-batch token mean exactly, so the gradient does not depend on how
 |---|---|---|---|
 | ``sft`` | ``sft_loss`` (inputs masked: only assistant tokens) | — | ``action_mask`` |
 | ``credit_sft`` | ``sft_loss`` on the credit-assigned mask | ``sft_mask`` (from ``credit_assigned_sft_mask``) | ``sft_mask`` |
-| ``policy`` | ``policy_loss`` (GRPO/PPO, clip 0.2 / 0.28) | ``old_logprobs``, ``advantages`` | ``policy_mask`` |
+| ``policy`` | ``policy_loss`` (GRPO/PPO, clip 0.2 / 0.28) | ``old_logprobs``, ``advantages`` (and ``rollout_logprobs`` when present: the IS correction) | ``policy_mask`` |
 | ``k2_opd`` / ``k3_opd`` / ``js_opd`` | on-policy distillation | ``teacher_logprobs`` | ``action_mask`` |
 | ``kl`` | ``kl_penalty`` to a reference (kwarg ``kind``, default ``k3+``) | ``ref_logprobs`` | ``action_mask`` |
 
@@ -189,7 +189,7 @@ def _policy(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **
 
     return policy_loss(
         logprobs, batch["old_logprobs"], batch["advantages"], batch["policy_mask"],
-        agg="token-sum-norm", normalizer=normalizer, **kw,
+        rollout_logprobs=batch.get("rollout_logprobs"), agg="token-sum-norm", normalizer=normalizer, **kw,
     )
 
 

@@ -1,15 +1,19 @@
 """An RL stage the rank tests launch as child processes: plain (one process) or DeepSpeed under ``torchrun``.
 
-Usage: ``python rl_worker.py OUT_DIR ENGINE [DIE_RANK]``. It runs 2 GRPO steps of ``rl_stage`` on the tiny model of
-``tests/train/train_helpers`` with deterministic rollouts (`FixedRollouts`: every member's sample and reward are
-a function of its task and index, whatever rank plays it) and writes (rank 0) ``OUT_DIR/final.pt`` with the
-weights handed to the engine after the last step, the step stats, which tasks each rank played and the
-rows of an evaluation of tasks 0-6 run after the RL stage. With
-DIE_RANK=r, rank r SIGKILLs itself while it plays its tasks of step 2; the others are left waiting for it.
+Usage: ``python rl_worker.py OUT_DIR ENGINE [DIE_RANK] [--steps S] [--die-call C] [--async] [--resume]``. It runs
+S (default 2) GRPO steps of ``rl_stage`` on the tiny model of ``tests/train/train_helpers`` with deterministic
+rollouts (`FixedRollouts`: every member's sample and reward are a function of its task and index, whatever rank
+plays it, and never of the engine's weights) and writes ``OUT_DIR/rank{r}.pt`` with the weights handed to the
+engine after the last step, the step stats, which tasks each rank played and the rows of an evaluation of tasks
+0-6 run after the RL stage. With DIE_RANK=r, rank r SIGKILLs itself in its C-th (default 2nd) rollout call of
+harness "a" (while it plays its tasks of step C; asynchronous, during step C-1's training); the others are left
+waiting for it. The stage checkpoints after every step under ``OUT_DIR/train`` and, with ``--resume``, continues
+from the latest checkpoint there; ``--async`` sets ``async_rollouts``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -39,14 +43,14 @@ class FixedRollouts:
     the tiny model's, log 1/97 = -4.57, so ratios fall inside the clip range); reward +1 when (t + j) mod 3 == 0 else -1, and -1 for every member of
     a task with t mod 4 == 3 (a flat group the ``all_equal`` filter drops)."""
 
-    def __init__(self, die: bool = False) -> None:
+    def __init__(self, die_call: int = 0) -> None:
         self.calls = 0
-        self.die = die
+        self.die_call = die_call
         self.played: list[int] = []
 
     async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
         self.calls += 1
-        if self.die and self.calls == 2:
+        if self.calls == self.die_call:
             os.kill(os.getpid(), signal.SIGKILL)
         out = []
         for t in tasks:
@@ -74,14 +78,24 @@ class WeightsEngine:
 
 
 def main() -> None:
-    out, engine_name = Path(sys.argv[1]), sys.argv[2]
-    die_rank = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("engine")
+    parser.add_argument("die_rank", type=int, nargs="?", default=-1)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--die-call", type=int, default=2)
+    parser.add_argument("--async", dest="asynchronous", action="store_true")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    out = args.out
     ranks = init_ranks(timeout_s=TIMEOUT_S)
-    cfg = RLConfig(steps=2, tasks_per_step=5, group_size=3, mini_batches=2, train=TrainConfig(
-        micro_batch_size=2, engine=engine_name, zero_stage=2,
+    cfg = RLConfig(steps=args.steps, tasks_per_step=5, group_size=3, mini_batches=2, async_rollouts=args.asynchronous,
+                   checkpoint_every=1, resume=args.resume, train=TrainConfig(
+        micro_batch_size=2, engine=args.engine, zero_stage=2,
         optim=OptimConfig(lr=1e-3, min_lr=1e-4, eps=1e-6, grad_clip=0.5),
         objective=[LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})]))
-    harnesses = {"a": FixedRollouts(die=ranks.rank == die_rank), "b": FixedRollouts()}
+    harnesses = {"a": FixedRollouts(die_call=args.die_call if ranks.rank == args.die_rank else 0),
+                 "b": FixedRollouts()}
     engine = WeightsEngine()
     history = asyncio.run(rl_stage(make_model(seed=1), engine, harnesses, list(range(12)), cfg,
                                    rollout=RolloutConfig(), pad_id=0, seed=5, output_dir=str(out / "train")))
