@@ -9,8 +9,15 @@ import pytest
 import torch
 from PIL import Image
 
-from orchard.data import Trajectory, collate, merge_prefix_samples, read_jsonl, render_trajectory, render_turns
-from orchard.data import write_jsonl
+from orchard.data import (
+    Trajectory,
+    collate,
+    merge_prefix_samples,
+    read_jsonl,
+    render_trajectory,
+    render_turns,
+    write_jsonl,
+)
 from orchard.data.vision import decode_data_url
 from orchard.models.tiny import tiny_vl_chat_model
 
@@ -107,7 +114,7 @@ def test_truncation_never_splits_an_image(vl, traj):
     assert len(kept) == second + 6 and kept.image_grid_thw.tolist() == [[1, 4, 4], [1, 6, 4]]
     # Left truncation keeps the system prompt; a cut ending inside the first image moves past its end.
     system = len(tok.encode("<|im_start|>system\nBe brief.<|im_end|>\n"))
-    first = [t for t, token in enumerate(full.input_ids.tolist()) if token == pad][0]
+    first = next(t for t, token in enumerate(full.input_ids.tolist()) if token == pad)
     left = render_trajectory(traj, tok, processor=processor, max_len=len(full) - (first + 1 - system),
                              truncation="left")
     assert left.report.cut == (system, first + 4)
