@@ -7,6 +7,7 @@ into what a training step reads.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +36,10 @@ def collate(
         ``advantages`` also ``advantages`` [B, T] float32 (``adv_b`` on row b's action tokens, 0 elsewhere).
         T is the longest sample rounded up to ``pad_to_multiple_of`` (at least 1, so an all-empty batch is
         ``[B, 1]`` of padding).
+        When any sample carries images (rendered with a ``processor``), also ``pixel_values`` (every sample's
+        rows concatenated in batch order, as Qwen-VL models take them), ``image_grid_thw`` ``[I, 3]`` and
+        ``mm_token_type_ids`` ``[B, T]`` long (1 on image tokens, 0 elsewhere and in padding); text-only
+        batches have none of the three.
     """
     if isinstance(samples, RenderedSample) or not isinstance(samples, Sequence) or len(samples) == 0:
         raise ValueError(
@@ -79,6 +84,14 @@ def collate(
         batch["old_logprobs"][b, :n] = s.old_logprobs
         batch["logprob_mask"][b, :n] = s.logprob_mask
         batch["turn_index"][b, :n] = s.turn_index
+    if any(s.pixel_values is not None for s in samples):
+        with_images = [s for s in samples if s.pixel_values is not None]
+        batch["pixel_values"] = torch.cat([s.pixel_values for s in with_images])
+        batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images])
+        batch["mm_token_type_ids"] = torch.zeros((B, T), dtype=torch.long)
+        for b, s in enumerate(samples):
+            if s.mm_token_type_ids is not None:
+                batch["mm_token_type_ids"][b, : len(s)] = s.mm_token_type_ids
     if adv_B is not None:
         batch["advantages"] = adv_B[:, None] * batch["action_mask"].float()  # [B, T]
     return batch
@@ -118,8 +131,9 @@ def merge_prefix_samples(samples: Sequence[RenderedSample]) -> list[RenderedSamp
                 logp[:n] = torch.where(last.action_mask, last.old_logprobs, logp[:n])
                 known = sample.logprob_mask.clone()
                 known[:n] = torch.where(last.action_mask, last.logprob_mask, known[:n])
-                merged[-1] = RenderedSample(sample.input_ids, action, turn, logp, known, sample.report,
-                                            sample.reward, sample.task_id, sample.group_id)
+                # The later call's prompt holds every image of the earlier one: its pixels are the merged ones.
+                merged[-1] = replace(sample, action_mask=action, turn_index=turn, old_logprobs=logp,
+                                     logprob_mask=known)
                 continue
         merged.append(sample)
     return merged

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from orchard.data.schema import Message, Trajectory
+
+if TYPE_CHECKING:
+    from orchard.data.vision import VisionRenderer
 
 MismatchPolicy = Literal["use_sampled", "retokenize", "drop", "raise"]
 MISMATCH_POLICIES: tuple[str, ...] = ("use_sampled", "retokenize", "drop", "raise")
@@ -124,6 +128,11 @@ class RenderedSample:
         policy_version: the version of the policy that sampled it (the RL stage's count of weight updates pushed
             to the rollout engine before generation; None where nobody recorded one), so a trainer knows how
             many updates stale it is.
+        pixel_values: rendered with a ``processor``: the images' patches, ``[sum of grid_t * grid_h * grid_w,
+            D]`` in sequence order; None without images.
+        image_grid_thw: ``[I, 3]`` long, each image's ``(grid_t, grid_h, grid_w)``; None without images.
+        mm_token_type_ids: rendered with a ``processor``: ``[T]`` long, 1 on image tokens, 0 elsewhere (what
+            Qwen3-VL's M-RoPE needs); None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -136,6 +145,9 @@ class RenderedSample:
     task_id: str | None = None
     group_id: str | None = None
     policy_version: int | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    mm_token_type_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -178,10 +190,13 @@ class _Builder:
         *,
         truncation: str = "right",
         head: Callable[[list[int]], int] | None = None,
+        spans: Sequence[tuple[int, int]] = (),
     ) -> RenderedSample:
         """The tensors, cut to ``max_len``: the tail (``right``), or the tokens after the first ``head(ids)``
         (``left``: the oldest after the system prompt). Both cuts remove one contiguous span, so every kept
-        position carries exactly the values it has in the untruncated rendering."""
+        position carries exactly the values it has in the untruncated rendering. A cut never splits one of
+        ``spans`` (an image's vision tokens, which the model reads whole): it widens to the span's edge, so the
+        sample may be shorter than ``max_len``."""
         n = len(self.ids)
         report.full_length = n
         start = stop = n
@@ -196,6 +211,11 @@ class _Builder:
                 start, stop = kept_head, n - (max_len - kept_head)
             else:
                 start = max_len
+            for a, b in spans:
+                if a < start < b:
+                    start = a
+                if a < stop < b:
+                    stop = b
             report.truncated = True
             report.cut = (start, stop)
 
@@ -228,6 +248,28 @@ def _check_args(traj: Any, tokenizer: Any, max_len: Any, on_mismatch: Any, trunc
         raise ValueError(f"on_mismatch must be one of {list(MISMATCH_POLICIES)}, got {on_mismatch!r}")
     if truncation not in TRUNCATIONS:
         raise ValueError(f"truncation must be one of {list(TRUNCATIONS)}, got {truncation!r}")
+
+
+def _vision(traj: Trajectory, tokenizer: Any, processor: Any) -> VisionRenderer | None:
+    """The trajectory's images with ``processor``; None for the text path (no processor)."""
+    if processor is None:
+        if any(m.image_urls for m in traj.messages):
+            raise ValueError(
+                "traj has images (image_url content parts) but no processor was given; pass processor= (a Qwen-VL "
+                "processor or image processor) or replace the images with text"
+            )
+        return None
+    from orchard.data.vision import VisionRenderer
+
+    return VisionRenderer(traj.messages, tokenizer, processor)
+
+
+def _check_images_used(used: int, expected: int) -> None:
+    if used != expected:
+        raise ValueError(
+            f"the chat template wrote {used} image tokens for {expected} images; the tokenizer's template must "
+            "write one <|image_pad|> per image part (a Qwen-VL family template)"
+        )
 
 
 def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], gen: bool) -> str:
@@ -263,7 +305,10 @@ def _suffix(prev: str, new: str, message_index: int, report: RenderReport) -> st
 
 
 def _system_head(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    vision: VisionRenderer | None = None,
 ) -> Callable[[list[int]], int]:
     """For left truncation: a function of the rendered ids giving how many leading tokens are the system prompt.
 
@@ -276,7 +321,9 @@ def _system_head(
     def head(ids: list[int]) -> int:
         if not messages or messages[0]["role"] != "system":
             return 0
-        system = _encode(tokenizer, _template(tokenizer, messages[:1], tools, gen=False))
+        text = _template(tokenizer, messages[:1], tools, gen=False)
+        # A fresh encoder per call: an image in the system prompt is the trajectory's first image.
+        system = vision.encoder()[0](text) if vision is not None else _encode(tokenizer, text)
         if ids[: len(system)] != system:
             raise ValueError(
                 "truncation='left' keeps the system prompt, but the tokens of the template's rendering of the "
@@ -436,6 +483,7 @@ def render_trajectory(
     truncation: Truncation = "right",
     on_mismatch: MismatchPolicy = "use_sampled",
     eot_token: str | None = None,
+    processor: Any = None,
 ) -> RenderedSample | None:
     """Render one trajectory to a :class:`RenderedSample` (tensors of shape ``[T]``).
 
@@ -463,14 +511,23 @@ def render_trajectory(
             (``logprob_mask`` False after the first difference) and reports;
             ``drop`` returns None; ``raise`` raises ``ValueError`` with the report.
         eot_token: the end-of-turn token text; default ``tokenizer.eos_token``.
+        processor: for trajectories with images (OpenAI ``image_url`` parts with data URLs, in system, user or
+            tool turns): an HF processor of the Qwen-VL family (``AutoProcessor`` of Qwen2-VL, Qwen2.5-VL or
+            Qwen3-VL) or its image processor. Each ``<|image_pad|>`` the chat template writes becomes the image's
+            ``grid_t * grid_h * grid_w / merge_size**2`` vision tokens, never actions, and the sample carries
+            ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``. Truncation never splits an image: the
+            cut widens to its edge, and a cut-off image's pixels go with it. A trajectory with images and no
+            processor is a ``ValueError`` (the images would be lost).
 
     Returns:
         The sample, or None when ``on_mismatch="drop"`` and the trajectory has a mismatch or prefix break.
     """
     _check_args(traj, tokenizer, max_len, on_mismatch, truncation)
     eot_text, eot_id = _eot_token(tokenizer, eot_token)
+    vision = _vision(traj, tokenizer, processor)
     messages = traj.openai_messages()
     report = RenderReport()
+    encode, used = vision.encoder() if vision is not None else (partial(_encode, tokenizer), None)
     segments = _segments_windowed(tokenizer, messages, traj.tools, eot_text)
     if segments is None:
         segments = _segments_exact(tokenizer, messages, traj.tools, eot_text, report)
@@ -478,7 +535,7 @@ def render_trajectory(
     turn = -1
     for kind, i, text in segments:
         if kind == "context":
-            out.context(_encode(tokenizer, text))
+            out.context(encode(text))
         else:
             turn += 1
             _splice_turn(
@@ -494,8 +551,15 @@ def render_trajectory(
                 f"({[(m.turn, m.kind, m.positions[:8]) for m in report.mismatches]}), "
                 f"prefix breaks at messages {report.prefix_breaks}"
             )
-    head = _system_head(tokenizer, messages, traj.tools)
-    return out.build(max_len, report, traj, truncation=truncation, head=head)
+    if vision is None:
+        head = _system_head(tokenizer, messages, traj.tools)
+        return out.build(max_len, report, traj, truncation=truncation, head=head)
+    assert used is not None
+    _check_images_used(used(), len(vision.urls))
+    head = _system_head(tokenizer, messages, traj.tools, vision)
+    spans = vision.spans(out.ids, used())
+    sample = out.build(max_len, report, traj, truncation=truncation, head=head, spans=spans)
+    return vision.attach(sample, spans)
 
 
 def render_turns(
@@ -506,6 +570,7 @@ def render_turns(
     truncation: Truncation = "right",
     on_mismatch: MismatchPolicy = "use_sampled",
     eot_token: str | None = None,
+    processor: Any = None,
 ) -> list[RenderedSample]:
     """Render each assistant turn as its own sample: the prompt the engine saw, then the turn's action tokens.
 
@@ -513,13 +578,15 @@ def render_turns(
     ``k``'s sampled ids (or the template's ids of its text when none were recorded), all with
     ``turn_index == k``. This is what a recording proxy sees call by call, and it is exact for templates that are
     not prefix-consistent (e.g. ones that drop earlier reasoning). Mismatches are found and handled as in
-    :func:`render_trajectory` (``drop`` drops only the offending turns' samples); ``max_len`` and ``truncation``
-    apply to each sample as there (``left`` keeps the system prompt and the turn's newest tokens).
+    :func:`render_trajectory` (``drop`` drops only the offending turns' samples); ``max_len``, ``truncation`` and
+    ``processor`` apply to each sample as there (``left`` keeps the system prompt and the turn's newest tokens;
+    sample ``k`` carries the images of its prompt, each processed once for all samples).
     """
     _check_args(traj, tokenizer, max_len, on_mismatch, truncation)
     eot_text, eot_id = _eot_token(tokenizer, eot_token)
+    vision = _vision(traj, tokenizer, processor)
     messages = traj.openai_messages()
-    head = _system_head(tokenizer, messages, traj.tools)
+    head = _system_head(tokenizer, messages, traj.tools, vision)
     samples: list[RenderedSample] = []
     turn = -1
     for i, message in enumerate(traj.messages):
@@ -529,7 +596,12 @@ def render_turns(
         prompt = _template(tokenizer, messages[:i], traj.tools, gen=True)
         report = RenderReport()
         out = _Builder()
-        out.context(_encode(tokenizer, prompt))
+        if vision is None:
+            out.context(_encode(tokenizer, prompt))
+        else:
+            encode, used = vision.encoder()
+            out.context(encode(prompt))
+            _check_images_used(used(), sum(len(m.image_urls) for m in traj.messages[:i]))
         full = _template(tokenizer, messages[: i + 1], traj.tools, gen=False)
         action_text, _ = _split_action_text(_suffix(prompt, full, i, report), eot_text)
         _splice_turn(out, tokenizer, message, turn, i, action_text, eot_id, on_mismatch, report, close=False)
@@ -538,5 +610,10 @@ def render_turns(
                 continue
             if on_mismatch == "raise":
                 raise ValueError(f"turn {turn} (message {i}) does not render consistently: {report}")
-        samples.append(out.build(max_len, report, traj, truncation=truncation, head=head))
+        if vision is None:
+            samples.append(out.build(max_len, report, traj, truncation=truncation, head=head))
+            continue
+        spans = vision.spans(out.ids, used())
+        sample = out.build(max_len, report, traj, truncation=truncation, head=head, spans=spans)
+        samples.append(vision.attach(sample, spans))
     return samples

@@ -69,6 +69,27 @@ def _check_finite_float(value: Any, name: str) -> float:
     return value
 
 
+def _image_url(part: Mapping[str, Any]) -> str:
+    image = part["image_url"]
+    return image if isinstance(image, str) else image["url"]
+
+
+def _check_content_part(part: Any, index: int) -> None:
+    """An OpenAI content part: a mapping with a str ``type``; ``text`` parts carry a str ``text``, ``image_url``
+    parts an ``image_url`` that is ``{"url": str, ...}`` (or the bare URL string some clients send)."""
+    if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+        raise ValueError(f"Message.content[{index}] must be a content part with a str 'type', got {part!r:.200}")
+    if part["type"] == "text" and not isinstance(part.get("text"), str):
+        raise ValueError(f"Message.content[{index}]: a text part needs a str 'text', got {part!r:.200}")
+    if part["type"] == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, Mapping) else image
+        if not isinstance(url, str):
+            raise ValueError(
+                f"Message.content[{index}]: an image_url part needs 'image_url': {{'url': str}}, got {part!r:.200}"
+            )
+
+
 @dataclass
 class ToolCall:
     """One function call requested by an assistant turn.
@@ -155,8 +176,10 @@ class Message:
 
     Fields:
         role: ``system``, ``user``, ``assistant`` or ``tool``; ``developer`` is stored as ``system``.
-        content: the text (a list of OpenAI content parts is kept as given), or None (an assistant turn that
-            only calls tools).
+        content: the text, a list of OpenAI content parts (kept as given; each a mapping with a str ``type``:
+            ``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
+            and others; images only in system, user and tool turns), or None (an assistant turn that only calls
+            tools).
         tool_calls: assistant only: the calls this turn made.
         tool_call_id: tool only: the id of the call this message answers.
         name: tool only: the name of the tool that answered (optional).
@@ -186,6 +209,11 @@ class Message:
             raise ValueError(
                 f"Message.content must be a str, a list of parts or None, got {type(self.content).__name__}"
             )
+        if isinstance(self.content, list):
+            for p, part in enumerate(self.content):
+                _check_content_part(part, p)
+            if self.role == "assistant" and self.image_urls:
+                raise ValueError("Message.content of an assistant message must not hold images (a policy emits text)")
         if not isinstance(self.tool_calls, list):
             raise ValueError(f"Message.tool_calls must be a list, got {type(self.tool_calls).__name__}")
         self.tool_calls = [c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in self.tool_calls]
@@ -230,6 +258,13 @@ class Message:
         if isinstance(self.content, str):
             return self.content
         return "".join(p.get("text", "") for p in self.content if isinstance(p, Mapping))
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the content's image parts (``{"type": "image_url", "image_url": {"url": ...}}``), in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [_image_url(part) for part in self.content if part["type"] == "image_url"]
 
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI chat message (no ``token_ids`` / ``logprobs``), as chat templates and clients take it."""

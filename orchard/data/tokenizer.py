@@ -9,8 +9,11 @@ Chat format (one turn)::
 
 An assistant turn renders its tool calls after its content, each as
 ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``; a string ``arguments`` is emitted as given, a dict
-as JSON. Tool results are turns of role ``tool``. ``tools=`` are listed in the system turn, after the first system
-message's content, one compact signature per line (``- name(param: type, optional?: type): description``) rather
+as JSON. Tool results are turns of role ``tool``. Content given as a list of OpenAI content parts renders its
+text parts in order and each image part (``image_url`` or ``image``) as
+``<|vision_start|><|image_pad|><|vision_end|>``, the Qwen-VL family's marker, which rendering with an image
+processor expands into the image's vision tokens (a tokenizer built with ``vision=True`` has the markers as atomic
+special tokens). ``tools=`` are listed in the system turn, after the first system message's content, one compact signature per line (``- name(param: type, optional?: type): description``) rather
 than their JSON schemas, so a tiny model's context is not spent on schema boilerplate. ``add_generation_prompt`` appends ``<|im_start|>assistant\n``.
 The rendering of ``messages[:k]`` is a prefix of the rendering of ``messages[:k+1]``, so a trajectory can be
 rendered turn by turn and spliced with the sampled token ids. The end-of-turn token the model samples is
@@ -33,12 +36,32 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 """Atomic tokens that appear in decoded text (not skipped by ``skip_special_tokens``)."""
 
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""The Qwen-VL family's vision markers (``build_chat_tokenizer(vision=True)``): an image renders as
+``<|vision_start|><|image_pad|><|vision_end|>`` and its ``<|image_pad|>`` stands for the image's vision tokens;
+``<|video_pad|>`` is there because the models' configs name a video token (videos are not rendered)."""
+
+IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+"""What the chat template writes for one image part."""
+IMAGE_TOKEN = "<|image_pad|>"
+"""The token that stands for an image's vision tokens (one in the template, expanded when rendering)."""
+
 CHAT_TEMPLATE = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content is iterable -%}"
+    "{%- for part in content -%}"
+    "{%- if part.type == 'text' -%}{{- part.text -}}"
+    "{%- elif part.type == 'image_url' or part.type == 'image' -%}{{- '" + IMAGE_MARKER + "' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
     "{%- set ns = namespace(start=0) -%}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if messages and messages[0].role == 'system' -%}"
-    "{{- messages[0].content + '\\n\\n' -}}"
+    "{{- render_content(messages[0].content) + '\\n\\n' -}}"
     "{%- set ns.start = 1 -%}"
     "{%- endif -%}"
     "{{- '# Tools\\n' -}}"
@@ -58,7 +81,7 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- for message in messages[ns.start:] -%}"
     "{{- '<|im_start|>' + message.role + '\\n' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}{%- endif -%}"
+    "{{- render_content(message.content) -}}"
     "{%- if message.role == 'assistant' and message.tool_calls -%}"
     "{%- for call in message.tool_calls -%}"
     "{%- set fn = call.function if call.function is defined else call -%}"
@@ -88,7 +111,7 @@ _BUILTIN_CORPUS = (
 
 
 def build_chat_tokenizer(
-    texts: Iterable[str] | None = None, *, vocab_size: int = 1024, split_words: bool = True
+    texts: Iterable[str] | None = None, *, vocab_size: int = 1024, split_words: bool = True, vision: bool = False
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE chat tokenizer offline.
 
@@ -99,6 +122,9 @@ def build_chat_tokenizer(
         split_words: True (GPT-2 style) splits text into words, numbers and punctuation before BPE, so merges never
             span them. False lets merges span words: text that recurs verbatim in ``texts`` (a domain's system
             prompt, its JSON keys) compresses to a few tokens, which keeps a tiny model's sequences short.
+        vision: add :data:`VISION_TOKENS` as special tokens (the last four ids), for a tiny vision-language model
+            (``orchard.models.tiny_qwen_vl``); the vocabulary stays ``vocab_size`` in all. Off by default, so text
+            tokenizers keep their ids.
 
     Returns:
         A ``PreTrainedTokenizerFast`` with ``chat_template`` set, ``eos_token="<|im_end|>"``,
@@ -109,6 +135,8 @@ def build_chat_tokenizer(
         raise ValueError(f"vocab_size must be an int >= 300, got {vocab_size!r}")
     if not isinstance(split_words, bool):
         raise ValueError(f"split_words must be a bool, got {split_words!r}")
+    if not isinstance(vision, bool):
+        raise ValueError(f"vision must be a bool, got {vision!r}")
     corpus = list(_BUILTIN_CORPUS)
     if texts is not None:
         if isinstance(texts, str):
@@ -122,7 +150,7 @@ def build_chat_tokenizer(
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(MARKUP_TOKENS),
+        vocab_size=vocab_size - len(MARKUP_TOKENS) - (len(VISION_TOKENS) if vision else 0),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -139,5 +167,7 @@ def build_chat_tokenizer(
         clean_up_tokenization_spaces=False,
     )
     wrapped.add_tokens(list(MARKUP_TOKENS), special_tokens=False)
+    if vision:
+        wrapped.add_tokens(list(VISION_TOKENS), special_tokens=True)
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped

@@ -1,8 +1,23 @@
 """orchard.models: model builders shared by rollout and training (layer 2: may import transformers).
 
 - `tiny_qwen3_config`, `tiny_qwen3`, `tiny_chat_model`: a tiny random Qwen3 (nothing downloaded)
+- `tiny_qwen_vl`, `tiny_image_processor`, `tiny_vl_chat_model`: a tiny random Qwen3-VL and its image processor
 """
 
-from orchard.models.tiny import tiny_chat_model, tiny_qwen3, tiny_qwen3_config
+from orchard.models.tiny import (
+    tiny_chat_model,
+    tiny_image_processor,
+    tiny_qwen3,
+    tiny_qwen3_config,
+    tiny_qwen_vl,
+    tiny_vl_chat_model,
+)
 
-__all__ = ["tiny_chat_model", "tiny_qwen3", "tiny_qwen3_config"]
+__all__ = [
+    "tiny_chat_model",
+    "tiny_image_processor",
+    "tiny_qwen3",
+    "tiny_qwen3_config",
+    "tiny_qwen_vl",
+    "tiny_vl_chat_model",
+]

@@ -76,3 +76,76 @@ def tiny_chat_model(seed: int = 0, **overrides: Any) -> tuple[Qwen3ForCausalLM, 
 
     tokenizer = build_chat_tokenizer()
     return tiny_qwen3(tokenizer, seed=seed, **overrides), tokenizer
+
+
+def tiny_image_processor(**overrides: Any) -> Any:
+    """A Qwen2-VL-style image processor (the one Qwen2-VL, Qwen2.5-VL and Qwen3-VL use) with Qwen3-VL's geometry:
+    16-pixel patches, 2 x 2 patches merged into one vision token, and small images, so a 64 x 64 screenshot is
+    ``grid_thw = (1, 4, 4)``: 16 patches, 4 vision tokens. Built offline on PIL (no torchvision).
+
+    Args:
+        **overrides: any ``Qwen2VLImageProcessorPil`` argument, e.g. ``max_pixels=128 * 128``.
+    """
+    with requires_extra("data"):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    fields: dict[str, Any] = dict(
+        patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=128 * 128,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    fields.update(overrides)
+    return Qwen2VLImageProcessorPil(**fields)
+
+
+def tiny_qwen_vl(tokenizer: PreTrainedTokenizerBase, *, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised tiny Qwen3-VL (the paper's GUI model family) in float32, deterministic for ``seed``.
+
+    The language model is ``tiny_qwen3_config``'s (64 wide, 2 layers, M-RoPE sections 2 / 3 / 3 over the 8 rotary
+    frequencies); the vision encoder has 2 blocks 32 wide, 16-pixel patches, a 2 x 2 merger (the projector) into
+    the language width and one DeepStack merger. The tokenizer must have the vision tokens
+    (``build_chat_tokenizer(vision=True)``); their ids, eos and pad come from it.
+
+    Args:
+        tokenizer: the tokenizer, with ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
+            ``<|video_pad|>``.
+        seed: the torch seed of the initialisation (the global RNG is left untouched).
+        **overrides: ``Qwen3VLConfig`` fields, e.g. ``vision_config={...}`` or ``text_config={...}`` (merged over
+            the defaults).
+    """
+    with requires_extra("data"):
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from orchard.data.tokenizer import VISION_TOKENS
+
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise ValueError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in VISION_TOKENS if t not in vocab]
+    if missing:
+        raise ValueError(f"tokenizer has no vision tokens {missing}; build it with build_chat_tokenizer(vision=True)")
+    start, end, image, video = (vocab[t] for t in VISION_TOKENS)
+    text = tiny_qwen3_config(len(tokenizer)).to_dict()
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True},
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    text.update(overrides.pop("text_config", {}))
+    vision: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                  out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2,
+                                  temporal_patch_size=2, deepstack_visual_indexes=[0], num_position_embeddings=64)
+    vision.update(overrides.pop("vision_config", {}))
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+                           vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True,
+                           **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3VLForConditionalGeneration(config)
+    return model.float().eval()
+
+
+def tiny_vl_chat_model(seed: int = 0, **overrides: Any) -> tuple[Any, PreTrainedTokenizerBase, Any]:
+    """``(model, tokenizer, image_processor)``: ``tiny_qwen_vl`` over ``build_chat_tokenizer(vision=True)`` and
+    ``tiny_image_processor()``, a vision-language model that can chat about images, for tests and demos."""
+    from orchard.data.tokenizer import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer(vision=True)
+    return tiny_qwen_vl(tokenizer, seed=seed, **overrides), tokenizer, tiny_image_processor()

@@ -12,7 +12,7 @@ from orchard.train.config import (
     format_help,
     load_config,
 )
-from orchard.train.model import load_causal_lm
+from orchard.train.model import freeze_vision_tower, load_causal_lm
 from orchard.train.objective import LOSS_TERMS, LossTerm, TermSpec, objective_loss
 from orchard.train.schedule import cosine_lr, cosine_schedule
 from orchard.train.trainer import DataCursor, OptimConfig, TrainConfig, Trainer
@@ -32,6 +32,7 @@ __all__ = [
     "field_docs",
     "format_config",
     "format_help",
+    "freeze_vision_tower",
     "load_causal_lm",
     "load_config",
     "objective_loss",

@@ -14,12 +14,19 @@ import torch
 from orchard._extras import requires_extra
 
 with requires_extra("train"):
-    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        PretrainedConfig,
+        PreTrainedModel,
+    )
 
 __all__ = [
     "DTYPES",
     "CheckpointNotFoundError",
     "best_attn_implementation",
+    "freeze_vision_tower",
     "load_causal_lm",
     "quiet_transformers",
     "save_causal_lm",
@@ -48,8 +55,12 @@ def load_causal_lm(
     attn_implementation: str = "auto",
     gradient_checkpointing: bool = False,
     seed: int = 0,
+    freeze_vision: bool = False,
 ) -> PreTrainedModel:
     """A Hugging Face causal LM in train mode, from a local checkpoint directory or a config (random weights).
+
+    A vision-language model (a config with a ``vision_config``, e.g. Qwen3-VL) loads as an image-text-to-text
+    model, whose forward also takes ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids``.
 
     Args:
         source: a local directory holding a checkpoint (nothing is downloaded) or a ``PretrainedConfig``.
@@ -60,6 +71,8 @@ def load_causal_lm(
             also turns the KV cache off, which training never uses.
         seed: the torch seed of the random initialisation when ``source`` is a config (the global RNG is
             left untouched).
+        freeze_vision: a vision-language model's vision encoder and projector get ``requires_grad=False``
+            (``freeze_vision_tower``), as the paper trains its GUI agent; ``ValueError`` for a model without one.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -67,10 +80,13 @@ def load_causal_lm(
         raise ValueError(f"attn_implementation must be a non-empty string, got {attn_implementation!r}")
     attn = best_attn_implementation() if attn_implementation == "auto" else attn_implementation
     torch_dtype = DTYPES[dtype]
+    if not isinstance(freeze_vision, bool):
+        raise ValueError(f"freeze_vision must be a bool, got {freeze_vision!r}")
     if isinstance(source, PretrainedConfig):
+        auto = _auto_class(source)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(source, dtype=torch_dtype, attn_implementation=attn)
+            model = auto.from_config(source, dtype=torch_dtype, attn_implementation=attn)
     elif isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_dir():
@@ -78,9 +94,8 @@ def load_causal_lm(
                 2, "source must be a local checkpoint directory or a config; no such directory", str(path)
             )
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True
-            )
+            auto = _auto_class(AutoConfig.from_pretrained(path, local_files_only=True))
+            model = auto.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True)
     else:
         raise ValueError(f"source must be a path or a PretrainedConfig, got {type(source).__name__}")
     model = model.to(torch_dtype)
@@ -91,8 +106,47 @@ def load_causal_lm(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if freeze_vision:
+        freeze_vision_tower(model)
     model.train()
     return model
+
+
+def _auto_class(config: PretrainedConfig) -> Any:
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+"""Submodule names of a vision-language model's vision side: Qwen-VL's ``visual`` (the ViT with its patch merger,
+the projector, inside), LLaVA-style ``vision_tower`` / ``vision_model`` with a ``multi_modal_projector``."""
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Set ``requires_grad=False`` on the vision encoder and projector of a vision-language model; return how many
+    parameters (elements) were frozen.
+
+    The paper freezes both while training its GUI agent (Qwen3-VL), so only the language model learns; for Qwen-VL
+    models that is the ``visual`` module (patch embedding, ViT blocks, the 2 x 2 merger and the DeepStack mergers).
+    The optimizer skips frozen parameters (``param_groups`` takes trainable ones only).
+
+    Raises:
+        ValueError: naming ``model`` when it has none of the submodules in :data:`VISION_MODULES` (a text model).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch module, got {type(model).__name__}")
+    towers = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_MODULES]
+    if not towers:
+        raise ValueError(
+            f"model has no vision encoder to freeze (no submodule named one of {list(VISION_MODULES)}): "
+            f"{type(model).__name__}"
+        )
+    frozen = 0
+    for tower in towers:
+        for param in tower.parameters():
+            if param.requires_grad:
+                param.requires_grad_(False)
+                frozen += param.numel()
+    return frozen
 
 
 def save_causal_lm(model: PreTrainedModel, path: str | Path, tokenizer: Any = None) -> Path:
