@@ -130,7 +130,7 @@ async def search_temperature(args: Any, seed: int) -> dict[str, Any]:
                              heldout_templates=tuple(cfg.tasks.heldout_templates))
     model, tokenizer = load_policy(cfg.model, [], seed=seed)
     engine = make_engine(cfg.model, model, tokenizer, seed=seed)
-    validation_success: dict[str, dict[float, float]] = {h: {} for h in cfg.eval.harnesses}
+    validation_rows: dict[str, dict[float, dict[str, float]]] = {h: {} for h in cfg.eval.harnesses}
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
             harnesses = claw.claw_harnesses(cfg, tokenizer, client)
@@ -139,10 +139,11 @@ async def search_temperature(args: Any, seed: int) -> dict[str, Any]:
                 rows = await stages.evaluate(evaluated, engine, validation, attempts=cfg.eval.attempts,
                                              temperature=temperature)
                 for harness, row in rows.items():
-                    validation_success[harness][temperature] = row["success"]
+                    validation_rows[harness][temperature] = row
                 print(f"T={temperature}: " + ", ".join(f"{h} {r['success']:.3f}" for h, r in rows.items()),
                       flush=True)
-            chosen = {h: best_temperature(v, reference=cfg.eval.temperature) for h, v in validation_success.items()}
+            chosen = {h: best_temperature({t: row["success"] for t, row in by_t.items()},
+                                          reference=cfg.eval.temperature) for h, by_t in validation_rows.items()}
             heldout_rows = {}
             for harness, temperature in chosen.items():
                 rows = await stages.evaluate({harness: evaluated[harness]}, engine, heldout,
@@ -151,7 +152,7 @@ async def search_temperature(args: Any, seed: int) -> dict[str, Any]:
                 print(f"held-out {harness} at T={temperature}: {rows[harness]}", flush=True)
     await engine.close()
     result = {"validation_tasks": len(validation), "temperature": chosen, "heldout": heldout_rows,
-              "validation": {h: {str(t): v for t, v in by_t.items()} for h, by_t in validation_success.items()}}
+              "validation": {h: {str(t): row for t, row in by_t.items()} for h, by_t in validation_rows.items()}}
     (run_dir / "best_temperature.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
