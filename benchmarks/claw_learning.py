@@ -1,11 +1,22 @@
 """Does the Claw recipe learn? Runs recipes/claw.py with the tiny config for several seeds and reports held-out
-success (mean ± std over seeds) of the base, SFT and RL models, plus pass@k and pass^k.
+success (mean ± std over seeds) of the base, SFT and RL models, plus pass@k and pass^k, and the baseline RL has to
+beat: the SFT model at its best sampling temperature.
 
     python benchmarks/claw_learning.py [--seeds 0 1 2] [--config recipes/configs/claw_tiny.yaml] [key=value ...]
 
 Each seed runs as its own process (``--jobs`` of them at once; each recipe uses one torch thread and its own
 embedded sandbox service); results land in runs/claw_learning/seed<N>/ and the table is printed and written to
 runs/claw_learning/summary.md.
+
+SFT at its best temperature (``--no-best-temperature`` skips it): for each seed, a second process loads the saved
+SFT model and plays, through the recipe's own harnesses, a validation split at every temperature of
+``--temperatures`` (default 0.3,0.45,...,1.2). The validation split is train-distribution tasks from a block of
+task seeds that neither SFT, the RL pool nor the held-out set draws (``split_tasks("train", n, seed=1)``: task
+seeds 10,000 on; training uses 0 .. 9,999, the held-out set 1,000,000 on), ``tasks.heldout_per_template`` per
+template, ``eval.attempts`` episodes each. Each harness takes the temperature of its highest validation success
+(ties: the one nearest the evaluation's temperature, the smallest change), and the SFT model is evaluated on the
+held-out set at it; the result is ``seed<N>/best_temperature.json``. The other rows keep the evaluation's
+temperature.
 
 ``--temperature-control`` then asks what RL learned beyond the sharpness of its sampling: for each seed it reads
 the mean of ``model.norm.weight`` (with a linear lm head and no bias, the logits' inverse temperature) of the SFT
@@ -23,12 +34,16 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+TEMPERATURES = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
+VALIDATION_BLOCK = 1
+"""``split_tasks`` seed block of the validation split: task seeds 10,000 on, which no training pool reaches."""
 
 
 def machine() -> str:
@@ -36,8 +51,22 @@ def machine() -> str:
     return f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, commit {commit.stdout.strip()}"
 
 
-def run_all(seeds: list[int], jobs: int, out: Path, seed_args: Any, config: str, log_name: str, t0: float) -> None:
-    """Runs recipes/claw.py once per seed, ``jobs`` at once, each logging to ``seed<N>/<log_name>``."""
+def best_temperature(success_by_temperature: Mapping[float, float], *, reference: float) -> float:
+    """The temperature of highest validation success; ties go to the one nearest ``reference`` (the evaluation's
+    temperature: of equally good choices, the smallest change to how the model is sampled)."""
+    if not success_by_temperature:
+        raise ValueError("success_by_temperature must hold at least one temperature, got none")
+    best = max(success_by_temperature.values())
+    return min((t for t, v in success_by_temperature.items() if v == best), key=lambda t: (abs(t - reference), t))
+
+
+def recipe_command(config: str, args: list[str]) -> list[str]:
+    return [sys.executable, str(ROOT / "recipes/claw.py"), "--config", config, *args]
+
+
+def run_all(seeds: list[int], jobs: int, out: Path, command: Callable[[int], list[str]], log_name: str,
+            t0: float) -> None:
+    """Runs ``command(seed)`` once per seed, ``jobs`` at once, each logging to ``seed<N>/<log_name>``."""
     pending = list(seeds)
     running: list[tuple[int, subprocess.Popen, Any]] = []
     while pending or running:
@@ -45,7 +74,7 @@ def run_all(seeds: list[int], jobs: int, out: Path, seed_args: Any, config: str,
             seed = pending.pop(0)
             run_dir = out / f"seed{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, str(ROOT / "recipes/claw.py"), "--config", config, *seed_args(seed)]
+            cmd = command(seed)
             print("+", " ".join(cmd[1:]), flush=True)
             log = (run_dir / log_name).open("w")
             running.append((seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
@@ -71,6 +100,63 @@ def norm_scale(model_dir: Path) -> float:
     raise SystemExit(f"no model.norm.weight in {model_dir}")
 
 
+async def search_temperature(args: Any, seed: int) -> dict[str, Any]:
+    """One seed's SFT model: validation success at each of ``args.temperatures`` per harness, the best temperature
+    per harness, and the held-out row at it (the module docstring says how)."""
+    import random
+
+    import torch
+
+    from orchard import stages
+    from orchard.domains.claw.tasks import split_tasks
+    from orchard.env import AsyncSandboxClient
+    from orchard.stages.policy import load_policy, make_engine
+    from orchard.stages.sandboxes import sandbox_service
+    from orchard.train.config import load_config
+
+    # The recipe's own config and harnesses, so that these episodes are played exactly as its evaluation plays them.
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import claw
+
+    run_dir = Path(args.out) / f"seed{seed}"
+    cfg = load_config(claw.ClawConfig, args.config, [*args.overrides, f"seed={seed}",
+                                                     f"model.path={run_dir / 'sft_model'}"], derived=claw.DERIVED)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _, _, heldout = claw.task_pools(cfg)
+    validation = split_tasks("train", cfg.tasks.heldout_per_template, seed=VALIDATION_BLOCK,
+                             heldout_templates=tuple(cfg.tasks.heldout_templates))
+    model, tokenizer = load_policy(cfg.model, [], seed=seed)
+    engine = make_engine(cfg.model, model, tokenizer, seed=seed)
+    validation_rows: dict[str, dict[float, dict[str, float]]] = {h: {} for h in cfg.eval.harnesses}
+    with sandbox_service(cfg.env_url) as env:
+        async with AsyncSandboxClient(*env) as client:
+            harnesses = claw.claw_harnesses(cfg, tokenizer, client)
+            evaluated = {h: harnesses[h] for h in cfg.eval.harnesses}
+            for temperature in args.temperatures:
+                rows = await stages.evaluate(evaluated, engine, validation, attempts=cfg.eval.attempts,
+                                             temperature=temperature)
+                for harness, row in rows.items():
+                    validation_rows[harness][temperature] = row
+                print(f"T={temperature}: " + ", ".join(f"{h} {r['success']:.3f}" for h, r in rows.items()),
+                      flush=True)
+            chosen = {h: best_temperature({t: row["success"] for t, row in by_t.items()},
+                                          reference=cfg.eval.temperature) for h, by_t in validation_rows.items()}
+            heldout_rows = {}
+            for harness, temperature in chosen.items():
+                rows = await stages.evaluate({harness: evaluated[harness]}, engine, heldout,
+                                             attempts=cfg.eval.attempts, temperature=temperature)
+                heldout_rows[harness] = rows[harness]
+                print(f"held-out {harness} at T={temperature}: {rows[harness]}", flush=True)
+    await engine.close()
+    result = {"validation_tasks": len(validation), "temperature": chosen, "heldout": heldout_rows,
+              "validation": {h: {str(t): row for t, row in by_t.items()} for h, by_t in validation_rows.items()}}
+    (run_dir / "best_temperature.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def temperature_control(args: Any, out: Path, runs: list[dict[str, Any]], harnesses: list[str],
                         t0: float) -> list[str]:
     """The SFT model of each seed evaluated at the temperature its RL model's final-norm scale implies."""
@@ -78,10 +164,10 @@ def temperature_control(args: Any, out: Path, runs: list[dict[str, Any]], harnes
     for seed in args.seeds:
         sft, rl = norm_scale(out / f"seed{seed}" / "sft_model"), norm_scale(out / f"seed{seed}" / "rl_model")
         temps[seed] = (sft, rl, round(sft / rl, 3))
-    run_all(list(args.seeds), args.jobs, out, lambda seed: [
+    run_all(list(args.seeds), args.jobs, out, lambda seed: recipe_command(args.config, [
         f"seed={seed}", f"output_dir={out / f'seed{seed}' / 'control'}",
         f"model.path={out / f'seed{seed}' / 'sft_model'}", "sft.enabled=false", "rl.enabled=false",
-        f"eval.temperature={temps[seed][2]}", *args.overrides], args.config, "control.log", t0)
+        f"eval.temperature={temps[seed][2]}", *args.overrides]), "control.log", t0)
     controls = [json.loads((out / f"seed{s}" / "control" / "results.json").read_text()) for s in args.seeds]
     lines = ["final-norm scale SFT -> RL (temperature): " + ", ".join(
         f"seed {s} {a:.3f} -> {b:.3f} ({t})" for s, (a, b, t) in temps.items()), "",
@@ -107,21 +193,45 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="keep finished seeds' results instead of rerunning")
     parser.add_argument("--temperature-control", action="store_true",
                         help="also evaluate each SFT model at the temperature its RL model's final norm implies")
+    parser.add_argument("--temperatures", type=lambda text: [float(t) for t in text.split(",")],
+                        default=list(TEMPERATURES), help="the comma-separated grid the SFT model's best temperature "
+                        f"is searched on (default {','.join(map(str, TEMPERATURES))})")
+    parser.add_argument("--no-best-temperature", action="store_true",
+                        help="skip the SFT-at-its-best-temperature baseline")
+    parser.add_argument("--search-seed", type=int, help=argparse.SUPPRESS)  # one seed's search, in its own process
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if any(not t > 0 for t in args.temperatures):
+        raise SystemExit(f"--temperatures must all be > 0, got {args.temperatures}")
+    if args.search_seed is not None:
+        import asyncio
+
+        asyncio.run(search_temperature(args, args.search_seed))
+        return 0
     out = Path(args.out)
     t0 = time.monotonic()
     pending = [s for s in args.seeds if not (args.reuse and (out / f"seed{s}" / "results.json").exists())]
-    run_all(pending, args.jobs, out, lambda seed: [f"seed={seed}", f"output_dir={out / f'seed{seed}'}",
-                                                   *args.overrides], args.config, "stdout.log", t0)
+    run_all(pending, args.jobs, out, lambda seed: recipe_command(args.config, [
+        f"seed={seed}", f"output_dir={out / f'seed{seed}'}", *args.overrides]), "stdout.log", t0)
     runs = [json.loads((out / f"seed{seed}" / "results.json").read_text()) for seed in args.seeds]
+    best: list[dict[str, Any]] = []
+    if not args.no_best_temperature:
+        pending = [s for s in args.seeds if not (args.reuse and (out / f"seed{s}" / "best_temperature.json").exists())]
+        run_all(pending, args.jobs, out, lambda seed: [
+            sys.executable, str(Path(__file__).resolve()), "--search-seed", str(seed), "--config", args.config,
+            "--out", str(out), "--temperatures", ",".join(map(str, args.temperatures)), *args.overrides],
+            "best_temperature.log", t0)
+        best = [json.loads((out / f"seed{seed}" / "best_temperature.json").read_text()) for seed in args.seeds]
 
-    stages = [s for s in ("base", "sft", "rl") if all(s in r["results"] for r in runs)]
+    if best:
+        for r, b in zip(runs, best, strict=True):
+            r["results"]["sft@best T"] = b["heldout"]
+    stages = [s for s in ("base", "sft", "sft@best T", "rl") if all(s in r["results"] for r in runs)]
     harnesses = sorted({h for r in runs for s in stages for h in r["results"][s]})
     metrics = [k for k in next(iter(runs[0]["results"][stages[0]].values())) if k not in ("tasks", "env_errors")]
     lines = [f"machine: {machine()}", f"seeds: {args.seeds}; config: {Path(args.config).name} "
              f"{' '.join(args.overrides)}; wall per seed: {np.mean([r['wall_s'] for r in runs]):.0f} s "
-             f"({args.jobs} at once; this invocation's training runs {time.monotonic() - t0:.0f} s"
+             f"({args.jobs} at once; this invocation's runs {time.monotonic() - t0:.0f} s"
              f"{', finished seeds reused' if args.reuse else ''})", "",
              "| harness | stage | " + " | ".join(metrics) + " | env errors |",
              "|---|---|" + "---|" * (len(metrics) + 1)]
@@ -135,15 +245,21 @@ def main() -> int:
                 cells.append(f"{values.mean():.3f} ± {std:.3f}")
             errors = sum(row["env_errors"] for row in rows)
             lines.append(f"| {harness} | {stage} | " + " | ".join(cells) + f" | {errors:.0f} |")
-    for harness in harnesses:
-        if "sft" in stages and "rl" in stages:
-            sft = np.array([r["results"]["sft"][harness]["success"] for r in runs])
+    lines.append("")
+    if best:
+        lines.append("best temperature on the validation split (per seed): " + "; ".join(
+            f"{h} {', '.join(str(b['temperature'][h]) for b in best)}" for h in harnesses))
+    for baseline in ("sft", "sft@best T"):
+        for harness in harnesses:
+            if baseline not in stages or "rl" not in stages:
+                continue
+            base = np.array([r["results"][baseline][harness]["success"] for r in runs])
             rl = np.array([r["results"]["rl"][harness]["success"] for r in runs])
-            gain = rl - sft
-            spread = max(sft.std(ddof=1), rl.std(ddof=1)) if len(runs) > 1 else 0.0
-            verdict = "learns" if gain.mean() > spread else "does NOT clearly learn"
-            lines.append(f"\n{harness}: RL - SFT success = {gain.mean():+.3f} (per seed {np.round(gain, 3).tolist()}), "
-                         f"spread across seeds {spread:.3f} -> {verdict}")
+            gain = rl - base
+            spread = max(base.std(ddof=1), rl.std(ddof=1)) if len(runs) > 1 else 0.0
+            verdict = "beyond the spread" if gain.mean() > spread else "NOT beyond the spread"
+            lines.append(f"{harness}: RL - {baseline} success = {gain.mean():+.3f} (per seed "
+                         f"{np.round(gain, 3).tolist()}), spread across seeds {spread:.3f} -> {verdict}")
     if args.temperature_control:
         lines += ["", *temperature_control(args, out, runs, harnesses, t0)]
     text = "\n".join(lines)
