@@ -12,6 +12,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 - evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table`
 - SFT: `demonstrations` (a teacher through the same harnesses), `sft_samples` (resolved-only, all, or
   credit-assigned SFT from hindsight step values), `sft_stage`
+- task filter: `filter_tasks` (initial rollouts per candidate task, keep 0 < p̂ <= 0.5), `split_attempts`,
+  `TaskFilterResult`
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
   `trajectory_reward`
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
@@ -25,6 +27,7 @@ from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, succ
 from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sft import SFT_MODES, demonstrations, sft_samples, sft_stage
+from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
 
 __all__ = [
     "SFT_MODES",
@@ -33,10 +36,12 @@ __all__ = [
     "RolloutConfig",
     "RunLog",
     "SFTConfig",
+    "TaskFilterResult",
     "demonstrations",
     "derived_keys",
     "evaluate",
     "evaluate_stage",
+    "filter_tasks",
     "format_table",
     "group_batch",
     "plot_learning_curve",
@@ -45,6 +50,7 @@ __all__ = [
     "rollout_groups",
     "sft_samples",
     "sft_stage",
+    "split_attempts",
     "success_row",
     "trajectory_reward",
     "write_results",
