@@ -16,6 +16,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   `TaskFilterResult`
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
   `trajectory_reward`
+- value model: `value_rerank_stage` (pool, train, best-of-N rerank vs random and oracle), `RecordedRollouts`
+  (keeps what a stage generated, for the pool), `plot_value_curves`, `ValueRerankResult`
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
   `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
@@ -28,15 +30,23 @@ from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, writ
 from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sft import SFT_MODES, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
+from orchard.stages.value_rerank import (
+    RecordedRollouts,
+    ValueRerankResult,
+    plot_value_curves,
+    value_rerank_stage,
+)
 
 __all__ = [
     "SFT_MODES",
     "EvalConfig",
     "RLConfig",
+    "RecordedRollouts",
     "RolloutConfig",
     "RunLog",
     "SFTConfig",
     "TaskFilterResult",
+    "ValueRerankResult",
     "demonstrations",
     "derived_keys",
     "evaluate",
@@ -45,6 +55,7 @@ __all__ = [
     "format_table",
     "group_batch",
     "plot_learning_curve",
+    "plot_value_curves",
     "recipe_main",
     "rl_stage",
     "rollout_groups",
@@ -53,5 +64,6 @@ __all__ = [
     "split_attempts",
     "success_row",
     "trajectory_reward",
+    "value_rerank_stage",
     "write_results",
 ]
