@@ -30,11 +30,12 @@ __all__ = ["RecordedRollouts", "ValueRerankResult", "plot_value_curves", "value_
 
 class RecordedRollouts:
     """A `Rollouts` that plays through ``inner`` and keeps every call's trajectories in ``calls`` (one list per
-    call, in call order): the rollouts a stage generated, BAR's discarded ones included."""
+    call, in call order): the rollouts a stage generated, BAR's discarded ones included. Several recorders may
+    share one ``calls`` list, so calls through different harnesses keep their common order."""
 
-    def __init__(self, inner: Rollouts) -> None:
+    def __init__(self, inner: Rollouts, calls: list[list[Trajectory]] | None = None) -> None:
         self.inner = inner
-        self.calls: list[list[Trajectory]] = []
+        self.calls: list[list[Trajectory]] = [] if calls is None else calls
 
     async def __call__(self, engine: Any, tasks: Sequence[Any], *, group_size: int, temperature: float,
                        max_tokens: int | None = None) -> list[Trajectory]:

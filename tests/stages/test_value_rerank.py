@@ -76,3 +76,9 @@ def test_recorded_rollouts_keep_every_call():
     asyncio.run(rec(None, ["b", "c"], group_size=1, temperature=1.0))
     assert [len(c) for c in rec.calls] == [2, 2] and rec.calls[0] == first
     assert [t.task_id for t in rec.trajectories] == ["a", "a", "b", "c"]
+    # Two recorders on one list keep the calls' common order.
+    shared = []
+    bash, tool = RecordedRollouts(Two(), shared), RecordedRollouts(Two(), shared)
+    asyncio.run(tool(None, ["x"], group_size=1, temperature=1.0))
+    asyncio.run(bash(None, ["y"], group_size=1, temperature=1.0))
+    assert [c[0].task_id for c in shared] == ["x", "y"] and bash.calls is tool.calls is shared
