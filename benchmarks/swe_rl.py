@@ -97,6 +97,7 @@ def summarise(out: Path, seeds: list[int], variants: list[str], status: dict[tup
               "trained on the run's train rollouts:", "",
               "| policy | best-of-N by value | random of N | oracle of N | N | pool (share resolved) |",
               "|---|---|---|---|---|---|"]
+    notes = []
     for v in ok:
         reports = [read(out / f"seed{s}" / v, "rerank.json")["report"] for s in seeds]
         lines.append(f"| {v} | " + " | ".join(cell([r[k] for r in reports]) for k in
@@ -106,8 +107,9 @@ def summarise(out: Path, seeds: list[int], variants: list[str], status: dict[tup
         gap = np.array([r["rerank/oracle"] - r["rerank/random"] for r in reports])
         gain = np.array([r["rerank/success"] - r["rerank/random"] for r in reports])
         share = gain.sum() / gap.sum() if gap.sum() > 0 else float("nan")
-        lines.append(f"\n{v}: value - random = {gain.mean():+.3f} (per seed {np.round(gain, 3).tolist()}), "
+        notes.append(f"{v}: value - random = {gain.mean():+.3f} (per seed {np.round(gain, 3).tolist()}), "
                      f"share of the random -> oracle gap closed {share:.2f} (the goal: >= 0.33)")
+    lines += ["", *notes]
     failed = [v for v in variants if v not in ok]
     if failed:
         lines.append("\nnot run (failed on some seed; the first line of its error): " + "; ".join(
