@@ -1,12 +1,17 @@
-"""Orchard-SWE, part 1: repository-level issue resolution in sandboxes, with resolved-only, all or credit-assigned SFT.
+"""Orchard-SWE: repository-level issue resolution in sandboxes; credit-assigned SFT, then RL and a value reranker.
 
 Stages (`orchard.stages`): held-out evaluation of the base model on three harnesses (bash-only, tool calling, and a
 third convention held out of training) -> the scripted teacher's trajectories, 5 per task through each trained
 harness, failures kept (the paper's) -> hindsight values of the failed ones from a value teacher behind the
 engine / OpenAI interface -> SFT in ``sft.mode``: resolved-only, all, or credit (resolved trajectories whole, failed
 ones only on the steps whose TD credit is >= 0.05) -> held-out evaluation (resolve rate, pass@k) on the three
-harnesses. Sandbox failures are counted, never scored. Writes ``metrics.jsonl``, ``results.json`` (with the resolved
-config) and ``learning_curve.png`` under ``output_dir``.
+harnesses -> the task filter (8 rollouts of the SFT policy per train instance, keep 0 < p̂ <= 0.5) -> RL in
+``rl.variant`` (the RL_VARIANTS table; grpo_bar: GRPO with Balanced Adaptive Rollout on the outcome reward) on the
+kept instances through the trained harnesses -> held-out evaluation -> a value model trained on the run's
+rollouts, and best-of-6 by value over the final policy's held-out candidates beside random and oracle. Sandbox
+failures are counted, never scored. Writes ``metrics.jsonl``, ``results.json`` (with the resolved config),
+``learning_curve.png``, ``rl_summary.json`` (BAR's positive ratio per group), ``rerank.json`` and
+``value_curves.png`` under ``output_dir``.
 
 Single machine (CPU, a tiny random Qwen3, an offline tokenizer, seeded toy instances, the embedded sandboxes):
 
@@ -21,7 +26,7 @@ on Kubernetes; a value teacher served by URL) — this is the launch line as it 
         env_url=https://sandboxes.example values.url=http://value-teacher:8000/v1
 
 Rollouts and training share this one process; several ranks under ``deepspeed`` / ``torchrun`` are not supported
-yet. RL and the value model for best-of-N are part 2.
+yet. The OPD and RPR variants are refused until their teacher and judge are wired.
 """
 
 from __future__ import annotations
