@@ -187,6 +187,8 @@ class ValueModelConfig:
     """GAE discount over decision steps (the paper: 0.98)."""
     lam: float = 0.95
     """GAE lambda (the paper: 0.95)."""
+    max_len: int = 4096
+    """Longest sequence the value model reads; longer trajectories are read in left-truncated windows."""
 
 
 @dataclass
@@ -352,7 +354,7 @@ async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts]
         else ValueModel.from_config(policy.config, seed=cfg.seed)
     result = stages.value_rerank_stage(pool, candidates, value_model, tokenizer, max_per_task=v.max_per_task,
                                        steps=v.steps, batch_size=v.batch_size, lr=v.lr, gamma=v.gamma, lam=v.lam,
-                                       seed=cfg.seed, log=lambda m, step: log.log(m, step))
+                                       max_len=v.max_len, seed=cfg.seed, log=lambda m, step: log.log(m, step))
     r = result.report
     log.log(r, 0)
     log.print(f"best-of-{v.candidates} on {r['rerank/groups']:.0f} held-out instances: value "

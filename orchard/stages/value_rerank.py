@@ -77,8 +77,8 @@ def _render(trajectories: Sequence[Trajectory], tokenizer: Any) -> list[Rendered
 
 def value_rerank_stage(pool: Sequence[Trajectory], candidates: Sequence[Trajectory], model: Any, tokenizer: Any, *,
                        max_per_task: int = 8, balance: bool = True, steps: int = 100, batch_size: int = 8,
-                       lr: float = 1e-4, gamma: float = 0.98, lam: float = 0.95, seed: int = 0,
-                       log: Callable[[dict[str, float], int], None] | None = None) -> ValueRerankResult:
+                       lr: float = 1e-4, gamma: float = 0.98, lam: float = 0.95, max_len: int | None = None,
+                       seed: int = 0, log: Callable[[dict[str, float], int], None] | None = None) -> ValueRerankResult:
     """Train ``model`` (an `orchard.value.ValueModel`, in place) on ``pool`` and rerank ``candidates``.
 
     Args:
@@ -93,6 +93,8 @@ def value_rerank_stage(pool: Sequence[Trajectory], candidates: Sequence[Trajecto
         balance: equalise successes and failures in the pool.
         steps, batch_size, lr: value training (AdamW, constant lr).
         gamma, lam: GAE over decision steps (the paper: 0.98, 0.95).
+        max_len: longest sequence the value model reads; a longer trajectory is read in left-truncated windows
+            that keep its head (`orchard.value.windows`), so its outcome still sits on its true last step.
         seed: seed of the pool's choices and the batch order.
         log: called as ``log(metrics, step)`` for each training step.
 
@@ -108,16 +110,16 @@ def value_rerank_stage(pool: Sequence[Trajectory], candidates: Sequence[Trajecto
     pad_id = int(tokenizer.pad_token_id)
     history: list[dict[str, float]] = []
     if samples:
-        history = train_value_model(model, samples, pad_id=pad_id, steps=steps, batch_size=batch_size, lr=lr,
-                                    gamma=gamma, lam=lam, seed=seed, log=log)
+        history = train_value_model(model, samples, pad_id=pad_id, max_len=max_len, steps=steps,
+                                    batch_size=batch_size, lr=lr, gamma=gamma, lam=lam, seed=seed, log=log)
     held = _render(candidates, tokenizer)
-    report = evaluate_reranking(model, held, pad_id=pad_id)
+    report = evaluate_reranking(model, held, pad_id=pad_id, max_len=max_len)
     report["value/pool"] = float(len(samples))
     report["value/pool_success"] = sum(is_success(t) for t in kept) / len(kept) if kept else 0.0
     report["value/candidates"] = float(len(held))
     curves: list[dict[str, Any]] = []
     if held:
-        _, values_BS, mask_BS = value_targets(model, held, pad_id=pad_id, gamma=gamma, lam=lam)
+        _, values_BS, mask_BS = value_targets(model, held, pad_id=pad_id, max_len=max_len, gamma=gamma, lam=lam)
         for s, v, m in zip(held, values_BS.tolist(), mask_BS.tolist(), strict=True):
             curves.append({"task_id": s.task_id, "resolved": bool(s.reward is not None and s.reward > 0.5),
                            "values": [x for x, keep in zip(v, m, strict=True) if keep]})
