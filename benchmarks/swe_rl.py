@@ -152,7 +152,7 @@ def plots(out: Path, seeds: list[int], variants: list[str]) -> None:
             ax.scatter(*zip(*pool, strict=True), marker="x", color=f"C{i}", alpha=0.5, label=f"pool, {v} seed {s}")
         if kept:
             ax.scatter(*zip(*kept, strict=True), marker="o", color=f"C{i}", label=f"kept, {v} seed {s}")
-    ax.axhspan(0.375, 0.625, color="grey", alpha=0.15, label="balanced band")
+    ax.axhspan(0.375, 0.625, color="grey", alpha=0.15, label="the paper's band [0.375, 0.625]")
     ax.set(title="BAR positive ratio per group", xlabel="RL step", ylabel="share resolved", ylim=(-0.02, 1.02))
     ax.legend(fontsize=7)
     fig.tight_layout()
