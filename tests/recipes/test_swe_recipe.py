@@ -86,9 +86,9 @@ def test_swe_rl_and_rerank_smoke(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("rl.variant=opd_js", "rl: variant 'opd_js' is not yet wired: it needs an OPD teacher (rl_stage teacher=); "
+    ("rl.variant=opd_js", "rl.variant 'opd_js' is not yet wired: it needs an OPD teacher (rl_stage teacher=); "
                           "wired now: ['grpo_bar']"),
-    ("rl.variant=ppo", "rl: variant must be one of ['grpo_bar', 'opd_k2', 'opd_k3', 'opd_js', 'opd_js_grpo', "
+    ("rl.variant=ppo", "rl.variant must be one of ['grpo_bar', 'opd_k2', 'opd_k3', 'opd_js', 'opd_js_grpo', "
                        "'rpr'], got 'ppo'"),
     ("rl.use_bar=false", "rl.use_bar is derived from rl.variant; set that instead"),
     ("sft_mode=credits", "sft_mode must be one of ['resolved', 'all', 'credit'], got 'credits'"),
