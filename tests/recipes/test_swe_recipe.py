@@ -99,3 +99,22 @@ def test_swe_rl_and_rerank_smoke(tmp_path):
 def test_config_mistakes_are_one_line(override, message):
     proc = recipe(override, timeout=300)
     assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
+
+
+def test_bar_groups_positive_ratios_by_hand():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from swe import SWERLConfig, bar_groups
+
+    from orchard.data import Trajectory
+
+    def pool(passed, failed, dead=0):
+        return ([Trajectory(reward=1.0)] * passed + [Trajectory(reward=-1.0)] * failed
+                + [Trajectory(reward=None, termination_reason="env_error")] * dead)
+
+    cfg = SWERLConfig(group_size=4, bar_n_max=8, bar_stride=8)
+    rows = bar_groups([[pool(3, 5)], [pool(0, 6, dead=2), pool(2, 4, dead=2)]], cfg)
+    # Step 1: 3 of 8 resolved = 0.375; BAR keeps k in [ceil(0.375 x 4), floor(0.625 x 4)] = {2}: 2 of 4 = 0.5.
+    # Step 2: the dead sandboxes are not outcomes: 0 of 6 (dropped, no signal) and 2 of 6 = 0.333 -> 2 of 4 kept.
+    assert rows == [{"step": 1, "pool_positive_ratio": 0.375, "kept_positive_ratio": 0.5},
+                    {"step": 2, "pool_positive_ratio": 0.0, "kept_positive_ratio": None},
+                    {"step": 2, "pool_positive_ratio": 2 / 6, "kept_positive_ratio": 0.5}]
