@@ -1,12 +1,17 @@
-"""Orchard-SWE, part 1: repository-level issue resolution in sandboxes, with resolved-only, all or credit-assigned SFT.
+"""Orchard-SWE: repository-level issue resolution in sandboxes; credit-assigned SFT, then RL and a value reranker.
 
 Stages (`orchard.stages`): held-out evaluation of the base model on three harnesses (bash-only, tool calling, and a
 third convention held out of training) -> the scripted teacher's trajectories, 5 per task through each trained
 harness, failures kept (the paper's) -> hindsight values of the failed ones from a value teacher behind the
 engine / OpenAI interface -> SFT in ``sft.mode``: resolved-only, all, or credit (resolved trajectories whole, failed
 ones only on the steps whose TD credit is >= 0.05) -> held-out evaluation (resolve rate, pass@k) on the three
-harnesses. Sandbox failures are counted, never scored. Writes ``metrics.jsonl``, ``results.json`` (with the resolved
-config) and ``learning_curve.png`` under ``output_dir``.
+harnesses -> the task filter (8 rollouts of the SFT policy per train instance, keep 0 < p̂ <= 0.5) -> RL in
+``rl.variant`` (the RL_VARIANTS table; grpo_bar: GRPO with Balanced Adaptive Rollout on the outcome reward) on the
+kept instances through the trained harnesses -> held-out evaluation -> a value model trained on the run's
+rollouts, and best-of-6 by value over the final policy's held-out candidates beside random and oracle. Sandbox
+failures are counted, never scored. Writes ``metrics.jsonl``, ``results.json`` (with the resolved config),
+``learning_curve.png``, ``rl_summary.json`` (BAR's positive ratio per group), ``rerank.json`` and
+``value_curves.png`` under ``output_dir``.
 
 Single machine (CPU, a tiny random Qwen3, an offline tokenizer, seeded toy instances, the embedded sandboxes):
 
@@ -21,15 +26,17 @@ on Kubernetes; a value teacher served by URL) — this is the launch line as it 
         env_url=https://sandboxes.example values.url=http://value-teacher:8000/v1
 
 Rollouts and training share this one process; several ranks under ``deepspeed`` / ``torchrun`` are not supported
-yet. RL and the value model for best-of-N are part 2.
+yet. The OPD and RPR variants are refused until their teacher and judge are wired.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +52,49 @@ from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
 from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
 from orchard.env import AsyncSandboxClient
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
-from orchard.stages import SFT_MODES, EvalConfig, RolloutConfig, SFTConfig
+from orchard.sampling import balanced_subset
+from orchard.stages import SFT_MODES, EvalConfig, RecordedRollouts, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
+from orchard.train.objective import LossTerm
+from orchard.value import ValueModel
 
 HARNESSES = ("bash", "tool", "eval")
 TRAINABLE = ("bash", "tool")
-DERIVED = stages.derived_keys("sft", rl=None)
+
+
+@dataclass(frozen=True)
+class RLVariant:
+    """One RL composition: the objective's terms, the reward they read, BAR or plain groups, and what else it
+    needs beside the policy (an OPD teacher's log-probs, a rubric judge)."""
+
+    objective: tuple[LossTerm, ...]
+    reward: str
+    use_bar: bool
+    teacher: bool = False
+    judge: bool = False
+    wired: bool = True
+
+
+POLICY = LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})  # GRPO, asymmetric clipping (paper)
+JS = LossTerm("js_opd", 1.0, {"lam": 0.5})  # JS on-policy distillation, lambda 0.5 (paper)
+
+# rl.variant -> the composition. The OPD rows need rl_stage(teacher=) and teacher_logprobs in the batch; the RPR row
+# needs the rubric judge (orchard/domains/swe/judge.py): they fail at config time until those land. Pure OPD runs
+# without BAR (no outcome term to balance); the rows with an outcome term keep it: our reading of the paper's tables.
+RL_VARIANTS: dict[str, RLVariant] = {
+    #              objective                             reward     BAR    teacher judge  wired
+    "grpo_bar":    RLVariant((POLICY,),                  "outcome", True),
+    "opd_k2":      RLVariant((LossTerm("k2_opd", 1.0),), "outcome", False, True,   False, False),
+    "opd_k3":      RLVariant((LossTerm("k3_opd", 1.0),), "outcome", False, True,   False, False),
+    "opd_js":      RLVariant((JS,),                      "outcome", False, True,   False, False),
+    "opd_js_grpo": RLVariant((POLICY, JS),               "outcome", True,  True,   False, False),
+    "rpr":         RLVariant((POLICY,),                  "rubric",  True,  False,  True,  False),
+}
+# The variant sets these; the config loader refuses them.
+DERIVED = {**stages.derived_keys("sft", "rl"), "rl.use_bar": "rl.variant", "rl.reward": "rl.variant",
+           "rl.train.objective": "rl.variant"}
 
 
 @dataclass
@@ -90,6 +132,66 @@ class ValuesConfig:
 
 
 @dataclass
+class TaskFilterConfig:
+    enabled: bool = True
+    """Train RL only on tasks of useful difficulty; false: RL draws from every train instance."""
+    attempts: int = 8
+    """Initial rollouts of the SFT policy per candidate task, spread over the trained harnesses (the paper: 8)."""
+    low: float = 0.0
+    """Keep a task when low < p̂ (the paper: 0)."""
+    high: float = 0.5
+    """... and p̂ <= high (the paper: 0.5)."""
+
+
+@dataclass
+class SWERLConfig(RLConfig):
+    variant: str = "grpo_bar"
+    """The RL composition, a row of RL_VARIANTS: grpo_bar (GRPO + BAR on the outcome); opd_k2, opd_k3, opd_js,
+    opd_js_grpo and rpr are not wired yet. It sets use_bar, reward and train.objective."""
+    filter: TaskFilterConfig = field(default_factory=TaskFilterConfig)
+    """The task filter before RL."""
+
+    def __post_init__(self) -> None:
+        if self.variant not in RL_VARIANTS:
+            raise ValueError(f"variant must be one of {list(RL_VARIANTS)}, got {self.variant!r}")
+        row = RL_VARIANTS[self.variant]
+        if self.enabled and not row.wired:
+            needs = " and ".join(n for n, on in (("an OPD teacher (rl_stage teacher=)", row.teacher),
+                                                 ("the rubric judge", row.judge)) if on)
+            raise ValueError(f"variant {self.variant!r} is not yet wired: it needs {needs}; wired now: "
+                             f"{[k for k, v in RL_VARIANTS.items() if v.wired]}")
+        self.use_bar, self.reward = row.use_bar, row.reward
+        self.train.objective = list(row.objective)
+        super().__post_init__()
+
+
+@dataclass
+class ValueModelConfig:
+    enabled: bool = True
+    """Train the value model on the run's verified train rollouts and rerank held-out candidates."""
+    backbone: str | None = None
+    """Local causal-LM checkpoint of the value backbone; null: this run's SFT model (a fresh tiny one without SFT)."""
+    candidates: int = 6
+    """Candidates per held-out instance from the final policy, whose rollouts are not in the pool (the paper: 6)."""
+    harness: str = "bash"
+    """Harness the candidates are played through."""
+    max_per_task: int = 8
+    """Pool cap per task."""
+    steps: int = 100
+    """Value training steps."""
+    batch_size: int = 8
+    """Trajectories per value training step."""
+    lr: float = 1.0e-4
+    """AdamW learning rate of value training."""
+    gamma: float = 0.98
+    """GAE discount over decision steps (the paper: 0.98)."""
+    lam: float = 0.95
+    """GAE lambda (the paper: 0.95)."""
+    max_len: int = 4096
+    """Longest sequence the value model reads; longer trajectories are read in left-truncated windows."""
+
+
+@dataclass
 class SWEConfig:
     output_dir: str = "runs/swe"
     """Where metrics.jsonl, results.json, learning_curve.png, the trainer's logs and the model go."""
@@ -116,6 +218,10 @@ class SWEConfig:
     """What SFT learns from the teacher's trajectories: resolved (resolved only), all (unmasked), credit."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised stage."""
+    rl: SWERLConfig = field(default_factory=SWERLConfig)
+    """RL stage: task filter, then the variant's composition on the kept tasks through the trained harnesses."""
+    value_model: ValueModelConfig = field(default_factory=ValueModelConfig)
+    """Value model on the run's rollouts and best-of-N reranking of held-out candidates."""
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(attempts=1, harnesses=["bash", "tool", "eval"]))
     """Held-out evaluation (the eval harness is never trained on: a transfer test)."""
 
@@ -132,6 +238,10 @@ class SWEConfig:
             raise ValueError(f"instances.levels must be among {list(LEVELS)}, got {self.instances.levels!r}")
         if any(t not in TEMPLATES for t in self.instances.templates):
             raise ValueError(f"instances.templates must be among {sorted(TEMPLATES)}, got {self.instances.templates!r}")
+        if self.value_model.harness not in TRAINABLE:
+            raise ValueError(f"value_model.harness must be among {list(TRAINABLE)}, got {self.value_model.harness!r}")
+        if self.value_model.candidates < 2:
+            raise ValueError(f"value_model.candidates must be >= 2, got {self.value_model.candidates}")
 
 
 def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance]]:
@@ -170,6 +280,91 @@ async def hindsight_values(cfg: SWEConfig, trajectories: list[Any], tokenizer: A
     return {id(t): v for t, v in zip(failed, values, strict=True)}
 
 
+async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any, train: list[SWEInstance],
+                       log: stages.RunLog) -> tuple[list[SWEInstance], list[Any]]:
+    """The RL stage's tasks (those of useful difficulty for the SFT policy, unless rl.filter.enabled is false) and
+    the filter's rollouts."""
+    f = cfg.rl.filter
+    if not f.enabled:
+        return train, []
+    kept = await stages.filter_tasks(trained, engine, train, attempts=f.attempts, low=f.low, high=f.high,
+                                     temperature=cfg.rollout.temperature)
+    log.log(kept.stats, 0)
+    log.print(f"task filter: kept {len(kept.tasks)}/{len(train)} ({f.low} < p̂ <= {f.high} over {f.attempts} "
+              f"rollouts), success {kept.stats['filter/success']:.3f}")
+    return kept.tasks, kept.trajectories
+
+
+def bar_groups(calls_per_step: list[list[list[Any]]], cfg: RLConfig) -> list[dict[str, Any]]:
+    """BAR's positive ratio per group and step: over the group's generated pool and over the group_size it kept
+    (None: dropped). One generation call is one group's pool when bar_stride == bar_n_max (the paper's)."""
+    bar, rows = cfg.bar_config(), []
+    for step, calls in enumerate(calls_per_step, 1):
+        for call in calls:
+            pool = [t for t in call if t.valid]
+            won = [t.reward > 0 for t in pool]
+            kept, _ = balanced_subset(won, [t.terminated for t in pool], [t.length for t in pool], bar)
+            rows.append({"step": step, "pool_positive_ratio": sum(won) / len(pool) if pool else None,
+                         "kept_positive_ratio": sum(won[i] for i in kept) / len(kept) if kept else None})
+    return rows
+
+
+async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: Any, model: Any, tokenizer: Any,
+             train: list[SWEInstance], log: stages.RunLog) -> tuple[list[dict[str, float]], list[Any]]:
+    """Task filter, then ``rl.variant`` through the trained harnesses on the kept tasks (skipped when none is
+    kept). Returns the RL history and every verified-or-not rollout generated on train tasks (the value pool)."""
+    trained = {h: harnesses[h] for h in cfg.harnesses}
+    tasks, generated = await rl_task_pool(cfg, trained, engine, train, log)
+    summary: dict[str, Any] = {"variant": cfg.rl.variant, "tasks": len(tasks), "steps": 0}
+    history: list[dict[str, float]] = []
+    if tasks:
+        # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing the run.
+        rl_cfg = replace(cfg.rl, tasks_per_step=min(cfg.rl.tasks_per_step, len(tasks)))
+        calls: list[list[Any]] = []
+        recorded = {h: RecordedRollouts(r, calls) for h, r in trained.items()}
+        marks = [0]
+
+        def on_step(stats: dict[str, float], step: int) -> None:
+            marks.append(len(calls))
+            log.log(stats, step)
+            log.print(f"rl step {step}: success {stats['rl/success_generated']:.2f} groups "
+                      f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
+                      f"env_errors {stats['rl/env_errors']:.0f}")
+
+        history = await stages.rl_stage(model, engine, recorded, tasks, rl_cfg, rollout=cfg.rollout,
+                                        pad_id=tokenizer.pad_token_id, seed=cfg.seed, output_dir=str(out / "rl"),
+                                        log=on_step)
+        generated += [t for c in calls for t in c]
+        summary.update(steps=len(history), tasks_per_step=rl_cfg.tasks_per_step,
+                       bar_groups=bar_groups([calls[a:b] for a, b in itertools.pairwise(marks)], rl_cfg))
+    else:
+        log.print("rl: skipped, no task of useful difficulty for the policy")
+    (out / "rl_summary.json").write_text(json.dumps(summary, indent=2))
+    return history, generated
+
+
+async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: Any, policy: Any,
+                       tokenizer: Any, heldout: list[SWEInstance], pool: list[Any], log: stages.RunLog) -> None:
+    """Value model on ``pool``; N candidates per held-out instance from the final policy, reranked by V."""
+    v = cfg.value_model
+    candidates = await harnesses[v.harness](engine, heldout, group_size=v.candidates,
+                                            temperature=cfg.eval.temperature)
+    backbone = v.backbone or (str(out / "sft_model") if cfg.sft.enabled else None)
+    value_model = ValueModel.from_pretrained(backbone, seed=cfg.seed) if backbone \
+        else ValueModel.from_config(policy.config, seed=cfg.seed)
+    result = stages.value_rerank_stage(pool, candidates, value_model, tokenizer, max_per_task=v.max_per_task,
+                                       steps=v.steps, batch_size=v.batch_size, lr=v.lr, gamma=v.gamma, lam=v.lam,
+                                       max_len=v.max_len, seed=cfg.seed, log=lambda m, step: log.log(m, step))
+    r = result.report
+    log.log(r, 0)
+    log.print(f"best-of-{v.candidates} on {r['rerank/groups']:.0f} held-out instances: value "
+              f"{r['rerank/success']:.3f}, random {r['rerank/random']:.3f}, oracle {r['rerank/oracle']:.3f} "
+              f"(pool {r['value/pool']:.0f}, {r['value/pool_success']:.2f} resolved)")
+    (out / "rerank.json").write_text(json.dumps({"report": r, "history": result.history,
+                                                 "curves": result.curves}, indent=2))
+    stages.plot_value_curves(result.curves, out / "value_curves.png")
+
+
 async def run(cfg: SWEConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     random.seed(cfg.seed)
@@ -182,6 +377,7 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
     engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
     results: dict[str, dict[str, dict[str, float]]] = {}
     sft_history: list[dict[str, float]] = []
+    rl_history: list[dict[str, float]] = []
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
             harnesses = swe_harnesses(cfg, tokenizer, client)
@@ -206,10 +402,19 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
                 save_policy(model, tokenizer, out / "sft_model")
                 await engine.update_weights(model.state_dict())
                 await held_out("sft", len(sft_history))
+            pool: list[Any] = []
+            if cfg.rl.enabled:
+                # The stage hands the engine new weights after every update: it holds the final policy here.
+                rl_history, pool = await rl(cfg, out, harnesses, engine, model, tokenizer, train, log)
+                if rl_history:
+                    save_policy(model, tokenizer, out / "rl_model")
+                    await held_out("rl", len(rl_history))
+            if cfg.value_model.enabled:
+                await value_rerank(cfg, out, harnesses, engine, model, tokenizer, heldout, pool, log)
     await engine.close()
     log.close()
     stages.write_results(out, results, config_to_dict(cfg), log, attempts=cfg.eval.attempts,
-                         sft_history=sft_history)
+                         sft_history=sft_history, rl_history=rl_history)
     return results
 
 

@@ -12,10 +12,14 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 - evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table`
 - SFT: `demonstrations` (a teacher through the same harnesses), `sft_samples` (resolved-only, all, or
   credit-assigned SFT from hindsight step values), `sft_stage`
+- task filter: `filter_tasks` (initial rollouts per candidate task, keep 0 < p̂ <= 0.5), `split_attempts`,
+  `TaskFilterResult`
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
   `trajectory_reward`
 - on-policy distillation (`orchard.stages.distill`): `teacher_logprobs` (a teacher engine's log-probs on the
   student's action tokens), `check_teacher`, `OPD_TERMS`; `rl_stage(..., teacher=...)` uses them
+- value model: `value_rerank_stage` (pool, train, best-of-N rerank vs random and oracle), `RecordedRollouts`
+  (keeps what a stage generated, for the pool), `plot_value_curves`, `ValueRerankResult`
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
   `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
@@ -28,29 +32,43 @@ from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, succ
 from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sft import SFT_MODES, demonstrations, sft_samples, sft_stage
+from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
+from orchard.stages.value_rerank import (
+    RecordedRollouts,
+    ValueRerankResult,
+    plot_value_curves,
+    value_rerank_stage,
+)
 
 __all__ = [
     "OPD_TERMS",
     "SFT_MODES",
     "EvalConfig",
     "RLConfig",
+    "RecordedRollouts",
     "RolloutConfig",
     "RunLog",
     "SFTConfig",
+    "TaskFilterResult",
+    "ValueRerankResult",
     "demonstrations",
     "derived_keys",
     "evaluate",
     "evaluate_stage",
+    "filter_tasks",
     "format_table",
     "group_batch",
     "plot_learning_curve",
+    "plot_value_curves",
     "recipe_main",
     "rl_stage",
     "rollout_groups",
     "sft_samples",
     "sft_stage",
+    "split_attempts",
     "success_row",
     "teacher_logprobs",
     "trajectory_reward",
+    "value_rerank_stage",
     "write_results",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchard.sampling import GROUP_FILTER_RULES
+from orchard.sampling import GROUP_FILTER_RULES, BARConfig
 from orchard.train.objective import LossTerm
 from orchard.train.trainer import OptimConfig, TrainConfig
 
@@ -104,6 +104,10 @@ class RLConfig:
     """BAR budget of episodes per task (paper: 16)."""
     bar_stride: int = 16
     """BAR episodes generated per round (paper: 16)."""
+    bar_rho_min: float = 0.375
+    """BAR's balanced band, lower end: smallest share of positives in a kept group (paper: 0.375)."""
+    bar_rho_max: float = 0.625
+    """BAR's balanced band, upper end: largest share of positives in a kept group (paper: 0.625)."""
     reward: str = "outcome"
     """Trajectory reward: "outcome" (the verifier's +1 / -1, the paper's) or "score" (2 x the verifier's score
     component - 1: partial credit; success is still judged by the evaluation's pass rule)."""
@@ -141,6 +145,16 @@ class RLConfig:
                              f"got {self.group_filter!r}")
         if self.use_bar and self.bar_n_max < self.group_size:
             raise ValueError(f"bar_n_max must be >= group_size when use_bar, got {self.bar_n_max} < {self.group_size}")
+        if self.use_bar:
+            try:
+                self.bar_config()
+            except ValueError as exc:
+                raise ValueError(f"bar_rho_min / bar_rho_max: {exc}") from exc
+
+    def bar_config(self) -> BARConfig:
+        """BAR's hyperparameters: keep group_size of up to bar_n_max, bar_stride per round, band [rho_min, rho_max]."""
+        return BARConfig(n=self.group_size, n_max=self.bar_n_max, stride=self.bar_stride,
+                         rho_min=self.bar_rho_min, rho_max=self.bar_rho_max)
 
 
 def derived_keys(sft: str | None = "sft", rl: str | None = "rl") -> dict[str, str]:

@@ -32,7 +32,7 @@ import torch
 
 from orchard.data import RenderedSample, RolloutGroup, Trajectory, collate
 from orchard.rollout.rollouts import Rollouts
-from orchard.sampling import GROUP_FILTER_RULES, BARConfig, abar_select, filter_groups, group_advantages
+from orchard.sampling import GROUP_FILTER_RULES, abar_select, filter_groups, group_advantages
 from orchard.stages.config import RLConfig, RolloutConfig
 from orchard.stages.distill import check_teacher, teacher_logprobs
 from orchard.stages.ranks import (
@@ -121,7 +121,7 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
                 groups[i] = RolloutGroup(ids[i], tuple(members), drop_timeouts=cfg.drop_timeouts)
         return [g for g in groups if g is not None], generated
 
-    bar = BARConfig(n=cfg.group_size, n_max=cfg.bar_n_max, stride=cfg.bar_stride)
+    bar = cfg.bar_config()
 
     async def select(i: int) -> tuple[RolloutGroup, list[Trajectory]]:
         async def source(k: int) -> list[Trajectory]:

@@ -16,6 +16,17 @@ SMOKE = [
     "instances.templates=[inventory, ledger]", "teacher.attempts=3", "teacher.failure_rate=0.5",
     "rollout.max_tokens=48", "rollout.max_steps=8", "sft.epochs=1", "sft.train.global_batch_size=4",
     "sft.train.micro_batch_size=2", "model.hidden_size=32", "model.num_layers=1", "model.vocab_size=1024",
+    "rl.enabled=false", "value_model.enabled=false",
+]
+# Part 2 alone: no SFT (the tiny SFT model resolves nothing yet, so the filter would keep no task and RL would not
+# run): RL on every train instance, one step of two tasks, BAR keeping 2 of up to 4, then the value stage.
+RL_SMOKE = [
+    "instances.train_per_template=2", "instances.heldout_per_template=1", "instances.levels=[1]",
+    "instances.templates=[inventory]", "sft.enabled=false", "rl.filter.enabled=false", "rl.steps=1",
+    "rl.tasks_per_step=2", "rl.group_size=2", "rl.bar_n_max=4", "rl.bar_stride=4", "rl.train.global_batch_size=4",
+    "rl.train.micro_batch_size=2", "value_model.candidates=2", "value_model.steps=2", "eval.harnesses=[bash]",
+    "rollout.max_tokens=32", "rollout.max_steps=3", "model.hidden_size=32", "model.num_layers=1",
+    "model.vocab_size=1024",
 ]
 
 
@@ -51,7 +62,35 @@ def test_swe_recipe_smoke(tmp_path):
     assert (out / "learning_curve.png").stat().st_size > 5_000
 
 
+@pytest.mark.slow
+def test_swe_rl_and_rerank_smoke(tmp_path):
+    out = tmp_path / "run"
+    proc = recipe(f"output_dir={out}", *RL_SMOKE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert set(results) == {"base", "rl"} and results["rl"]["bash"]["tasks"] == 1
+    summary = json.loads((out / "rl_summary.json").read_text())
+    assert (summary["variant"], summary["steps"], summary["tasks"]) == ("grpo_bar", 1, 2)
+    # BAR spends its whole budget of 4 per task in one stride: two groups, one generation call each.
+    assert [g["step"] for g in summary["bar_groups"]] == [1, 1]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    [step] = [r for r in rows if "rl/episodes" in r]
+    assert step["rl/episodes"] == 8  # 2 tasks x 4
+    rerank = json.loads((out / "rerank.json").read_text())
+    report = rerank["report"]
+    # 1 held-out instance x 2 candidates; the pool is the RL stage's scored rollouts, at most 8 per instance.
+    assert report["rerank/n"] == 2 and report["value/candidates"] == 2
+    assert 1 <= report["value/pool"] <= 8 - step["rl/env_errors"]
+    assert report["rerank/random"] <= report["rerank/oracle"] and len(rerank["history"]) == 2
+    assert (out / "value_curves.png").stat().st_size > 5_000
+
+
 @pytest.mark.parametrize(("override", "message"), [
+    ("rl.variant=opd_js", "rl.variant 'opd_js' is not yet wired: it needs an OPD teacher (rl_stage teacher=); "
+                          "wired now: ['grpo_bar']"),
+    ("rl.variant=ppo", "rl.variant must be one of ['grpo_bar', 'opd_k2', 'opd_k3', 'opd_js', 'opd_js_grpo', "
+                       "'rpr'], got 'ppo'"),
+    ("rl.use_bar=false", "rl.use_bar is derived from rl.variant; set that instead"),
     ("sft_mode=credits", "sft_mode must be one of ['resolved', 'all', 'credit'], got 'credits'"),
     ("harnesses=[eval]", "harnesses must be a non-empty list among ['bash', 'tool'], got ['eval']"),
     ("sft.train.total_steps=3", "sft.train.total_steps is derived from sft.epochs; set that instead"),
@@ -60,3 +99,22 @@ def test_swe_recipe_smoke(tmp_path):
 def test_config_mistakes_are_one_line(override, message):
     proc = recipe(override, timeout=300)
     assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
+
+
+def test_bar_groups_positive_ratios_by_hand():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from swe import SWERLConfig, bar_groups
+
+    from orchard.data import Trajectory
+
+    def pool(passed, failed, dead=0):
+        return ([Trajectory(reward=1.0)] * passed + [Trajectory(reward=-1.0)] * failed
+                + [Trajectory(reward=None, termination_reason="env_error")] * dead)
+
+    cfg = SWERLConfig(group_size=4, bar_n_max=8, bar_stride=8)
+    rows = bar_groups([[pool(3, 5)], [pool(0, 6, dead=2), pool(2, 4, dead=2)]], cfg)
+    # Step 1: 3 of 8 resolved = 0.375; BAR keeps k in [ceil(0.375 x 4), floor(0.625 x 4)] = {2}: 2 of 4 = 0.5.
+    # Step 2: the dead sandboxes are not outcomes: 0 of 6 (dropped, no signal) and 2 of 6 = 0.333 -> 2 of 4 kept.
+    assert rows == [{"step": 1, "pool_positive_ratio": 0.375, "kept_positive_ratio": 0.5},
+                    {"step": 2, "pool_positive_ratio": 0.0, "kept_positive_ratio": None},
+                    {"step": 2, "pool_positive_ratio": 2 / 6, "kept_positive_ratio": 0.5}]
