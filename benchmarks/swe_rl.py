@@ -6,8 +6,8 @@ variant after it, and of best-of-6 by the value model beside a random pick and t
 Each (seed, variant) is one run of recipes/swe.py with the tiny config (its own process, one torch thread, its own
 embedded sandbox service): SFT, the task filter, the variant's RL, then the value model trained on that run's
 rollouts and best-of-6 over the final policy's held-out candidates. The SFT row is the same model for every variant
-of a seed (read from the first variant's run). Variants the recipe has not wired yet fail at config time and are
-reported as such. ``--quick`` shrinks everything (two templates, short episodes, 2 RL steps) to check the pipeline,
+of a seed (read from the first variant's run). A variant that fails on some seed is reported as not run, with the
+first line of its error. ``--quick`` shrinks everything (two templates, short episodes, 2 RL steps) to check the pipeline,
 not to measure. Under ``--out`` (default runs/swe_rl): seed<N>/<variant>/ (the recipe's outputs), summary.md (the
 table), rl_success.png (train resolve rate over RL steps), bar_ratio.png (BAR's positive ratio per group) and
 value_curves.png (V over decision steps of resolved and failed held-out candidates).
@@ -168,7 +168,7 @@ def plots(out: Path, seeds: list[int], variants: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--variants", nargs="+", default=["grpo_bar"], choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--config", default=str(ROOT / "recipes/configs/swe_tiny.yaml"))
     parser.add_argument("--out", default=str(ROOT / "runs/swe_rl"))
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")

@@ -25,8 +25,13 @@ on Kubernetes; a value teacher served by URL) — this is the launch line as it 
         model.path=/models/Qwen3-30B-A3B-Thinking instances.path=/data/swe-gym.jsonl \\
         env_url=https://sandboxes.example values.url=http://value-teacher:8000/v1
 
+RL variants (``rl.variant``): ``grpo_bar``; on-policy distillation from ``rl.teacher`` (``opd_k2``, ``opd_k3``,
+``opd_js``, and ``opd_js_grpo``, the paper's best: a teacher served by URL, a local checkpoint, or at CPU scale a
+larger tiny model trained longer on the scripted teacher's resolved trajectories, never the student); ``rpr``: GRPO +
+BAR on outcome + rubric process reward from ``rl.judge`` (an LLM judge by URL, or the programmatic stand-in).
+
 Rollouts and training share this one process; several ranks under ``deepspeed`` / ``torchrun`` are not supported
-yet. The OPD and RPR variants are refused until their teacher and judge are wired.
+yet.
 """
 
 from __future__ import annotations
@@ -47,16 +52,21 @@ from orchard._cli import run_main
 from orchard.domains.swe.generator import LEVELS, TEMPLATES, generate_instances
 from orchard.domains.swe.harness import SWEEvalHarness
 from orchard.domains.swe.instances import SWEInstance, load_instances
+from orchard.domains.swe.judge import JudgedRollouts, ScriptedJudge
 from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine, teacher_trajectories
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
 from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
 from orchard.env import AsyncSandboxClient
+from orchard.models import tiny_qwen3
+from orchard.rollout.hf_engine import HFEngine
+from orchard.rollout.openai_engine import OpenAIEngine
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.sampling import balanced_subset
 from orchard.stages import SFT_MODES, EvalConfig, RecordedRollouts, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
+from orchard.train.model import load_causal_lm
 from orchard.train.objective import LossTerm
 from orchard.value import ValueModel
 
@@ -74,23 +84,23 @@ class RLVariant:
     use_bar: bool
     teacher: bool = False
     judge: bool = False
-    wired: bool = True
 
 
 POLICY = LossTerm("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28})  # GRPO, asymmetric clipping (paper)
 JS = LossTerm("js_opd", 1.0, {"lam": 0.5})  # JS on-policy distillation, lambda 0.5 (paper)
 
-# rl.variant -> the composition. The OPD rows need rl_stage(teacher=) and teacher_logprobs in the batch; the RPR row
-# needs the rubric judge (orchard/domains/swe/judge.py): they fail at config time until those land. Pure OPD runs
-# without BAR (no outcome term to balance); the rows with an outcome term keep it: our reading of the paper's tables.
+# rl.variant -> the composition. The OPD rows score every rollout batch with rl.teacher (rl_stage(teacher=)); the
+# RPR row judges every rollout (JudgedRollouts: reward = outcome + rubric_weight * rubric, judge failures removed
+# from the loss). Pure OPD runs without BAR and without the group filter (no outcome term to balance or to need
+# signal); the rows with an outcome term keep both: our reading of the paper's tables.
 RL_VARIANTS: dict[str, RLVariant] = {
-    #              objective                             reward     BAR    teacher judge  wired
+    #              objective                             reward     BAR    teacher judge
     "grpo_bar":    RLVariant((POLICY,),                  "outcome", True),
-    "opd_k2":      RLVariant((LossTerm("k2_opd", 1.0),), "outcome", False, True,   False, False),
-    "opd_k3":      RLVariant((LossTerm("k3_opd", 1.0),), "outcome", False, True,   False, False),
-    "opd_js":      RLVariant((JS,),                      "outcome", False, True,   False, False),
-    "opd_js_grpo": RLVariant((POLICY, JS),               "outcome", True,  True,   False, False),
-    "rpr":         RLVariant((POLICY,),                  "rubric",  True,  False,  True,  False),
+    "opd_k2":      RLVariant((LossTerm("k2_opd", 1.0),), "outcome", False, True),
+    "opd_k3":      RLVariant((LossTerm("k3_opd", 1.0),), "outcome", False, True),
+    "opd_js":      RLVariant((JS,),                      "outcome", False, True),
+    "opd_js_grpo": RLVariant((POLICY, JS),               "outcome", True,  True),
+    "rpr":         RLVariant((POLICY,),                  "outcome", True,  False,  True),  # the judge folds R in
 }
 # The variant sets these; the config loader refuses them.
 DERIVED = {**stages.derived_keys("sft", "rl"), "rl.use_bar": "rl.variant", "rl.reward": "rl.variant",
@@ -144,24 +154,59 @@ class TaskFilterConfig:
 
 
 @dataclass
+class OPDTeacherConfig:
+    url: str | None = None
+    """OpenAI-compatible server that scores prompts (``vllm serve``, ``orchard serve-model``) over a model sharing
+    the student's tokenizer: the paper's Qwen3.5-397B-A17B; null: ``path``, or a teacher trained here."""
+    model: str = "orchard"
+    """Model name sent to the teacher server."""
+    path: str | None = None
+    """Local HF checkpoint of the teacher (scored in process); null with url null: at CPU scale a larger tiny model
+    than the student, trained longer on the teacher corpus (the scripted teacher's resolved trajectories)."""
+    hidden_size: int = 128
+    """Hidden size of the CPU teacher (the student's model.hidden_size must be smaller: never the student itself)."""
+    num_layers: int = 4
+    """Layers of the CPU teacher."""
+    epochs: float = 6.0
+    """SFT epochs of the CPU teacher on the resolved teacher trajectories."""
+
+
+@dataclass
+class JudgeConfig:
+    url: str | None = None
+    """OpenAI-compatible LLM judge for the rubric process reward; null: the programmatic judge (``ScriptedJudge``, a
+    stand-in that scores R1-R7 from the trajectory's evidence) in process."""
+    model: str = "orchard"
+    """Model name sent to the judge server."""
+    rubric_weight: float = 1.0
+    """RL reward = outcome (+1 / -1) + rubric_weight x rubric (in [0, 1]); in [0, 1] so a resolved rollout always
+    ranks first."""
+
+
+@dataclass
 class SWERLConfig(RLConfig):
     variant: str = "grpo_bar"
-    """The RL composition, a row of RL_VARIANTS: grpo_bar (GRPO + BAR on the outcome); opd_k2, opd_k3, opd_js,
-    opd_js_grpo and rpr are not wired yet. It sets use_bar, reward and train.objective."""
+    """The RL composition, a row of RL_VARIANTS: grpo_bar (GRPO + BAR on the outcome); opd_k2, opd_k3, opd_js (on-
+    policy distillation from rl.teacher), opd_js_grpo (JS + GRPO, the paper's best), rpr (GRPO + BAR on outcome +
+    rubric process reward from rl.judge). It sets use_bar, reward, train.objective (and group_filter none for pure
+    OPD)."""
     filter: TaskFilterConfig = field(default_factory=TaskFilterConfig)
     """The task filter before RL."""
+    teacher: OPDTeacherConfig = field(default_factory=OPDTeacherConfig)
+    """The OPD teacher (opd_* variants)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The rubric judge (rpr)."""
 
     def __post_init__(self) -> None:
         if self.variant not in RL_VARIANTS:
             raise ValueError(f"variant must be one of {list(RL_VARIANTS)}, got {self.variant!r}")
         row = RL_VARIANTS[self.variant]
-        if self.enabled and not row.wired:
-            needs = " and ".join(n for n, on in (("an OPD teacher (rl_stage teacher=)", row.teacher),
-                                                 ("the rubric judge", row.judge)) if on)
-            raise ValueError(f"variant {self.variant!r} is not yet wired: it needs {needs}; wired now: "
-                             f"{[k for k, v in RL_VARIANTS.items() if v.wired]}")
         self.use_bar, self.reward = row.use_bar, row.reward
         self.train.objective = list(row.objective)
+        if row.teacher and not any(term.name == "policy" for term in row.objective):
+            self.group_filter = "none"  # pure distillation trains every group, signal or not
+        if not 0.0 <= self.judge.rubric_weight <= 1.0:
+            raise ValueError(f"judge.rubric_weight must be in [0, 1], got {self.judge.rubric_weight}")
         super().__post_init__()
 
 
@@ -309,12 +354,59 @@ def bar_groups(calls_per_step: list[list[list[Any]]], cfg: RLConfig) -> list[dic
     return rows
 
 
+def opd_teacher(cfg: SWEConfig, out: Path, tokenizer: Any, trajectories: list[Any], log: stages.RunLog) -> Any:
+    """The OPD teacher as a scoring engine: a server by URL, a local checkpoint, or (CPU) a larger tiny model than
+    the student trained for ``rl.teacher.epochs`` on the scripted teacher's resolved trajectories."""
+    t = cfg.rl.teacher
+    if t.url is not None:
+        return OpenAIEngine(t.url, model=t.model)
+    if t.path is not None:
+        teacher_model = load_causal_lm(t.path, dtype=cfg.model.dtype)
+    else:
+        if cfg.model.path is not None or t.hidden_size <= cfg.model.hidden_size:
+            raise ValueError(f"rl.teacher: give url or path, or a CPU teacher larger than the tiny student "
+                             f"(hidden_size {t.hidden_size} <= model.hidden_size {cfg.model.hidden_size})")
+        samples, _ = stages.sft_samples(trajectories, mode="resolved")
+        if not samples:
+            raise ValueError("rl.teacher: the CPU teacher trains on the scripted teacher's resolved trajectories and "
+                             "there are none; give rl.teacher.url or rl.teacher.path")
+        h = t.hidden_size
+        teacher_model = tiny_qwen3(tokenizer, seed=cfg.seed + 1, hidden_size=h, intermediate_size=3 * h,
+                                   num_hidden_layers=t.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=h // 4)
+        history = stages.sft_stage(teacher_model, samples, replace(cfg.sft, epochs=t.epochs),
+                                   pad_id=tokenizer.pad_token_id, seed=cfg.seed + 1,
+                                   output_dir=str(out / "opd_teacher"))
+        log.print(f"opd teacher: hidden {h} x {t.num_layers} layers, {len(samples)} samples, {len(history)} steps, "
+                  f"loss {history[0]['loss/total']:.3f} -> {history[-1]['loss/total']:.3f}")
+    return HFEngine(teacher_model.eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64, seed=cfg.seed)
+
+
+def judged(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any, train: list[SWEInstance],
+           ) -> dict[str, Rollouts]:
+    """The RPR variant's harnesses: every rollout graded by ``rl.judge`` (the reference block: the instance's
+    hidden FAIL_TO_PASS tests and gold patch); judge failures leave the loss and are counted by the RL stage."""
+    j = cfg.rl.judge
+    judge: Any = j.url if j.url is not None else ScriptedJudge(tokenizer)
+    by_id = {inst.instance_id: inst for inst in train}
+
+    def reference(traj: Any) -> dict[str, Any]:
+        inst = by_id[traj.task_id]
+        return {"fail_to_pass": inst.FAIL_TO_PASS, "gold_patch": inst.patch}
+
+    return {h: JudgedRollouts(r, judge, rubric_weight=j.rubric_weight, reference=reference, model=j.model,
+                              tokenizer=tokenizer) for h, r in trained.items()}
+
+
 async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: Any, model: Any, tokenizer: Any,
-             train: list[SWEInstance], log: stages.RunLog) -> tuple[list[dict[str, float]], list[Any]]:
+             train: list[SWEInstance], log: stages.RunLog, teacher: Any = None,
+             ) -> tuple[list[dict[str, float]], list[Any]]:
     """Task filter, then ``rl.variant`` through the trained harnesses on the kept tasks (skipped when none is
     kept). Returns the RL history and every verified-or-not rollout generated on train tasks (the value pool)."""
     trained = {h: harnesses[h] for h in cfg.harnesses}
     tasks, generated = await rl_task_pool(cfg, trained, engine, train, log)
+    judges = judged(cfg, trained, tokenizer, train) if RL_VARIANTS[cfg.rl.variant].judge else None
+    trained = judges or trained
     summary: dict[str, Any] = {"variant": cfg.rl.variant, "tasks": len(tasks), "steps": 0}
     history: list[dict[str, float]] = []
     if tasks:
@@ -333,8 +425,11 @@ async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: 
 
         history = await stages.rl_stage(model, engine, recorded, tasks, rl_cfg, rollout=cfg.rollout,
                                         pad_id=tokenizer.pad_token_id, seed=cfg.seed, output_dir=str(out / "rl"),
-                                        log=on_step)
+                                        log=on_step, teacher=teacher)
         generated += [t for c in calls for t in c]
+        if judges is not None:  # the judge's counts over the whole stage (rubric mean: of the last batch)
+            summary["judge"] = {k: sum(j.totals.get(k, 0.0) for j in judges.values())
+                                for k in ("rl/judged", "rl/judge_failures", "rl/judge_unparseable")}
         summary.update(steps=len(history), tasks_per_step=rl_cfg.tasks_per_step,
                        bar_groups=bar_groups([calls[a:b] for a, b in itertools.pairwise(marks)], rl_cfg))
     else:
@@ -378,6 +473,7 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
     results: dict[str, dict[str, dict[str, float]]] = {}
     sft_history: list[dict[str, float]] = []
     rl_history: list[dict[str, float]] = []
+    trajectories: list[Any] = []
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
             harnesses = swe_harnesses(cfg, tokenizer, client)
@@ -386,10 +482,13 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
                 results[stage] = await stages.evaluate_stage(stage, step, harnesses, engine, heldout, cfg.eval, log)
 
             await held_out("base", 0)
-            if cfg.sft.enabled:
+            row = RL_VARIANTS[cfg.rl.variant]
+            cpu_teacher = cfg.rl.enabled and row.teacher and cfg.rl.teacher.url is None and cfg.rl.teacher.path is None
+            if cfg.sft.enabled or cpu_teacher:  # the scripted teacher's corpus: SFT's data, the CPU OPD teacher's
                 teacher = SWETeacherEngine(tokenizer, train, failure_rate=cfg.teacher.failure_rate, seed=cfg.seed)
                 trajectories = [t for h in cfg.harnesses for t in await teacher_trajectories(
                     harnesses[h], teacher, train, attempts=cfg.teacher.attempts)]
+            if cfg.sft.enabled:
                 values = await hindsight_values(cfg, trajectories, tokenizer) if cfg.sft_mode == "credit" else {}
                 samples, stats = stages.sft_samples(trajectories, mode=cfg.sft_mode, eps=cfg.values.eps,
                                                     step_values=lambda t: values.get(id(t)))
@@ -404,8 +503,11 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
                 await held_out("sft", len(sft_history))
             pool: list[Any] = []
             if cfg.rl.enabled:
+                teacher = opd_teacher(cfg, out, tokenizer, trajectories, log) if row.teacher else None
                 # The stage hands the engine new weights after every update: it holds the final policy here.
-                rl_history, pool = await rl(cfg, out, harnesses, engine, model, tokenizer, train, log)
+                rl_history, pool = await rl(cfg, out, harnesses, engine, model, tokenizer, train, log, teacher)
+                if teacher is not None:
+                    await teacher.close()
                 if rl_history:
                     save_policy(model, tokenizer, out / "rl_model")
                     await held_out("rl", len(rl_history))
