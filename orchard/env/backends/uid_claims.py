@@ -11,6 +11,10 @@ Every backend of the host takes and releases claims under an exclusive `flock` o
 claim whose sandbox directory is gone (deleted, a temporary `root_dir` removed, a service that died half-way
 through a create) is stale and may be taken over, so nothing needs cleaning up by hand. Claims live outside
 every `root_dir` and survive a reboot, so a restarted service still finds its sandboxes' uids its own.
+
+A uid that some process of the host runs as is not free either, claimed or not: a service that does not claim
+(an older version) or an account in the range. The processes are looked up in /proc at most once a second
+(a scan costs milliseconds on a loaded machine, more than the rest of a create).
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import contextlib
 import fcntl
 import os
 import secrets
+import time
 from collections.abc import Iterable, Iterator
 
 DEFAULT_UID_CLAIMS_DIR = "/var/lib/orchard/sandbox-uids"
 """Where every root service of a machine claims its sandboxes' uids (see `UidClaims`)."""
 
 _LOCK = ".lock"
+_RUNNING_SCAN_S = 1.0
 
 
 class UidClaims:
@@ -38,6 +44,21 @@ class UidClaims:
             raise ValueError(f"directory must be a path, got {type(directory).__name__}")
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, 0o700, exist_ok=True)
+        self._running: frozenset[int] = frozenset()
+        self._running_at: float | None = None
+
+    def running_uids(self) -> frozenset[int]:
+        """The uids the host's processes run as (zombies included), as of at most a second ago."""
+        now = time.monotonic()
+        if self._running_at is None or now - self._running_at >= _RUNNING_SCAN_S:
+            found = set()
+            with os.scandir("/proc") as entries:
+                for entry in entries:
+                    if entry.name.isdigit():
+                        with contextlib.suppress(OSError):  # exited meanwhile
+                            found.add(entry.stat(follow_symlinks=False).st_uid)
+            self._running, self._running_at = frozenset(found), now
+        return self._running
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -76,12 +97,14 @@ class UidClaims:
             raise ValueError(f"owner must be an absolute path (a sandbox directory), got {owner!r}")
 
     def claim_first(self, candidates: Iterable[int], owner: str) -> int | None:
-        """Claim for `owner` the first of `candidates` that is free (or already `owner`'s); None if none is."""
+        """Claim for `owner` the first of `candidates` that is free (or already `owner`'s); None if none is.
+        A uid that a process of the host runs as is not free (see the module docstring)."""
         self._check_owner(owner)
         with self._locked():
+            running = self.running_uids()
             for uid in candidates:
                 holder = self.holder(uid)
-                if holder is None or holder == owner:
+                if holder == owner or (holder is None and uid not in running):
                     self._write(uid, owner)
                     return uid
         return None
