@@ -14,10 +14,10 @@ A sandbox is only listed once its `meta.json` exists; `delete` first renames the
 
 When the service runs as root, each sandbox gets a uid (and gid) of its own from `uid_range`; its processes
 run as that uid, its files belong to it, and the pids limit counts per sandbox. The uid is claimed host-wide
-(`orchard.env.backends.uid_claims`), so a second service on the machine never hands out the same one. Commands and the isolation
-are described in `orchard.env.agent.isolation`; this module only keeps the books. Creating a sandbox costs a
-few file-system operations (no process is started), so thousands can be created per second; its box (the
-process that runs its commands) starts with its first command.
+(`orchard.env.backends.uid_claims`), so a second service on the machine never hands out the same one.
+Commands and the isolation are described in `orchard.env.agent.isolation`; this module only keeps the books.
+Creating a sandbox costs a few file-system operations (no process is started), so thousands can be created
+per second; its box (the process that runs its commands) starts with its first command.
 """
 
 from __future__ import annotations
@@ -374,11 +374,12 @@ class LocalBackend:
                 meta = self._read_meta(sid)
                 if meta is not None and meta.get("uid") is not None:
                     self._uids[sid] = int(meta["uid"])
-            for sid, uid in self._uids.items() if self._claims is not None else ():
-                other = self._claims.reclaim(uid, self._dir(sid))
-                if other is not None:
-                    logger.warning("sandbox %r's uid %d is claimed by %s as well: their processes can signal "
-                                   "each other; delete one of them", sid, uid, other)  # fmt: skip
+            if self._claims is not None:  # a sandbox made without claims (an older version, another claims dir)
+                for sid, uid in self._uids.items():
+                    other = self._claims.reclaim(uid, self._dir(sid))
+                    if other is not None:
+                        logger.warning("sandbox %r's uid %d is claimed by %s as well: their processes can "
+                                       "signal each other; delete one of them", sid, uid, other)  # fmt: skip
         return self._uids
 
     def _allocate_uid(self, sandbox_id: str) -> int:
