@@ -18,6 +18,7 @@ from _box import needs_root, requires
 from orchard.env.agent.isolation import BUBBLEWRAP, PROCESS_GROUP, Limits, probe_bubblewrap
 from orchard.env.backends.base import (
     Backend,
+    CapacityError,
     ExecRequest,
     ImageNotFoundError,
     IsolationUnavailableError,
@@ -241,6 +242,54 @@ async def test_sandboxes_have_their_own_uids_and_cannot_see_each_other(root_dir,
     uc = (await b2.exec("c", ExecRequest(["id", "-u"]))).stdout
     assert uc not in (ua, ub)
     assert (await b2.exec("a", ExecRequest(["id", "-u"]))).stdout == ua
+
+
+@needs_root
+async def test_two_services_on_one_machine_never_give_two_sandboxes_one_uid(root_dir):
+    # Two backends on two root_dirs (two test runs, a recipe beside a notebook), default uid range and claims:
+    # each backend alone would give its first sandbox the range's first uid, and the two sandboxes could then
+    # signal each other and share one pids limit.
+    other = tempfile.mkdtemp(prefix="orchard-local-")
+    try:
+        b1 = LocalBackend(root_dir, use_bwrap=False, allow_weak_isolation=True)
+        b2 = LocalBackend(other, use_bwrap=False, allow_weak_isolation=True)
+        await b1.create("a", SandboxSpec())
+        await b2.create("a", SandboxSpec())
+        assert b1._load_uids()["a"] != b2._load_uids()["a"]
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+@needs_root
+async def test_uid_claims_across_services_restart_delete_and_a_removed_root_dir(root_dir, tmp_path):
+    claims, first = str(tmp_path / "claims"), 3_000_000  # a private claims dir and a range nobody else uses
+    other = tempfile.mkdtemp(prefix="orchard-local-")
+    try:
+        def backend(d: str) -> LocalBackend:
+            return LocalBackend(d, use_bwrap=False, allow_weak_isolation=True, uid_range=(first, 2),
+                                uid_claims_dir=claims)
+
+        b1, b2 = backend(root_dir), backend(other)
+        await b1.create("s", SandboxSpec())  # the range's first uid: first + 0
+        await b2.create("t", SandboxSpec())  # first + 0 is b1's: first + 1
+        assert (b1._load_uids(), b2._load_uids()) == ({"s": first}, {"t": first + 1})
+        with pytest.raises(CapacityError, match="other services"):
+            await b2.create("u", SandboxSpec())  # both uids of the range are held
+        # a restarted b1 still holds its uid (its sandbox lives on), and b2 still gets nothing
+        b1 = backend(root_dir)
+        assert await b1.list_ids() == ["s"] and b1._load_uids() == {"s": first}
+        with pytest.raises(CapacityError):
+            await b2.create("u", SandboxSpec())
+        await b1.delete("s")  # frees first + 0 for anyone
+        await b2.create("u", SandboxSpec())
+        assert b2._load_uids() == {"t": first + 1, "u": first}
+        shutil.rmtree(other)  # a temporary root_dir removed without a delete: its claims are stale
+        # the restarted b1's round robin starts again at first + 0 (u's, stale), then first + 1 (t's, stale)
+        await b1.create("v", SandboxSpec())
+        await b1.create("w", SandboxSpec())
+        assert b1._load_uids() == {"v": first, "w": first + 1}
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
 
 
 @pytest.mark.parametrize("use_bwrap", MODES)

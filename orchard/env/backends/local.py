@@ -13,10 +13,11 @@ A sandbox is only listed once its `meta.json` exists; `delete` first renames the
 `.trash-*` name, so a sandbox is either fully there or gone, even if the service dies half-way.
 
 When the service runs as root, each sandbox gets a uid (and gid) of its own from `uid_range`; its processes
-run as that uid, its files belong to it, and the pids limit counts per sandbox. Commands and the isolation
-are described in `orchard.env.agent.isolation`; this module only keeps the books. Creating a sandbox costs a
-few file-system operations (no process is started), so thousands can be created per second; its box (the
-process that runs its commands) starts with its first command.
+run as that uid, its files belong to it, and the pids limit counts per sandbox. The uid is claimed host-wide
+(`orchard.env.backends.uid_claims`), so a second service on the machine never hands out the same one.
+Commands and the isolation are described in `orchard.env.agent.isolation`; this module only keeps the books.
+Creating a sandbox costs a few file-system operations (no process is started), so thousands can be created
+per second; its box (the process that runs its commands) starts with its first command.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from orchard.env.backends.base import (
     SandboxSpec,
 )
 from orchard.env.backends.images import HOST_IMAGE, ImageRegistry
+from orchard.env.backends.uid_claims import DEFAULT_UID_CLAIMS_DIR, UidClaims
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +191,10 @@ class LocalBackend:
             blocked network is never promised where it would not hold. Irrelevant under bubblewrap.
         uid_range: (first, count) of the uids given to sandboxes when running as root; choose a range no
             account and no /etc/subuid entry of the host uses (default 200000..265535).
+        uid_claims_dir: where every root service of the machine claims its sandboxes' uids (default
+            `/var/lib/orchard/sandbox-uids`), so that two services never give two sandboxes the same uid. None:
+            no host-wide claims (only safe where this is the one service on the machine); a directory that
+            cannot be made is logged and treated as None. Unused when not root.
         max_sandboxes: `create` raises CapacityError beyond this many sandboxes (None: no limit).
         box: under bubblewrap, run each sandbox's commands through one long-lived isolated process (its
             box, started by the sandbox's first command; see `orchard.env.agent.box_client`) rather than a
@@ -218,6 +224,7 @@ class LocalBackend:
         limits: Limits | None = None,
         use_bwrap: bool | None = None,
         uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
+        uid_claims_dir: str | os.PathLike[str] | None = DEFAULT_UID_CLAIMS_DIR,
         max_sandboxes: int | None = None,
         box: bool = True,
         allow_weak_isolation: bool = False,
@@ -235,6 +242,8 @@ class LocalBackend:
         first, count = uid_range
         if not (isinstance(first, int) and isinstance(count, int) and first >= 1000 and count >= 1):
             raise ValueError(f"uid_range must be (first >= 1000, count >= 1), got {uid_range!r}")
+        if uid_claims_dir is not None and not isinstance(uid_claims_dir, str | os.PathLike):
+            raise ValueError(f"uid_claims_dir must be a path or None, got {type(uid_claims_dir).__name__}")
         if max_sandboxes is not None and (not isinstance(max_sandboxes, int) or max_sandboxes < 1):
             raise ValueError(f"max_sandboxes must be a positive int or None, got {max_sandboxes!r}")
         if not isinstance(box, bool):
@@ -253,6 +262,13 @@ class LocalBackend:
         self.default_limits = limits or Limits()
         self.uid_range = (first, count)
         self.max_sandboxes = max_sandboxes
+        self._claims: UidClaims | None = None
+        if self.is_root and uid_claims_dir is not None:
+            try:
+                self._claims = UidClaims(uid_claims_dir)
+            except OSError as e:
+                logger.warning("cannot keep uid claims in %s (%s): another service on this machine may give "
+                               "its sandboxes the uids this one gives", uid_claims_dir, e)  # fmt: skip
         self._agents: dict[str, SandboxAgent] = {}
         self._uids: dict[str, int] | None = None
         self._next_uid = 0
@@ -358,18 +374,34 @@ class LocalBackend:
                 meta = self._read_meta(sid)
                 if meta is not None and meta.get("uid") is not None:
                     self._uids[sid] = int(meta["uid"])
+            if self._claims is not None:  # a sandbox made without claims (an older version, another claims dir)
+                for sid, uid in self._uids.items():
+                    other = self._claims.reclaim(uid, self._dir(sid))
+                    if other is not None:
+                        logger.warning("sandbox %r's uid %d is claimed by %s as well: their processes can "
+                                       "signal each other; delete one of them", sid, uid, other)  # fmt: skip
         return self._uids
 
     def _allocate_uid(self, sandbox_id: str) -> int:
+        """The next uid of `uid_range` (round robin) that no sandbox of this backend has and, host-wide, no
+        other service's sandbox holds; claimed for `sandbox_id`."""
         used = set(self._load_uids().values())
         first, count = self.uid_range
-        for _ in range(count):
-            uid = first + self._next_uid
-            self._next_uid = (self._next_uid + 1) % count
-            if uid not in used:
-                self._uids[sandbox_id] = uid  # type: ignore[index]
-                return uid
-        raise CapacityError(f"all {count} sandbox uids from {first} are in use")
+        start = self._next_uid
+        free = (uid for i in range(count) if (uid := first + (start + i) % count) not in used)
+        uid = self._claims.claim_first(free, self._dir(sandbox_id)) if self._claims else next(free, None)
+        if uid is None:
+            held = f", here or (claims in {self._claims.directory}) by other services" if self._claims else ""
+            raise CapacityError(f"all {count} sandbox uids from {first} are in use{held}")
+        self._next_uid = (uid - first + 1) % count
+        self._uids[sandbox_id] = uid  # type: ignore[index]
+        return uid
+
+    def _release_uid(self, sandbox_id: str, uid: int | None) -> None:
+        if self._uids is not None:
+            self._uids.pop(sandbox_id, None)
+        if uid is not None and self._claims is not None:
+            self._claims.release(uid, self._dir(sandbox_id))
 
     def _scan_ids(self) -> list[str]:
         out = []
@@ -475,7 +507,6 @@ class LocalBackend:
         d = self._dir(sandbox_id)
         if os.path.exists(os.path.join(d, _META)):
             return
-        uids = self._load_uids()
         if self.max_sandboxes is not None and len(self._scan_ids()) >= self.max_sandboxes:
             raise CapacityError(f"the backend already holds {self.max_sandboxes} sandboxes")
         try:
@@ -499,8 +530,8 @@ class LocalBackend:
                 json.dump(meta, f)
             os.replace(tmp, os.path.join(d, _META))
         except BaseException:
-            uids.pop(sandbox_id, None)
             shutil.rmtree(d, ignore_errors=True)
+            self._release_uid(sandbox_id, uid)
             raise
 
     async def delete(self, sandbox_id: str) -> None:
@@ -511,13 +542,14 @@ class LocalBackend:
             await agent.kill_all()
         d = self._dir(sandbox_id)
         trash = os.path.join(self.root_dir, f".trash-{sandbox_id}-{secrets.token_hex(4)}")
+        uid = self._load_uids().get(sandbox_id)
         try:
             os.rename(d, trash)
         except FileNotFoundError:
             return
         finally:
-            if self._uids is not None:
-                self._uids.pop(sandbox_id, None)
+            # only now, with its processes ended, may another sandbox (of any service) get the uid
+            self._release_uid(sandbox_id, uid)
         await asyncio.to_thread(shutil.rmtree, trash, True)
 
     async def exists(self, sandbox_id: str) -> bool:

@@ -264,10 +264,14 @@ def test_delete_and_timeout_leave_no_browser_process(client):
     assert wait_no_processes(uid) == []
     session.close()
 
-    sandbox = client.create(memory=BROWSER_MEMORY, ttl_seconds=6)  # the service deletes it after its TTL
+    # The service deletes a sandbox whose client went quiet. Not a TTL: it runs from the create, and a
+    # browser's start (10-20 s on a loaded machine) may outlast any short one, ending the sandbox before the
+    # browser runs; heartbeats keep it alive until then.
+    sandbox = client.create(memory=BROWSER_MEMORY, heartbeat_timeout=6, keepalive_s=1)
     session = BrowserSession(sandbox)
     uid = session.uid
     assert session.reset(SHOP).env_error is None
+    sandbox.stop_heartbeat()
     assert wait_no_processes(uid, timeout=30.0) == []
     assert session.step("wait", {"seconds": 0}).env_error is not None
     session.close()
