@@ -9,7 +9,8 @@ One rollout::
         sampled ids, log-probs = engine.generate(prompt ids)        # retried; per-call timeout
         prompt ids += sampled ids (+ template tail)                 # splice
         parse tool calls; a malformed one -> no call of the turn runs, an error observation, counted in
-            metadata["format_errors"] (as are unknown tools and unusable arguments)
+            metadata["format_errors"] (as are unknown tools and unusable arguments, and, with
+            one_call_per_turn, a turn without exactly one call)
         no call and no error -> done; K consecutive erroring turns -> format_error
         each call -> harness.act -> tool message                    # env failure -> env_error
     reward = harness.evaluate(sandbox, task, trajectory)            # unless env_error
@@ -141,6 +142,9 @@ class AgentLoop:
         env_retries: extra attempts of sandbox creation. Default 2.
         max_format_errors: consecutive turns with a malformed or unknown tool call that end the rollout with
             ``format_error``. Default 3.
+        one_call_per_turn: every turn must make exactly one tool call: a turn with none or with several runs
+            none, keeps its raw text and counts as a format error, instead of a call-less turn ending the rollout
+            (for harnesses whose only termination is a tool, one action a step: the GUI's ``done``). Default False.
         max_prompt_tokens: a prompt longer than this ends the rollout before sampling, as ``step_budget`` with
             ``metadata["context_exhausted"] = True`` (the context is a budget too). Default None: no limit.
         concurrency: rollouts in flight at once in `run_many`. Default 8.
@@ -166,6 +170,7 @@ class AgentLoop:
         env_timeout_s: float = 300.0,
         env_retries: int = 2,
         max_format_errors: int = 3,
+        one_call_per_turn: bool = False,
         max_prompt_tokens: int | None = None,
         concurrency: int = 8,
         start_jitter_s: float = 1.0,
@@ -233,6 +238,7 @@ class AgentLoop:
         self.env_timeout_s = float(env_timeout_s)
         self.env_retries = env_retries
         self.max_format_errors = max_format_errors
+        self.one_call_per_turn = bool(one_call_per_turn)
         self.max_prompt_tokens = max_prompt_tokens
         self.concurrency = concurrency
         self.start_jitter_s = float(start_jitter_s)
@@ -296,11 +302,14 @@ class AgentLoop:
         ended = completion.finish_reason == "stop" and ids and ids[-1] in self.sampling.stop_token_ids
         text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
         parsed = parse_tool_calls(text)
-        if parsed.errors:
+        errors = list(parsed.errors)
+        if self.one_call_per_turn and not errors and len(parsed.tool_calls) != 1:
+            errors.append(f"exactly one tool call a turn is required, got {len(parsed.tool_calls)}")
+        if errors:
             # A turn with a malformed call runs none of its calls and keeps its raw text, so the trajectory
             # re-renders to exactly the sampled text.
             message = Message("assistant", text, token_ids=list(ids), logprobs=list(completion.logprobs))
-            return message, [*parsed.errors, "no tool was run this turn"]
+            return message, [*errors, "no tool was run this turn"]
         for j, call in enumerate(parsed.tool_calls):
             call.id = f"call_{step}_{j}"  # unique within the trajectory (the template does not render ids)
         content = parsed.content if parsed.content or not parsed.tool_calls else None

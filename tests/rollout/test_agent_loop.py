@@ -148,6 +148,24 @@ def test_malformed_calls_are_counted_and_end_the_rollout(service, tokenizer):
     assert_no_drift(traj, engine.prompts, tokenizer)
 
 
+def test_one_call_per_turn_makes_call_less_and_multi_call_turns_format_errors(service, tokenizer):
+    two = exec_call("echo a > a.txt") + "\n" + exec_call("echo b > b.txt")
+    script = ["I am done.", exec_call("true"), two, "no call", "still none"]
+    engine = RecordingEngine(ScriptedEngine(tokenizer, script))
+    task = {"prompt": "go", "check": "test ! -e a.txt && test ! -e b.txt"}
+    (traj,) = run_loop(service, engine, ShellHarness(), tokenizer, [task], one_call_per_turn=True)
+    # turn 1 (no call) errs instead of ending the rollout; turn 2 runs; turns 3-5 (two calls, none, none) err three
+    # times in a row -> format_error after 5 steps, and neither call of turn 3 ran (the check passes)
+    assert traj.termination_reason == "format_error"
+    assert traj.metadata["format_errors"] == 4 and traj.metadata["steps"] == 5 and traj.metadata["tool_calls"] == 1
+    assert traj.reward == 1.0
+    errors = [m.content for m in traj.messages if m.role == "tool" and m.content.startswith("Error")]
+    assert [e.count("exactly one tool call a turn is required") for e in errors] == [1, 1, 1, 1]
+    assert "got 0" in errors[0] and "got 2" in errors[1]
+    assert [m.tool_calls for m in traj.messages if m.role == "assistant"][2] == []  # kept as raw text
+    assert_no_drift(traj, engine.prompts, tokenizer)
+
+
 def test_budgets(service, tokenizer):
     always = ScriptedEngine(tokenizer, lambda prompt: exec_call("true"))
     (traj,) = run_loop(service, always, ShellHarness(max_steps=2), tokenizer, [{"prompt": "go"}])

@@ -1,0 +1,112 @@
+"""The GUI policy's rollouts in a real headless Chromium in real sandboxes: a policy replaying the teacher's tool
+calls solves the task (checker and programmatic judge agree), malformed turns end the run as format_error with -1,
+and no sandbox is left (about a minute; one browser at a time)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.gui.judge import JudgedGUIRollouts, ProgrammaticJudge
+from orchard.domains.gui.rollouts import DONE_OBSERVATION, BrowserSandboxes, GUIHarness, gui_rollouts
+from orchard.domains.gui.tasks import make_task
+from orchard.domains.gui.teacher import teacher_trajectories
+from orchard.env import SandboxClient
+from orchard.env.embedded import serve
+from orchard.rollout.scripted import ScriptedEngine
+
+
+def _require_browser() -> None:
+    # as test_gui_browser: CI promises Chromium and Playwright, so a missing one fails, never skips
+    if shutil.which("/usr/bin/chromium") is None or importlib.util.find_spec("playwright") is None:
+        pytest.fail("the GUI tests need chromium (apt) and playwright (the [gui] extra): run scripts/setup",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def client():
+    _require_browser()
+    with serve(reap_interval_s=0.5) as (url, key), SandboxClient(url, key) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_chat_tokenizer()
+
+
+def call(name, **arguments):
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+def play(client, tokenizer, script, tasks, *, judge=False, **kwargs):
+    rollouts = gui_rollouts(client, tokenizer, max_steps=kwargs.pop("max_steps", 30), concurrency=1,
+                            start_jitter_s=0.0, progress=False, seed=0, **kwargs)
+    if judge:
+        rollouts = JudgedGUIRollouts(rollouts, ProgrammaticJudge(tokenizer))
+    engine = ScriptedEngine(tokenizer, script)
+    return asyncio.run(rollouts(engine, tasks, group_size=1, temperature=1.0)), rollouts
+
+
+def test_a_policy_replaying_the_teacher_solves_the_task_and_the_judge_confirms(client, tokenizer):
+    # a state task (the cart) and a two-tab answer task, both on site seed 0
+    for task in (make_task("shop_cart", 3), make_task("multi_city", 4)):
+        [teacher] = teacher_trajectories(client, [task], attempts=1, failure_rate=0.0)
+        assert teacher.reward == 1.0, teacher.metadata
+        calls = [m.tool_calls[0] for m in teacher.messages if m.role == "assistant"]
+        script = [call(c.name, **c.arguments_dict()) for c in calls]
+        [traj], judged = play(client, tokenizer, script, [task], judge=True)
+        assert traj.termination_reason == "done" and traj.task_id == traj.group_id == task.id, traj.metadata
+        # the policy saw what the teacher saw: the same first page and the same observation after every action
+        assert traj.messages[0].content == teacher.messages[0].content
+        assert traj.messages[1].content == teacher.messages[1].content
+        observations = [m.content for m in traj.messages if m.role == "tool"]
+        assert observations[:-1] == [m.content for m in teacher.messages if m.role == "tool"]
+        assert observations[-1] == DONE_OBSERVATION
+        assert [c.name for m in traj.messages for c in m.tool_calls] == [c.name for c in calls]
+        # the checker passed it, and the programmatic two-stage judge confirmed it: +1
+        assert traj.metadata["check"] == teacher.metadata["check"] and not traj.metadata["blocked"]
+        assert traj.metadata["site_state"] == teacher.metadata["site_state"]
+        assert traj.metadata["response"] == calls[-1].arguments_dict()["response"]
+        assert traj.reward == 1.0 and traj.passed and traj.metadata["judge"]["outcome"] == 1.0
+        assert judged.stats["rl/judge_completed"] == 1.0
+        assert traj.samples and int(traj.samples[0].action_mask.sum()) > 0  # trainable
+    assert client.list_sandboxes() == []  # every browser's sandbox was deleted
+
+
+def test_malformed_turns_end_the_run_as_format_error(client, tokenizer):
+    task = make_task("info_fact", 5)
+    script = [
+        call("click", x=5000, y=5),  # well formed; the browser refuses it: an error observation, no format error
+        "I think the answer is 42.",  # no tool call: a format error, not the end
+        call("click", x=5),  # a required argument missing
+        call("go_back") + "\n" + call("go_back"),  # two actions in one turn: none runs
+    ]
+    [traj], _ = play(client, tokenizer, script, [task])
+    assert traj.termination_reason == "format_error"
+    assert traj.metadata["steps"] == 4 and traj.metadata["format_errors"] == 3
+    tool = [m.content for m in traj.messages if m.role == "tool"]
+    assert tool[0].startswith("Error:") and "outside" in tool[0]  # the browser's own refusal
+    assert "missing_required" in tool[2] and "got 2" in tool[3]
+    # -1 (gui_rollout_reward: ended by repeated format failures), and the final site state is recorded
+    assert traj.reward == -1.0 and not traj.passed and traj.metadata["reward_reason"] == "format_failure"
+    assert traj.metadata["site_state"]["captcha_hits"] == 0
+    assert client.list_sandboxes() == []
+
+
+def test_arguments_are_checked(client, tokenizer):
+    with pytest.raises(ValueError, match="max_steps must be an int >= 1, got 0"):
+        GUIHarness(max_steps=0)
+    with pytest.raises(ValueError, match="client must be a SandboxClient"):
+        BrowserSandboxes("http://x")
+    with pytest.raises(ValueError, match="may not set 'seed'"):
+        BrowserSandboxes(client, seed=1)
+    with pytest.raises(ValueError, match="may not set 'one_call_per_turn'"):
+        gui_rollouts(client, tokenizer, one_call_per_turn=False)
+    with pytest.raises(ValueError, match="task must be a GUITask"):
+        GUIHarness().sandbox_spec({"id": "x"})

@@ -1,0 +1,59 @@
+"""A short smoke run of the GUI recipe in real headless Chromium: embedded service, two templates, the judged
+teacher, base evaluation, curation and per-turn SFT, evaluation, one RL step per budget of a two-budget
+curriculum, evaluation (about two minutes, at most two browsers at once); and its config errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SMOKE = [
+    "tasks.templates=[shop_price, info_fact]", "tasks.train_per_template=1", "tasks.heldout_per_template=1",
+    "teacher.attempts=2", "step_budgets=[3, 4]", "rollout.max_steps=3", "rl.steps=1", "rl.group_size=2",
+    "rl.tasks_per_step=2", "sft.epochs=1", "model.hidden_size=32", "model.num_layers=1",
+]
+
+
+def recipe(*args, timeout=540):
+    return subprocess.run([sys.executable, str(ROOT / "recipes/gui.py"), "--config",
+                           str(ROOT / "recipes/configs/gui_tiny.yaml"), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_gui_recipe_smoke(tmp_path):
+    out = tmp_path / "run"
+    proc = recipe(f"output_dir={out}", *SMOKE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["rl"]["group_filter"] == "all_zero_or_all_positive"
+    results = saved["results"]
+    assert set(results) == {"base", "sft", "rl"}
+    for stage in results.values():
+        # 2 templates x 1 held-out task x 1 attempt, each scored
+        assert stage["gui"]["tasks"] == 2 and stage["gui"]["env_errors"] == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    [teacher] = [r for r in rows if "sft/curated_tasks" in r]
+    # 2 train tasks x 2 attempts, every one judged; the careful teacher solves some, one success per task kept
+    assert teacher["sft/teacher_episodes"] == 4 and teacher["sft/teacher_judged"] == 4
+    assert 1 <= teacher["sft/curated_tasks"] <= 2 and teacher["sft/samples"] >= teacher["sft/curated_tasks"]
+    # one RL step per budget, in curriculum order, each of 2 tasks x 2 episodes
+    rl = [r for r in rows if "rl/step_budget" in r]
+    assert [r["rl/step_budget"] for r in rl] == [3.0, 4.0] and all(r["rl/episodes"] == 4 for r in rl)
+    assert (out / "learning_curve.png").stat().st_size > 5_000
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("step_budgets=[]", "step_budgets must be a non-empty list of ints >= 1, got []"),
+    ("tasks.templates=[shop]", "tasks.templates must be among"),
+    ("eval.harnesses=[react]", "eval.harnesses must be ['gui'], got ['react']"),
+    ("sft_warmup_fraction=1.5", "sft_warmup_fraction must be in [0, 1) or null, got 1.5"),
+    ("sft.train.total_steps=3", "sft.train.total_steps is derived from sft.epochs; set that instead"),
+])
+def test_config_mistakes_are_one_line(override, message):
+    proc = recipe(override, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
