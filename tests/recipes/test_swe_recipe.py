@@ -92,8 +92,10 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
     scripted teacher's resolved trajectories) and the rubric process reward (the programmatic judge), one RL step
     each on the part-2 smoke settings."""
     out = tmp_path / "run"
+    # the scripted teacher needs SMOKE's episode budget to resolve instances (its corpus)
     teacher = ["rl.teacher.hidden_size=48", "rl.teacher.num_layers=1", "rl.teacher.epochs=1", "teacher.attempts=1",
-               "teacher.failure_rate=0.0", "sft.train.global_batch_size=4", "sft.train.micro_batch_size=2"]
+               "teacher.failure_rate=0.0", "sft.train.global_batch_size=4", "sft.train.micro_batch_size=2",
+               "rollout.max_tokens=48", "rollout.max_steps=8"]
     proc = recipe(f"output_dir={out}", *RL_SMOKE, f"rl.variant={variant}", "value_model.enabled=false",
                   *(teacher if variant == "opd_js_grpo" else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,7 +117,7 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("rl.judge.rubric_weight=2", "rl.judge.rubric_weight must be in [0, 1], got 2"),
+    ("rl.judge.rubric_weight=2", "rl.judge.rubric_weight must be in [0, 1], got 2.0"),
     ("rl.variant=ppo", "rl.variant must be one of ['grpo_bar', 'opd_k2', 'opd_k3', 'opd_js', 'opd_js_grpo', "
                        "'rpr'], got 'ppo'"),
     ("rl.use_bar=false", "rl.use_bar is derived from rl.variant; set that instead"),
