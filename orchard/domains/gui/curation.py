@@ -71,17 +71,31 @@ def curate_sft(trajectories: Iterable[Trajectory], tasks: Sequence[GUITask] | Ma
     return cap_per_key(best, lambda t: site_of(by_id[t.task_id]), max_tasks_per_site, seed=seed)
 
 
+def turn_prefixes(traj: Trajectory, keep_images: int) -> list[Trajectory]:
+    """Per assistant turn of ``traj``, the conversation up to and including that turn as the agent saw it: only the
+    last ``keep_images`` screenshots of its prefix kept as images (earlier ones `IMAGE_PLACEHOLDER`, their text
+    kept), trimmed over ``messages[:i]``, not over the whole run."""
+    out = []
+    for i in traj.assistant_indices:
+        shown = keep_last_images([m.to_openai() for m in traj.messages[:i]], keep_images)
+        prefix = [Message.from_dict(m) for m in shown] + [traj.messages[i]]
+        out.append(Trajectory(prefix, traj.tools, traj.reward, task_id=traj.task_id, group_id=traj.group_id))
+    return out
+
+
 def sft_turn_samples(trajectories: Iterable[Trajectory], tokenizer: Any, *, keep_images: int | None = None,
-                     max_len: int | None = None) -> list[RenderedSample]:
+                     max_len: int | None = None, processor: Any = None) -> list[RenderedSample]:
     """One sample per assistant turn of each trajectory: the serialized prefix before the turn (context) and the
     turn itself (the only supervised tokens), in trajectory then turn order.
 
     Args:
         trajectories: the curated trajectories (`curate_sft`).
         tokenizer: the policy's chat tokenizer (its template renders the prefixes).
-        keep_images: keep only the last ``k`` screenshots of each prefix as images (the others become
-            `IMAGE_PLACEHOLDER`, their text kept); None keeps the messages as recorded.
+        keep_images: keep only the last ``k`` screenshots of each prefix as images (`turn_prefixes`); None keeps
+            the messages as recorded.
         max_len: each sample's longest length (truncated as `render_turns` does); None: no limit.
+        processor: a Qwen-VL processor (or image processor) for trajectories with screenshots (`render_turns`);
+            None for text-only trajectories.
     """
     if keep_images is not None and (isinstance(keep_images, bool) or not isinstance(keep_images, int)
                                     or keep_images < 0):
@@ -91,12 +105,8 @@ def sft_turn_samples(trajectories: Iterable[Trajectory], tokenizer: Any, *, keep
         if not isinstance(traj, Trajectory):
             raise ValueError(f"trajectories[{n}] must be a Trajectory, got {type(traj).__name__}")
         if keep_images is None:
-            samples += render_turns(traj, tokenizer, max_len=max_len)
+            samples += render_turns(traj, tokenizer, max_len=max_len, processor=processor)
             continue
-        for i in traj.assistant_indices:
-            # the prefix as the agent saw it at this step: images trimmed over messages[:i], not over the run
-            shown = keep_last_images([m.to_openai() for m in traj.messages[:i]], keep_images)
-            prefix = [Message.from_dict(m) for m in shown] + [traj.messages[i]]
-            turn = Trajectory(prefix, traj.tools, traj.reward, task_id=traj.task_id, group_id=traj.group_id)
-            samples.append(render_turns(turn, tokenizer, max_len=max_len)[-1])
+        for turn in turn_prefixes(traj, keep_images):
+            samples.append(render_turns(turn, tokenizer, max_len=max_len, processor=processor)[-1])
     return samples

@@ -7,7 +7,7 @@ import pytest
 
 from orchard.data import Message, ToolCall, Trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
-from orchard.domains.gui.curation import curate_sft, sft_turn_samples, site_of
+from orchard.domains.gui.curation import curate_sft, sft_turn_samples, site_of, turn_prefixes
 from orchard.domains.gui.tasks import make_task
 from orchard.domains.gui.tools import GUI_TOOLS, IMAGE_PLACEHOLDER
 
@@ -89,33 +89,18 @@ def test_one_target_turn_per_prefix(tokenizer):
 
 def test_images_are_trimmed_per_prefix(tokenizer):
     traj = attempt(TASKS[0], 4, 1.0, images=True)  # screenshots 0..4; turns 0..4 (4 scrolls + done)
-    seen = []
-
-    class Recording:
-        """The tokenizer, recording every conversation rendered through its template."""
-
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def __call__(self, *args, **kwargs):
-            return tokenizer(*args, **kwargs)
-
-        def apply_chat_template(self, messages, *args, **kwargs):
-            seen.append(messages)
-            return tokenizer.apply_chat_template(messages, *args, **kwargs)
-
-    samples = sft_turn_samples([traj], Recording(), keep_images=2)
-    assert len(samples) == 5
+    turns = turn_prefixes(traj, 2)
+    assert len(turns) == 5
     # the prompt of turn k (its prefix: screenshots 0..k) keeps images k-1 and k; earlier ones are placeholders
-    prompts = [m for m in seen if m and m[-1]["role"] != "assistant"]
-    for k in range(5):
-        prefix = next(p for p in prompts if len(p) == 2 + 2 * k)
-        images = [part["image_url"]["url"] for m in prefix if isinstance(m["content"], list)
-                  for part in m["content"] if part["type"] == "image_url"]
-        kept = [base64.b64decode(u.split(",", 1)[1]).decode() for u in images]
+    for k, turn in enumerate(turns):
+        assert len(turn.messages) == 3 + 2 * k and turn.messages[-1] == traj.messages[len(turn.messages) - 1]
+        parts = [part for m in turn.messages if isinstance(m.content, list) for part in m.content]
+        kept = [base64.b64decode(p["image_url"]["url"].split(",", 1)[1]).decode() for p in parts
+                if p["type"] == "image_url"]
         assert kept == [f"shot-{j}" for j in range(max(0, k - 1), k + 1)]
-        placeholders = sum(part.get("text") == IMAGE_PLACEHOLDER for m in prefix if isinstance(m["content"], list)
-                           for part in m["content"])
-        assert placeholders == max(0, k - 1)
+        assert sum(p.get("text") == IMAGE_PLACEHOLDER for p in parts) == max(0, k - 1)
+    # rendered without a processor, screenshots are refused rather than dropped silently
+    with pytest.raises(ValueError, match="no processor was given"):
+        sft_turn_samples([traj], tokenizer, keep_images=2)
     with pytest.raises(ValueError, match="keep_images must be an int >= 0"):
         sft_turn_samples([traj], tokenizer, keep_images=-1)
