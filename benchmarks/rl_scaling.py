@@ -21,8 +21,8 @@ the seconds rank 0's ``engine.update_weights`` takes per update (in-process: ``l
 state dict once, drain, every replica loads the file) and its share of a step (target <= 10 %). Ratios are
 against the 1-process, in-process, synchronous row measured in the same run.
 
-    python benchmarks/rl_scaling.py                 # every row, 4 steps each (~10 min on a loaded 2-core box)
-    python benchmarks/rl_scaling.py --quick         # smoke: 3 rows, 2 steps
+    python benchmarks/rl_scaling.py                 # every row, 4 steps each (~22 min on a loaded 2-core box)
+    python benchmarks/rl_scaling.py --quick         # smoke: 3 rows, 2 steps (~5 min)
     python benchmarks/rl_scaling.py --rows 1-inproc-sync 2-2srv-async
 """
 
@@ -324,6 +324,9 @@ def main() -> None:
           f"{args.tasks} tasks x {args.group} episodes per step, {args.prompt_len} prompt + <= {args.new_tokens} "
           f"sampled tokens each; steps 2..{args.steps} measured; torch threads 1 per process\n")
     print(table(summaries))
+    worst = max(summaries, key=lambda n: summaries[n]["sync_share"])
+    print(f"\nweight sync: at most {100 * summaries[worst]['sync_share']:.1f} % of a step ({worst}); "
+          f"target <= 10 %")
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"json": str(args.json)},
                                          "rows": summaries}, default=str, indent=1))
