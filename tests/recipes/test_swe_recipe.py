@@ -1,7 +1,8 @@
 """A short smoke run of the SWE recipe (part 1): embedded service, toy instances of two templates, base evaluation
 on three harnesses, the scripted teacher's trajectories (failures kept), hindsight values, credit-assigned SFT,
-evaluation; and its config errors."""
+evaluation; its config errors; and the paper's config, loaded without running."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -60,3 +61,25 @@ def test_swe_recipe_smoke(tmp_path):
 def test_config_mistakes_are_one_line(override, message):
     proc = recipe(override, timeout=300)
     assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
+
+
+def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("swe_recipe", ROOT / "recipes/swe.py")
+    swe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "swe_recipe", swe)  # dataclasses resolve the recipe's annotations there
+    spec.loader.exec_module(swe)
+    from orchard.train.config import load_config
+
+    checkpoint = tmp_path / "Qwen3-30B-A3B-Thinking"
+    checkpoint.mkdir()
+    cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe.yaml", [f"model.path={checkpoint}"],
+                      derived=swe.DERIVED)
+    assert (cfg.model.path, cfg.model.engine, cfg.model.dtype) == (str(checkpoint), "vllm", "bfloat16")
+    assert cfg.model.vllm_kwargs["max_model_len"] == 65536
+    assert (cfg.sft_mode, cfg.sft.epochs, cfg.sft.max_len) == ("credit", 5, 65536)  # 64K context, left truncation
+    train = cfg.sft.train
+    assert (train.global_batch_size, train.engine, train.zero_stage) == (128, "deepspeed", 3)
+    assert (train.optim.lr, train.optim.min_lr) == (1e-5, 1e-6)  # the cosine's peak and floor
+    assert cfg.instances.path and cfg.instances.heldout_path and cfg.env_url.startswith("https://")
+    assert (cfg.teacher.attempts, cfg.values.eps, cfg.eval.harnesses) == (5, 0.05, ["bash", "tool", "eval"])
+    assert not hasattr(cfg, "rl")  # RL is part 2
