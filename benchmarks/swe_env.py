@@ -66,8 +66,9 @@ def direct_reward(instance: Any, base: Path, root: Path) -> bool:
     shutil.copytree(base, repo)
     for patch in (instance.patch, instance.test_patch):
         subprocess.run(["git", "apply", "-"], cwd=repo, input=patch, text=True, check=True)
+    # Plugins off: the sandbox's pytest is a bare copy, while this environment's may load many by entry point.
     run = subprocess.run(pytest_argv(sys.executable, instance.tests), cwd=repo, capture_output=True, text=True,
-                         env={**os.environ, **PYTEST_ENV})
+                         env={**os.environ, **PYTEST_ENV, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     return all(parse_test_results(run.stdout, instance.tests).values())
 
 
@@ -134,6 +135,7 @@ def main() -> int:
     count = max(args.n, args.episodes)
     instances = [make_instance(templates[i % len(templates)], i // len(templates), level=1) for i in range(count)]
     root = Path(tempfile.mkdtemp(prefix="orchard-swe-bench-"))
+    os.chmod(root, 0o711)  # the service's sandboxes run as other uids and must reach their root below it
     direct_reward(instances[0], direct_ready(instances[0], root), root)  # warm the page cache and pytest's imports
     ready, reward = [], []
     for i in range(args.n):
