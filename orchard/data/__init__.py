@@ -1,6 +1,6 @@
 """orchard.data: the trajectory schema, rendering to training tensors, IO and curation (layer 2)."""
 
-from orchard.data.batch import collate, merge_prefix_samples
+from orchard.data.batch import collate, merge_prefix_samples, truncate_sample
 from orchard.data.curation import (
     ToolCallIssue,
     cap_per_key,
@@ -85,6 +85,7 @@ __all__ = [
     "token_count",
     "trainable",
     "trajectories_to_table",
+    "truncate_sample",
     "write_jsonl",
     "write_parquet",
 ]

@@ -1,4 +1,5 @@
-"""Batching rendered samples: right-padding to ``[B, T]`` tensors, and merging per-call samples of one session.
+"""Batching rendered samples: right-padding to ``[B, T]`` tensors, merging per-call samples of one session, and
+cutting a sample to a context length.
 
 Rendering (:mod:`orchard.data.render`) turns one trajectory into ``[T]`` tensors; this module turns many of those
 into what a training step reads.
@@ -137,3 +138,43 @@ def merge_prefix_samples(samples: Sequence[RenderedSample]) -> list[RenderedSamp
                 continue
         merged.append(sample)
     return merged
+
+
+def truncate_sample(sample: RenderedSample, max_len: int) -> RenderedSample:
+    """Left truncation of an already rendered sample: its head, then its newest tokens, ``max_len`` in all.
+
+    The head is the context before the first action token (system prompt, tools and task: what the model needs to
+    act at all), at most ``max_len // 2`` tokens; the oldest tokens after it are cut. The paper's SFT (64K
+    context, left truncation) does not say what stays in view; keeping the prompt is our reading of it, as
+    ``render_trajectory(truncation="left")`` keeps the system prompt. This one works on samples a recording proxy
+    built (the prompt's boundary is the first action), so it keeps the task too. The cut is one contiguous span:
+    every kept position carries exactly its ``input_ids``, ``action_mask``, ``turn_index``, ``old_logprobs`` and
+    ``logprob_mask``; an action run the cut crosses keeps its newest tokens.
+
+    Args:
+        sample: a rendered sample, tensors ``[T]``.
+        max_len: the longest sequence kept, an int >= 1.
+
+    Returns:
+        ``sample`` itself when ``T <= max_len``; else a new sample of ``[max_len]`` tensors whose report says
+        ``truncated``, ``full_length = T`` and ``cut = (start, stop)``, the positions removed.
+    """
+    if not isinstance(sample, RenderedSample):
+        raise ValueError(f"sample must be a RenderedSample, got {type(sample).__name__}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+    T = len(sample)
+    if max_len >= T:
+        return sample
+    actions = sample.action_mask.nonzero()
+    first_action = int(actions[0, 0]) if len(actions) else T
+    head = min(first_action, max_len // 2)
+    start, stop = head, T - (max_len - head)
+
+    def kept(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values[:start], values[stop:]])  # [max_len]
+
+    report = replace(sample.report, truncated=True, full_length=T, cut=(start, stop))
+    return replace(sample, input_ids=kept(sample.input_ids), action_mask=kept(sample.action_mask),
+                   turn_index=kept(sample.turn_index), old_logprobs=kept(sample.old_logprobs),
+                   logprob_mask=kept(sample.logprob_mask), report=report)

@@ -76,12 +76,17 @@ class SFTConfig:
     """Run the SFT stage."""
     epochs: float = 2.0
     """Passes over the demonstrations (sets train.total_steps)."""
+    max_len: int | None = None
+    """Context length in tokens: a longer sample is left-truncated to it, keeping its prompt (the paper: 64K,
+    65536); null trains whole samples."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         global_batch_size=16, micro_batch_size=16, optim=OptimConfig(lr=1e-5, min_lr=1e-6)))
     """Trainer settings (objective: sft; total_steps, seed, output_dir and resume are set by the stage)."""
 
     def __post_init__(self) -> None:
         _positive_number("epochs", self.epochs)
+        if self.max_len is not None:
+            _positive_int("max_len", self.max_len)
 
 
 @dataclass

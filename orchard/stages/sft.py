@@ -13,7 +13,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from orchard.data import RenderedSample, Trajectory, collate
+from orchard.data import RenderedSample, Trajectory, collate, truncate_sample
 from orchard.losses import credit_assigned_sft_mask, credit_runs, interpolate_step_values, td_credit
 from orchard.rollout.rollouts import Rollouts
 from orchard.stages.config import SFTConfig
@@ -105,7 +105,8 @@ def sft_stage(model: Any, samples: Sequence[RenderedSample], cfg: SFTConfig, *, 
               output_dir: str) -> list[dict[str, float]]:
     """Train ``model`` in place on ``samples`` for ``cfg.epochs`` passes; returns the per-step metrics.
 
-    ``total_steps = max(1, round(epochs x len(samples) / global_batch_size))``.
+    ``total_steps = max(1, round(epochs x len(samples) / global_batch_size))``. With ``cfg.max_len`` a longer
+    sample is left-truncated first (`orchard.data.truncate_sample`: its prompt, then its newest tokens).
     """
     if not isinstance(cfg, SFTConfig):
         raise ValueError(f"cfg must be an SFTConfig, got {type(cfg).__name__}")
@@ -115,6 +116,8 @@ def sft_stage(model: Any, samples: Sequence[RenderedSample], cfg: SFTConfig, *, 
     if world > 1 and cfg.train.engine != "deepspeed":
         raise ValueError(f"cfg.train.engine must be 'deepspeed' under {world} ranks (plain torch trains one "
                          f"process, and every rank would write its logs), got {cfg.train.engine!r}")
+    if cfg.max_len is not None:
+        samples = [truncate_sample(s, cfg.max_len) for s in samples]
     steps = max(1, round(cfg.epochs * len(samples) / cfg.train.global_batch_size))
     trainer = Trainer(model, replace(cfg.train, total_steps=steps, seed=seed, output_dir=output_dir, resume=False))
     try:

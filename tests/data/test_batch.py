@@ -1,4 +1,5 @@
-"""Batching: right-padded collation with broadcast advantages, merging per-call samples of one session."""
+"""Batching: right-padded collation with broadcast advantages, merging per-call samples of one session, left
+truncation of a rendered sample."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from orchard.data import (
     merge_prefix_samples,
     render_trajectory,
     render_turns,
+    truncate_sample,
 )
 
 from .test_render import MESSAGES, sampled_trajectory
@@ -122,3 +124,39 @@ def test_collate_rejects_bad_inputs(tokenizer):
         collate([s], 0, advantages=[float("nan")])
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         collate([s], 0, pad_to_multiple_of=0)
+
+
+def toy_sample(ids, action, turn):
+    n = len(ids)
+    return RenderedSample(torch.tensor(ids), torch.tensor(action, dtype=torch.bool), torch.tensor(turn),
+                          torch.arange(n, dtype=torch.float32) / -10, torch.tensor(action, dtype=torch.bool),
+                          RenderReport(), reward=1.0, task_id="t")
+
+
+def test_truncate_sample_keeps_the_prompt_and_the_newest_tokens():
+    # 10 tokens: prompt 0-2, actions 3-4 (turn 0), observation 5-6, actions 7-9 (turn 1).
+    s = toy_sample(list(range(100, 110)), [0, 0, 0, 1, 1, 0, 0, 1, 1, 1], [-1, -1, -1, 0, 0, -1, -1, 1, 1, 1])
+    cut = truncate_sample(s, 6)
+    # head = min(first action 3, 6 // 2 = 3) = 3; the tail keeps 6 - 3 = 3 tokens: positions 7-9; cut (3, 7).
+    assert cut.input_ids.tolist() == [100, 101, 102, 107, 108, 109]
+    assert cut.action_mask.tolist() == [False, False, False, True, True, True]
+    assert cut.turn_index.tolist() == [-1, -1, -1, 1, 1, 1]
+    # Kept positions carry their own values: log-prob of position p is -p / 10.
+    assert torch.allclose(cut.old_logprobs, torch.tensor([0, -0.1, -0.2, -0.7, -0.8, -0.9]))
+    assert (cut.report.truncated, cut.report.full_length, cut.report.cut) == (True, 10, (3, 7))
+    assert not s.report.truncated and (cut.reward, cut.task_id) == (1.0, "t")  # the input is unchanged
+    # A cut inside an action run keeps its newest tokens: max_len 5 -> head min(3, 2) = 2, tail 3 (7-9).
+    assert truncate_sample(s, 5).input_ids.tolist() == [100, 101, 107, 108, 109]
+    # A sample that fits is returned as is; one without actions keeps max_len // 2 of its start.
+    assert truncate_sample(s, 10) is s
+    quiet = toy_sample([1, 2, 3, 4, 5], [0] * 5, [-1] * 5)
+    assert truncate_sample(quiet, 3).input_ids.tolist() == [1, 4, 5]  # head 3 // 2 = 1, tail 2
+    assert truncate_sample(s, 1).input_ids.tolist() == [109]  # head 1 // 2 = 0
+
+
+def test_truncate_sample_rejects_bad_input():
+    s = toy_sample([1, 2], [0, 1], [-1, 0])
+    with pytest.raises(ValueError, match="max_len must be an int >= 1, got 0"):
+        truncate_sample(s, 0)
+    with pytest.raises(ValueError, match="sample must be a RenderedSample, got list"):
+        truncate_sample([1, 2], 4)

@@ -1,7 +1,8 @@
 """A short smoke run of the SWE recipe (part 1): embedded service, toy instances of two templates, base evaluation
 on three harnesses, the scripted teacher's trajectories (failures kept), hindsight values, credit-assigned SFT,
-evaluation; and its config errors."""
+evaluation; its config errors; and the paper's config, loaded without running."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -148,3 +149,30 @@ def test_bar_groups_positive_ratios_by_hand():
     assert rows == [{"step": 1, "pool_positive_ratio": 0.375, "kept_positive_ratio": 0.5},
                     {"step": 2, "pool_positive_ratio": 0.0, "kept_positive_ratio": None},
                     {"step": 2, "pool_positive_ratio": 2 / 6, "kept_positive_ratio": 0.5}]
+
+
+def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("swe_recipe", ROOT / "recipes/swe.py")
+    swe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "swe_recipe", swe)  # dataclasses resolve the recipe's annotations there
+    spec.loader.exec_module(swe)
+    from orchard.train.config import load_config
+
+    checkpoint = tmp_path / "Qwen3-30B-A3B-Thinking"
+    checkpoint.mkdir()
+    cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe.yaml", [f"model.path={checkpoint}"],
+                      derived=swe.DERIVED)
+    assert (cfg.model.path, cfg.model.engine, cfg.model.dtype) == (str(checkpoint), "vllm", "bfloat16")
+    assert cfg.model.vllm_kwargs["max_model_len"] == 65536
+    assert (cfg.sft_mode, cfg.sft.epochs, cfg.sft.max_len) == ("credit", 5, 65536)  # 64K context, left truncation
+    train = cfg.sft.train
+    assert (train.global_batch_size, train.engine, train.zero_stage) == (128, "deepspeed", 3)
+    assert (train.optim.lr, train.optim.min_lr) == (1e-5, 1e-6)  # the cosine's peak and floor
+    assert cfg.instances.path and cfg.instances.heldout_path and cfg.env_url.startswith("https://")
+    assert (cfg.teacher.attempts, cfg.values.eps, cfg.eval.harnesses) == (5, 0.05, ["bash", "tool", "eval"])
+    rl = cfg.rl  # part 2: JS + GRPO with BAR from the task filter's instances, the teacher served by URL
+    assert (rl.variant, rl.steps, rl.tasks_per_step * rl.group_size, rl.use_bar) == ("opd_js_grpo", 150, 128, True)
+    assert (rl.bar_n_max, rl.bar_stride, rl.bar_rho_min, rl.bar_rho_max) == (16, 16, 0.375, 0.625)
+    assert [t.name for t in rl.train.objective] == ["policy", "js_opd"] and rl.teacher.url.startswith("http")
+    assert (rl.train.global_batch_size, rl.train.optim.lr, rl.train.optim.min_lr) == (128, 1e-6, 1e-7)
+    assert (rl.filter.attempts, rl.filter.high, cfg.value_model.candidates) == (8, 0.5, 6)

@@ -1,10 +1,13 @@
-"""SFT modes over a teacher's trajectories: resolved-only, all, and credit-assigned SFT from hindsight values."""
+"""SFT modes over a teacher's trajectories: resolved-only, all, and credit-assigned SFT from hindsight values; the
+SFT stage's context length."""
 
 import pytest
 import torch
 
 from orchard.data import Message, RenderedSample, RenderReport, Trajectory
-from orchard.stages import sft_samples
+from orchard.models import tiny_qwen3
+from orchard.stages import SFTConfig, sft_samples, sft_stage
+from orchard.train.trainer import OptimConfig, TrainConfig
 
 # [system, a0, a0, obs, a1, a1, obs, a2]: three steps (assistant turns), observations never supervised.
 TURN = torch.tensor([-1, 0, 0, -1, 1, 1, -1, 2])
@@ -52,3 +55,22 @@ def test_bad_arguments():
         sft_samples([], mode="credit")
     with pytest.raises(ValueError, match=r"trajectories\[0\]"):
         sft_samples([{"reward": 1.0}])
+
+
+def test_sft_stage_left_truncates_to_max_len(tmp_path):
+    # Two 8-token samples [system, a0, a0, obs, a1, a1, obs, a2], max_len 5: head min(first action 1, 5 // 2) = 1,
+    # then the newest 4 tokens: positions [0, 4, 5, 6, 7], of which 4, 5, 7 are actions. One step of batch 2:
+    # 2 x 5 = 10 tokens, 2 x 3 = 6 actions.
+    model = tiny_qwen3(16, hidden_size=16, num_hidden_layers=1)
+    cfg = SFTConfig(epochs=1, max_len=5, train=TrainConfig(global_batch_size=2, micro_batch_size=2,
+                                                           optim=OptimConfig(lr=1e-3)))
+    [step] = sft_stage(model, traj(1.0).samples * 2, cfg, pad_id=0, seed=0, output_dir=str(tmp_path / "a"))
+    assert (step["tokens/total"], step["tokens/action"]) == (10, 6)
+    whole = SFTConfig(epochs=1, train=cfg.train)
+    [step] = sft_stage(model, traj(1.0).samples * 2, whole, pad_id=0, seed=0, output_dir=str(tmp_path / "b"))
+    assert (step["tokens/total"], step["tokens/action"]) == (16, 10)  # 2 x 8 tokens, 2 x 5 actions
+
+
+def test_sft_config_rejects_a_bad_max_len():
+    with pytest.raises(ValueError, match="max_len must be an int >= 1, got 0"):
+        SFTConfig(max_len=0)
