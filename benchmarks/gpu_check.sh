@@ -72,4 +72,18 @@ CUDA_VISIBLE_DEVICES="" "$PYTHON" -m pytest tests/train tests/value -q -p no:cac
 ((PIPESTATUS[0] == 0)) || status=1
 # === end of section: training step (issue 6) ===============================================================
 
+# === section: RL with vLLM rollouts and its weight sync (issue 21) ===========================================
+# Prepared without a GPU (none was lent when it was written): runs only where vLLM imports. A short RL run of the
+# stage with a colocated VLLMEngine (trainer on the CPU, weights pushed into vLLM's workers after every update,
+# synchronous and one step off-policy), beside the in-process HF row of the same run: episodes/s, trained tokens/s,
+# the sync's seconds per update and its share of a step (target <= 10 %).
+if "$PYTHON" -c "import vllm" 2>/dev/null; then
+    "$PYTHON" benchmarks/rl_scaling.py --rows 1-inproc-sync 1-vllm-sync 1-vllm-async --steps 4 \
+        --json "$OUT/rl_scaling_vllm.json" 2>&1 | tee "$OUT/rl_scaling_vllm.txt"
+    ((PIPESTATUS[0] == 0)) || status=1
+else
+    echo "vllm is not importable: carry its wheel to run the RL + weight-sync section" | tee "$OUT/rl_scaling_vllm.txt"
+fi
+# === end of section: RL with vLLM (issue 21) ================================================================
+
 exit "$status"

@@ -60,14 +60,18 @@ class Row:
     processes: int
     servers: int
     asynchronous: bool
+    vllm: bool = False
 
     @property
     def name(self) -> str:
-        engine = "inproc" if not self.servers else f"{self.servers}srv"
+        engine = "vllm" if self.vllm else "inproc" if not self.servers else f"{self.servers}srv"
         return f"{self.processes}-{engine}-{'async' if self.asynchronous else 'sync'}"
 
 
 ROWS = [Row(p, s, a) for p in (1, 2) for s in (0, 1, 2) for a in (False, True)]
+GPU_ROWS = [Row(1, 0, a, vllm=True) for a in (False, True)]
+"""A colocated `VLLMEngine` (one GPU; the trainer stays on the CPU): the weight sync is vLLM's in-process load
+(``collective_rpc``). Never in the default rows; ``benchmarks/gpu_check.sh`` runs them where a GPU is lent."""
 QUICK_ROWS = ["1-inproc-sync", "1-1srv-sync", "2-1srv-async"]
 
 
@@ -140,8 +144,12 @@ async def _worker_main(args: argparse.Namespace) -> None:
 
     ranks = init_ranks(timeout_s=600)
     model, tokenizer = load_model_and_tokenizer(args.model_dir)
-    if args.engine_urls:
-        inner: Any = EnginePool.from_urls(args.engine_urls, save_dir=str(args.out / "weights"),
+    if args.vllm:
+        from orchard.rollout.vllm_engine import VLLMEngine
+
+        inner: Any = VLLMEngine(args.model_dir, gpu_memory_utilization=0.3, enforce_eager=True, seed=ranks.rank)
+    elif args.engine_urls:
+        inner = EnginePool.from_urls(args.engine_urls, save_dir=str(args.out / "weights"),
                                           push_weights=ranks.is_main, timeout_s=600)
     else:
         inner = HFEngine(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64,
@@ -217,7 +225,7 @@ def run_row(row: Row, model_dir: Path, out: Path, args: argparse.Namespace) -> d
         worker = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--model-dir", str(model_dir),
                   "--steps", str(args.steps), "--tasks", str(args.tasks), "--group", str(args.group),
                   "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-                  *(["--async"] if row.asynchronous else []),
+                  *(["--async"] if row.asynchronous else []), *(["--vllm"] if row.vllm else []),
                   *(["--engine-urls", *(url for _, url in servers)] if servers else [])]
         if row.processes == 1:
             launch = [sys.executable, *worker]
@@ -276,7 +284,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"smoke: rows {QUICK_ROWS}, 2 steps")
     parser.add_argument("--rows", nargs="+", default=None, help=f"rows to run (default all: "
-                        f"{[r.name for r in ROWS]})")
+                        f"{[r.name for r in ROWS]}; with a GPU and vLLM also {[r.name for r in GPU_ROWS]})")
     parser.add_argument("--steps", type=int, default=4, help="RL steps per row (step 1 is not measured)")
     parser.add_argument("--tasks", type=int, default=8, help="tasks per step")
     parser.add_argument("--group", type=int, default=4, help="episodes per task")
@@ -290,13 +298,14 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--async", dest="asynchronous", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine-urls", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--vllm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(1)
         asyncio.run(_worker_main(args))
         return
-    by_name = {r.name: r for r in ROWS}
-    names = args.rows or (QUICK_ROWS if args.quick else list(by_name))
+    by_name = {r.name: r for r in [*ROWS, *GPU_ROWS]}
+    names = args.rows or (QUICK_ROWS if args.quick else [r.name for r in ROWS])
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise ValueError(f"--rows must be among {list(by_name)}, got {unknown}")
