@@ -23,10 +23,16 @@ here directly, outside ``lm_head.forward``. Two ways make it whole:
 
 A weight that is still partitioned (an empty placeholder) is refused with a ``ValueError`` rather than scored.
 Neither path is exercised by the test suite, which has no multi-process ZeRO-3 run.
+
+Images: a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) scores a batch with images when it gets
+``pixel_values`` and ``image_grid_thw`` (and ``mm_token_type_ids``, which Qwen3-VL's M-RoPE needs), as
+``orchard.data.collate`` builds them: the backbone is then the multimodal base model (``model.model``, which
+encodes the images and writes them over their ``<|image_pad|>`` tokens) rather than the text decoder.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -40,7 +46,10 @@ from orchard.losses.fused import (
     fused_token_loss,
 )
 
-__all__ = ["action_logprobs", "action_token_loss"]
+__all__ = ["VISION_KEYS", "action_logprobs", "action_token_loss"]
+
+VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+"""The batch keys of images (``orchard.data.collate``) that a vision-language model's forward takes."""
 
 # Config fields of HF models whose logits are not plain ``hidden @ W.T + b``; the fused path would be wrong.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -57,6 +66,49 @@ def _backbone(model: nn.Module) -> nn.Module:
             f"got {type(model).__name__}"
         )
     return backbone
+
+
+def _vision_backbone(model: nn.Module) -> nn.Module:
+    """The multimodal base model of a vision-language model: it encodes the images (``get_decoder()`` of a
+    Qwen-VL model is its text decoder, which would read the image tokens as plain tokens)."""
+    base = getattr(model, "model", None)
+    if not isinstance(base, nn.Module) or "pixel_values" not in inspect.signature(base.forward).parameters:
+        raise ValueError(
+            f"pixel_values were given but model takes no images: {type(model).__name__} has no multimodal "
+            "backbone (model.model whose forward takes pixel_values); load a vision-language model"
+        )
+    return base
+
+
+def _vision_inputs(
+    input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None, mm_token_type_ids: Tensor | None
+) -> dict[str, Tensor]:
+    """Validate the image tensors; return the ones to pass to the backbone (empty without images)."""
+    if mm_token_type_ids is not None and (
+        not isinstance(mm_token_type_ids, Tensor) or mm_token_type_ids.shape != input_ids.shape
+    ):
+        shape = tuple(mm_token_type_ids.shape) if isinstance(mm_token_type_ids, Tensor) else mm_token_type_ids
+        raise ValueError(f"mm_token_type_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    if pixel_values is None and image_grid_thw is None:
+        # Image tokens without pixels would be read as plain tokens: the images would be silently lost.
+        if mm_token_type_ids is not None and bool(mm_token_type_ids.any()):
+            raise ValueError("mm_token_type_ids marks image tokens but pixel_values and image_grid_thw are None")
+        return {}
+    if pixel_values is None or image_grid_thw is None:
+        missing = "pixel_values" if pixel_values is None else "image_grid_thw"
+        raise ValueError(f"{missing} is None: pixel_values and image_grid_thw go together")
+    if not isinstance(image_grid_thw, Tensor) or image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3 \
+            or image_grid_thw.is_floating_point():
+        shape = tuple(image_grid_thw.shape) if isinstance(image_grid_thw, Tensor) else type(image_grid_thw).__name__
+        raise ValueError(f"image_grid_thw must be an integer [I, 3] tensor, got {shape}")
+    patches = int(image_grid_thw.prod(dim=-1).sum())  # Σ_i t_i · h_i · w_i
+    if not isinstance(pixel_values, Tensor) or pixel_values.dim() != 2 or pixel_values.shape[0] != patches:
+        shape = tuple(pixel_values.shape) if isinstance(pixel_values, Tensor) else type(pixel_values).__name__
+        raise ValueError(f"pixel_values must be [{patches}, D] (the patches of image_grid_thw), got {shape}")
+    vision = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    if mm_token_type_ids is not None:
+        vision["mm_token_type_ids"] = mm_token_type_ids
+    return vision
 
 
 def _lm_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -97,7 +149,13 @@ class _ActionRows(NamedTuple):
 
 
 def _action_rows(
-    model: nn.Module, input_ids: Tensor, action_mask: Tensor, attention_mask: Tensor | None
+    model: nn.Module,
+    input_ids: Tensor,
+    action_mask: Tensor,
+    attention_mask: Tensor | None,
+    pixel_values: Tensor | None = None,
+    image_grid_thw: Tensor | None = None,
+    mm_token_type_ids: Tensor | None = None,
 ) -> _ActionRows | None:
     """Validate, run the backbone, keep the rows that predict action tokens; ``None`` for ``T = 0``."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
@@ -119,14 +177,15 @@ def _action_rows(
             raise ValueError("action_mask must be false wherever attention_mask is 0 (a padding token is no action)")
     if input_ids.shape[1] and bool(action[:, 0].any()):
         raise ValueError("action_mask must be false at t = 0: the first token has no position to be predicted from")
+    vision = _vision_inputs(input_ids, pixel_values, image_grid_thw, mm_token_type_ids)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module (an HF causal LM), got {type(model).__name__}")
-    backbone = _backbone(model)
+    backbone = _vision_backbone(model) if vision else _backbone(model)
     _check_plain_linear_head(model)
 
     if input_ids.shape[1] == 0:
         return None
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **vision)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
     weight, bias = _lm_head(model)  # read after the backbone ran: a ZeRO-3 engine gathers it on access
     targets = action[:, 1:]  # [B, T − 1]: position t − 1 predicts token t
@@ -143,6 +202,9 @@ def action_logprobs(
     action_mask: Tensor,
     *,
     attention_mask: Tensor | None = None,
+    pixel_values: Tensor | None = None,
+    image_grid_thw: Tensor | None = None,
+    mm_token_type_ids: Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -168,6 +230,12 @@ def action_logprobs(
         action_mask: Shape: ``(B, T)``; true (nonzero) where the token is an action the policy sampled. Must be
             false at ``t = 0`` (nothing precedes it) and wherever ``attention_mask`` is 0.
         attention_mask: Shape: ``(B, T)``; 1 for real tokens, 0 for padding; passed to the backbone.
+        pixel_values: Shape: ``(Σ_i t_i·h_i·w_i, D)``; the patches of the batch's images, all rows' images
+            concatenated in row order (``orchard.data.collate``); with them the multimodal base model
+            (``model.model``) is the backbone. ``None`` for a text batch.
+        image_grid_thw: Shape: ``(I, 3)``; each image's patch grid ``(t, h, w)``; given with ``pixel_values``.
+        mm_token_type_ids: Shape: ``(B, T)``; 1 on image tokens (Qwen3-VL's M-RoPE needs it); without
+            ``pixel_values`` it must mark no token.
         temperature: the sampling temperature, so the log-probs match the engine's (default 1.0).
         return_entropy: also return the entropy at each action position.
         chunk_size, vocab_chunk_size: block sizes of ``fused_token_logprobs`` (defaults 1024 and 4096).
@@ -179,9 +247,12 @@ def action_logprobs(
     Raises:
         ValueError: naming the argument, for mismatched shapes, a non-integer ``input_ids``, an action at
             ``t = 0`` or on a padding token, a model without backbone or lm head, a partitioned (ZeRO-3) head
-            weight, or a model whose logits are not a plain linear head (soft-capping, logit scaling).
+            weight, a model whose logits are not a plain linear head (soft-capping, logit scaling), image
+            tensors that do not fit together (``pixel_values`` rows against ``image_grid_thw``, one without the
+            other), or images for a model that takes none.
     """
-    rows = _action_rows(model, input_ids, action_mask, attention_mask)
+    rows = _action_rows(model, input_ids, action_mask, attention_mask, pixel_values, image_grid_thw,
+                        mm_token_type_ids)
     if rows is None:
         empty = torch.zeros(input_ids.shape[0], 0, device=input_ids.device)
         return (empty, empty.clone()) if return_entropy else empty
@@ -209,6 +280,9 @@ def action_token_loss(
     token_loss: TokenLoss,
     *,
     attention_mask: Tensor | None = None,
+    pixel_values: Tensor | None = None,
+    image_grid_thw: Tensor | None = None,
+    mm_token_type_ids: Tensor | None = None,
     temperature: float = 1.0,
     need_entropy: bool = False,
     chunk_size: int | None = None,
@@ -222,6 +296,7 @@ def action_token_loss(
 
     Args:
         model, input_ids, action_mask, attention_mask, temperature: as in ``action_logprobs``.
+        pixel_values, image_grid_thw, mm_token_type_ids: a batch's images, as in ``action_logprobs``.
         token_loss: ``(logp, entropy, index) -> Tensor[n]`` on one chunk of action tokens. ``logp`` is float32
             and requires grad, ``entropy`` is ``None`` unless ``need_entropy``, and ``index`` holds the flat
             positions ``b·T + t`` of the chunk's tokens, so a ``[B, T]`` side input ``x`` is read as
@@ -238,7 +313,8 @@ def action_token_loss(
     """
     if not callable(token_loss):  # before the backbone runs
         raise ValueError(f"token_loss must be callable (logp, entropy, index) -> Tensor[n], got {token_loss!r}")
-    rows = _action_rows(model, input_ids, action_mask, attention_mask)
+    rows = _action_rows(model, input_ids, action_mask, attention_mask, pixel_values, image_grid_thw,
+                        mm_token_type_ids)
     if rows is None:
         return torch.zeros((), device=input_ids.device)
     flat_positions = rows.place.reshape(-1).nonzero().squeeze(1)  # [M], b·T + t of each selected row

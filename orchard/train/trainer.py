@@ -202,9 +202,10 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
 class LogprobModel(nn.Module):
     """The module an engine trains: wraps a causal LM ``lm`` so that one forward returns action log-probs.
 
-    ``forward(input_ids, scored_mask, attention_mask)`` runs ``action_logprobs`` (fused lm-head log-probs at the
-    scored positions, 0 elsewhere; ``[B, T]``). Running it inside the engine's forward is what lets ZeRO-3 gather
-    the lm-head weight, which the fused path reads outside ``lm_head.forward`` (see ``action_logprobs``).
+    ``forward(input_ids, scored_mask, attention_mask, **images)`` runs ``action_logprobs`` (fused lm-head log-probs
+    at the scored positions, 0 elsewhere; ``[B, T]``); ``images`` are a vision-language batch's ``pixel_values``,
+    ``image_grid_thw`` and ``mm_token_type_ids``. Running it inside the engine's forward is what lets ZeRO-3
+    gather the lm-head weight, which the fused path reads outside ``lm_head.forward`` (see ``action_logprobs``).
     Parameter names are the LM's with an ``lm.`` prefix; ``Trainer.full_state_dict`` strips it.
     """
 
@@ -212,39 +213,113 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: Tensor, scored_mask: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        scored_mask: Tensor,
+        attention_mask: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        mm_token_type_ids: Tensor | None = None,
+    ) -> Tensor:
         from orchard.train.action_logprobs import action_logprobs
 
-        out = action_logprobs(self.lm, input_ids, scored_mask, attention_mask=attention_mask)
+        out = action_logprobs(self.lm, input_ids, scored_mask, attention_mask=attention_mask,
+                              pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                              mm_token_type_ids=mm_token_type_ids)
         assert isinstance(out, Tensor)
         return out
 
 
 def forward_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     """The default log-prob function: ``model`` is the engine's ``LogprobModel`` (or the engine around it);
-    scores every token that ``batch["scored_mask"]`` marks (the union of the objective's masks)."""
+    scores every token that ``batch["scored_mask"]`` marks (the union of the objective's masks), with the batch's
+    images (``VISION_KEYS``) when it has any."""
+    from orchard.train.action_logprobs import VISION_KEYS
+
+    images = {k: batch[k] for k in VISION_KEYS if k in batch}
     return model(input_ids=batch["input_ids"], scored_mask=batch["scored_mask"],
-                 attention_mask=batch["attention_mask"])
+                 attention_mask=batch["attention_mask"], **images)
+
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+"""Batch tensors indexed by patch or by image, not by row: all rows' images concatenated in row order."""
+
+
+def _image_offsets(batch: Mapping[str, Tensor]) -> tuple[list[int], list[int]]:
+    """Where each row's images start: ``patch_at[b]`` in ``pixel_values`` and ``image_at[b]`` in
+    ``image_grid_thw``, for ``b`` in ``0..B`` (``B`` past the end).
+
+    Rows own their images in order. Row b holds ``n_b`` image tokens (``mm_token_type_ids == 1``) and image i has
+    ``t·h·w / m²`` tokens for the merge size ``m``, so row b's patches are ``n_b · m²``, with
+    ``m² = Σ patches / Σ image tokens``; each row's patch span must end on an image's last patch.
+    """
+    grid = batch["image_grid_thw"]
+    patches_I = grid.prod(dim=-1).tolist()  # [I], t·h·w of each image
+    B = batch["input_ids"].shape[0]
+    if "mm_token_type_ids" not in batch:
+        if B == 1:
+            return [0, sum(patches_I)], [0, len(patches_I)]
+        raise ValueError("mm_token_type_ids is missing: a batch of images needs it to tell which row owns which")
+    tokens_B = (batch["mm_token_type_ids"] == 1).sum(dim=-1).tolist()  # [B]
+    total_patches, total_tokens = sum(patches_I), sum(tokens_B)
+    if total_tokens == 0 or total_patches % total_tokens:
+        raise ValueError(
+            f"image_grid_thw's {total_patches} patches do not fit the {total_tokens} image tokens of "
+            "mm_token_type_ids (a whole number of patches per token)"
+        )
+    per_token = total_patches // total_tokens  # m², 4 for Qwen-VL's 2 x 2 merge
+    image_ends = np.cumsum([0, *patches_I]).tolist()  # [I + 1]
+    patch_at = np.cumsum([0, *tokens_B]).tolist()
+    patch_at = [n * per_token for n in patch_at]  # [B + 1]
+    ends = set(image_ends)
+    if any(p not in ends for p in patch_at):
+        raise ValueError("image_grid_thw does not split into the rows' images: a row's image tokens end inside "
+                         "an image's patches")
+    image_at = [image_ends.index(p) for p in patch_at]
+    return patch_at, image_at
 
 
 def split_batch(batch: Mapping[str, Tensor], rows: slice, *, trim: bool = True) -> dict[str, Tensor]:
-    """The ``rows`` of every tensor whose first dim is the batch, right padding trimmed to the longest row."""
+    """The ``rows`` of every tensor whose first dim is the batch, right padding trimmed to the longest row.
+
+    ``pixel_values`` and ``image_grid_thw`` (``IMAGE_KEYS``) hold all rows' images in row order; they are cut to
+    the rows' own images (see ``_image_offsets``) and left out when those rows have none.
+    """
     B, T = batch["input_ids"].shape
-    out = {k: v[rows] if v.dim() >= 1 and v.shape[0] == B else v for k, v in batch.items()}
+    out = {k: v[rows] if v.dim() >= 1 and v.shape[0] == B else v for k, v in batch.items() if k not in IMAGE_KEYS}
+    if "pixel_values" in batch:
+        lo, hi, step = rows.indices(B)
+        if step != 1:
+            raise ValueError(f"rows must be a contiguous slice for a batch with images, got {rows!r}")
+        hi = max(lo, hi)
+        patch_at, image_at = _image_offsets(batch)
+        if image_at[hi] > image_at[lo]:
+            out["pixel_values"] = batch["pixel_values"][patch_at[lo]:patch_at[hi]]
+            out["image_grid_thw"] = batch["image_grid_thw"][image_at[lo]:image_at[hi]]
     if trim and "attention_mask" in out and out["attention_mask"].numel():
         length = int(out["attention_mask"].sum(dim=-1).max().clamp(min=1))
-        out = {k: v[:, :length] if v.dim() >= 2 and v.shape[1] == T else v for k, v in out.items()}
+        out = {k: v[:, :length] if k not in IMAGE_KEYS and v.dim() >= 2 and v.shape[1] == T else v
+               for k, v in out.items()}
     return out
 
 
 def _pad_rows(batch: Mapping[str, Tensor], multiple: int, mask_keys: set[str]) -> dict[str, Tensor]:
-    """Append copies of row 0 with every mask zeroed, so the row count is a multiple of ``multiple``."""
+    """Append copies of row 0 with every mask zeroed, so the row count is a multiple of ``multiple``; the copies
+    bring row 0's images along (appended after all others', as the rows are)."""
     B = batch["input_ids"].shape[0]
     extra = (-B) % multiple
     if extra == 0:
         return dict(batch)
     out = {}
+    if "pixel_values" in batch:
+        patch_at, image_at = _image_offsets(batch)
+        out["pixel_values"] = torch.cat([batch["pixel_values"], *[batch["pixel_values"][:patch_at[1]]] * extra])
+        out["image_grid_thw"] = torch.cat([batch["image_grid_thw"],
+                                           *[batch["image_grid_thw"][:image_at[1]]] * extra])
     for key, value in batch.items():
+        if key in IMAGE_KEYS:
+            continue
         if value.dim() >= 1 and value.shape[0] == B:
             filler = value[:1].expand(extra, *value.shape[1:]).clone()
             if key in mask_keys:
