@@ -45,7 +45,7 @@ from orchard.stages.ranks import (
     shard_range,
 )
 from orchard.train import checkpoint as ckpt
-from orchard.train.action_logprobs import action_logprobs
+from orchard.train.action_logprobs import VISION_KEYS, action_logprobs
 from orchard.train.trainer import Trainer, forward_logprobs
 
 __all__ = ["group_batch", "rl_stage", "rollout_groups", "trajectory_reward"]
@@ -253,7 +253,8 @@ def _train_batch(trainer: Trainer, reference: Any, samples: list[RenderedSample]
                 with torch.no_grad():
                     batch["ref_logprobs"] = action_logprobs(
                         reference, batch["input_ids"], batch["action_mask"],
-                        attention_mask=batch["attention_mask"])
+                        attention_mask=batch["attention_mask"],
+                        **{k: batch[k] for k in VISION_KEYS if k in batch})  # a VLM's reference sees the images
             if teacher_BT is not None:  # collate pads to the mini-batch's longest sample
                 width = batch["input_ids"].shape[1]
                 batch["teacher_logprobs"] = teacher_BT[torch.as_tensor(part), :width]
