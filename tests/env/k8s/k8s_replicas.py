@@ -56,9 +56,10 @@ class RoundRobinFront:
         async def close() -> None:
             assert self._server is not None
             self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -77,7 +78,10 @@ class RoundRobinFront:
             writer.close()
             return
         self.connections[index] += 1
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        # Cancelled by `stop`: end as a finished handler, or Python 3.11's stream callback logs the cancellation
+        # of every connection still open as an error (it asks a cancelled task for its exception).
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
 
 
 async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
