@@ -108,8 +108,10 @@ class Replica:
 
 
 def start_replica(api_url: str, namespace: str, store: str, api_key: str, root: Path, *, lease_s: float,
-                  reap_interval_s: float, startup_timeout_s: float = 60.0) -> Replica:
-    """`orchard env serve --backend kubernetes --store <store>` as a child process; returns once it listens."""
+                  reap_interval_s: float, startup_timeout_s: float = 300.0) -> Replica:
+    """`orchard env serve --backend kubernetes --store <store>` as a child process; returns once it listens.
+    `startup_timeout_s` only bounds a hang: importing the Kubernetes client and reconciling with the cluster took
+    over 60 s for the second replica on a 2-core machine at load 20."""
     env = {**os.environ, API_URL_ENV: api_url, "ORCHARD_K8S_NAMESPACE": namespace,
            "ORCHARD_K8S_WATCH_TIMEOUT": "5", API_KEY_ENV: api_key,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
