@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k8s_kubelet import DIE_WITH_KUBELET
+
 from orchard.env.backends.kubernetes import API_URL_ENV
 from orchard.env.embedded import API_KEY_ENV, READY_PREFIX, parse_printed
 
@@ -115,7 +117,7 @@ def start_replica(api_url: str, namespace: str, store: str, api_key: str, root: 
     env = {**os.environ, API_URL_ENV: api_url, "ORCHARD_K8S_NAMESPACE": namespace,
            "ORCHARD_K8S_WATCH_TIMEOUT": "5", API_KEY_ENV: api_key,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", "orchard", "env", "serve", "--backend", "kubernetes", "--store", store,
+    argv = [*DIE_WITH_KUBELET, sys.executable, "-m", "orchard", "env", "serve", "--backend", "kubernetes", "--store", store,
             "--root", str(root), "--replica-lease", str(lease_s), "--reap-interval", str(reap_interval_s)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     replica = Replica(process, "")
