@@ -1,11 +1,19 @@
 """A simulated kubelet: runs each pod of the emulator as real local processes, on a loopback address of its own.
 
-For every pod created: the status goes Pending (scheduled) -> the pod gets an IP (127.0.0.N) -> the init
-containers run to completion -> the main container starts -> Running -> Ready once its readiness probe (HTTP GET)
-answers 200. The containers' commands run on this machine with their volume mount paths mapped to a directory
-per pod and volume, `0.0.0.0` mapped to the pod's IP, and their env built from the pod spec (values and
-`secretKeyRef`s) and nothing else. The sandbox container's `python3` is this interpreter run with `-S` (no
+For every pod created: the status goes Pending (scheduled) -> the pod gets an IP -> the init containers run to
+completion -> the main container starts -> Running -> Ready once its readiness probe (HTTP GET) answers 200.
+The containers' commands run on this machine with their volume mount paths mapped to a directory per pod and
+volume, `0.0.0.0` mapped to the pod's IP, and their env built from the pod spec (values and `secretKeyRef`s) and
+nothing else. The sandbox container's `python3` is this interpreter run with `-S` (no
 site-packages): the injected agent must need nothing but the standard library, as in a bare image.
+
+Pod IPs are 127.X.Y.N on loopback, X.Y drawn at random per kubelet, and an address on which something already
+listens on the pod's agent port is skipped: every pod's agent binds the same port (the backend's `agent_port`),
+so two kubelets on one machine (two test runs at once) or an agent some other run left behind would otherwise
+meet on one address, the newer agent dying at bind (exit code 1) while the readiness probe is answered by the
+older. The containers are started under `setpriv --pdeathsig KILL`: they die with the process that runs the
+kubelet, however it ends (a real pod's processes do not outlive its node either). What an agent printed before
+it exited on its own is kept in `exits` and on the pod's status message.
 
 Faults: `slow_ready_s` delays readiness, `never_ready` leaves a pod waiting with a reason (an image that cannot
 be pulled), `evict` kills a pod's processes and marks it Failed/Evicted, `lose_node` marks it Unknown.
@@ -14,9 +22,12 @@ be pulled), `evict` kills a pod's processes and marks it Failed/Evicted, `lose_n
 from __future__ import annotations
 
 import base64
+import errno
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +39,20 @@ from typing import Any
 from k8s_emulator import ApiEmulator
 
 REPO = str(Path(__file__).resolve().parents[3])
+DIE_WITH_KUBELET = ["setpriv", "--pdeathsig", "KILL", "--"]
+"""Prefix of every container's argv: the process is SIGKILLed when the kubelet's thread that started it ends."""
+
+
+def port_taken(ip: str, port: int) -> bool:
+    """Whether something listens on (or holds) `ip:port`; binding as a server does (so TIME_WAIT is no hold)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ip, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
 
 class SimulatedKubelet:
     def __init__(self, api: ApiEmulator, workdir: str | os.PathLike[str]) -> None:
@@ -37,7 +62,15 @@ class SimulatedKubelet:
         """Sandbox id -> seconds its readiness is held back."""
         self.never_ready: dict[str, tuple[str, str]] = {}
         """Sandbox id -> (reason, message) its container waits with forever."""
+        if shutil.which("setpriv") is None:
+            raise RuntimeError("the simulated kubelet needs util-linux's setpriv (its pods die with it)")
+        self.subnet = f"127.{secrets.randbelow(254) + 1}.{secrets.randbelow(256)}"
+        """This kubelet's pod IPs are `subnet`.2 to `subnet`.254."""
         self.processes: dict[str, list[subprocess.Popen[bytes]]] = {}
+        self.ips: dict[str, str] = {}
+        """Pod name -> IP of every pod this kubelet runs."""
+        self.exits: dict[str, tuple[int, str]] = {}
+        """Pod name -> (exit code, output) of every agent that exited on its own (its pod then Failed)."""
         self._next_ip = 2
         self._lock = threading.Lock()
         api.on_event.append(self._on_event)
@@ -53,6 +86,7 @@ class SimulatedKubelet:
     def _kill(self, name: str) -> None:
         with self._lock:
             procs = self.processes.pop(name, [])
+            self.ips.pop(name, None)
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -79,6 +113,18 @@ class SimulatedKubelet:
                                                  "message": "Node sim-node-1 which was running pod is unresponsive"})
 
     # -- a pod's life ---------------------------------------------------------------------------------------
+
+    def _assign_ip(self, name: str, port: int) -> str | None:
+        """The next address of the subnet that no pod of ours has and on which nothing holds `port`."""
+        with self._lock:
+            for _ in range(253):
+                ip = f"{self.subnet}.{self._next_ip}"
+                self._next_ip = self._next_ip + 1 if self._next_ip < 254 else 2
+                if ip not in self.ips.values() and not port_taken(ip, port):
+                    self.ips[name] = ip
+                    self.processes[name] = []
+                    return ip
+        return None
 
     def _status(self, namespace: str, name: str, phase: str, ip: str | None, ready: bool,
                 containers: list[dict[str, Any]] | None = None) -> bool:
@@ -108,7 +154,7 @@ class SimulatedKubelet:
             out[0:1] = [sys.executable, "-S"] if sandbox else [sys.executable]
         if sandbox:  # no mount namespace here: tell the agent which paths its pod would see the workspace at
             out += [f"--alias={path}" for path, local in mounts.items() if local.endswith("/workspace")]
-        return out
+        return DIE_WITH_KUBELET + out
 
     def _env(self, namespace: str, container: dict[str, Any]) -> dict[str, str] | None:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
@@ -128,13 +174,15 @@ class SimulatedKubelet:
         meta, spec = pod["metadata"], pod["spec"]
         ns, name = meta["namespace"], meta["name"]
         sandbox = (meta.get("labels") or {}).get("orchard.dev/sandbox", "")
-        with self._lock:
-            ip = f"127.0.0.{self._next_ip}"
-            self._next_ip = self._next_ip + 1 if self._next_ip < 254 else 2
-            self.processes[name] = []
-        if not self._status(ns, name, "Pending", ip, False):
-            return
         main = spec["containers"][0]
+        ip = self._assign_ip(name, main["readinessProbe"]["httpGet"]["port"])
+        if ip is None:
+            self._status(ns, name, "Pending", None, False, [{"name": main["name"], "state": {"waiting": {
+                "reason": "ContainerCreating", "message": f"no free address in {self.subnet}.0/24"}}}])
+            return
+        if not self._status(ns, name, "Pending", ip, False):  # deleted before it started: free its address
+            self._kill(name)
+            return
         if sandbox in self.never_ready:
             reason, message = self.never_ready[sandbox]
             self._status(ns, name, "Pending", ip, False,
@@ -162,8 +210,11 @@ class SimulatedKubelet:
                 "reason": "CreateContainerConfigError", "message": "secret not found"}}}])
             return
         workdir = mounts.get(main.get("workingDir", ""), str(root))
-        proc = subprocess.Popen(self._argv(main, mounts, ip, True), env=env, cwd=workdir, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(exist_ok=True)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(self._argv(main, mounts, ip, True), env=env, cwd=workdir, start_new_session=True,
+                                    stdout=log, stderr=subprocess.STDOUT)
         with self._lock:
             if name not in self.processes:  # deleted while starting
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -189,5 +240,7 @@ class SimulatedKubelet:
         with self._lock:
             still_ours = any(p is proc for p in self.processes.get(name, []))
         if still_ours:  # it exited on its own: restartPolicy Never makes the pod Failed
+            said = log_path.read_bytes().decode(errors="replace").strip()
+            self.exits[name] = (proc.returncode, said)
             self._status(ns, name, "Failed", ip, False, [{"name": main["name"], "state": {"terminated": {
-                "exitCode": proc.returncode, "reason": "Error"}}}])
+                "exitCode": proc.returncode, "reason": "Error", "message": said[-300:]}}}])

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k8s_kubelet import DIE_WITH_KUBELET
+
 from orchard.env.backends.kubernetes import API_URL_ENV
 from orchard.env.embedded import API_KEY_ENV, READY_PREFIX, parse_printed
 
@@ -56,9 +58,10 @@ class RoundRobinFront:
         async def close() -> None:
             assert self._server is not None
             self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -77,7 +80,10 @@ class RoundRobinFront:
             writer.close()
             return
         self.connections[index] += 1
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        # Cancelled by `stop`: end as a finished handler, or Python 3.11's stream callback logs the cancellation
+        # of every connection still open as an error (it asks a cancelled task for its exception).
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
 
 
 async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
@@ -104,12 +110,14 @@ class Replica:
 
 
 def start_replica(api_url: str, namespace: str, store: str, api_key: str, root: Path, *, lease_s: float,
-                  reap_interval_s: float, startup_timeout_s: float = 60.0) -> Replica:
-    """`orchard env serve --backend kubernetes --store <store>` as a child process; returns once it listens."""
+                  reap_interval_s: float, startup_timeout_s: float = 300.0) -> Replica:
+    """`orchard env serve --backend kubernetes --store <store>` as a child process; returns once it listens.
+    `startup_timeout_s` only bounds a hang: importing the Kubernetes client and reconciling with the cluster took
+    over 60 s for the second replica on a 2-core machine at load 20."""
     env = {**os.environ, API_URL_ENV: api_url, "ORCHARD_K8S_NAMESPACE": namespace,
            "ORCHARD_K8S_WATCH_TIMEOUT": "5", API_KEY_ENV: api_key,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", "orchard", "env", "serve", "--backend", "kubernetes", "--store", store,
+    argv = [*DIE_WITH_KUBELET, sys.executable, "-m", "orchard", "env", "serve", "--backend", "kubernetes", "--store", store,
             "--root", str(root), "--replica-lease", str(lease_s), "--reap-interval", str(reap_interval_s)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     replica = Replica(process, "")
