@@ -127,9 +127,21 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
     ("sft.train.total_steps=3", "sft.train.total_steps is derived from sft.epochs; set that instead"),
     ("instances.path=x.jsonl", "instances.heldout_path must be set exactly when instances.path is"),
 ])
-def test_config_mistakes_are_one_line(override, message):
-    proc = recipe(override, timeout=300)
-    assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
+def test_config_mistakes_are_one_line(override, message, capsys):
+    # in process (the recipe's own main under run_main, as its __main__ calls it): a subprocess per case costs a
+    # torch import each; test_a_config_mistake_from_the_command_line runs one case as a user does
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from swe import main
+
+    from orchard._cli import run_main
+
+    assert run_main(main, ["--config", str(ROOT / "recipes/configs/swe_tiny.yaml"), override]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_a_config_mistake_from_the_command_line():
+    proc = recipe("rl.variant=ppo", timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: rl.variant must be one of ")
 
 
 def test_bar_groups_positive_ratios_by_hand():
