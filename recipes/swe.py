@@ -2,7 +2,8 @@
 
 Stages (`orchard.stages`): held-out evaluation of the base model on three harnesses (bash-only, tool calling, and a
 third convention held out of training) -> the scripted teacher's trajectories, 5 per task through each trained
-harness, failures kept (the paper's) -> hindsight values of the failed ones from a value teacher behind the
+harness, failures kept (the paper's) -> curation (``sft.curate``: those over ``sft.max_len`` and those with
+undefined, invalid or unparseable tool calls dropped) -> hindsight values of the failed ones from a value teacher behind the
 engine / OpenAI interface -> SFT in ``sft.mode``: resolved-only, all, or credit (resolved trajectories whole, failed
 ones only on the steps whose TD credit is >= 0.05) -> held-out evaluation (resolve rate, pass@k) on the three
 harnesses -> the task filter (8 rollouts of the SFT policy per train instance, keep 0 < p̂ <= 0.5) -> RL in
@@ -49,6 +50,7 @@ import torch
 
 from orchard import stages
 from orchard._cli import run_main
+from orchard.domains.swe.convention import unparseable_actions
 from orchard.domains.swe.generator import LEVELS, TEMPLATES, generate_instances
 from orchard.domains.swe.harness import SWEEvalHarness
 from orchard.domains.swe.instances import SWEInstance, load_instances
@@ -211,6 +213,13 @@ class SWERLConfig(RLConfig):
 
 
 @dataclass
+class SWESFTConfig(SFTConfig):
+    curate: bool = True
+    """Before SFT, drop the teacher trajectories longer than max_len and those with undefined, invalid or
+    unparseable tool calls (the paper's curation, `stages.curate_sft`); false: train on all, left-truncated."""
+
+
+@dataclass
 class ValueModelConfig:
     enabled: bool = True
     """Train the value model on the run's verified train rollouts and rerank held-out candidates."""
@@ -261,7 +270,7 @@ class SWEConfig:
     """Episode settings."""
     sft_mode: str = "credit"
     """What SFT learns from the teacher's trajectories: resolved (resolved only), all (unmasked), credit."""
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: SWESFTConfig = field(default_factory=SWESFTConfig)
     """Supervised stage."""
     rl: SWERLConfig = field(default_factory=SWERLConfig)
     """RL stage: task filter, then the variant's composition on the kept tasks through the trained harnesses."""
@@ -489,9 +498,13 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
                 trajectories = [t for h in cfg.harnesses for t in await teacher_trajectories(
                     harnesses[h], teacher, train, attempts=cfg.teacher.attempts)]
             if cfg.sft.enabled:
-                values = await hindsight_values(cfg, trajectories, tokenizer) if cfg.sft_mode == "credit" else {}
-                samples, stats = stages.sft_samples(trajectories, mode=cfg.sft_mode, eps=cfg.values.eps,
+                curated, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
+                                                     unparseable=unparseable_actions) if cfg.sft.curate \
+                    else (trajectories, {})
+                values = await hindsight_values(cfg, curated, tokenizer) if cfg.sft_mode == "credit" else {}
+                samples, stats = stages.sft_samples(curated, mode=cfg.sft_mode, eps=cfg.values.eps,
                                                     step_values=lambda t: values.get(id(t)))
+                stats = {**stats, **dropped}
                 log.log(stats, 0)
                 log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
                 sft_history = stages.sft_stage(model, samples, cfg.sft, pad_id=tokenizer.pad_token_id,

@@ -2,6 +2,7 @@
 
 from orchard.data.batch import collate, merge_prefix_samples, truncate_sample
 from orchard.data.curation import (
+    TOOL_CALL_TAGS,
     ToolCallIssue,
     cap_per_key,
     check_tool_calls,
@@ -10,6 +11,7 @@ from orchard.data.curation import (
     drop_invalid_tool_calls,
     drop_over_token_limit,
     flag_invalid_tool_calls,
+    sequence_length,
     shortest_successful_per_task,
     token_count,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "MISMATCH_POLICIES",
     "ROLES",
     "TERMINATION_REASONS",
+    "TOOL_CALL_TAGS",
     "TRUNCATIONS",
     "Message",
     "MismatchPolicy",
@@ -78,6 +81,7 @@ __all__ = [
     "read_parquet",
     "render_trajectory",
     "render_turns",
+    "sequence_length",
     "shortest_successful_per_task",
     "stack_groups",
     "table_to_trajectories",

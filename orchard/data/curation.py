@@ -19,8 +19,13 @@ from orchard.data.schema import ToolCall, Trajectory, trajectory_list
 T = TypeVar("T")
 
 ToolCallIssueKind = Literal[
-    "undefined_tool", "unparseable_arguments", "missing_required", "unexpected_argument", "wrong_type"
+    "undefined_tool", "unparseable_arguments", "missing_required", "unexpected_argument", "wrong_type",
+    "invalid_value", "unparseable_call",
 ]
+
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+"""The tags our chat template (Qwen / Hermes) writes around a tool call. A parser moves every call it can read into
+``tool_calls``; one of these left in an assistant message's text is the raw text of a call that did not parse."""
 
 
 def drop_env_errors(trajs: Iterable[Trajectory]) -> list[Trajectory]:
@@ -34,6 +39,19 @@ def token_count(traj: Trajectory, tokenizer: Any) -> int:
     sample = render_trajectory(traj, tokenizer, on_mismatch="use_sampled")
     assert sample is not None  # use_sampled never drops
     return len(sample)
+
+
+def sequence_length(traj: Trajectory, tokenizer: Any = None) -> int:
+    """Tokens of the longest sequence a trajectory trains as: its longest recorded sample (a harness's per-call
+    or prefix-chained samples, what SFT and RL train on), else its rendering (`token_count`, which needs the
+    tokenizer). This is the context the model needed: the last observation, which no call read, is not counted."""
+    if not isinstance(traj, Trajectory):
+        raise ValueError(f"traj must be a Trajectory, got {type(traj).__name__}")
+    if traj.samples:
+        return max(len(s) for s in traj.samples)
+    if tokenizer is None:
+        raise ValueError("tokenizer must be given for a trajectory without recorded samples (it is rendered)")
+    return token_count(traj, tokenizer)
 
 
 def drop_over_token_limit(
@@ -51,12 +69,15 @@ class ToolCallIssue:
 
     Fields:
         message_index: index of the assistant message in ``Trajectory.messages``.
-        call_index: index of the call within that message's ``tool_calls``.
-        name: the called tool's name.
+        call_index: index of the call within that message's ``tool_calls``; -1 for ``unparseable_call``.
+        name: the called tool's name ("" for ``unparseable_call``: none could be read).
         kind: ``undefined_tool`` (no schema with that name), ``unparseable_arguments`` (not JSON, or not an
             object), ``missing_required`` (a ``required`` parameter absent), ``unexpected_argument`` (a parameter
             the schema does not declare while it sets ``additionalProperties: false``), ``wrong_type`` (a value
-            whose JSON type is not the declared ``type``).
+            whose JSON type is not the declared ``type``), ``invalid_value`` (outside the declared ``enum`` or
+            ``minimum`` / ``maximum``), ``unparseable_call`` (a call tag left in the message's text: a call was
+            attempted and did not parse). Nested arrays (``items``) and objects (``properties``) are checked
+            the same way, the parameter named by its path (``view_range[1]``, ``options.depth``).
         detail: a human-readable explanation.
     """
 
@@ -107,42 +128,82 @@ def _schemas_by_name(tools: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
     return out
 
 
+def _value_issues(value: Any, schema: Any, path: str) -> list[tuple[ToolCallIssueKind, str]]:
+    """One value against its schema: type first (a value of the wrong type is not checked further), then enum,
+    bounds, and the items of an array or the properties of an object."""
+    if not isinstance(schema, dict):
+        return []  # a malformed schema is not the policy's error
+    declared = schema.get("type")
+    if declared is not None and not _json_type_ok(value, declared):
+        return [("wrong_type", f"parameter {path!r} should be {declared}, got {type(value).__name__}")]
+    found: list[tuple[ToolCallIssueKind, str]] = []
+    enum = schema.get("enum")
+    # JSON equality: 1 and 1.0 are the same number, true is not 1
+    if isinstance(enum, list) and not any(isinstance(value, bool) == isinstance(e, bool) and value == e
+                                          for e in enum):
+        found.append(("invalid_value", f"parameter {path!r} must be one of {enum}, got {value!r:.80}"))
+    if _json_type_ok(value, "number"):
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if (_json_type_ok(low, "number") and value < low) or (_json_type_ok(high, "number") and value > high):
+            found.append(("invalid_value", f"parameter {path!r} must be in [{low}, {high}], got {value!r}"))
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found += _value_issues(item, schema.get("items"), f"{path}[{i}]")
+    if isinstance(value, dict):
+        found += _object_issues(value, schema, f"{path}.")
+    return found
+
+
+def _object_issues(args: dict[str, Any], params: dict[str, Any], prefix: str) -> list[tuple[ToolCallIssueKind, str]]:
+    props = params.get("properties") or {}
+    found: list[tuple[ToolCallIssueKind, str]] = []
+    for req in params.get("required") or []:
+        if req not in args:
+            found.append(("missing_required", f"required parameter {prefix + req!r} is missing"))
+    for key, value in args.items():
+        if key not in props:
+            if params.get("additionalProperties") is False:
+                found.append(("unexpected_argument", f"parameter {prefix + key!r} is not declared"))
+            continue
+        found += _value_issues(value, props[key], prefix + key)
+    return found
+
+
 def _call_issues(call: ToolCall, schemas: dict[str, dict[str, Any]]) -> list[tuple[ToolCallIssueKind, str]]:
     if call.name not in schemas:
         return [("undefined_tool", f"no tool named {call.name!r}; defined: {sorted(schemas)}")]
     args, reason = call.parse_arguments()
     if args is None:
         return [("unparseable_arguments", str(reason))]
-    params = schemas[call.name]
-    props = params.get("properties") or {}
-    found: list[tuple[ToolCallIssueKind, str]] = []
-    for req in params.get("required") or []:
-        if req not in args:
-            found.append(("missing_required", f"required parameter {req!r} is missing"))
-    for key, value in args.items():
-        if key not in props:
-            if params.get("additionalProperties") is False:
-                found.append(("unexpected_argument", f"parameter {key!r} is not declared"))
-            continue
-        declared = props[key].get("type") if isinstance(props[key], dict) else None
-        if declared is not None and not _json_type_ok(value, declared):
-            found.append(
-                ("wrong_type", f"parameter {key!r} should be {declared}, got {type(value).__name__}")
-            )
-    return found
+    return _object_issues(args, schemas[call.name], "")
 
 
-def check_tool_calls(traj: Trajectory, tools: Sequence[dict[str, Any]] | None = None) -> list[ToolCallIssue]:
-    """Check every tool call of a trajectory against the tool schemas.
+def _unparsed_tag(message: Any, tags: Sequence[str]) -> str | None:
+    if message.role != "assistant":
+        return None
+    text = message.text
+    return next((tag for tag in tags if tag in text), None)
+
+
+def check_tool_calls(
+    traj: Trajectory, tools: Sequence[dict[str, Any]] | None = None, *, tags: Sequence[str] = TOOL_CALL_TAGS
+) -> list[ToolCallIssue]:
+    """Check every tool call of a trajectory against the tool schemas, and its assistant text for calls that did
+    not parse.
 
     Args:
         traj: the trajectory.
         tools: OpenAI tool schemas (``{"type": "function", "function": {"name", "parameters"}}`` or the bare
             function dict); default ``traj.tools``.
+        tags: strings whose presence in an assistant message's text marks an attempted call that did not parse
+            (one ``unparseable_call`` per such message); default `TOOL_CALL_TAGS`, our template's; ``()`` checks
+            the parsed calls only.
 
     Returns:
         The issues, in message then call order; empty when every call names a defined tool and its arguments
-        parse to a JSON object that has the schema's required parameters with the declared top-level types.
+        parse to a JSON object that validates against the schema (``required``, ``additionalProperties: false``,
+        ``type``, ``enum``, ``minimum`` / ``maximum``, nested ``items`` and ``properties``; other keywords are
+        not checked), and no assistant text holds a tag.
     """
     if not isinstance(traj, Trajectory):
         raise ValueError(f"traj must be a Trajectory, got {type(traj).__name__}")
@@ -150,20 +211,25 @@ def check_tool_calls(traj: Trajectory, tools: Sequence[dict[str, Any]] | None = 
         tools = traj.tools
     if isinstance(tools, dict) or not isinstance(tools, Sequence):
         raise ValueError(f"tools must be a list of tool schemas or None, got {type(tools).__name__}")
+    if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
+        raise ValueError(f"tags must be a sequence of non-empty strings, got {tags!r:.100}")
     schemas = _schemas_by_name(tools)
-    return [
-        ToolCallIssue(mi, ci, call.name, kind, detail)
-        for mi, message in enumerate(traj.messages)
-        for ci, call in enumerate(message.tool_calls)
-        for kind, detail in _call_issues(call, schemas)
-    ]
+    issues = []
+    for mi, message in enumerate(traj.messages):
+        tag = _unparsed_tag(message, tags)
+        if tag is not None:
+            issues.append(ToolCallIssue(mi, -1, "", "unparseable_call", f"{tag!r} left in the text: a call that "
+                                        "did not parse"))
+        issues += [ToolCallIssue(mi, ci, call.name, kind, detail) for ci, call in enumerate(message.tool_calls)
+                   for kind, detail in _call_issues(call, schemas)]
+    return issues
 
 
 def drop_invalid_tool_calls(
-    trajs: Iterable[Trajectory], tools: Sequence[dict[str, Any]] | None = None
+    trajs: Iterable[Trajectory], tools: Sequence[dict[str, Any]] | None = None, *, tags: Sequence[str] = TOOL_CALL_TAGS
 ) -> list[Trajectory]:
     """Keep the trajectories in which :func:`check_tool_calls` finds no issue (``tools`` default: each own)."""
-    return [t for t in trajectory_list(trajs) if not check_tool_calls(t, tools)]
+    return [t for t in trajectory_list(trajs) if not check_tool_calls(t, tools, tags=tags)]
 
 
 def flag_invalid_tool_calls(

@@ -10,8 +10,9 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 
 - configs: `RolloutConfig`, `EvalConfig`, `SFTConfig`, `RLConfig` (typed, a doc line per field), `derived_keys`
 - evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table`
-- SFT: `demonstrations` (a teacher through the same harnesses), `sft_samples` (resolved-only, all, or
-  credit-assigned SFT from hindsight step values), `sft_stage`
+- SFT: `demonstrations` (a teacher through the same harnesses), `curate_sft` (the paper's curation: over the
+  context limit, invalid or unparseable calls), `sft_samples` (resolved-only, all, or credit-assigned SFT from
+  hindsight step values), `sft_stage`
 - task filter: `filter_tasks` (initial rollouts per candidate task, keep 0 < p̂ <= 0.5), `split_attempts`,
   `TaskFilterResult`
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
@@ -31,7 +32,7 @@ from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, success_row
 from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
-from orchard.stages.sft import SFT_MODES, demonstrations, sft_samples, sft_stage
+from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
 from orchard.stages.value_rerank import (
     RecordedRollouts,
@@ -51,6 +52,7 @@ __all__ = [
     "SFTConfig",
     "TaskFilterResult",
     "ValueRerankResult",
+    "curate_sft",
     "demonstrations",
     "derived_keys",
     "evaluate",

@@ -13,14 +13,21 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from orchard.data import RenderedSample, Trajectory, collate, truncate_sample
+from orchard.data import (
+    RenderedSample,
+    Trajectory,
+    check_tool_calls,
+    collate,
+    sequence_length,
+    truncate_sample,
+)
 from orchard.losses import credit_assigned_sft_mask, credit_runs, interpolate_step_values, td_credit
 from orchard.rollout.rollouts import Rollouts
 from orchard.stages.config import SFTConfig
 from orchard.stages.ranks import ranks_from_env
 from orchard.train.trainer import Trainer
 
-__all__ = ["SFT_MODES", "demonstrations", "sft_samples", "sft_stage"]
+__all__ = ["SFT_MODES", "curate_sft", "demonstrations", "sft_samples", "sft_stage"]
 
 SFT_MODES = ("resolved", "all", "credit")
 """What an SFT stage learns from a teacher's trajectories (`sft_samples`)."""
@@ -45,6 +52,47 @@ async def demonstrations(harnesses: Mapping[str, Rollouts], teacher: Any, tasks:
         stats[f"sft/teacher_{name}_episodes"] = float(len(trajectories))
         stats[f"sft/teacher_{name}_passed"] = float(len(good))
     return samples, stats
+
+
+def curate_sft(trajectories: Sequence[Trajectory], *, max_len: int | None = None,
+               unparseable: Callable[[Trajectory], Sequence[Any]] | None = None,
+               ) -> tuple[list[Trajectory], dict[str, float]]:
+    """The Orchard paper's curation of SFT trajectories: drop those over the context limit and those with
+    undefined, invalid or unparseable tool calls.
+
+    - over length: the longest sequence the trajectory trains as (`orchard.data.sequence_length`: its longest
+      recorded sample) has more than ``max_len`` tokens (None: no limit).
+    - invalid calls: `orchard.data.check_tool_calls` against the trajectory's own ``tools`` finds an issue (a tool
+      it does not define, arguments that do not validate against the schema, a call tag left unparsed in the
+      text), or ``unparseable(traj)`` (a domain's own action format, e.g. the bash block of mini-swe-agent's
+      convention) returns a non-empty list.
+
+    Our reading of the paper, which both trains with a 64K context under left truncation and drops trajectories
+    over the context limit in curation: curation drops, so with the same ``max_len`` nothing truncated reaches
+    training; the SFT stage's left truncation (``SFTConfig.max_len``) is what applies when curation is off.
+    A trajectory that fails both checks counts once, as over length. Environment failures and trajectories
+    without samples pass through untouched and uncounted (`sft_samples` never trains them).
+
+    Returns the kept trajectories in input order and ``sft/dropped_over_length``, ``sft/dropped_invalid_calls``.
+    """
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    if unparseable is not None and not callable(unparseable):
+        raise ValueError(f"unparseable must be callable or None, got {type(unparseable).__name__}")
+    kept: list[Trajectory] = []
+    stats = dict.fromkeys(("sft/dropped_over_length", "sft/dropped_invalid_calls"), 0.0)
+    for i, traj in enumerate(trajectories):
+        if not isinstance(traj, Trajectory):
+            raise ValueError(f"trajectories[{i}] must be a Trajectory, got {type(traj).__name__}")
+        if traj.valid and traj.samples:
+            if max_len is not None and sequence_length(traj) > max_len:
+                stats["sft/dropped_over_length"] += 1
+                continue
+            if check_tool_calls(traj) or (unparseable is not None and unparseable(traj)):
+                stats["sft/dropped_invalid_calls"] += 1
+                continue
+        kept.append(traj)
+    return kept, stats
 
 
 def sft_samples(trajectories: Sequence[Trajectory], *, mode: str = "resolved",

@@ -4,8 +4,11 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from orchard.data import (
+    RenderedSample,
+    RenderReport,
     Trajectory,
     cap_per_key,
     check_tool_calls,
@@ -14,6 +17,7 @@ from orchard.data import (
     drop_invalid_tool_calls,
     drop_over_token_limit,
     flag_invalid_tool_calls,
+    sequence_length,
     shortest_successful_per_task,
     token_count,
 )
@@ -93,6 +97,69 @@ def test_check_tool_calls_each_kind():
     # Explicit tools override the trajectory's own: with only `click` defined, exec calls are undefined.
     only_click = check_tool_calls(clean, [TOOLS[1]])
     assert [i.kind for i in only_click] == ["undefined_tool"] * 3
+
+
+EDITOR = {"name": "edit", "parameters": {"type": "object", "required": ["command", "path"], "properties": {
+    "command": {"type": "string", "enum": ["view", "insert"]},
+    "path": {"type": "string"},
+    "view_range": {"type": "array", "items": {"type": "integer"}},
+    "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+    "options": {"type": "object", "properties": {"depth": {"type": "integer"}}, "required": ["depth"]},
+}}}
+
+
+def test_check_tool_calls_validates_enum_bounds_and_nested_values():
+    ok = {"command": "view", "path": "/a", "view_range": [1, -1], "ratio": 1, "options": {"depth": 2}}
+    assert check_tool_calls(_traj(_call("edit", ok)), [EDITOR]) == []  # the bounds are inclusive: ratio 1 <= 1
+    bad = _traj(
+        _call("edit", {**ok, "command": "delete"}),  # 0: not in the enum
+        _call("edit", {**ok, "ratio": 1.5}),  # 1: above the maximum 1
+        _call("edit", {**ok, "ratio": -0.5}),  # 2: below the minimum 0
+        _call("edit", {**ok, "view_range": [1, "end"]}),  # 3: an item of the wrong type
+        _call("edit", {**ok, "options": {}}),  # 4: a nested required property missing
+        _call("edit", {**ok, "options": {"depth": "2"}}),  # 5: a nested property of the wrong type
+        _call("edit", {**ok, "command": True}),  # 6: wrong type; the enum is not checked on top of it
+    )
+    issues = check_tool_calls(bad, [EDITOR])
+    assert [(i.call_index, i.kind) for i in issues] == [
+        (0, "invalid_value"), (1, "invalid_value"), (2, "invalid_value"), (3, "wrong_type"),
+        (4, "missing_required"), (5, "wrong_type"), (6, "wrong_type"),
+    ]
+    assert "'view_range[1]'" in issues[3].detail and "'options.depth'" in issues[4].detail
+    assert "'options.depth'" in issues[5].detail and "['view', 'insert']" in issues[0].detail
+
+
+def test_check_tool_calls_flags_call_tags_left_in_the_text():
+    # A parser moves every call it reads into tool_calls: a tag left in the text is a call that did not parse.
+    raw = '<tool_call>\n{"name": "exec", "arguments": {"command": "ls"\n</tool_call>'
+    traj = _traj(_call("exec", {"command": "ls"}), steps=3)
+    traj.messages[2].content = f"let me look\n{raw}"  # the second assistant turn (message 2)
+    traj.messages[3].content = "a stray </tool_call>"  # the third: an unclosed or stray tag counts too
+    issues = check_tool_calls(traj)
+    assert [(i.message_index, i.call_index, i.name, i.kind) for i in issues] == [
+        (2, -1, "", "unparseable_call"), (3, -1, "", "unparseable_call")]
+    assert check_tool_calls(traj, tags=()) == []  # the parsed call itself is valid
+    traj.messages[0].content = raw  # a user message quoting a call is not the policy's attempt
+    assert len(check_tool_calls(traj)) == 2
+    assert drop_invalid_tool_calls([traj]) == [] and drop_invalid_tool_calls([traj], tags=()) == [traj]
+    with pytest.raises(ValueError, match="tags"):
+        check_tool_calls(traj, tags="<tool_call>")
+
+
+def test_sequence_length_is_the_longest_recorded_sample(tokenizer):
+    def sample(n):
+        return RenderedSample(input_ids=torch.arange(n), action_mask=torch.ones(n, dtype=torch.bool),
+                              turn_index=torch.zeros(n, dtype=torch.long), old_logprobs=torch.zeros(n),
+                              logprob_mask=torch.ones(n, dtype=torch.bool), report=RenderReport())
+
+    traj = _traj(steps=2)
+    assert sequence_length(traj, tokenizer) == token_count(traj, tokenizer)  # no samples: the rendering
+    traj.samples = [sample(5), sample(9), sample(7)]  # per-call samples: the context the longest call needed
+    assert sequence_length(traj) == 9
+    with pytest.raises(ValueError, match="tokenizer"):
+        sequence_length(_traj())
+    with pytest.raises(ValueError, match="traj"):
+        sequence_length("not a trajectory")
 
 
 def test_drop_and_flag_invalid_tool_calls():

@@ -54,6 +54,8 @@ def test_swe_recipe_smoke(tmp_path):
     [teacher] = [r for r in rows if "sft/resolved" in r]
     # 4 train instances x 3 attempts x 2 trained harnesses, all scored; at rate 0.5 some resolve and some fail.
     assert teacher["sft/resolved"] + teacher["sft/failed"] == 24
+    # curation (sft.curate, on by default) ran and the scripted teacher's episodes all passed it
+    assert teacher["sft/dropped_over_length"] == 0 and teacher["sft/dropped_invalid_calls"] == 0
     assert teacher["sft/resolved"] > 0 and teacher["sft/failed"] > 0
     assert teacher["sft/unvalued"] == 0  # the scripted value teacher answered every failed trajectory
     # Credit SFT also learns from failed trajectories: the value teacher found credited steps in some of them.

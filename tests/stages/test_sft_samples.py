@@ -4,9 +4,9 @@ SFT stage's context length."""
 import pytest
 import torch
 
-from orchard.data import Message, RenderedSample, RenderReport, Trajectory
+from orchard.data import Message, RenderedSample, RenderReport, ToolCall, Trajectory
 from orchard.models import tiny_qwen3
-from orchard.stages import SFTConfig, sft_samples, sft_stage
+from orchard.stages import SFTConfig, curate_sft, sft_samples, sft_stage
 from orchard.train.trainer import OptimConfig, TrainConfig
 
 # [system, a0, a0, obs, a1, a1, obs, a2]: three steps (assistant turns), observations never supervised.
@@ -46,6 +46,47 @@ def test_credit_mode_supervises_only_the_runs_of_failed_trajectories():
     values[id(bad)] = {0: 0.30, 1: 0.35, 2: 0.40, 3: 0.10}
     samples, _ = sft_samples([bad], mode="credit", step_values=lambda t: values[id(t)])
     assert samples[0].action_mask.tolist() == [False, True, True, False, True, True, False, False]
+
+
+TOOLS = [{"type": "function", "function": {"name": "exec", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+
+
+def called(name, arguments, **kw):
+    t = traj(1.0, **kw)
+    t.messages[1].tool_calls = [ToolCall(name, arguments, id="c")]
+    t.tools = TOOLS
+    return t
+
+
+def test_curate_sft_drops_each_kind_and_counts_it():
+    clean = called("exec", {"command": "ls"})
+    undefined = called("rm", {})  # a tool the trajectory's list does not define
+    invalid = called("exec", {"command": 7})  # does not validate: command must be a string
+    unparsed = called("exec", {"command": "ls"})
+    unparsed.messages[3].content = '<tool_call>\n{"name": "exec", "arguments": {</tool_call>'  # did not parse
+    by_domain = called("exec", {"command": "ls"})  # clean for the generic check, not for the domain's format
+    env = traj(None, "env_error")  # never trains: passes through uncounted
+    kept, stats = curate_sft([clean, undefined, invalid, unparsed, by_domain, env],
+                             unparseable=lambda t: [3] if t is by_domain else [])
+    assert kept == [clean, env]
+    assert stats == {"sft/dropped_over_length": 0, "sft/dropped_invalid_calls": 4}
+    # Over length: the sample has 8 tokens; the limit is inclusive (8 kept, 7 dropped). A trajectory that is both
+    # over length and invalid counts once, as over length.
+    assert curate_sft([clean], max_len=8) == ([clean], {"sft/dropped_over_length": 0, "sft/dropped_invalid_calls": 0})
+    kept, stats = curate_sft([clean, invalid], max_len=7)
+    assert kept == [] and stats == {"sft/dropped_over_length": 2, "sft/dropped_invalid_calls": 0}
+    assert curate_sft([]) == ([], {"sft/dropped_over_length": 0, "sft/dropped_invalid_calls": 0})
+
+
+def test_curate_sft_bad_arguments():
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_len"):
+            curate_sft([], max_len=bad)
+    with pytest.raises(ValueError, match="unparseable"):
+        curate_sft([], unparseable=[3])
+    with pytest.raises(ValueError, match=r"trajectories\[0\]"):
+        curate_sft([{"reward": 1.0}])
 
 
 def test_bad_arguments():

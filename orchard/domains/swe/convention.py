@@ -147,6 +147,31 @@ def parse_bash_action(text: str) -> BashAction:
     return BashAction(command)
 
 
+def unparseable_actions(trajectory: Any) -> list[int]:
+    """Indices (in ``trajectory.messages``) of the assistant replies from which the trajectory's convention reads
+    no action, the format errors its harness answers with an error observation: in the bash convention a reply
+    without exactly one non-empty ```` ```bash ```` block (`parse_bash_action`), in the tool convention a reply
+    without a tool call (its calls themselves are checked against `TOOL_SCHEMAS` by
+    `orchard.data.check_tool_calls`). The convention is ``metadata["harness"]``; the eval convention (never
+    trained on) and an unknown one give []. Our reading of the paper's "unparseable tool calls" for a convention
+    whose action is a text block: a reply whose block does not parse is an unparseable call.
+
+    Args:
+        trajectory: an `orchard.data.Trajectory` of the bash or tool harness (read duck-typed: ``messages`` with
+            ``role``, ``text`` and ``tool_calls``; ``metadata``).
+    """
+    messages, metadata = getattr(trajectory, "messages", None), getattr(trajectory, "metadata", None)
+    if not isinstance(messages, list) or not isinstance(metadata, dict):
+        raise ValueError(f"trajectory must be a Trajectory, got {type(trajectory).__name__}")
+    convention = metadata.get("harness")
+    assistant = [(i, m) for i, m in enumerate(messages) if m.role == "assistant"]
+    if convention == "bash":
+        return [i for i, m in assistant if parse_bash_action(m.text).command is None]
+    if convention == "tool":
+        return [i for i, m in assistant if not m.tool_calls]
+    return []
+
+
 def is_submission(output: str) -> bool:
     """A command's output that submits: its first non-blank line is `SUBMIT_MARKER`."""
     lines = output.lstrip().splitlines()

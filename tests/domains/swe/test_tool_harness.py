@@ -7,8 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from orchard.data import Message, Trajectory, merge_prefix_samples, render_turns
+from orchard.data import Message, Trajectory, merge_prefix_samples, render_turns, sequence_length
 from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.swe.convention import unparseable_actions
 from orchard.domains.swe.generator import make_instance
 from orchard.domains.swe.teacher import SWETeacherEngine
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, run_swe_episodes
@@ -16,6 +17,7 @@ from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.env.embedded import serve
 from orchard.rollout.engine import Completion, GenerateResult
 from orchard.rollout.proxy import RecordingProxy
+from orchard.stages import curate_sft
 
 MALFORMED = {
     "tool": ["I think the bug is in the interest module.",  # no tool call
@@ -150,3 +152,16 @@ def test_proxy_samples_equal_rendering_the_conversation(batches, tokenizer, conv
         for got, want in zip(traj.samples, reference, strict=True):
             assert torch.equal(got.input_ids, want.input_ids), traj.task_id
             assert torch.equal(got.action_mask, want.action_mask), traj.task_id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("convention", ["tool", "bash"])
+def test_curation_keeps_the_teachers_episodes_and_drops_the_malformed_one(batches, convention):
+    # levels 1-3 by the teacher are kept; the malformed episode (no call, a call without its required path, an
+    # unknown tool / no block, two blocks, an empty block) is dropped as invalid
+    kept, stats = curate_sft(batches[convention], unparseable=unparseable_actions)
+    assert kept == batches[convention][:3]
+    assert stats == {"sft/dropped_over_length": 0, "sft/dropped_invalid_calls": 1}
+    longest = max(sequence_length(t) for t in kept)
+    assert curate_sft(kept, max_len=longest)[0] == kept  # the limit is inclusive
+    assert curate_sft(kept, max_len=longest - 1)[1]["sft/dropped_over_length"] >= 1
