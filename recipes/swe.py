@@ -483,6 +483,7 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
     sft_history: list[dict[str, float]] = []
     rl_history: list[dict[str, float]] = []
     trajectories: list[Any] = []
+    dropped: dict[str, float] = {}
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
             harnesses = swe_harnesses(cfg, tokenizer, client)
@@ -497,12 +498,13 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
                 teacher = SWETeacherEngine(tokenizer, train, failure_rate=cfg.teacher.failure_rate, seed=cfg.seed)
                 trajectories = [t for h in cfg.harnesses for t in await teacher_trajectories(
                     harnesses[h], teacher, train, attempts=cfg.teacher.attempts)]
-            if cfg.sft.enabled:
-                curated, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
-                                                     unparseable=unparseable_actions) if cfg.sft.curate \
+                # curated once: SFT and the CPU OPD teacher learn from the same corpus
+                trajectories, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
+                                                          unparseable=unparseable_actions) if cfg.sft.curate \
                     else (trajectories, {})
-                values = await hindsight_values(cfg, curated, tokenizer) if cfg.sft_mode == "credit" else {}
-                samples, stats = stages.sft_samples(curated, mode=cfg.sft_mode, eps=cfg.values.eps,
+            if cfg.sft.enabled:
+                values = await hindsight_values(cfg, trajectories, tokenizer) if cfg.sft_mode == "credit" else {}
+                samples, stats = stages.sft_samples(trajectories, mode=cfg.sft_mode, eps=cfg.values.eps,
                                                     step_values=lambda t: values.get(id(t)))
                 stats = {**stats, **dropped}
                 log.log(stats, 0)
