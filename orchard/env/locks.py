@@ -55,16 +55,24 @@ class StoreLock:
             await asyncio.sleep(wait * random.uniform(0.5, 1.0))  # jitter: waiters do not retry in lockstep
             wait = min(2 * wait, 0.5)
         self.token, self.lost = token, False
-        self._renewer = asyncio.create_task(self._renew_forever(token))
+        self._stop = asyncio.Event()
+        self._renewer = asyncio.create_task(self._renew_forever(token, self._stop))
         return self
 
-    async def _renew_forever(self, token: int) -> None:
-        while True:
-            await asyncio.sleep(self.lease_s / 3)
+    async def _renew_forever(self, token: int, stop: asyncio.Event) -> None:
+        # The loop ends on `stop`, not only on cancellation: a store client may turn the CancelledError that
+        # interrupts a request into its own error (a connection or timeout error), which the retry below would
+        # swallow, renewing a released lock forever and hanging __aexit__.
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.lease_s / 3)
+            if stop.is_set():
+                return
             try:
                 renewed = await self.store.renew_lock(self.name, token, self.lease_s)
             except Exception:  # the store unreachable for a moment: the next tick tries again
-                logger.warning("renewing lock %s failed", self.name, exc_info=True)
+                if not stop.is_set():
+                    logger.warning("renewing lock %s failed", self.name, exc_info=True)
                 continue
             if not renewed:
                 self.lost = True
@@ -74,6 +82,7 @@ class StoreLock:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if self._renewer is not None:
+            self._stop.set()
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer

@@ -229,6 +229,39 @@ async def _hold(lock: StoreLock) -> int:
         return lock.token
 
 
+class CancelSwallowingStore:
+    """A store whose ``renew_lock`` turns the cancellation that interrupts it into a connection error, as a store
+    client may when a request in flight is cancelled."""
+
+    def __init__(self, inner: SQLiteStore) -> None:
+        self.inner, self.renewals = inner, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def renew_lock(self, name: str, token: int, lease_s: float) -> bool:
+        self.renewals += 1
+        try:
+            await asyncio.sleep(3600)  # the reply never comes before the holder leaves
+        except asyncio.CancelledError:
+            raise ConnectionError("connection closed while reading the reply") from None
+        return True
+
+
+async def test_leaving_a_lock_ends_a_renewal_whose_cancellation_the_client_turned_into_an_error():
+    store = CancelSwallowingStore(SQLiteStore(":memory:"))
+
+    async def hold() -> None:
+        async with StoreLock(store, "sandbox:s", lease_s=0.3):
+            await asyncio.sleep(0.2)  # the first renewal (due at 0.1 s) is in flight when the block ends
+
+    # Before the fix the renewal loop retried after the ConnectionError and renewed a released lock forever, so
+    # leaving the block never returned (an exec's lock held by a live replica, its next jobs queued for good).
+    await asyncio.wait_for(hold(), timeout=10)
+    assert store.renewals == 1
+    assert await store.inner.acquire_lock("sandbox:s", 1.0) is not None  # released
+
+
 def test_store_lock_validates():
     store = SQLiteStore(":memory:")
     for kwargs, name in (({"lease_s": 0}, "lease_s"), ({"lease_s": 1, "poll_s": -1}, "poll_s")):
