@@ -32,8 +32,8 @@ from typing import Any
 from orchard._extras import requires_extra
 from orchard.env import AsyncSandboxClient, RetryPolicy
 
-__all__ = ["SESSION_HEADER", "ModelCallFailed", "OutOfTime", "chat_completion", "chat_url", "check_launch",
-           "play_all", "program_env", "read_episodes", "read_results", "run_program"]
+__all__ = ["SESSION_HEADER", "ModelCallFailed", "OutOfTime", "chat_completion", "chat_url", "check_engine_or_url",
+           "check_launch", "play_all", "program_env", "read_episodes", "read_results", "run_program"]
 
 SESSION_HEADER = "X-Session-Id"
 """The header that files a program's model call under its episode's proxy session."""
@@ -227,3 +227,21 @@ async def chat_completion(http: Any, model_url: str, body: Mapping[str, Any], *,
         if attempt < retries:
             await asyncio.sleep(random.uniform(0, 0.5 * 2**attempt))
     raise ModelCallFailed(f"model: {error}")
+
+
+def check_engine_or_url(model: object, tokenizer: Any, name: str = "judge") -> Any:
+    """The chat tokenizer an in-process model (an `Engine`) needs to render its prompts: ``tokenizer``, else the
+    engine's own; None for an OpenAI-compatible server's http(s) URL, which renders its own. ``name`` is the
+    argument the errors name (a judge, a teacher)."""
+    from orchard.rollout.engine import Engine
+
+    if isinstance(model, str):
+        if not model.startswith(("http://", "https://")):
+            raise ValueError(f"{name} must be an http(s) URL or an Engine, got {model!r}")
+        return None
+    if not isinstance(model, Engine):
+        raise ValueError(f"{name} must be an http(s) URL or an Engine, got {type(model).__name__}")
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"tokenizer must be given (a tokenizer with a chat_template) when the {name} engine has none")
+    return tokenizer

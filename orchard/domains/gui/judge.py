@@ -62,7 +62,7 @@ from orchard.domains.gui.tasks import _NUMBER, GUITask, _last_number, check_task
 from orchard.domains.gui.tools import GUI_TOOLS
 from orchard.rewards import GUIReward, gui_reward, two_stage_select
 from orchard.rollout.engine import Engine, GenerateRequest, SamplingParams
-from orchard.rollout.program import chat_completion
+from orchard.rollout.program import chat_completion, check_engine_or_url
 from orchard.rollout.rollouts import Rollouts
 from orchard.rollout.scripted import ScriptedEngine
 
@@ -246,18 +246,6 @@ class GUIJudgement:
     error: str | None = None
 
 
-def _check_judge(judge: object, tokenizer: Any) -> Any:
-    if isinstance(judge, str):
-        if not judge.startswith(("http://", "https://")):
-            raise ValueError(f"judge must be an http(s) URL or an Engine, got {judge!r}")
-        return None
-    if not isinstance(judge, Engine):
-        raise ValueError(f"judge must be an http(s) URL or an Engine, got {type(judge).__name__}")
-    tokenizer = tokenizer if tokenizer is not None else getattr(judge, "tokenizer", None)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("tokenizer must be given (a tokenizer with a chat_template) when the judge engine has none")
-    return tokenizer
-
 
 _CALL_KEYS = ("model", "api_key", "max_tokens", "timeout_s", "retries", "images", "last_turns", "max_screenshots",
               "max_observation_chars", "outcome_threshold", "process_threshold")
@@ -343,7 +331,7 @@ async def judge_gui_trajectory(
         raise ValueError(f"task must be a GUITask or None, got {type(task).__name__}")
     _check_call(max_tokens, timeout_s, retries, images)
     two_stage_select(0.0, 0.0, outcome_threshold=outcome_threshold, process_threshold=process_threshold)
-    tokenizer = _check_judge(judge, tokenizer)
+    tokenizer = check_engine_or_url(judge, tokenizer)
     if state is None:
         state = trajectory.metadata.get("site_state")
     reference = judge_reference(task, state) if task is not None and state is not None else None
@@ -449,7 +437,7 @@ async def judge_gui_trajectories(
         raise ValueError(f"judge_kwargs has unknown keys {sorted(unknown)}")
     _check_call(judge_kwargs.get("max_tokens", 1), judge_kwargs.get("timeout_s", 1.0),
                 judge_kwargs.get("retries", 0), judge_kwargs.get("images", "data_url"))
-    tokenizer = _check_judge(judge, tokenizer)
+    tokenizer = check_engine_or_url(judge, tokenizer)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(traj: Trajectory) -> str:
@@ -508,7 +496,7 @@ class JudgedGUIRollouts:
             raise ValueError(f"rollouts must be a Rollouts (an async callable), got {type(rollouts).__name__}")
         if "tasks" in kwargs:
             raise ValueError("kwargs must not hold tasks: each batch's tasks are the ones it plays")
-        _check_judge(judge, kwargs.get("tokenizer"))
+        check_engine_or_url(judge, kwargs.get("tokenizer"))
         self.rollouts, self.judge, self.kwargs = rollouts, judge, kwargs
         self.stats: dict[str, float] = {}
         self.totals: dict[str, float] = {}

@@ -61,7 +61,7 @@ from orchard.domains.swe.values import (
 )
 from orchard.rewards import RPR_WEIGHTS, RubricJudgement, parse_rubric_judgement
 from orchard.rollout.engine import Engine
-from orchard.rollout.program import chat_completion
+from orchard.rollout.program import chat_completion, check_engine_or_url
 from orchard.rollout.rollouts import Rollouts
 from orchard.rollout.scripted import ScriptedEngine
 
@@ -357,19 +357,6 @@ def _check_call_args(max_tokens: object, timeout_s: object, retries: object) -> 
         raise ValueError(f"retries must be an int >= 0, got {retries!r}")
 
 
-def _check_judge(judge: object, tokenizer: Any) -> Any:
-    """The tokenizer an in-process judge needs (None for a URL)."""
-    if isinstance(judge, str):
-        if not judge.startswith(("http://", "https://")):
-            raise ValueError(f"judge must be an http(s) URL or an Engine, got {judge!r}")
-        return None
-    if not isinstance(judge, Engine):
-        raise ValueError(f"judge must be an http(s) URL or an Engine, got {type(judge).__name__}")
-    tokenizer = tokenizer if tokenizer is not None else getattr(judge, "tokenizer", None)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("tokenizer must be given (a tokenizer with a chat_template) when the judge engine has none")
-    return tokenizer
-
 
 async def _ask(judge: Engine | str, tokenizer: Any, messages: list[dict[str, str]], *, model: str,
                api_key: str | None, max_tokens: int, timeout_s: float, retries: int) -> str:
@@ -425,7 +412,7 @@ async def judge_trajectory(
     if not isinstance(trajectory, Trajectory):
         raise ValueError(f"trajectory must be a Trajectory, got {type(trajectory).__name__}")
     _check_call_args(max_tokens, timeout_s, retries)
-    tokenizer = _check_judge(judge, tokenizer)
+    tokenizer = check_engine_or_url(judge, tokenizer)
     messages = process_reward_messages(trajectory, fail_to_pass=fail_to_pass, gold_patch=gold_patch,
                                        max_observation_chars=max_observation_chars)
     try:
@@ -488,7 +475,7 @@ async def judge_trajectories(
         raise ValueError(f"judge_kwargs has unknown keys {sorted(unknown)}")
     _check_call_args(judge_kwargs.get("max_tokens", 1), judge_kwargs.get("timeout_s", 1.0),
                      judge_kwargs.get("retries", 0))
-    tokenizer = _check_judge(judge, tokenizer)
+    tokenizer = check_engine_or_url(judge, tokenizer)
     todo = [t for t in trajectories if t.valid and not t.metadata.get("removed")]
     gate = asyncio.Semaphore(concurrency)
     dims = list(RPR_WEIGHTS)
@@ -537,7 +524,7 @@ class JudgedRollouts:
     def __init__(self, rollouts: Rollouts, judge: Engine | str, **kwargs: Any) -> None:
         if not isinstance(rollouts, Rollouts):
             raise ValueError(f"rollouts must be a Rollouts (an async callable), got {type(rollouts).__name__}")
-        _check_judge(judge, kwargs.get("tokenizer"))
+        check_engine_or_url(judge, kwargs.get("tokenizer"))
         self.rollouts, self.judge, self.kwargs = rollouts, judge, kwargs
         self.stats: dict[str, float] = {}
         self.totals: dict[str, float] = {}
