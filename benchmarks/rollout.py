@@ -235,18 +235,23 @@ def time_streaming(device: str, dtype: torch.dtype, requests: int, prompt_len: i
     with serve_in_thread(build_app(HFEngine(model), tokenizer)) as upstream:
         proxy = RecordingProxy(upstream)
         with serve_in_thread(proxy.app) as via:
-            for url in (upstream, via):
-                stream(url, -1)  # warm-up
-            for i in range(requests):
-                for name, url in (("direct", upstream), ("proxy", via)):
-                    ttft, tps, n = stream(url, i)
-                    out[name]["ttft"].append(ttft)
-                    out[name]["tps"].append(tps)
-                    assert n == new_tokens, (name, n)
+            _alternate(stream, upstream, via, requests, new_tokens, out)
     recorded = [len(r.choices[0].token_ids) == len(r.choices[0].logprobs) == new_tokens
                 for r in proxy.calls("default")]
     assert len(recorded) == requests + 1 and all(recorded), "the proxy did not record every streamed token"
     return {name: {k: statistics.median(v) for k, v in d.items()} for name, d in out.items()}
+
+
+def _alternate(stream, upstream: str, via: str, requests: int, new_tokens: int, out: dict) -> None:
+    """One warm-up each, then ``requests`` streamed requests alternating direct / through the proxy."""
+    for url in (upstream, via):
+        stream(url, -1)
+    for i in range(requests):
+        for name, url in (("direct", upstream), ("proxy", via)):
+            ttft, tps, n = stream(url, i)
+            out[name]["ttft"].append(ttft)
+            out[name]["tps"].append(tps)
+            assert n == new_tokens, (name, n)
 
 
 def _time_streaming_processes(model, tokenizer, device, stream, requests: int, new_tokens: int, out: dict) -> dict:
@@ -275,14 +280,7 @@ def _time_streaming_processes(model, tokenizer, device, stream, requests: int, n
             procs.append(server)
             proxy, via = start(["serve-proxy", "--upstream", upstream])
             procs.append(proxy)
-            for url in (upstream, via):
-                stream(url, -1)  # warm-up
-            for i in range(requests):
-                for name, url in (("direct", upstream), ("proxy", via)):
-                    ttft, tps, n = stream(url, i)
-                    out[name]["ttft"].append(ttft)
-                    out[name]["tps"].append(tps)
-                    assert n == new_tokens, (name, n)
+            _alternate(stream, upstream, via, requests, new_tokens, out)
             calls = httpx.get(f"{via}/sessions/default/calls", timeout=60).json()["calls"]
         finally:
             for proc in procs:
