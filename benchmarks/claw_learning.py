@@ -100,6 +100,15 @@ def norm_scale(model_dir: Path) -> float:
     raise SystemExit(f"no model.norm.weight in {model_dir}")
 
 
+async def finished_or_run(path: Path, evaluate: Callable[[], Any]) -> dict[str, Any]:
+    """The rows saved at ``path`` by an earlier run of this evaluation, else ``await evaluate()``'s rows, saved."""
+    if path.exists():
+        return json.loads(path.read_text())
+    rows = await evaluate()
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
 async def search_temperature(args: Any, seed: int) -> dict[str, Any]:
     """One seed's SFT model: validation success at each of ``args.temperatures`` per harness, the best temperature
     per harness, and the held-out row at it (the module docstring says how)."""
@@ -130,14 +139,17 @@ async def search_temperature(args: Any, seed: int) -> dict[str, Any]:
                              heldout_templates=tuple(cfg.tasks.heldout_templates))
     model, tokenizer = load_policy(cfg.model, [], seed=seed)
     engine = make_engine(cfg.model, model, tokenizer, seed=seed)
+    # Each evaluation's rows are kept as they finish, so a search stopped part-way resumes where it stopped.
+    parts = run_dir / "best_temperature_parts"
+    parts.mkdir(exist_ok=True)
     validation_rows: dict[str, dict[float, dict[str, float]]] = {h: {} for h in cfg.eval.harnesses}
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
             harnesses = claw.claw_harnesses(cfg, tokenizer, client)
             evaluated = {h: harnesses[h] for h in cfg.eval.harnesses}
             for temperature in args.temperatures:
-                rows = await stages.evaluate(evaluated, engine, validation, attempts=cfg.eval.attempts,
-                                             temperature=temperature)
+                rows = await finished_or_run(parts / f"validation_T{temperature}.json", lambda t=temperature: (
+                    stages.evaluate(evaluated, engine, validation, attempts=cfg.eval.attempts, temperature=t)))
                 for harness, row in rows.items():
                     validation_rows[harness][temperature] = row
                 print(f"T={temperature}: " + ", ".join(f"{h} {r['success']:.3f}" for h, r in rows.items()),
@@ -146,8 +158,9 @@ async def search_temperature(args: Any, seed: int) -> dict[str, Any]:
                                           reference=cfg.eval.temperature) for h, by_t in validation_rows.items()}
             heldout_rows = {}
             for harness, temperature in chosen.items():
-                rows = await stages.evaluate({harness: evaluated[harness]}, engine, heldout,
-                                             attempts=cfg.eval.attempts, temperature=temperature)
+                rows = await finished_or_run(parts / f"heldout_{harness}_T{temperature}.json", lambda h=harness, t=(
+                    temperature): stages.evaluate({h: evaluated[h]}, engine, heldout, attempts=cfg.eval.attempts,
+                                                  temperature=t))
                 heldout_rows[harness] = rows[harness]
                 print(f"held-out {harness} at T={temperature}: {rows[harness]}", flush=True)
     await engine.close()
