@@ -379,8 +379,10 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
         python: the sandbox's interpreter. Default "python3".
 
     Raises:
-        EnvironmentFailure: a step that should succeed did not (unpacking, the base commit, ``test_patch``
-            not applying to the base, pytest missing from the image), or the test run could not start.
+        EnvironmentFailure: a step before the tests that should succeed did not (unpacking, the base commit,
+            ``test_patch`` not applying to the base), or the image's pytest is gone. Once the tests started, any
+            exit status is theirs: the probe found the python, so a 126 or 127 comes from the agent's code (a
+            conftest that exits so), the policy's failure rather than an ``env_error`` it could hide behind.
     """
     if not isinstance(instance, SWEInstance):
         raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
@@ -417,8 +419,6 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     if step != _TESTS:
         raise EnvironmentFailure(f"setting up the test run failed (exit {run.exit_code}"
                                  f"{', timed out' if run.timed_out else ''}): {(run.stderr or run.stdout)[-500:]}")
-    if run.exit_code in (126, 127):
-        raise EnvironmentFailure(f"the test run could not start (exit {run.exit_code}): {run.stderr[-300:]}")
     if facts.has_pytest and run.exit_code == 1 and "No module named pytest" in run.stderr:
         # The image's pytest gone (an image replaced under its name while this process remembered it), or a
         # conftest that says so: the image, which the agent cannot touch, tells which.
