@@ -44,6 +44,7 @@ import io
 import marshal
 import re
 import shlex
+import sys
 import tarfile
 import zipfile
 from dataclasses import dataclass, field
@@ -227,8 +228,13 @@ def pytest_bundle() -> bytes:
     Each module's bytecode for this interpreter sits beside its source (``mod.pyc``, where zipimport looks),
     unchecked-hash, so a sandbox python of the same minor version imports pytest without compiling it (seconds
     under load, paid again by every run from a read-only copy); another version ignores it and compiles the
-    source. pygments is left as source: pytest imports it only to colour output, never in our runs.
+    source. Of pygments (1.2 MB of source, mostly lexers) only the modules pytest imports on every run get
+    bytecode: the rest is imported only to colour other languages.
     """
+    import _pytest._io.terminalwriter  # noqa: F401  (what it imports of pygments is what every run imports)
+
+    loaded = {Path(m.__file__).resolve() for name, m in list(sys.modules.items())
+              if name.partition(".")[0] == "pygments" and getattr(m, "__file__", None)}
     buffer = io.BytesIO()
     flags = (0b11).to_bytes(4, "little")  # a hash-based pyc that is never checked against its source (PEP 552)
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
@@ -245,7 +251,7 @@ def pytest_bundle() -> bytes:
                 info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # the same bytes every time
                 info.compress_type = zipfile.ZIP_DEFLATED
                 bundle.writestr(info, data)
-                if name.endswith(".py") and parts[0] != "pygments":
+                if name.endswith(".py") and (parts[0] != "pygments" or source.resolve() in loaded):
                     code = compile(data, name, "exec", dont_inherit=True)
                     pyc = importlib.util.MAGIC_NUMBER + flags + importlib.util.source_hash(data) + marshal.dumps(code)
                     info = zipfile.ZipInfo(name[:-3] + ".pyc", date_time=(1980, 1, 1, 0, 0, 0))
