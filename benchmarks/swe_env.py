@@ -82,7 +82,7 @@ async def service_side(instances: list[Any], args: Any, url: str, key: str) -> d
     out: dict[str, Any] = {"ready": [], "reward": []}
     async with AsyncSandboxClient(url, key) as client:
         warm = await client.create()
-        await prepare_sandbox(warm, instances[0])  # the first pytest copy and the service's caches are paid here
+        await prepare_sandbox(warm, instances[0])  # the image probe, the pytest bundle and the service's caches: once
         await warm.delete()
         for i in range(args.n):
             instance = instances[i % len(instances)]

@@ -6,8 +6,10 @@ in the sandbox's workspace (its working directory, ``/workspace`` under bubblewr
 commit (so ``git diff`` against it is the agent's patch), and ``python3 -m pytest`` works: where the image's
 python has no pytest (the host image here: the development virtualenv's interpreter lies under a home the
 sandbox's uid cannot enter), pytest and its dependencies, copied from this process's environment (pure Python),
-are unpacked in the sandbox user's site directory. The sandbox is created by the caller, with the network
-blocked (the client's default); nothing here needs the network.
+go into the sandbox user's site directory as one zip with their bytecode (`pytest_bundle`). All of that is one
+command; whether the image has pytest, and where its user site lies, is asked once per service, image and
+python and remembered by this process. The sandbox is created by the caller, with the network blocked (the
+client's default); nothing here needs the network.
 
 After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent's patch counts:
 
@@ -18,23 +20,33 @@ After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent
 3. the test files ``test_patch`` touches are reset to their base version (a patch that edited the tests loses
    those edits), then ``test_patch`` is applied;
 4. ``FAIL_TO_PASS`` + ``PASS_TO_PASS`` run with one pytest under a timeout, with the user site directory off
-   (pytest comes from the image or from a fresh copy in the command's own ``/tmp``, never from where the agent
-   could write): resolved iff every one passes.
+   (pytest comes from the image, or from a copy of the zip in the command's own ``/tmp`` whose SHA-256 matches
+   this process's bundle, else from a fresh copy sent with the command: never from where the agent could have
+   written): resolved iff every one passes.
 
-A patch that does not apply, or a run that times out or crashes, is the policy's failure (not resolved, reward
--1). A sandbox that fails (the client's errors, or a set-up command that should succeed and did not:
-`orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode ``env_error``, never 0.
+Step 1 is one command and steps 2-4 another (the base, both patches and, when needed, pytest travel in one tar
+on its standard input). A patch that does not apply, or a run that times out or crashes, is the policy's failure
+(not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that should succeed and
+did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode ``env_error``,
+never 0. The scoring command reports which step it reached on its first output line, written before any of the
+agent's code runs, so a test that exits with a chosen status cannot pass itself off as a set-up failure.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
+import hashlib
 import importlib.metadata
+import importlib.util
 import io
+import marshal
 import re
 import shlex
+import sys
 import tarfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,9 +71,58 @@ EXCLUDE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 MAX_PATCH_BYTES = 16 << 20
 """A larger diff is not scored (not resolved): no repository fix is 16 MiB."""
 
-_UNPACK = "base64 -d | tar -xzf - --no-same-owner -C ."
-_GIT_BASE = ("git init -q . && printf %s " + shlex.quote(EXCLUDE) + " > .git/info/exclude && git add -A && "
-             "git -c commit.gpgsign=false commit -q --no-verify --allow-empty -m base && git rev-parse HEAD")
+_BUNDLE = "orchard-pytest"
+"""The zip in the sandbox user's site directory, and the ``.pth`` file there that puts it on ``sys.path``."""
+
+_INPUTS = """set -o pipefail
+t=$(mktemp -d) || exit 1
+trap 'rm -rf "$t"' EXIT
+base64 -d | tar -xf - -C "$t" || { echo "unpacking the command's inputs failed" >&2; exit 1; }
+"""
+"""The command's standard input, a base64 tar of its inputs, unpacked in a fresh temporary directory ``$t``."""
+
+_GIT_BASE = """{ tar -xzf "$t/repo.tar.gz" --no-same-owner -C . && git init -q --template= . && mkdir -p .git/info &&
+  printf %s EXCLUDE > .git/info/exclude && git add -A &&
+  git -c commit.gpgsign=false commit -q --no-verify --allow-empty -m base; } >&2 || exit 1
+""".replace("EXCLUDE", shlex.quote(EXCLUDE))
+"""The base commit from ``$t/repo.tar.gz`` (an empty template: no sample hooks to copy; git's output kept off
+standard output)."""
+
+_PREPARE = _INPUTS + _GIT_BASE + f"""if [ -f "$t/pytest.zip" ]; then
+  {{ mkdir -p "$ORCHARD_SITE" && mv "$t/pytest.zip" "$ORCHARD_SITE/{_BUNDLE}.zip" &&
+    printf '%s\\n' "$ORCHARD_SITE/{_BUNDLE}.zip" > "$ORCHARD_SITE/{_BUNDLE}.pth"; }} >&2 || exit 1
+fi
+if [ -n "${{ORCHARD_CHECK:-}}" ]; then "$ORCHARD_PYTHON" -c "import pytest" >&2 || exit 1; fi
+git rev-parse HEAD
+"""
+"""`prepare_sandbox`'s one command: the base commit; pytest in the user site ``$ORCHARD_SITE`` when it was sent; the
+import checked when ``$ORCHARD_CHECK`` is set."""
+
+_TESTS, _PATCH_FAILED, _PYTEST_MISSING = "orchard: tests", "orchard: patch-failed", "orchard: pytest-missing"
+"""The scoring command's first output line: the step it reached (absent: a set-up step failed)."""
+
+_SCORE = _INPUTS + """{ chmod -R u+rwX . 2>/dev/null; find . -mindepth 1 -delete; } >&2 || exit 1
+""" + _GIT_BASE + f"""if [ -s "$t/agent.patch" ] && ! git apply --binary "$t/agent.patch" >&2; then
+  echo "{_PATCH_FAILED}"; exit 0
+fi
+while IFS= read -r f; do
+  if git cat-file -e HEAD:"$f" 2>/dev/null; then git checkout -q HEAD -- "$f"; else rm -rf -- "$f"; fi >&2 || exit 1
+done < "$t/reset"
+if [ -s "$t/test.patch" ]; then git apply --binary "$t/test.patch" >&2 || exit 1; fi
+if [ -n "${{ORCHARD_SHA:-}}" ]; then
+  if [ ! -f "$t/pytest.zip" ]; then
+    cp -- "$ORCHARD_SITE/{_BUNDLE}.zip" "$t/pytest.zip" 2>/dev/null || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
+    [ "$(sha256sum < "$t/pytest.zip" 2>/dev/null | cut -c1-64)" = "$ORCHARD_SHA" ] || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
+  fi
+  export PYTHONPATH="$t/pytest.zip${{PYTHONPATH:+:$PYTHONPATH}}"
+fi
+echo "{_TESTS}"
+"$@"
+"""
+"""`score_sandbox`'s second command (steps 2-4): the base again, the agent's patch, the test files reset
+(the lines of ``$t/reset``), ``test_patch``, and the tests (its arguments). ``$ORCHARD_SHA`` set: pytest comes from the bundle, the copy
+in the user site when its hash is ``$ORCHARD_SHA``, else ``pytest.zip`` sent with the inputs."""
+
 _DIFF = ("base=$(git rev-list --max-parents=0 HEAD | tail -n 1) && git add -A && "
          "git diff --cached --binary --no-color --no-ext-diff \"$base\"")
 
@@ -139,11 +200,10 @@ def repository_archive(instance: SWEInstance) -> bytes:
     return buffer.getvalue()
 
 
-@functools.cache
-def pytest_bundle() -> bytes:
-    """pytest and the distributions it requires (markers aside, those installed here), as a gzipped tar of
-    their site-packages files without bytecode: unpacked on a sandbox's ``sys.path``, ``import pytest`` works."""
-    names, queue = set(), ["pytest"]
+def _pytest_distributions() -> list[importlib.metadata.Distribution]:
+    """pytest and the distributions it requires (markers aside, those installed here), sorted by name."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    queue = ["pytest"]
     while queue:
         name = queue.pop()
         try:
@@ -151,28 +211,106 @@ def pytest_bundle() -> bytes:
         except importlib.metadata.PackageNotFoundError:
             continue  # a platform-only requirement (colorama on Windows) that this machine lacks
         key = dist.metadata["Name"].lower()
-        if key in names:
+        if key in found:
             continue
-        names.add(key)
+        found[key] = dist
         for requirement in dist.requires or []:
             if "extra ==" not in requirement:
                 queue.append(re.split(r"[\s;<>=!~\[(]", requirement, maxsplit=1)[0])
+    return [found[key] for key in sorted(found)]
+
+
+@functools.cache
+def pytest_bundle() -> bytes:
+    """pytest and the distributions it requires, as a zip of their site-packages files: on a sandbox's
+    ``sys.path`` (zipimport), ``import pytest`` works.
+
+    Each module's bytecode for this interpreter sits beside its source (``mod.pyc``, where zipimport looks),
+    unchecked-hash, so a sandbox python of the same minor version imports pytest without compiling it (seconds
+    under load, paid again by every run from a read-only copy); another version ignores it and compiles the
+    source. Of pygments (1.2 MB of source, mostly lexers) only the modules pytest imports on every run get
+    bytecode: the rest is imported only to colour other languages.
+    """
+    import _pytest._io.terminalwriter  # noqa: F401  (what it imports of pygments is what every run imports)
+
+    loaded = {Path(m.__file__).resolve() for name, m in list(sys.modules.items())
+              if name.partition(".")[0] == "pygments" and getattr(m, "__file__", None)}
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
-        for name in sorted(names):
-            dist = importlib.metadata.distribution(name)
+    flags = (0b11).to_bytes(4, "little")  # a hash-based pyc that is never checked against its source (PEP 552)
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
+        for dist in _pytest_distributions():
             for entry in sorted(dist.files or [], key=str):
-                parts = Path(str(entry)).parts
-                if ".." in parts or "__pycache__" in parts or str(entry).endswith(".pyc"):
+                name = Path(str(entry)).as_posix()
+                parts = Path(name).parts
+                if ".." in parts or "__pycache__" in parts or name.endswith(".pyc"):
                     continue
                 source = Path(str(entry.locate()))
-                if source.is_file():
-                    info = tar.gettarinfo(str(source), Path(str(entry)).as_posix())
-                    info.uid = info.gid = 0
-                    info.uname = info.gname = ""
-                    with source.open("rb") as handle:
-                        tar.addfile(info, handle)
+                if not source.is_file():
+                    continue
+                data = source.read_bytes()
+                info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # the same bytes every time
+                info.compress_type = zipfile.ZIP_DEFLATED
+                bundle.writestr(info, data)
+                if name.endswith(".py") and (parts[0] != "pygments" or source.resolve() in loaded):
+                    code = compile(data, name, "exec", dont_inherit=True)
+                    pyc = importlib.util.MAGIC_NUMBER + flags + importlib.util.source_hash(data) + marshal.dumps(code)
+                    info = zipfile.ZipInfo(name[:-3] + ".pyc", date_time=(1980, 1, 1, 0, 0, 0))
+                    info.compress_type = zipfile.ZIP_DEFLATED
+                    bundle.writestr(info, pyc)
     return buffer.getvalue()
+
+
+@functools.cache
+def _bundle_sha256() -> str:
+    return hashlib.sha256(pytest_bundle()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _ImageFacts:
+    has_pytest: bool
+    """The image's python imports pytest with the user site off."""
+    user_site: str
+    """The sandbox user's site directory, where the bundle goes when the image lacks pytest."""
+
+
+_FACTS: dict[tuple[str, str, str], _ImageFacts] = {}
+"""What the first sandbox of a (service, image, python) told; the image is read-only, so every later one agrees."""
+_CHECKED: set[tuple[str, str, str]] = set()
+"""Keys whose bundle was seen to import after it was installed."""
+
+
+def _facts_key(sandbox: Any, python: str) -> tuple[str, str, str]:
+    info = getattr(sandbox, "info", None) or {}
+    return (str(getattr(getattr(sandbox, "client", None), "base_url", "")), str(info.get("image", "")), python)
+
+
+async def _image_facts(sandbox: Any, python: str, timeout: float) -> _ImageFacts:
+    key = _facts_key(sandbox, python)
+    if key in _FACTS:
+        return _FACTS[key]
+    probe = "import site; print(site.getusersitepackages(), flush=True); import pytest"
+    # -I: neither the user site nor the working directory (the agent's) on the path
+    result = await sandbox.exec([python, "-I", "-c", probe], timeout=timeout)
+    if result.exit_code == 127:
+        raise EnvironmentFailure(f"the sandbox has no {python}: {result.stderr[-300:]}")
+    site = result.stdout.strip()
+    if not site.startswith("/"):
+        raise EnvironmentFailure(f"{python} in the sandbox names no user site directory (exit "
+                                 f"{result.exit_code}): {(result.stderr or result.stdout)[-300:]}")
+    _FACTS[key] = _ImageFacts(result.exit_code == 0, site)
+    return _FACTS[key]
+
+
+def _inputs(**members: bytes | str) -> str:
+    """A base64 tar of named files: the standard input of `_PREPARE` and `_SCORE`."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members.items():
+            raw = data.encode() if isinstance(data, str) else data
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(raw), 0o600
+            tar.addfile(info, io.BytesIO(raw))
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 async def _run(sandbox: Any, command: list[str] | str, what: str, *, timeout: float, stdin: str | None = None,
@@ -183,24 +321,12 @@ async def _run(sandbox: Any, command: list[str] | str, what: str, *, timeout: fl
     return result
 
 
-async def _unpack_base(sandbox: Any, instance: SWEInstance, timeout: float) -> str:
-    archive = base64.b64encode(repository_archive(instance)).decode("ascii")
-    await _run(sandbox, ["bash", "-c", _UNPACK], "unpacking the repository", timeout=timeout, stdin=archive)
-    result = await _run(sandbox, ["bash", "-c", _GIT_BASE], "the base commit", timeout=timeout, env=GIT_ENV)
-    return result.stdout.strip()
-
-
-async def _has_pytest(sandbox: Any, python: str, timeout: float, *, user_site: bool) -> bool:
-    env = None if user_site else {"PYTHONNOUSERSITE": "1"}
-    result = await sandbox.exec([python, "-c", "import pytest"], timeout=timeout, env=env)
-    if result.exit_code == 127:
-        raise EnvironmentFailure(f"the sandbox has no {python}: {result.stderr[-300:]}")
-    return result.exit_code == 0
-
-
 async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float = 60.0,
                           python: str = PYTHON) -> str:
     """Put ``instance``'s repository at its base commit in the sandbox's workspace, with git and pytest.
+
+    One command (the repository, and pytest when the image lacks it, on its standard input), after one probe of
+    the image per service, image and python in this process.
 
     Returns the base commit's hash in the sandbox (not ``instance.base_commit``: the history is one commit).
 
@@ -217,15 +343,19 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
         raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0, got {timeout!r}")
-    base = await _unpack_base(sandbox, instance, timeout)
-    if not await _has_pytest(sandbox, python, timeout, user_site=True):
-        bundle = base64.b64encode(pytest_bundle()).decode("ascii")
-        site = f'"$({shlex.quote(python)} -c "import site; print(site.getusersitepackages())")"'
-        script = f"d={site} && mkdir -p \"$d\" && base64 -d | tar -xzf - --no-same-owner -C \"$d\""
-        await _run(sandbox, ["bash", "-c", script], "installing pytest", timeout=timeout, stdin=bundle)
-        if not await _has_pytest(sandbox, python, timeout, user_site=True):
-            raise EnvironmentFailure(f"pytest does not import in the sandbox's {python} after installing it")
-    return base
+    facts = await _image_facts(sandbox, python, timeout)
+    key = _facts_key(sandbox, python)
+    members: dict[str, bytes] = {"repo.tar.gz": repository_archive(instance)}
+    env = {**GIT_ENV, "ORCHARD_SITE": facts.user_site, "ORCHARD_PYTHON": python}
+    if not facts.has_pytest:
+        members["pytest.zip"] = await asyncio.to_thread(pytest_bundle)  # built once, seconds: off the loop
+        if key not in _CHECKED:
+            env["ORCHARD_CHECK"] = "1"
+    result = await _run(sandbox, ["bash", "-c", _PREPARE], "preparing the repository and pytest", timeout=timeout,
+                        stdin=_inputs(**members), env=env)
+    if "ORCHARD_CHECK" in env:
+        _CHECKED.add(key)
+    return result.stdout.strip()
 
 
 def patched_paths(test_patch: str) -> list[str]:
@@ -242,16 +372,23 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
                         setup_timeout_s: float = 60.0, python: str = PYTHON) -> SWEVerdict:
     """Score the finished episode in its sandbox: the agent's patch against the hidden tests (see the module).
 
+    Two commands: the diff, then the rest (steps 2-4) in one, whose limit is ``timeout_s + setup_timeout_s``
+    (the set-up and the tests together; our reading of "the tests run with a timeout", so that a slow set-up
+    never eats the tests' time). A third only when the user site's pytest was removed or altered: the same
+    command with a fresh copy.
+
     Args:
         sandbox: the episode's sandbox, prepared by `prepare_sandbox`.
         instance: the task.
         timeout_s: the test run's limit, seconds. Default 300.
-        setup_timeout_s: per command that extracts the patch or rebuilds the base. Default 60.
+        setup_timeout_s: the diff's limit, and the set-up's share of the second command's. Default 60.
         python: the sandbox's interpreter. Default "python3".
 
     Raises:
-        EnvironmentFailure: a command that should succeed did not (unpacking, the base commit, ``test_patch``
-            not applying to the base), or the test run could not start.
+        EnvironmentFailure: a step before the tests that should succeed did not (unpacking, the base commit,
+            ``test_patch`` not applying to the base), or the image's pytest is gone. Once the tests started, any
+            exit status is theirs: the probe found the python, so a 126 or 127 comes from the agent's code (a
+            conftest that exits so), the policy's failure rather than an ``env_error`` it could hide behind.
     """
     if not isinstance(instance, SWEInstance):
         raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
@@ -262,44 +399,41 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     diff = await sandbox.exec(["bash", "-c", _DIFF], timeout=setup_timeout_s, env=GIT_ENV,
                               max_output_bytes=MAX_PATCH_BYTES)
     # A repository the agent broke (.git removed) gives no patch: its failure, not the sandbox's.
-    patch = diff.stdout if diff.exit_code == 0 and not diff.stdout_truncated else ""
     patch_ok = diff.exit_code == 0 and not diff.stdout_truncated
-
-    # Steps 2-3: a clean base, the agent's patch, the test files reset, the hidden tests.
-    await _run(sandbox, ["bash", "-c", "chmod -R u+rwX . 2>/dev/null; find . -mindepth 1 -delete"],
-               "emptying the workspace", timeout=setup_timeout_s)
-    await _unpack_base(sandbox, instance, setup_timeout_s)
-    if patch_ok and patch.strip():
-        applied = await sandbox.exec(["git", "apply", "--binary", "-"], timeout=setup_timeout_s, env=GIT_ENV,
-                                     stdin=patch)
-        patch_ok = applied.exit_code == 0
-    if not patch_ok:
+    patch = diff.stdout if patch_ok else ""
+    facts = await _image_facts(sandbox, python, setup_timeout_s)
+    members: dict[str, bytes | str] = {"repo.tar.gz": repository_archive(instance), "agent.patch": patch,
+                                       "test.patch": instance.test_patch,
+                                       "reset": "".join(f"{p}\n" for p in patched_paths(instance.test_patch))}
+    # Step 4's environment: nothing from the agent's home on the path.
+    env = {**GIT_ENV, **PYTEST_ENV, "PYTHONNOUSERSITE": "1", "ORCHARD_SITE": facts.user_site}
+    if not facts.has_pytest:
+        env["ORCHARD_SHA"] = await asyncio.to_thread(_bundle_sha256)
+    run = None
+    if patch_ok:
+        argv = ["bash", "-c", _SCORE, "bash", *pytest_argv(python, tests)]
+        run = await sandbox.exec(argv, timeout=timeout_s + setup_timeout_s, env=env, stdin=_inputs(**members))
+        if run.stdout.startswith(_PYTEST_MISSING + "\n"):
+            members["pytest.zip"] = await asyncio.to_thread(pytest_bundle)
+            run = await sandbox.exec(argv, timeout=timeout_s + setup_timeout_s, env=env, stdin=_inputs(**members))
+        step, _, output = run.stdout.partition("\n")
+        patch_ok = step != _PATCH_FAILED
+    if run is None or not patch_ok:
         return SWEVerdict(False, dict.fromkeys(instance.FAIL_TO_PASS, False),
                           dict.fromkeys(instance.PASS_TO_PASS, False), patch, False,
                           {"reason": "the patch could not be taken or applied"})
-    reset = " ".join(shlex.quote(p) for p in patched_paths(instance.test_patch))
-    if reset:
-        script = (f"for f in {reset}; do if git cat-file -e HEAD:\"$f\" 2>/dev/null; then "
-                  "git checkout -q HEAD -- \"$f\"; else rm -rf -- \"$f\"; fi; done")
-        await _run(sandbox, ["bash", "-c", script], "resetting the test files", timeout=setup_timeout_s, env=GIT_ENV)
-    if instance.test_patch.strip():
-        await _run(sandbox, ["git", "apply", "--binary", "-"], "applying test_patch", timeout=setup_timeout_s,
-                   env=GIT_ENV, stdin=instance.test_patch)
-
-    # Step 4: the decisive tests, with nothing from the agent's home on the path.
-    env = {**PYTEST_ENV, "PYTHONNOUSERSITE": "1"}
-    argv = pytest_argv(python, tests)
-    stdin = None
-    if not await _has_pytest(sandbox, python, setup_timeout_s, user_site=False):
-        stdin = base64.b64encode(pytest_bundle()).decode("ascii")
-        argv = ["bash", "-c", 'd=$(mktemp -d) && base64 -d | tar -xzf - --no-same-owner -C "$d" && '
-                'PYTHONPATH="$d${PYTHONPATH:+:$PYTHONPATH}" exec "$@"', "bash", *argv]
-    run = await sandbox.exec(argv, timeout=timeout_s, env=env, stdin=stdin)
-    if run.exit_code in (126, 127):
-        raise EnvironmentFailure(f"the test run could not start (exit {run.exit_code}): {run.stderr[-300:]}")
-    results = parse_test_results(run.stdout, tests)
+    if step != _TESTS:
+        raise EnvironmentFailure(f"setting up the test run failed (exit {run.exit_code}"
+                                 f"{', timed out' if run.timed_out else ''}): {(run.stderr or run.stdout)[-500:]}")
+    if facts.has_pytest and run.exit_code == 1 and "No module named pytest" in run.stderr:
+        # The image's pytest gone (an image replaced under its name while this process remembered it), or a
+        # conftest that says so: the image, which the agent cannot touch, tells which.
+        _FACTS.pop(_facts_key(sandbox, python), None)
+        if not (await _image_facts(sandbox, python, setup_timeout_s)).has_pytest:
+            raise EnvironmentFailure(f"the image's {python} no longer has pytest: {run.stderr[-300:]}")
+    results = parse_test_results(output, tests)
     fail_to_pass = {t: results[t] for t in instance.FAIL_TO_PASS}
     pass_to_pass = {t: results[t] for t in instance.PASS_TO_PASS}
     return SWEVerdict(all(results.values()), fail_to_pass, pass_to_pass, patch, True,
                       {"exit_code": run.exit_code, "timed_out": bool(run.timed_out),
-                       "output_tail": run.stdout[-2000:]})
+                       "output_tail": output[-2000:]})

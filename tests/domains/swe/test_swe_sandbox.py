@@ -113,3 +113,65 @@ def test_a_sandbox_failure_raises_instead_of_scoring(service):
                     await prepare_sandbox(fresh, instance, python="no-such-python3")
 
     asyncio.run(main())
+
+
+class CountingSandbox:
+    """A sandbox that counts its commands (the round trips to the service)."""
+
+    def __init__(self, sandbox):
+        self.sandbox, self.execs = sandbox, 0
+
+    def __getattr__(self, name):
+        return getattr(self.sandbox, name)
+
+    async def exec(self, *args, **kwargs):
+        self.execs += 1
+        return await self.sandbox.exec(*args, **kwargs)
+
+
+FAKE_PYTEST = """python3 - <<'EOF'
+import site, zipfile
+with zipfile.ZipFile(site.getusersitepackages() + "/orchard-pytest.zip", "w") as z:
+    z.writestr("pytest/__init__.py", "")
+    z.writestr("pytest/__main__.py", "import sys\\nfor a in sys.argv[1:]:\\n    print('PASSED', a)\\n")
+EOF
+python3 -m pytest tests/x.py::test_y"""
+
+
+def test_one_command_prepares_two_score_and_the_agent_cannot_fake_the_run(service):
+    instance = make_instance("graph", 2, level=1)
+
+    async def episode(client, act):
+        async with await client.create() as raw:
+            sandbox = CountingSandbox(raw)
+            await prepare_sandbox(sandbox, instance)
+            prepared = sandbox.execs
+            await act(sandbox)
+            sandbox.execs = 0
+            verdict = await score_sandbox(sandbox, instance, timeout_s=60)
+            return prepared, sandbox.execs, verdict
+
+    async def gold(sandbox):
+        assert (await sandbox.exec(["git", "apply", "-"], stdin=instance.patch)).exit_code == 0
+
+    async def fake_pytest(sandbox):
+        # the agent's own pytest, which the user site's .pth puts on its path, reports every test passed
+        faked = await sandbox.exec(FAKE_PYTEST)
+        assert faked.stdout == "PASSED tests/x.py::test_y\n", faked
+
+    async def exit_127(sandbox):
+        # a conftest that exits as a missing program would: the tests started, so it is the policy's failure
+        await sandbox.upload("conftest.py", "import os\nos._exit(127)\n")
+
+    async def main():
+        async with AsyncSandboxClient(service.url, service.api_key) as client:
+            await episode(client, gold)  # the first sandbox of the image also asks whether it has pytest
+            return [await episode(client, act) for act in (gold, fake_pytest, exit_127)]
+
+    (gold_prep, gold_score, resolved), (_, fake_score, faked), (_, _, exited) = asyncio.run(main())
+    # prepare: one command (repository, git, pytest); score: the diff, then base + patches + tests in one
+    assert (gold_prep, gold_score) == (1, 2) and resolved.resolved
+    # the user site's zip no longer has the bundle's hash: the scoring command asks once more with a fresh copy
+    assert fake_score == 3 and not faked.resolved and faked.patch == "" and not any(faked.fail_to_pass.values())
+    assert all(faked.pass_to_pass.values())  # the real pytest ran: what passes at the base passed
+    assert not exited.resolved and exited.patch_applied and exited.details["exit_code"] == 127
