@@ -163,6 +163,11 @@ def test_bar_groups_positive_ratios_by_hand():
     assert rows == [{"step": 1, "pool_positive_ratio": 0.375, "kept_positive_ratio": 0.5},
                     {"step": 2, "pool_positive_ratio": 0.0, "kept_positive_ratio": None},
                     {"step": 2, "pool_positive_ratio": 2 / 6, "kept_positive_ratio": 0.5}]
+    # A judge removed 2 of 3 resolved rollouts: they are not BAR's candidates, so the pool is 1 of 6 = 0.167 and no
+    # balanced set (2 of 4) exists -> relaxed, k+ in [max(0, 4 - 5), min(4, 1)] = [0, 1] nearest 2 -> 1 of 4 = 0.25.
+    removed = [Trajectory(reward=1.0, metadata={"removed": "judge_failure"}) for _ in range(2)]
+    [row] = bar_groups([[removed + pool(1, 5)]], cfg)
+    assert row == {"step": 1, "pool_positive_ratio": 1 / 6, "kept_positive_ratio": 0.25}
 
 
 def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
