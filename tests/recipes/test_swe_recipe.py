@@ -195,3 +195,21 @@ def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
     assert [t.name for t in rl.train.objective] == ["policy", "js_opd"] and rl.teacher.url.startswith("http")
     assert (rl.train.global_batch_size, rl.train.optim.lr, rl.train.optim.min_lr) == (128, 1e-6, 1e-7)
     assert (rl.filter.attempts, rl.filter.high, cfg.value_model.candidates) == (8, 0.5, 6)
+
+
+def test_judge_step_stats_by_hand():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from swe import judge_step_stats
+
+    from orchard.data import Trajectory
+
+    graded = [Trajectory(reward=-1.0 + 0.5, reward_components={"outcome": -1.0, "rubric": 0.5}),
+              Trajectory(reward=1.0 + 1.0, reward_components={"outcome": 1.0, "rubric": 1.0})]
+    removed = Trajectory(reward=1.0, metadata={"removed": "judge_failure"})  # no rubric: the judge failed
+    dead = Trajectory(reward=None, termination_reason="env_error")
+    # Over the 2 graded: rubric (0.5 + 1.0) / 2 = 0.75, reward (-0.5 + 2.0) / 2 = 0.75.
+    assert judge_step_stats([*graded, removed, dead]) == {
+        "rl/judge_graded": 2.0, "rl/judge_rubric_mean": 0.75, "rl/judge_reward_mean": 0.75}
+    # A step the judge graded nothing of: zeros, not NaN.
+    assert judge_step_stats([removed, dead]) == {
+        "rl/judge_graded": 0.0, "rl/judge_rubric_mean": 0.0, "rl/judge_reward_mean": 0.0}
