@@ -9,8 +9,11 @@ rollouts and best-of-6 over the final policy's held-out candidates. The SFT row 
 of a seed (read from the first variant's run). A variant that fails on some seed is reported as not run, with the
 first line of its error. ``--quick`` shrinks everything (two templates, short episodes, 2 RL steps) to check the pipeline,
 not to measure. Under ``--out`` (default runs/swe_rl): seed<N>/<variant>/ (the recipe's outputs), summary.md (the
-table), rl_success.png (train resolve rate over RL steps), bar_ratio.png (BAR's positive ratio per group) and
-value_curves.png (V over decision steps of resolved and failed held-out candidates).
+table), rl_success.png (train resolve rate over RL steps), judge_reward.png (the rubric judge's mean reward and
+rubric per RL step, for judged variants: rpr), bar_ratio.png (BAR's positive ratio per group) and value_curves.png
+(V over decision steps of resolved and failed held-out candidates); notebooks/swe_rl.ipynb plots the same directory.
+The tiny SFT model resolves few train instances, so the task filter may keep none and RL is skipped: add
+``rl.filter.enabled=false`` to train RL on every train instance (how the notebook's test data was made).
 """
 
 from __future__ import annotations
@@ -142,6 +145,25 @@ def plots(out: Path, seeds: list[int], variants: list[str]) -> None:
     fig.tight_layout()
     fig.savefig(out / "rl_success.png", dpi=100)
     plt.close(fig)
+
+    judged = []  # only runs with the rubric judge (rpr) log these
+    for i, (s, v, d) in enumerate(dirs):
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        if rows := [r for r in rows if "rl/judge_reward_mean" in r]:
+            judged.append((i, s, v, rows))
+    if judged:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, s, v, rows in judged:
+            steps = [r["step"] for r in rows]
+            ax.plot(steps, [r["rl/judge_reward_mean"] for r in rows], marker="o", color=f"C{i}",
+                    label=f"reward, {v} seed {s}")
+            ax.plot(steps, [r["rl/judge_rubric_mean"] for r in rows], marker="x", linestyle="--", color=f"C{i}",
+                    label=f"rubric, {v} seed {s}")
+        ax.set(title="rubric judge per RL step (reward = outcome + w x rubric)", xlabel="RL step")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "judge_reward.png", dpi=100)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (s, v, d) in enumerate(dirs):

@@ -351,16 +351,27 @@ async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any
 
 def bar_groups(calls_per_step: list[list[list[Any]]], cfg: RLConfig) -> list[dict[str, Any]]:
     """BAR's positive ratio per group and step: over the group's generated pool and over the group_size it kept
-    (None: dropped). One generation call is one group's pool when bar_stride == bar_n_max (the paper's)."""
+    (None: dropped), the pool being BAR's candidates (`stages.bar_candidate`: judge-removed rollouts and dropped
+    timeouts are not). One generation call is one group's pool when bar_stride == bar_n_max (the paper's)."""
     bar, rows = cfg.bar_config(), []
     for step, calls in enumerate(calls_per_step, 1):
         for call in calls:
-            pool = [t for t in call if t.valid]
+            pool = [t for t in call if stages.bar_candidate(t, drop_timeouts=cfg.drop_timeouts)]
             won = [t.reward > 0 for t in pool]
             kept, _ = balanced_subset(won, [t.terminated for t in pool], [t.length for t in pool], bar)
             rows.append({"step": step, "pool_positive_ratio": sum(won) / len(pool) if pool else None,
                          "kept_positive_ratio": sum(won[i] for i in kept) / len(kept) if kept else None})
     return rows
+
+
+def judge_step_stats(trajectories: list[Any]) -> dict[str, float]:
+    """The rubric judge's view of one RL step's generated rollouts (the RPR variant's curves): over those it graded,
+    the mean rubric (in [0, 1]) and the mean RL reward (outcome + rubric_weight x rubric); 0 when none was graded."""
+    graded = [t for t in trajectories if t.valid and not t.metadata.get("removed") and "rubric" in t.reward_components]
+    n = len(graded)
+    return {"rl/judge_graded": float(n),
+            "rl/judge_rubric_mean": sum(t.reward_components["rubric"] for t in graded) / n if n else 0.0,
+            "rl/judge_reward_mean": sum(t.reward for t in graded) / n if n else 0.0}
 
 
 def opd_teacher(cfg: SWEConfig, out: Path, tokenizer: Any, trajectories: list[Any], log: stages.RunLog) -> Any:
@@ -426,8 +437,9 @@ async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: 
         marks = [0]
 
         def on_step(stats: dict[str, float], step: int) -> None:
+            step_trajs = [t for c in calls[marks[-1]:] for t in c]
             marks.append(len(calls))
-            log.log(stats, step)
+            log.log({**stats, **(judge_step_stats(step_trajs) if judges is not None else {})}, step)
             log.print(f"rl step {step}: success {stats['rl/success_generated']:.2f} groups "
                       f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
                       f"env_errors {stats['rl/env_errors']:.0f}")

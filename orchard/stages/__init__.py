@@ -15,8 +15,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   hindsight step values), `sft_stage`
 - task filter: `filter_tasks` (initial rollouts per candidate task, keep 0 < p̂ <= 0.5), `split_attempts`,
   `TaskFilterResult`
-- RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `group_batch` (a group into samples and advantages),
-  `trajectory_reward`
+- RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `bar_candidate` (what BAR may choose: not removed, not
+  a dropped timeout), `group_batch` (a group into samples and advantages), `trajectory_reward`
 - on-policy distillation (`orchard.stages.distill`): `teacher_logprobs` (a teacher engine's log-probs on the
   student's action tokens), `check_teacher`, `OPD_TERMS`; `rl_stage(..., teacher=...)` uses them
 - value model: `value_rerank_stage` (pool, train, best-of-N rerank vs random and oracle), `RecordedRollouts`
@@ -31,7 +31,7 @@ from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, success_row
 from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
-from orchard.stages.rl import group_batch, rl_stage, rollout_groups, trajectory_reward
+from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
 from orchard.stages.value_rerank import (
@@ -52,6 +52,7 @@ __all__ = [
     "SFTConfig",
     "TaskFilterResult",
     "ValueRerankResult",
+    "bar_candidate",
     "curate_sft",
     "demonstrations",
     "derived_keys",

@@ -48,7 +48,7 @@ from orchard.train import checkpoint as ckpt
 from orchard.train.action_logprobs import VISION_KEYS, action_logprobs
 from orchard.train.trainer import Trainer, forward_logprobs
 
-__all__ = ["group_batch", "rl_stage", "rollout_groups", "trajectory_reward"]
+__all__ = ["bar_candidate", "group_batch", "rl_stage", "rollout_groups", "trajectory_reward"]
 
 
 def trajectory_reward(traj: Trajectory, kind: str = "outcome") -> float:
@@ -95,13 +95,30 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
     return samples, advantages, stats
 
 
+def bar_candidate(traj: Trajectory, *, drop_timeouts: bool = True) -> bool:
+    """Whether BAR may choose ``traj`` to fill its group: it is valid (scored, no environment failure), not removed
+    from the loss (``metadata["removed"]``: remove_sample, a judge that failed or could not be parsed), and not a
+    timeout the group would drop (``drop_timeouts``).
+
+    Our reading of the paper: BAR (Algorithm 1) balances the set of rollouts that *train*, so a rollout that will
+    leave the loss is no candidate. Were it one, BAR could pick it as one of the ``n`` and the group would then
+    train on fewer than ``n`` members, off the balanced band. Judging therefore happens before selection (inside
+    the harness's call), and such a rollout still spends BAR's budget and is reported among the generated ones.
+    """
+    if not traj.valid or traj.metadata.get("removed"):
+        return False
+    return not (drop_timeouts and traj.termination_reason == "time_budget")
+
+
 async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequence[Any],
                          harness_of: Sequence[str], cfg: RLConfig, rollout: RolloutConfig,
                          ) -> tuple[list[RolloutGroup], list[Trajectory]]:
     """One group per task (task ``i`` through harness ``harness_of[i]``); BAR-selected when ``cfg.use_bar``.
 
-    Returns the groups (a BAR group that was dropped is empty) and every trajectory generated (BAR's whole pool
-    and discards, so success over what was generated can be reported next to success over what trains).
+    BAR chooses among `bar_candidate` rollouts only (not removed by a judge, not a dropped timeout), so a kept
+    group trains on ``group_size`` members. Returns the groups (a BAR group that was dropped is empty) and every
+    trajectory generated (BAR's whole pool and discards, so success over what was generated can be reported next
+    to success over what trains).
     """
     if len(harness_of) != len(tasks):
         raise ValueError(f"harness_of must name one harness per task, got {len(harness_of)} for {len(tasks)}")
@@ -127,7 +144,7 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
         async def source(k: int) -> list[Trajectory]:
             return await harnesses[harness_of[i]](engine, [tasks[i]], group_size=k, temperature=rollout.temperature)
 
-        result = await abar_select(source, bar)
+        result = await abar_select(source, bar, valid=lambda t: bar_candidate(t, drop_timeouts=cfg.drop_timeouts))
         return (RolloutGroup(ids[i], tuple(result.selected), drop_timeouts=cfg.drop_timeouts),
                 [*result.pool, *result.discarded])
 

@@ -163,6 +163,11 @@ def test_bar_groups_positive_ratios_by_hand():
     assert rows == [{"step": 1, "pool_positive_ratio": 0.375, "kept_positive_ratio": 0.5},
                     {"step": 2, "pool_positive_ratio": 0.0, "kept_positive_ratio": None},
                     {"step": 2, "pool_positive_ratio": 2 / 6, "kept_positive_ratio": 0.5}]
+    # A judge removed 2 of 3 resolved rollouts: they are not BAR's candidates, so the pool is 1 of 6 = 0.167 and no
+    # balanced set (2 of 4) exists -> relaxed, k+ in [max(0, 4 - 5), min(4, 1)] = [0, 1] nearest 2 -> 1 of 4 = 0.25.
+    removed = [Trajectory(reward=1.0, metadata={"removed": "judge_failure"}) for _ in range(2)]
+    [row] = bar_groups([[removed + pool(1, 5)]], cfg)
+    assert row == {"step": 1, "pool_positive_ratio": 1 / 6, "kept_positive_ratio": 0.25}
 
 
 def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
@@ -190,3 +195,21 @@ def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
     assert [t.name for t in rl.train.objective] == ["policy", "js_opd"] and rl.teacher.url.startswith("http")
     assert (rl.train.global_batch_size, rl.train.optim.lr, rl.train.optim.min_lr) == (128, 1e-6, 1e-7)
     assert (rl.filter.attempts, rl.filter.high, cfg.value_model.candidates) == (8, 0.5, 6)
+
+
+def test_judge_step_stats_by_hand():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from swe import judge_step_stats
+
+    from orchard.data import Trajectory
+
+    graded = [Trajectory(reward=-1.0 + 0.5, reward_components={"outcome": -1.0, "rubric": 0.5}),
+              Trajectory(reward=1.0 + 1.0, reward_components={"outcome": 1.0, "rubric": 1.0})]
+    removed = Trajectory(reward=1.0, metadata={"removed": "judge_failure"})  # no rubric: the judge failed
+    dead = Trajectory(reward=None, termination_reason="env_error")
+    # Over the 2 graded: rubric (0.5 + 1.0) / 2 = 0.75, reward (-0.5 + 2.0) / 2 = 0.75.
+    assert judge_step_stats([*graded, removed, dead]) == {
+        "rl/judge_graded": 2.0, "rl/judge_rubric_mean": 0.75, "rl/judge_reward_mean": 0.75}
+    # A step the judge graded nothing of: zeros, not NaN.
+    assert judge_step_stats([removed, dead]) == {
+        "rl/judge_graded": 0.0, "rl/judge_rubric_mean": 0.0, "rl/judge_reward_mean": 0.0}

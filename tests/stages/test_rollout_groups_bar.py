@@ -1,4 +1,5 @@
-"""rollout_groups under BAR takes its balanced band from the RL config (the paper's [0.375, 0.625] by default)."""
+"""rollout_groups under BAR takes its balanced band from the RL config (the paper's [0.375, 0.625] by default), and
+chooses only among rollouts that can train: a judge-removed rollout or a dropped timeout never fills a group."""
 
 import asyncio
 
@@ -44,3 +45,50 @@ def test_band_mistakes_are_caught_when_the_config_is_made():
         RLConfig(use_bar=True, bar_rho_min=0.7, bar_rho_max=0.6)
     # Without BAR the band is unused and not checked.
     assert RLConfig(bar_rho_min=0.7, bar_rho_max=0.6).bar_rho_min == 0.7
+
+
+class Judged:
+    """A pool of 3 passed then 5 failed, all ended by the agent (``done``), one step each; ``removed`` and
+    ``timed_out`` name the members a judge removed from the loss / the wall clock cut."""
+
+    def __init__(self, removed=(), timed_out=()):
+        self.removed, self.timed_out = set(removed), set(timed_out)
+
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+        out = []
+        for i, passed in enumerate([True] * 3 + [False] * 5):
+            t = Trajectory(task_id="a", reward=1.0 if passed else -1.0,
+                           termination_reason="time_budget" if i in self.timed_out else "done",
+                           metadata={"removed": "judge_failure"} if i in self.removed else {})
+            t.metadata["arrival"] = i
+            out.append(t)
+        return out[:group_size]
+
+
+def kept(harness, **cfg_kw):
+    cfg = RLConfig(group_size=4, bar_n_max=8, bar_stride=8, use_bar=True, tasks_per_step=1, **cfg_kw)
+    [group], generated = asyncio.run(rollout_groups({"bash": harness}, None, ["a"], ["bash"], cfg, RolloutConfig()))
+    return [t.metadata["arrival"] for t in group.trajectories], len(generated)
+
+
+def test_bar_never_picks_a_judge_removed_rollout():
+    # Without removals BAR keeps k = 2 positives of n = 4 (band {2}, as above); all end "done" with equal length,
+    # so arrival decides: positives 0, 1 and negatives 3, 4.
+    assert kept(Judged()) == ([0, 1, 3, 4], 8)
+    # The judge removed positive 0, which BAR would have picked: the candidates are positives 1, 2 and negatives
+    # 3..7, so BAR keeps 1, 2, 3, 4: still 4 members that all train, 2 of them positive. The removed rollout
+    # stays among the generated (8: it spent budget and is counted as removed).
+    assert kept(Judged(removed={0})) == ([1, 2, 3, 4], 8)
+    # A removed negative likewise: negatives 4, 5 fill in for 3.
+    assert kept(Judged(removed={3})) == ([0, 1, 4, 5], 8)
+
+
+def test_bar_never_picks_a_timeout_the_group_drops():
+    # Positives 0 and 1 timed out: BAR ranks truncated members last, but with only positive 2 left besides them a
+    # balanced set (2 positives) would need one. Dropped timeouts are no candidates: 1 positive, 5 negatives, no
+    # balanced set within the budget -> relaxed: k+ in [max(0, 4 - 5), min(4, 1)] = [0, 1] nearest 2 -> 1, so
+    # positive 2 and negatives 3, 4, 5.
+    assert kept(Judged(timed_out={0, 1})) == ([2, 3, 4, 5], 8)
+    # Kept when the config keeps timeouts (drop_timeouts=False): the band is met, with the terminated positive 2
+    # first and then timed-out 0 (truncated, earlier arrival).
+    assert kept(Judged(timed_out={0, 1}), drop_timeouts=False) == ([0, 2, 3, 4], 8)
