@@ -94,7 +94,9 @@ JS = LossTerm("js_opd", 1.0, {"lam": 0.5})  # JS on-policy distillation, lambda 
 # rl.variant -> the composition. The OPD rows score every rollout batch with rl.teacher (rl_stage(teacher=)); the
 # RPR row judges every rollout (JudgedRollouts: reward = outcome + rubric_weight * rubric, judge failures removed
 # from the loss). Pure OPD runs without BAR and without the group filter (no outcome term to balance or to need
-# signal); the rows with an outcome term keep both: our reading of the paper's tables.
+# signal); the GRPO rows on the outcome keep both: our reading of the paper's tables. RPR runs on plain groups with
+# the group filter: BAR balances resolved against unresolved rollouts and drops a group with no resolved one, which
+# is exactly the group whose only signal is the rubric (our reading: the process reward is there to teach those).
 RL_VARIANTS: dict[str, RLVariant] = {
     #              objective                             reward     BAR    teacher judge
     "grpo_bar":    RLVariant((POLICY,),                  "outcome", True),
@@ -102,7 +104,7 @@ RL_VARIANTS: dict[str, RLVariant] = {
     "opd_k3":      RLVariant((LossTerm("k3_opd", 1.0),), "outcome", False, True),
     "opd_js":      RLVariant((JS,),                      "outcome", False, True),
     "opd_js_grpo": RLVariant((POLICY, JS),               "outcome", True,  True),
-    "rpr":         RLVariant((POLICY,),                  "outcome", True,  False,  True),  # the judge folds R in
+    "rpr":         RLVariant((POLICY,),                  "outcome", False, False,  True),  # the judge folds R in
 }
 # The variant sets these; the config loader refuses them.
 DERIVED = {**stages.derived_keys("sft", "rl"), "rl.use_bar": "rl.variant", "rl.reward": "rl.variant",
@@ -189,9 +191,9 @@ class JudgeConfig:
 class SWERLConfig(RLConfig):
     variant: str = "grpo_bar"
     """The RL composition, a row of RL_VARIANTS: grpo_bar (GRPO + BAR on the outcome); opd_k2, opd_k3, opd_js (on-
-    policy distillation from rl.teacher), opd_js_grpo (JS + GRPO, the paper's best), rpr (GRPO + BAR on outcome +
-    rubric process reward from rl.judge). It sets use_bar, reward, train.objective (and group_filter none for pure
-    OPD)."""
+    policy distillation from rl.teacher), opd_js_grpo (JS + GRPO, the paper's best), rpr (GRPO on outcome +
+    rubric process reward from rl.judge, on plain groups: BAR would drop the all-failed groups the rubric grades).
+    It sets use_bar, reward, train.objective (and group_filter none for pure OPD)."""
     filter: TaskFilterConfig = field(default_factory=TaskFilterConfig)
     """The task filter before RL."""
     teacher: OPDTeacherConfig = field(default_factory=OPDTeacherConfig)

@@ -170,6 +170,31 @@ def test_bar_groups_positive_ratios_by_hand():
     assert row == {"step": 1, "pool_positive_ratio": 1 / 6, "kept_positive_ratio": 0.25}
 
 
+def test_rpr_trains_the_all_failed_groups_bar_would_drop():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import asyncio
+
+    from swe import SWERLConfig
+
+    from orchard.data import Trajectory
+    from orchard.stages import RolloutConfig, rollout_groups
+
+    async def unresolved(engine, tasks, *, group_size, temperature, max_tokens=None):
+        # None resolved; the judge graded their processes 0.8, 0.2, 0.6, 0.4 (reward = -1 + 0.5 x rubric).
+        return [Trajectory(task_id=str(task), reward=-1.0 + 0.5 * r, reward_components={"outcome": 0.0})
+                for task in tasks for r in (0.8, 0.2, 0.6, 0.4, 0.8, 0.2, 0.6, 0.4)[:group_size]]
+
+    def kept(variant):
+        cfg = SWERLConfig(variant=variant, group_size=4, bar_n_max=8, bar_stride=8, tasks_per_step=1)
+        groups, _ = asyncio.run(rollout_groups({"bash": unresolved}, None, ["a"], ["bash"], cfg, RolloutConfig()))
+        return [len(g.trajectories) for g in groups if g.trajectories]
+
+    # BAR: 0 of 8 resolved -> no balanced set, the group is dropped, its rubric signal (rewards -0.6 .. -0.9) lost.
+    assert kept("grpo_bar") == []
+    # RPR on plain groups: the 4 rollouts asked for train (the group filter sees four different rewards).
+    assert kept("rpr") == [4]
+
+
 def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("swe_recipe", ROOT / "recipes/swe.py")
     swe = importlib.util.module_from_spec(spec)
