@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from orchard.domains.gui import BROWSER_MEMORY, BrowserSession
+from orchard.domains.gui._host import CHROMIUM_ARGS
 from orchard.domains.gui.sites import shop_catalog
 from orchard.env import SandboxClient, SandboxError
 from orchard.env.embedded import serve
@@ -236,6 +237,57 @@ def test_bad_arguments_are_error_observations(browser):
 def test_one_browser_per_sandbox(browser):
     with pytest.raises(SandboxError, match="a browser is already running in this sandbox"):
         BrowserSession(browser.sandbox)
+
+
+def chromium_kinds(uid: int) -> list[str]:
+    """The --type of every Chromium process of a uid, sorted ("browser" for the one without); Chromium rewrites
+    its children's command lines into one string, hence the split on spaces."""
+    kinds = []
+    for entry in sandbox_processes(uid):
+        pid, name = entry.split()
+        if name != "chromium":
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().split()
+        except OSError:
+            continue  # gone meanwhile
+        kind = next((a[len("--type="):] for a in argv if a.startswith("--type=")), "browser")
+        kinds.append(kind + ("-webui" if "--top-chrome-webui" in argv else ""))
+    return sorted(kinds)
+
+
+def test_one_renderer_for_every_tab_and_no_helper_processes(browser):
+    # CHROMIUM_ARGS (memory, issue 19): no GPU process (in-process), no network utility (in-process), no
+    # spare renderer, no omnibox WebUI renderer, one renderer however many tabs. Playwright's defaults gave
+    # browser, gpu-process, 2 renderers, a WebUI renderer, 2 utilities and 2 zygotes.
+    browser.reset(SHOP)
+    obs = browser.step("new_tab", {"url": FORMS})
+    assert obs.error is None and len(obs.tabs) == 2
+    assert chromium_kinds(browser.uid) == ["browser", "renderer", "utility", "zygote", "zygote"]
+    assert browser.step("close_tab").error is None
+
+
+def test_chromium_args_keep_playwright_own_features():
+    # Chromium keeps only the last --disable-features / --enable-features: ours must repeat Playwright's
+    from playwright.sync_api import sync_playwright
+
+    _require_browser()
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, chromium_sandbox=False,
+                                              args=list(CHROMIUM_ARGS))
+        try:
+            # Playwright's driver (a child of this process) starts the browser process (the one without --type)
+            argvs = [Path(f"/proc/{e.split()[0]}/cmdline").read_bytes().split(b"\0")
+                     for e in sandbox_processes(os.getuid()) if e.split()[1] == "chromium"]
+            mine = [a for a in argvs if "CDPScreenshotNewSurface,SkipListAccountsWithoutGaiaCookies,NetworkService"
+                    in b" ".join(a).decode(errors="replace") and not any(x.startswith(b"--type=") for x in a)]
+        finally:
+            chromium.close()
+    assert len(mine) == 1
+    for switch in ("--disable-features=", "--enable-features="):
+        values = [set(a.decode()[len(switch):].split(",")) for a in mine[0] if a.decode().startswith(switch)]
+        assert len(values) == 2, values  # Playwright's, then ours (the one Chromium keeps)
+        assert values[0] <= values[1], values[0] - values[1]
 
 
 def test_a_crashed_browser_is_an_env_error_and_delete_leaves_no_process(client):
