@@ -267,6 +267,13 @@ def test_one_renderer_for_every_tab_and_no_helper_processes(browser):
     assert browser.step("close_tab").error is None
 
 
+def parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0  # gone
+
+
 def test_chromium_args_keep_playwright_own_features():
     # Chromium keeps only the last --disable-features / --enable-features: ours must repeat Playwright's
     from playwright.sync_api import sync_playwright
@@ -276,11 +283,11 @@ def test_chromium_args_keep_playwright_own_features():
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, chromium_sandbox=False,
                                               args=list(CHROMIUM_ARGS))
         try:
-            # Playwright's driver (a child of this process) starts the browser process (the one without --type)
-            argvs = [Path(f"/proc/{e.split()[0]}/cmdline").read_bytes().split(b"\0")
-                     for e in sandbox_processes(os.getuid()) if e.split()[1] == "chromium"]
-            mine = [a for a in argvs if "CDPScreenshotNewSurface,SkipListAccountsWithoutGaiaCookies,NetworkService"
-                    in b" ".join(a).decode(errors="replace") and not any(x.startswith(b"--type=") for x in a)]
+            # the browser process: a child of Playwright's driver, which is a child of this process (other
+            # browsers of this uid may run meanwhile)
+            mine = [Path(f"/proc/{e.split()[0]}/cmdline").read_bytes().split(b"\0")
+                    for e in sandbox_processes(os.getuid())
+                    if e.split()[1] == "chromium" and parent(parent(int(e.split()[0]))) == os.getpid()]
         finally:
             chromium.close()
     assert len(mine) == 1
