@@ -1,6 +1,7 @@
 """What does a GUI tool step cost through the sandbox service, and how many browsers fit at once?
 
-1. One tool step (a click, then the screenshot the agent sees) on the same page, two ways, in the same run:
+1. One tool step (a click, then the screenshot the agent sees) on the same page, two ways, in the same run,
+   alternating step by step with both browsers open (so a load that drifts weighs on both alike):
 
     direct    Playwright in this process drives a local Chromium on the sites served here      the baseline
     service   BrowserSession.step("click", ...) in a sandbox of the embedded service           what a user pays
@@ -11,7 +12,7 @@
 
 2. Browsers alive at once: open `--browsers` sessions one after another, keep them all open, and take each
    sandbox's memory as the proportional set size (PSS, shared pages split among their users) of its uid's
-   processes. Target: >= 8 browsers at <= 250 MiB each.
+   processes, from /proc/<pid>/smaps_rollup, also by process kind. Target: >= 8 browsers at <= 250 MiB each.
 
     python benchmarks/gui_env.py                    # 30 steps each, 8 browsers
 """
@@ -58,42 +59,48 @@ def p50(samples: list[float]) -> float:
     return statistics.median(samples) * 1000
 
 
-def direct_steps(n: int, x: int, y: int) -> list[float]:
+def steps(client: SandboxClient, n: int) -> tuple[list[float], list[float]]:
+    """`n` timed steps each way, alternating service and direct step by step, both browsers open at once: a
+    load that changes during the run (a shared machine) weighs on both ways alike."""
     from playwright.sync_api import sync_playwright
 
     from orchard.domains.gui._host import Host
 
     server = serve_sites(Sites(0), 0)
-    url = f"http://127.0.0.1:{server.server_address[1]}{PAGE}"
-    with sync_playwright() as pw:
+    with BrowserSession.open(client, seed=0, text_view=True) as browser, sync_playwright() as pw:
+        x, y = centre(browser.reset(BrowserSession.url(PAGE)).text, TARGET)
         host = Host(pw, "/usr/bin/chromium", 1280, 720)
-        host.goto(host.page, url)
-        times = []
+        host.goto(host.page, f"http://127.0.0.1:{server.server_address[1]}{PAGE}")
+        service, direct = [], []
         for _ in range(n + 3):
+            start = time.perf_counter()
+            obs = browser.step("click", {"x": x, "y": y}, text_view=False)
+            service.append(time.perf_counter() - start)
+            assert obs.error is None and obs.screenshot, obs.error
             start = time.perf_counter()
             host.page.mouse.click(x, y)
             host.settle(1)
             host.page.screenshot(type="png")
-            times.append(time.perf_counter() - start)
+            direct.append(time.perf_counter() - start)
         host.browser.close()
     server.shutdown()
-    return times[3:]
+    return service[3:], direct[3:]
 
 
-def service_steps(client: SandboxClient, n: int) -> tuple[list[float], tuple[int, int]]:
-    with BrowserSession.open(client, seed=0, text_view=True) as browser:
-        x, y = centre(browser.reset(BrowserSession.url(PAGE)).text, TARGET)
-        times = []
-        for _ in range(n + 3):
-            start = time.perf_counter()
-            obs = browser.step("click", {"x": x, "y": y}, text_view=False)
-            times.append(time.perf_counter() - start)
-            assert obs.error is None and obs.screenshot, obs.error
-    return times[3:], (x, y)
+def process_kind(argv: list[str]) -> str:
+    """python (the host), node (Playwright's driver), chromium:<--type> ("chromium" is the browser process)."""
+    if not argv:
+        return "?"
+    name = Path(argv[0]).name
+    kind = next((a[len("--type="):] for a in argv if a.startswith("--type=")), None)
+    if "chromium" not in name and kind is None:
+        return "python" if name.startswith("python") else name
+    return "chromium" if kind is None else f"chromium:{kind}"
 
 
-def pss_mib(uid: int) -> float:
-    total = 0
+def pss_by_kind(uid: int) -> dict[str, float]:
+    """MiB of proportional set size of a uid's processes, by process kind."""
+    kinds: dict[str, float] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -101,10 +108,13 @@ def pss_mib(uid: int) -> float:
             if entry.stat().st_uid != uid:
                 continue
             rollup = (entry / "smaps_rollup").read_text()
+            # Chromium rewrites its children's command lines into one string: split on spaces too
+            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
         except OSError:
             continue
-        total += next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
-    return total / 1024
+        pss = next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
+        kinds[process_kind(argv)] = kinds.get(process_kind(argv), 0.0) + pss / 1024
+    return kinds
 
 
 def main() -> None:
@@ -114,9 +124,8 @@ def main() -> None:
     args = parser.parse_args()
     print(machine())
     with serve(reap_interval_s=1.0) as (url, key), SandboxClient(url, key) as client:
-        service, (x, y) = service_steps(client, args.n)
-        direct = direct_steps(args.n, x, y)
-        print(f"\none tool step (click + screenshot), {args.n} steps each, p50 / p90 ms")
+        service, direct = steps(client, args.n)
+        print(f"\none tool step (click + screenshot), {args.n} steps each, alternating, p50 / p90 ms")
         print(f"{'way':<10}{'p50':>8}{'p90':>8}")
         for name, samples in (("direct", direct), ("service", service)):
             print(f"{name:<10}{p50(samples):>8.1f}{statistics.quantiles(samples, n=10)[-1] * 1000:>8.1f}")
@@ -129,13 +138,17 @@ def main() -> None:
                 session.reset(BrowserSession.url("/shop/"))
                 sessions.append(session)
             alive = sum(s.observe().env_error is None for s in sessions)
-            memory = [pss_mib(s.uid) for s in sessions]
+            kinds = [pss_by_kind(s.uid) for s in sessions]
         finally:
             for s in sessions:
                 s.close()
+        memory = [sum(k.values()) for k in kinds]
         print(f"\n{alive} of {args.browsers} browsers alive at once (opened in {time.perf_counter() - start:.0f} s); "
               f"PSS per browser (host + Playwright driver + Chromium) MiB: mean {statistics.mean(memory):.0f}, "
               f"max {max(memory):.0f} (target >= 8 at <= 250)")
+        print(f"{'process (per browser)':<28}{'PSS MiB':>8}")
+        for kind in sorted({k for ks in kinds for k in ks}, key=lambda k: -sum(ks.get(k, 0.0) for ks in kinds)):
+            print(f"{kind:<28}{statistics.mean(ks.get(kind, 0.0) for ks in kinds):>8.1f}")
 
 
 if __name__ == "__main__":

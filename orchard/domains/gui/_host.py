@@ -84,16 +84,46 @@ _WATCH_JS = """(() => {
 _SETTLED_JS = "() => document.readyState === 'complete' && !window.__orchardLeaving && 1 + (window.__orchardOpened || 0)"
 
 
+# Chromium keeps only the last --disable-features / --enable-features switch, so ours repeat Playwright's own
+# (1.65's chromiumSwitches; tests/domains/gui/test_gui_browser.py checks that none is lost).
+_PLAYWRIGHT_DISABLED_FEATURES = (
+    "AvoidUnnecessaryBeforeUnloadCheckSync", "DestroyProfileOnBrowserClose", "HttpsUpgrades",
+    "HttpsFirstBalancedModeAutoEnable", "LensOverlay", "MediaRouter", "PaintHolding", "ThirdPartyStoragePartitioning",
+    "AvoidCorsURLLoaderRestartOnRedirect", "TcpPortRandomizationWin", "OptimizationHints",
+    "NetworkTimeServiceQuerying", "AimEnabled", "PreconnectToSearch", "msForceBrowserSignIn",
+    "msEdgeUpdateLaunchServicesPreferredVersion")
+_PLAYWRIGHT_ENABLED_FEATURES = ("CDPScreenshotNewSurface", "SkipListAccountsWithoutGaiaCookies")
+# Memory: one headless browser per sandbox, on sites of one origin, and nothing of Chromium's own UI on screen
+# (screenshots are the page's). Measured per process in benchmarks/README.md (issue 19).
+CHROMIUM_ARGS = (
+    "--disable-dev-shm-usage",  # /dev/shm is small or absent in a sandbox
+    "--disable-gpu", "--in-process-gpu",  # no GPU: software compositing in the browser process, not a process of its own
+    # one renderer for every tab, and no spare one kept warm: the sites are one origin, so site isolation
+    # (whose job is to keep origins apart) would only add processes; the sandbox isolates the whole browser
+    "--renderer-process-limit=1", "--disable-site-isolation-trials",
+    "--disable-features=" + ",".join((*_PLAYWRIGHT_DISABLED_FEATURES,
+                                      "IsolateOrigins", "site-per-process", "SpareRendererForSitePerProcess",
+                                      # new headless mode preloads the (invisible) omnibox's WebUI renderer
+                                      "PreloadTopChromeWebUI", "WebUIOmniboxPopup", "WebUIOmniboxAimPopup",
+                                      "WebUIOmniboxFullPopup")),
+    # the network stack in the browser process, not a utility process of its own
+    "--enable-features=" + ",".join((*_PLAYWRIGHT_ENABLED_FEATURES, "NetworkServiceInProcess2")),
+)
+"""Chromium's switches besides Playwright's: `--no-sandbox` (Playwright's, from ``chromium_sandbox=False``: the
+sandbox's bubblewrap isolates Chromium, and Chromium's own sandbox needs namespaces not available inside it),
+and these, each cutting a process or memory (issue 19)."""
+NODE_OPTIONS = "--max-semi-space-size=1"
+"""The Playwright driver's (Node) V8 young generation in MiB per semi-space (default 16): about 10 MiB less
+resident; the driver allocates little besides the screenshots, which go to the large-object space."""
+
+
 class Host:
     """The browser, its tabs and the sites of one sandbox."""
 
     def __init__(self, playwright: Any, chromium: str, width: int, height: int) -> None:
         self.width, self.height = width, height
-        self.browser = playwright.chromium.launch(
-            executable_path=chromium,
-            # the sandbox already isolates Chromium (bubblewrap), and its own sandbox needs namespaces that
-            # are not available inside ours; /dev/shm is small or absent in a sandbox
-            chromium_sandbox=False, args=["--disable-dev-shm-usage", "--disable-gpu"])
+        self.browser = playwright.chromium.launch(executable_path=chromium, chromium_sandbox=False,
+                                                  args=list(CHROMIUM_ARGS))
         self.context = self.browser.new_context(viewport={"width": width, "height": height})
         self.context.add_init_script(_WATCH_JS)
         self.active = 0
@@ -371,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as exc:
         send({"hello": False, "env_error": f"playwright is not importable in the sandbox: {exc}"})
         return
+    # the driver inherits this process's environment
+    os.environ["NODE_OPTIONS"] = f"{os.environ.get('NODE_OPTIONS', '')} {NODE_OPTIONS}".strip()
     with sync_playwright() as playwright:
         host, launch_error = None, None
         try:

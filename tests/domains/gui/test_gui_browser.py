@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from orchard.domains.gui import BROWSER_MEMORY, BrowserSession
+from orchard.domains.gui._host import CHROMIUM_ARGS
 from orchard.domains.gui.sites import shop_catalog
 from orchard.env import SandboxClient, SandboxError
 from orchard.env.embedded import serve
@@ -238,15 +239,74 @@ def test_one_browser_per_sandbox(browser):
         BrowserSession(browser.sandbox)
 
 
+def chromium_kinds(uid: int) -> list[str]:
+    """The --type of every Chromium process of a uid, sorted ("browser" for the one without); Chromium rewrites
+    its children's command lines into one string, hence the split on spaces."""
+    kinds = []
+    for entry in sandbox_processes(uid):
+        pid, name = entry.split()
+        if name != "chromium":
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().split()
+        except OSError:
+            continue  # gone meanwhile
+        kind = next((a[len("--type="):] for a in argv if a.startswith("--type=")), "browser")
+        kinds.append(kind + ("-webui" if "--top-chrome-webui" in argv else ""))
+    return sorted(kinds)
+
+
+def test_one_renderer_for_every_tab_and_no_helper_processes(browser):
+    # CHROMIUM_ARGS (memory, issue 19): no GPU process (in-process), no network utility (in-process), no
+    # spare renderer, no omnibox WebUI renderer, one renderer however many tabs. Playwright's defaults gave
+    # browser, gpu-process, 2 renderers, a WebUI renderer, 2 utilities and 2 zygotes.
+    browser.reset(SHOP)
+    obs = browser.step("new_tab", {"url": FORMS})
+    assert obs.error is None and len(obs.tabs) == 2
+    assert chromium_kinds(browser.uid) == ["browser", "renderer", "utility", "zygote", "zygote"]
+    assert browser.step("close_tab").error is None
+
+
+def parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0  # gone
+
+
+def test_chromium_args_keep_playwright_own_features():
+    # Chromium keeps only the last --disable-features / --enable-features: ours must repeat Playwright's
+    from playwright.sync_api import sync_playwright
+
+    _require_browser()
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, chromium_sandbox=False,
+                                              args=list(CHROMIUM_ARGS))
+        try:
+            # the browser process: a child of Playwright's driver, which is a child of this process (other
+            # browsers of this uid may run meanwhile)
+            mine = [Path(f"/proc/{e.split()[0]}/cmdline").read_bytes().split(b"\0")
+                    for e in sandbox_processes(os.getuid())
+                    if e.split()[1] == "chromium" and parent(parent(int(e.split()[0]))) == os.getpid()]
+        finally:
+            chromium.close()
+    assert len(mine) == 1
+    for switch in ("--disable-features=", "--enable-features="):
+        values = [set(a.decode()[len(switch):].split(",")) for a in mine[0] if a.decode().startswith(switch)]
+        assert len(values) == 2, values  # Playwright's, then ours (the one Chromium keeps)
+        assert values[0] <= values[1], values[0] - values[1]
+
+
 def test_a_crashed_browser_is_an_env_error_and_delete_leaves_no_process(client):
     session = BrowserSession.open(client)
     try:
         assert session.reset(SHOP).env_error is None
         uid = session.uid
-        chromium = [int(p.split()[0]) for p in sandbox_processes(uid) if p.split()[1] == "chromium"]
-        assert chromium, sandbox_processes(uid)
-        # the browser process is the first Chromium started (lowest pid in a fresh pid range)
-        os.kill(min(chromium), signal.SIGKILL)
+        # Chromium's browser process: the one chromium without a --type= switch (renderers, zygotes and
+        # utilities all have one); its pid is not always the lowest once pids wrap around
+        [pid] = [int(p.split()[0]) for p in sandbox_processes(uid) if p.split()[1] == "chromium"
+                 and b"--type=" not in Path(f"/proc/{p.split()[0]}/cmdline").read_bytes()]
+        os.kill(pid, signal.SIGKILL)
         obs = session.step("click", {"x": 10, "y": 10})
         assert obs.env_error is not None and obs.screenshot == b""
         assert session.step("wait", {"seconds": 0}).env_error == obs.env_error  # and so it stays

@@ -1,13 +1,18 @@
 """The GUI policy's rollouts in a real headless Chromium in real sandboxes: a policy replaying the teacher's tool
 calls solves the task (checker and programmatic judge agree), malformed turns end the run as format_error with -1,
-and no sandbox is left (about a minute; one browser at a time)."""
+a browser killed in the middle of an episode makes it an env_error (unscored, untrained) while the loop goes on,
+and no sandbox or browser process is left (about a minute; one browser at a time)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import json
+import os
 import shutil
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +102,69 @@ def test_malformed_turns_end_the_run_as_format_error(client, tokenizer):
     assert traj.reward == -1.0 and not traj.passed and traj.metadata["reward_reason"] == "format_failure"
     assert traj.metadata["site_state"]["captcha_hits"] == 0
     assert client.list_sandboxes() == []
+
+
+def uid_processes(uid):
+    """pid -> command line of every process running as `uid` (each sandbox has a uid of its own)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                # Chromium rewrites its children's argv into one string: split on spaces too
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").split()
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+def chromium_browser_pid(uid):
+    """Chromium's browser process: the one without a --type= (renderers, zygotes and utilities all have one)."""
+    [pid] = [pid for pid, argv in uid_processes(uid).items()
+             if argv and argv[0].endswith(b"chromium") and not any(a.startswith(b"--type=") for a in argv)]
+    return pid
+
+
+def test_a_browser_killed_mid_episode_is_an_env_error_and_the_loop_goes_on(client, tokenizer):
+    crashed, fine = make_task("info_fact", 5), make_task("shop_cart", 3)
+    rollouts = gui_rollouts(client, tokenizer, max_steps=5, concurrency=1, start_jitter_s=0.0, progress=False,
+                            seed=0)
+    opened = []
+    create = rollouts.client.create
+
+    async def recording_create(**spec):
+        opened.append(await create(**spec))
+        return opened[-1]
+
+    rollouts.client.create = recording_create
+    answers = iter([
+        call("scroll", direction="down", amount=0.5),  # the crashed episode's first step works
+        "kill",  # before its second: SIGKILL the sandbox's Chromium (its browser process), then a valid step
+        call("done", response="0"),  # the next episode, in a fresh sandbox, runs as usual
+    ])
+
+    def script(prompt):
+        answer = next(answers)
+        if answer == "kill":
+            os.kill(chromium_browser_pid(opened[0].browser.uid), signal.SIGKILL)
+            answer = call("scroll", direction="up", amount=0.5)
+        return answer
+
+    judged = JudgedGUIRollouts(rollouts, ProgrammaticJudge(tokenizer))
+    first, second = asyncio.run(judged(ScriptedEngine(tokenizer, script), [crashed, fine], group_size=1,
+                                       temperature=1.0))
+    # the killed browser: an environment failure after 2 model calls, never a reward (not even 0), no sample,
+    # and not sent to the judge
+    assert first.termination_reason == "env_error" and first.metadata["steps"] == 2, first.metadata
+    assert "the browser is gone" in first.metadata["error"]
+    assert first.reward is None and not first.valid and first.samples == []
+    assert "judge" not in first.metadata and judged.stats["rl/judged"] == 1.0
+    # the loop went on: the next episode ended by done and was scored (a wrong answer for the cart task: 0)
+    assert second.termination_reason == "done" and second.reward == 0.0 and second.samples
+    assert client.list_sandboxes() == []
+    deadline = time.monotonic() + 15.0  # the sandbox's pid namespace ends with its bubblewrap, asynchronously
+    while uid_processes(opened[0].browser.uid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert uid_processes(opened[0].browser.uid) == {}
 
 
 def test_arguments_are_checked(client, tokenizer):
