@@ -383,6 +383,20 @@ async def test_pty_command_runs_to_eof(workspace_dir, mode):
     await pty.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_pty_burst_arrives_in_few_messages(workspace_dir, mode):
+    agent = make_agent(workspace_dir, mode)
+    pty = await agent.open_pty("head -c 60000 /dev/zero | tr '\\0' x; exit 0")
+    assert await pty.wait() == 0  # the burst is written; the reader has queued what it saw meanwhile
+    chunks = [c async for c in pty.read()]
+    await pty.close()
+    assert b"".join(chunks) == b"x" * 60000
+    # A terminal read returns at most 4095 bytes: 60,000 bytes were >= 15 messages, one per read. Reading on while
+    # more waits, and sending what is queued together (up to 64 KiB), makes them 1, or 2-3 if the burst was still
+    # arriving when the first message left.
+    assert len(chunks) <= 3, [len(c) for c in chunks]
+
+
 # -- isolation (bubblewrap) -----------------------------------------------------------------------------
 
 

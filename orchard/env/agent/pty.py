@@ -106,19 +106,29 @@ class LocalPty:
             self._reading = False
 
     def _on_readable(self) -> None:
-        try:
-            data = os.read(self._master, _READ_SIZE)
-        except BlockingIOError:
-            return
-        except OSError:  # EIO: every slave fd is closed, the terminal's processes are gone
-            data = b""
-        if not data:
+        # A terminal hands out at most a line discipline's buffer (4095 bytes) per read: read on while more is
+        # waiting, so a burst of output (a screenshot's frame) travels as one message, not one per 4 KiB.
+        chunks: list[bytes] = []
+        size, eof = 0, False
+        while size < _READ_SIZE:
+            try:
+                data = os.read(self._master, _READ_SIZE - size)
+            except BlockingIOError:
+                break
+            except OSError:  # EIO: every slave fd is closed, the terminal's processes are gone
+                data = b""
+            if not data:
+                eof = True
+                break
+            chunks.append(data)
+            size += len(data)
+        if chunks:
+            self._queue.put_nowait(b"".join(chunks))
+        if eof:
             self._eof = True
             self._pause_reading()
             self._queue.put_nowait(None)
-            return
-        self._queue.put_nowait(data)
-        if self._queue.qsize() >= _QUEUE_CHUNKS:
+        elif self._queue.qsize() >= _QUEUE_CHUNKS:
             self._pause_reading()
 
     async def read(self) -> AsyncIterator[bytes]:
@@ -128,6 +138,13 @@ class LocalPty:
             if chunk is None:
                 self._queue.put_nowait(None)  # later readers see the end too
                 return
+            # What else is already queued goes with it (up to one read's size): one message instead of many.
+            while len(chunk) < _READ_SIZE and not self._queue.empty():
+                more = self._queue.get_nowait()
+                if more is None:
+                    self._queue.put_nowait(None)  # the end stays last; the next get returns it
+                    break
+                chunk += more
             if self._queue.qsize() < _QUEUE_CHUNKS // 2:
                 self._resume_reading()
             yield chunk
