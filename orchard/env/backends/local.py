@@ -54,6 +54,7 @@ from orchard.env.agent.isolation import (
 )
 from orchard.env.agent.pty import LocalPty
 from orchard.env.backends.base import (
+    SHARED_MOUNT,
     BackendError,
     CapacityError,
     ExecRequest,
@@ -80,8 +81,6 @@ _GITCONFIG = """[user]
 \temail = sandbox@orchard.invalid
 """
 _PATCH_MOUNT = "/.orchard-workspace"
-SHARED_MOUNT = "/.orchard-shared"
-"""Where the service's shared folders appear in every sandbox (bubblewrap): ``SHARED_MOUNT/<name>``, read-only."""
 _SECRET_DIRS = ("/etc", "/root", "/home", "/proc", "/sys", "/dev", "/run", "/boot", "/var/run")
 """Shared folders may neither lie under nor contain these (credentials, keys, other users' files)."""
 _SECRET_NAMES = frozenset({".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".netrc", ".git-credentials",
