@@ -613,8 +613,11 @@ class Isolation:
                 args += ["--tmpfs", h]
             if self.home is not None:
                 args += ["--bind", self.home, "/home"]
-            for src, dst in (*self.ro_files, *self.ro_dirs):
+            for src, dst in self.ro_files:
                 args += ["--ro-bind", src, dst]
+            for src, dst in self.ro_dirs:
+                # the mount point's parents would be bubblewrap's (root's 0700 when started as root)
+                args += ["--perms", "0755", "--dir", os.path.dirname(dst), "--ro-bind", src, dst]
             if self.box_binary is not None:
                 args += ["--ro-bind", self.box_binary, BOX_MOUNT]
             # sticky and world-writable, as on a normal system (a root-started bubblewrap would make them
