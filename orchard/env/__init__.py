@@ -7,6 +7,7 @@ when used (`orchard.env.embedded.serve`, `orchard env serve`).
 from orchard.env.client import (
     AsyncSandbox,
     AsyncSandboxClient,
+    AsyncSandboxPool,
     FileEntry,
     JobResult,
     PatchResult,
@@ -31,6 +32,7 @@ from orchard.env.errors import (
 __all__ = [
     "AsyncSandbox",
     "AsyncSandboxClient",
+    "AsyncSandboxPool",
     "AuthError",
     "BadRequestError",
     "ConflictError",

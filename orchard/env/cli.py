@@ -10,7 +10,7 @@ import signal
 import tempfile
 from typing import Any
 
-from orchard.env.embedded import API_KEY_ENV, BACKENDS, run_forever
+from orchard.env.embedded import API_KEY_ENV, BACKENDS, SHARED_HELP, parse_shared, run_forever
 
 KUBERNETES = "kubernetes"
 KUBERNETES_FACTORY = "orchard.env.backends.kubernetes:from_environment"
@@ -51,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="where the state lives: sqlite (a file in the state directory) or redis://host:port/db, "
                        f"shared by every replica started with the same URL (pip install 'orchard[redis]'); "
                        f"${STORE_ENV} sets the default")
+    serve.add_argument("--shared", action="append", default=[], help=SHARED_HELP)
     serve.add_argument("--max-concurrent-execs", type=int, default=64, help="execs running at once")
     serve.add_argument("--max-pending-execs", type=int, default=None,
                        help="execs allowed to wait for a slot before 503 (None: unbounded)")
@@ -91,7 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
                     allow_weak_isolation=args.allow_weak_isolation, log_level=args.log_level,
                     max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
                     heartbeat_timeout_s=args.heartbeat_timeout, store=args.store,
-                    replica_lease_s=args.replica_lease, reap_interval_s=args.reap_interval)
+                    replica_lease_s=args.replica_lease, reap_interval_s=args.reap_interval,
+                    shared=parse_shared(args.shared))
     except OSError as exc:
         if exc.errno not in _BIND_ERRORS:
             raise

@@ -49,6 +49,7 @@ READY_PREFIX = "SANDBOX_BASE_URL="
 KEY_PREFIX = "SANDBOX_API_KEY="
 """The lines the service prints once it listens: the variables the clients read (`export` them as printed)."""
 BACKENDS = ("local", "local-per-command", "local-process-group")
+SHARED_HELP = "name=dir: a host folder bound read-only at /.orchard-shared/<name> in every sandbox (repeatable)"
 
 
 @dataclass
@@ -67,20 +68,24 @@ class EmbeddedService:
         return iter((self.url, self.api_key))
 
 
-def make_backend(root_dir: Path, backend: str = "local", *, allow_weak_isolation: bool = False) -> Backend:
+def make_backend(root_dir: Path, backend: str = "local", *, allow_weak_isolation: bool = False,
+                 shared: dict[str, str] | None = None) -> Backend:
     """The backend named by `backend`: "local" (LocalBackend under `root_dir/sandboxes`, commands run by
     each sandbox's box), "local-per-command" (the same with a bubblewrap per command, `box=False`),
     "local-process-group" (the process-group fallback, without trying bubblewrap) or "module:factory", a
-    callable taking the sandboxes directory. `allow_weak_isolation` goes to the LocalBackend (see there)."""
+    callable taking the sandboxes directory. `allow_weak_isolation` and `shared` go to the LocalBackend (see
+    there); a "module:factory" backend takes no `shared`."""
     sandboxes = Path(root_dir) / "sandboxes"
     if backend in BACKENDS:
         from orchard.env.backends.local import LocalBackend
 
         return LocalBackend(sandboxes, box=backend == "local", allow_weak_isolation=allow_weak_isolation,
-                            use_bwrap=False if backend == "local-process-group" else None)
+                            use_bwrap=False if backend == "local-process-group" else None, shared=shared)
     module, _, attr = backend.partition(":")
     if not module or not attr:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or 'module:factory', got {backend!r}")
+    if shared:
+        raise ValueError(f"shared folders need a local backend, got backend {backend!r}")
     return getattr(importlib.import_module(module), attr)(sandboxes)
 
 
@@ -122,7 +127,7 @@ def _run(main: Any) -> None:
 
 
 def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any], log_level: str,
-            allow_weak_isolation: bool, store: str = "sqlite") -> Any:
+            allow_weak_isolation: bool, store: str = "sqlite", shared: dict[str, str] | None = None) -> Any:
     with requires_extra("env"):
         import uvicorn
 
@@ -138,7 +143,7 @@ def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any],
     if store == "sqlite":
         os.close(os.open(state, os.O_CREAT | os.O_WRONLY, 0o600))
     state_store = open_store(store, state)  # before the backend: a bad --store fails without side effects
-    made = make_backend(root_dir, backend, allow_weak_isolation=allow_weak_isolation)
+    made = make_backend(root_dir, backend, allow_weak_isolation=allow_weak_isolation, shared=shared)
     if getattr(made, "isolation", None) == "process-group":
         print(f"WARNING: sandboxes are not isolated ({getattr(made, 'isolation_warning', '')}); "
               + ("they run as process groups on the host (--allow-weak-isolation)" if allow_weak_isolation
@@ -164,6 +169,7 @@ def serve(
     startup_timeout_s: float = 30.0,
     allow_weak_isolation: bool = False,
     store: str = "sqlite",
+    shared: dict[str, str | os.PathLike[str]] | None = None,
     **orchestrator_options: Any,
 ) -> Iterator[EmbeddedService]:
     """Run the embedded service for the duration of the `with` block.
@@ -181,6 +187,8 @@ def serve(
             `block_network: false`). Default False: such a create is refused with 501.
         store: "sqlite" (the embedded default: `root_dir/state.sqlite3`) or a `redis://host:port/db` URL, the
             state shared by every replica given the same URL (needs the `[redis]` extra).
+        shared: service-level folders, name -> host directory, bound read-only at `/.orchard-shared/<name>`
+            in every sandbox (`LocalBackend`'s `shared`; `--shared name=dir`).
         orchestrator_options: keyword arguments of `Orchestrator` (e.g. `heartbeat_timeout_s=60`).
     """
     api_key = api_key or secrets.token_urlsafe(24)
@@ -189,14 +197,15 @@ def serve(
             root_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="orchard-env-"))
         root = Path(root_dir)
         serve_in = _serve_thread if in_process else _serve_child
+        folders = {name: os.fspath(path) for name, path in (shared or {}).items()}
         yield from serve_in(root, host, port, api_key, backend, log_level, startup_timeout_s,
-                            allow_weak_isolation, store, orchestrator_options)
+                            allow_weak_isolation, store, folders, orchestrator_options)
 
 
 def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
-                  startup_timeout_s: float, allow_weak_isolation: bool, store: str,
+                  startup_timeout_s: float, allow_weak_isolation: bool, store: str, shared: dict[str, str],
                   options: dict[str, Any]) -> Iterator[EmbeddedService]:
-    server = _server(root, api_key, backend, options, log_level, allow_weak_isolation, store)
+    server = _server(root, api_key, backend, options, log_level, allow_weak_isolation, store, shared)
     sock = _bind(host, port)
     failure: list[BaseException] = []
 
@@ -224,13 +233,15 @@ def _serve_thread(root: Path, host: str, port: int, api_key: str, backend: str, 
 
 
 def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, log_level: str,
-                 startup_timeout_s: float, allow_weak_isolation: bool, store: str,
+                 startup_timeout_s: float, allow_weak_isolation: bool, store: str, shared: dict[str, str],
                  options: dict[str, Any]) -> Iterator[EmbeddedService]:
     argv = [sys.executable, "-m", "orchard.env.embedded", "--root", str(root), "--host", host, "--port",
             str(port), "--backend", backend, "--log-level", log_level, "--parent-pid", str(os.getpid()),
             "--store", store]
     if allow_weak_isolation:
         argv.append("--allow-weak-isolation")
+    for name, folder in shared.items():
+        argv += ["--shared", f"{name}={folder}"]
     for name, value in options.items():
         argv += ["--option", f"{name}={value}"]
     env = {**os.environ, API_KEY_ENV: api_key}  # not on the command line: /proc/*/cmdline is world-readable
@@ -275,6 +286,17 @@ def _parse_option(text: str) -> tuple[str, Any]:
     return name, value
 
 
+def parse_shared(items: list[str]) -> dict[str, str]:
+    """``--shared name=dir`` values as the `shared` mapping of `serve` (ValueError for one without ``=``)."""
+    shared = {}
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--shared must be name=dir, got {item!r}")
+        shared[name] = folder
+    return shared
+
+
 def parse_printed(line: str, prefix: str) -> str:
     """The value of a `NAME=value` line the service printed (`prefix` is "NAME="; the value is shell-quoted
     where it needs to be, so that the line can be exported as is)."""
@@ -286,10 +308,11 @@ def parse_printed(line: str, prefix: str) -> str:
 
 def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                 backend: str = "local", log_level: str = "warning", parent_pid: int | None = None,
-                allow_weak_isolation: bool = False, store: str = "sqlite", **orchestrator_options: Any) -> None:
+                allow_weak_isolation: bool = False, store: str = "sqlite", shared: dict[str, str] | None = None,
+                **orchestrator_options: Any) -> None:
     """Serve in the foreground until SIGINT/SIGTERM; first prints `SANDBOX_BASE_URL=...` and
     `SANDBOX_API_KEY=...` lines (what `orchard env serve` shows: the variables the clients read, quoted for a
-    shell where they need to be). `allow_weak_isolation`, `store`: see `serve`.
+    shell where they need to be). `allow_weak_isolation`, `store`, `shared`: see `serve`.
 
     With ``parent_pid``, also shut down (gracefully: sandboxes' processes are ended) once this process is no
     longer that process's child — the parent died, even by SIGKILL, which leaves it no chance to stop us.
@@ -299,7 +322,7 @@ def run_forever(root_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
         print(f"WARNING: binding {host}, not loopback: anyone who can reach it and holds the key can run "
               "commands in its sandboxes", file=sys.stderr, flush=True)
     server = _server(Path(root_dir), api_key, backend, orchestrator_options, log_level, allow_weak_isolation,
-                     store)
+                     store, shared)
     sock = _bind(host, port)
     # What exists now (modules, the app, its schemas) lives as long as the process: leaving it out of the
     # garbage collector's full passes saves ~2 % of the CPU per request. Not in `serve()`'s thread: that
@@ -337,11 +360,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit when this process is no longer our parent (serve() passes its own pid)")
     parser.add_argument("--allow-weak-isolation", action="store_true",
                         help="create block_network sandboxes even without bubblewrap (their network is open)")
+    parser.add_argument("--shared", action="append", default=[], help=SHARED_HELP)
     args = parser.parse_args(argv)
     options = dict(_parse_option(o) for o in args.option)
+    shared = parse_shared(args.shared)
     run_forever(args.root, host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV),
                 backend=args.backend, log_level=args.log_level, parent_pid=args.parent_pid,
-                allow_weak_isolation=args.allow_weak_isolation, store=args.store, **options)
+                allow_weak_isolation=args.allow_weak_isolation, store=args.store, shared=shared, **options)
     return 0
 
 

@@ -412,3 +412,49 @@ def test_image_registry_resolution(tmp_path, caplog):
         ImageRegistry(fallback="nope")
     with pytest.raises(ValueError, match="images_dir"):
         ImageRegistry(images_dir=tmp_path / "missing")
+
+
+def test_shared_folders_that_would_expose_secrets_are_refused(root_dir, tmp_path):
+    fine = tempfile.mkdtemp(prefix="orchard-shared-")
+    try:
+        os.makedirs(os.path.join(fine, "sub"))
+        # each entry: a path every sandbox would read, and the word the refusal names
+        for folder, why in (("/", "would show"), ("/etc", "would show"), ("/etc/ssl", "would show"),
+                            (os.path.expanduser("~"), "would show"), (root_dir, "would show"),
+                            (os.path.dirname(root_dir), "would show"), (fine + "/nope", "existing directory")):
+            with pytest.raises(ValueError, match=r"shared\['tools'\].*" + why):
+                LocalBackend(root_dir, use_bwrap=False, shared={"tools": folder})
+        os.symlink(root_dir, os.path.join(fine, "sub", "link"))  # a link into the service: resolved, refused
+        with pytest.raises(ValueError, match="would show"):
+            LocalBackend(root_dir, use_bwrap=False, shared={"tools": os.path.join(fine, "sub", "link")})
+        os.makedirs(os.path.join(fine, "sub", ".ssh"))
+        with pytest.raises(ValueError, match=r"\.ssh.*credential"):
+            LocalBackend(root_dir, use_bwrap=False, shared={"tools": fine})
+        with pytest.raises(ValueError, match="shared names"):
+            LocalBackend(root_dir, use_bwrap=False, shared={"../x": tmp_path})
+    finally:
+        shutil.rmtree(fine)
+
+
+@needs_bwrap
+async def test_a_shared_folder_is_read_only_in_every_sandbox(root_dir):
+    folder = tempfile.mkdtemp(prefix="orchard-shared-")
+    try:
+        os.chmod(folder, 0o755)
+        with open(os.path.join(folder, "tool.txt"), "w") as f:
+            f.write("one copy\n")
+        os.chmod(os.path.join(folder, "tool.txt"), 0o644)
+        b = LocalBackend(root_dir, use_bwrap=True, shared={"tools": folder})
+        assert b.health()["shared"] == {"tools": "/.orchard-shared/tools"}
+        for sid in ("a", "b"):
+            await b.create(sid, SandboxSpec())
+            r = await b.exec(sid, ExecRequest("cat /.orchard-shared/tools/tool.txt; "
+                                              "echo x > /.orchard-shared/tools/tool.txt || echo refused; "
+                                              "touch /.orchard-shared/tools/new || echo refused"))
+            assert r.stdout == b"one copy\nrefused\nrefused\n", r
+        with open(os.path.join(folder, "tool.txt")) as f:
+            assert f.read() == "one copy\n"
+        assert sorted(os.listdir(folder)) == ["tool.txt"]
+        await b.close()
+    finally:
+        shutil.rmtree(folder)

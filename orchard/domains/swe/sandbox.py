@@ -2,14 +2,18 @@
 it (`score_sandbox`), through the async sandbox client (``orchard.env.AsyncSandboxClient``'s sandboxes).
 
 Before the episode: the instance's repository (its ``files``, or its ``repo_dir`` without ``.git``) is unpacked
-in the sandbox's workspace (its working directory, ``/workspace`` under bubblewrap), git is initialised with one
-commit (so ``git diff`` against it is the agent's patch), and ``python3 -m pytest`` works: where the image's
-python has no pytest (the host image here: the development virtualenv's interpreter lies under a home the
-sandbox's uid cannot enter), pytest and its dependencies, copied from this process's environment (pure Python),
-go into the sandbox user's site directory as one zip with their bytecode (`pytest_bundle`). All of that is one
-command; whether the image has pytest, and where its user site lies, is asked once per service, image and
-python and remembered by this process. The sandbox is created by the caller, with the network blocked (the
-client's default); nothing here needs the network.
+in the sandbox's workspace (its working directory, ``/workspace`` under bubblewrap) with its git repository of one
+commit (so ``git diff`` against it is the agent's patch) already built: `base_archive` runs ``git init`` and the
+commit on this host once per instance (cached by instance id and content hash), so the sandbox only unpacks.
+And ``python3 -m pytest`` works: where the image's python has no pytest (the host image here: the development
+virtualenv's interpreter lies under a home the sandbox's uid cannot enter), pytest and its dependencies (pure
+Python) come as one zip with their bytecode (`pytest_bundle`), put on the sandbox user's path by a ``.pth`` file
+in its site directory. The zip is read where every sandbox of the service sees it, read-only, when the service
+shares a folder named ``orchard-pytest`` holding it (`write_pytest_bundle`; ``serve(shared={"orchard-pytest":
+folder})``, on Kubernetes an image layer or volume at the same path); else it is sent with the command into the
+user site. All of that is one command; whether the image has pytest, where its user site lies and what the
+shared folder holds is asked once per service, image and python and remembered by this process. The sandbox is
+created by the caller, with the network blocked (the client's default); nothing here needs the network.
 
 After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent's patch counts:
 
@@ -20,9 +24,9 @@ After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent
 3. the test files ``test_patch`` touches are reset to their base version (a patch that edited the tests loses
    those edits), then ``test_patch`` is applied;
 4. ``FAIL_TO_PASS`` + ``PASS_TO_PASS`` run with one pytest under a timeout, with the user site directory off
-   (pytest comes from the image, or from a copy of the zip in the command's own ``/tmp`` whose SHA-256 matches
-   this process's bundle, else from a fresh copy sent with the command: never from where the agent could have
-   written): resolved iff every one passes.
+   (pytest comes from the image, or from the service's read-only shared folder, or from a copy of the zip in the
+   command's own ``/tmp`` whose SHA-256 matches this process's bundle, else from a fresh copy sent with the
+   command: never from where the agent could have written): resolved iff every one passes.
 
 Step 1 is one command and steps 2-4 another (the base, both patches and, when needed, pytest travel in one tar
 on its standard input). A patch that does not apply, or a run that times out or crashes, is the policy's failure
@@ -42,17 +46,22 @@ import importlib.metadata
 import importlib.util
 import io
 import marshal
+import os
 import re
-import shlex
+import subprocess
 import sys
 import tarfile
+import tempfile
+import threading
 import zipfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.testrun import PYTEST_ENV, parse_test_results, pytest_argv
+from orchard.env.backends.base import SHARED_MOUNT
 from orchard.rollout.harness import EnvironmentFailure
 
 PYTHON = "python3"
@@ -74,6 +83,12 @@ MAX_PATCH_BYTES = 16 << 20
 _BUNDLE = "orchard-pytest"
 """The zip in the sandbox user's site directory, and the ``.pth`` file there that puts it on ``sys.path``."""
 
+SHARED_PYTEST = "orchard-pytest"
+"""The name of the service's shared folder that holds `pytest_bundle` (see `write_pytest_bundle`)."""
+
+BASE_CACHE_BYTES = 256 << 20
+"""`base_archive` keeps the most recently used archives up to this many bytes in all."""
+
 _INPUTS = """set -o pipefail
 t=$(mktemp -d) || exit 1
 trap 'rm -rf "$t"' EXIT
@@ -81,22 +96,20 @@ base64 -d | tar -xf - -C "$t" || { echo "unpacking the command's inputs failed" 
 """
 """The command's standard input, a base64 tar of its inputs, unpacked in a fresh temporary directory ``$t``."""
 
-_GIT_BASE = """{ tar -xzf "$t/repo.tar.gz" --no-same-owner -C . && git init -q --template= . && mkdir -p .git/info &&
-  printf %s EXCLUDE > .git/info/exclude && git add -A &&
-  git -c commit.gpgsign=false commit -q --no-verify --allow-empty -m base; } >&2 || exit 1
-""".replace("EXCLUDE", shlex.quote(EXCLUDE))
-"""The base commit from ``$t/repo.tar.gz`` (an empty template: no sample hooks to copy; git's output kept off
-standard output)."""
+_GIT_BASE = """tar -xzf "$t/repo.tar.gz" --no-same-owner -C . >&2 || exit 1
+"""
+"""The base commit from ``$t/repo.tar.gz``, `base_archive`: the files and their ``.git``, built on the host."""
 
 _PREPARE = _INPUTS + _GIT_BASE + f"""if [ -f "$t/pytest.zip" ]; then
   {{ mkdir -p "$ORCHARD_SITE" && mv "$t/pytest.zip" "$ORCHARD_SITE/{_BUNDLE}.zip" &&
     printf '%s\\n' "$ORCHARD_SITE/{_BUNDLE}.zip" > "$ORCHARD_SITE/{_BUNDLE}.pth"; }} >&2 || exit 1
+elif [ -n "${{ORCHARD_PYTEST:-}}" ]; then
+  {{ mkdir -p "$ORCHARD_SITE" && printf '%s\\n' "$ORCHARD_PYTEST" > "$ORCHARD_SITE/{_BUNDLE}.pth"; }} >&2 || exit 1
 fi
 if [ -n "${{ORCHARD_CHECK:-}}" ]; then "$ORCHARD_PYTHON" -c "import pytest" >&2 || exit 1; fi
-git rev-parse HEAD
 """
-"""`prepare_sandbox`'s one command: the base commit; pytest in the user site ``$ORCHARD_SITE`` when it was sent; the
-import checked when ``$ORCHARD_CHECK`` is set."""
+"""`prepare_sandbox`'s one command: the base commit; pytest in the user site ``$ORCHARD_SITE`` when it was sent, or
+a ``.pth`` there naming the shared copy ``$ORCHARD_PYTEST``; the import checked when ``$ORCHARD_CHECK`` is set."""
 
 _TESTS, _PATCH_FAILED, _PYTEST_MISSING = "orchard: tests", "orchard: patch-failed", "orchard: pytest-missing"
 """The scoring command's first output line: the step it reached (absent: a set-up step failed)."""
@@ -109,7 +122,9 @@ while IFS= read -r f; do
   if git cat-file -e HEAD:"$f" 2>/dev/null; then git checkout -q HEAD -- "$f"; else rm -rf -- "$f"; fi >&2 || exit 1
 done < "$t/reset"
 if [ -s "$t/test.patch" ]; then git apply --binary "$t/test.patch" >&2 || exit 1; fi
-if [ -n "${{ORCHARD_SHA:-}}" ]; then
+if [ -n "${{ORCHARD_PYTEST:-}}" ]; then
+  export PYTHONPATH="$ORCHARD_PYTEST${{PYTHONPATH:+:$PYTHONPATH}}"
+elif [ -n "${{ORCHARD_SHA:-}}" ]; then
   if [ ! -f "$t/pytest.zip" ]; then
     cp -- "$ORCHARD_SITE/{_BUNDLE}.zip" "$t/pytest.zip" 2>/dev/null || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
     [ "$(sha256sum < "$t/pytest.zip" 2>/dev/null | cut -c1-64)" = "$ORCHARD_SHA" ] || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
@@ -120,8 +135,9 @@ echo "{_TESTS}"
 "$@"
 """
 """`score_sandbox`'s second command (steps 2-4): the base again, the agent's patch, the test files reset
-(the lines of ``$t/reset``), ``test_patch``, and the tests (its arguments). ``$ORCHARD_SHA`` set: pytest comes from the bundle, the copy
-in the user site when its hash is ``$ORCHARD_SHA``, else ``pytest.zip`` sent with the inputs."""
+(the lines of ``$t/reset``), ``test_patch``, and the tests (its arguments). ``$ORCHARD_PYTEST`` set: pytest comes
+from the service's read-only shared copy there. ``$ORCHARD_SHA`` set: from the bundle, the copy in the user site
+when its hash is ``$ORCHARD_SHA``, else ``pytest.zip`` sent with the inputs."""
 
 _DIFF = ("base=$(git rev-list --max-parents=0 HEAD | tail -n 1) && git add -A && "
          "git diff --cached --binary --no-color --no-ext-diff \"$base\"")
@@ -200,6 +216,73 @@ def repository_archive(instance: SWEInstance) -> bytes:
     return buffer.getvalue()
 
 
+_BASES: OrderedDict[tuple[str, str], tuple[bytes, str]] = OrderedDict()
+"""`base_archive`'s cache: (instance id, SHA-256 of the repository archive) -> (archive with ``.git``, commit)."""
+_BASES_LOCK = threading.Lock()
+
+
+def _build_base(plain: bytes) -> tuple[bytes, str]:
+    """Unpack ``plain`` (a `repository_archive`) here, commit it as the sandbox used to, and tar the result."""
+    with tempfile.TemporaryDirectory(prefix="orchard-swe-base-") as tmp:
+        work = Path(tmp) / "repo"
+        work.mkdir()
+        with tarfile.open(fileobj=io.BytesIO(plain), mode="r:gz") as tar:
+            tar.extractall(work, filter="tar")
+        # Nothing of this process's git environment (GIT_DIR, GIT_INDEX_FILE, a global config) may leak in.
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, **GIT_ENV}
+
+        def git(*args: str) -> str:
+            run = subprocess.run(["git", *args], cwd=work, env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"building the base commit on this host failed: git {args[0]}: "
+                                   f"{run.stderr[-300:]}")
+            return run.stdout
+
+        git("init", "-q", "--template=", ".")  # an empty template: no sample hooks
+        (work / ".git" / "info").mkdir(exist_ok=True)
+        (work / ".git" / "info" / "exclude").write_text(EXCLUDE)
+        git("add", "-A")
+        git("-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "--allow-empty", "-m", "base")
+        commit = git("rev-parse", "HEAD").strip()
+
+        def owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            return info
+
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+            for entry in sorted(work.iterdir()):
+                tar.add(entry, entry.name, filter=owned_by_nobody)
+    return buffer.getvalue(), commit
+
+
+def base_archive(instance: SWEInstance) -> tuple[bytes, str]:
+    """The repository at its base commit with its git repository, as a gzipped tar, and the commit's hash.
+
+    Built on this host once per instance (``git init``, ``git add -A``, one commit with `GIT_ENV`'s fixed identity
+    and date, so the hash depends on the files alone) and cached by instance id and the SHA-256 of its
+    `repository_archive`: an instance whose files changed, or another instance under the same id, gets its own
+    build, never another's (most recently used first, up to `BASE_CACHE_BYTES`). The sandbox only unpacks it.
+
+    Raises:
+        ValueError: ``instance`` is not a SWEInstance.
+        RuntimeError: this host's git failed.
+    """
+    plain = repository_archive(instance)
+    key = (instance.instance_id, hashlib.sha256(plain).hexdigest())
+    with _BASES_LOCK:
+        if key in _BASES:
+            _BASES.move_to_end(key)
+            return _BASES[key]
+    built = _build_base(plain)
+    with _BASES_LOCK:
+        _BASES[key] = built
+        while sum(len(archive) for archive, _ in _BASES.values()) > BASE_CACHE_BYTES and len(_BASES) > 1:
+            _BASES.popitem(last=False)
+    return built
+
+
 def _pytest_distributions() -> list[importlib.metadata.Distribution]:
     """pytest and the distributions it requires (markers aside, those installed here), sorted by name."""
     found: dict[str, importlib.metadata.Distribution] = {}
@@ -265,12 +348,45 @@ def _bundle_sha256() -> str:
     return hashlib.sha256(pytest_bundle()).hexdigest()
 
 
+def _shared_bundle_name() -> str:
+    return f"pytest-{_bundle_sha256()[:16]}.zip"
+
+
+def write_pytest_bundle(directory: str | os.PathLike[str]) -> str:
+    """Write `pytest_bundle` into ``directory`` (made if missing, world-readable) under a name that carries its
+    hash, and return the file's path. Share ``directory`` with the sandboxes as ``SHARED_PYTEST``
+    (``serve(shared={SHARED_PYTEST: directory})``): `prepare_sandbox` then sends no pytest, and every sandbox
+    reads this one read-only copy. A bundle of another environment (another hash) beside it is ignored.
+    """
+    if not isinstance(directory, str | os.PathLike):
+        raise ValueError(f"directory must be a path, got {type(directory).__name__}")
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    target = folder / _shared_bundle_name()
+    if not target.is_file():
+        tmp = folder / f".{target.name}.{os.getpid()}"
+        tmp.write_bytes(pytest_bundle())
+        tmp.chmod(0o644)
+        tmp.replace(target)
+    return str(target)
+
+
 @dataclass(frozen=True)
 class _ImageFacts:
     has_pytest: bool
     """The image's python imports pytest with the user site off."""
     user_site: str
     """The sandbox user's site directory, where the bundle goes when the image lacks pytest."""
+    shared: tuple[str, ...] = ()
+    """The file names in the service's shared ``SHARED_PYTEST`` folder (empty: no such folder)."""
+
+    @property
+    def shared_pytest(self) -> str:
+        """The path in the sandbox of this process's bundle in the shared folder ('' when it is not there)."""
+        if self.has_pytest or _shared_bundle_name() not in self.shared:
+            return ""
+        return f"{SHARED_MOUNT}/{SHARED_PYTEST}/{_shared_bundle_name()}"
 
 
 _FACTS: dict[tuple[str, str, str], _ImageFacts] = {}
@@ -288,16 +404,18 @@ async def _image_facts(sandbox: Any, python: str, timeout: float) -> _ImageFacts
     key = _facts_key(sandbox, python)
     if key in _FACTS:
         return _FACTS[key]
-    probe = "import site; print(site.getusersitepackages(), flush=True); import pytest"
+    folder = f"{SHARED_MOUNT}/{SHARED_PYTEST}"
+    probe = ("import os, site; print(site.getusersitepackages()); "
+             f"print(*sorted(os.listdir({folder!r})) if os.path.isdir({folder!r}) else [], flush=True); import pytest")
     # -I: neither the user site nor the working directory (the agent's) on the path
     result = await sandbox.exec([python, "-I", "-c", probe], timeout=timeout)
     if result.exit_code == 127:
         raise EnvironmentFailure(f"the sandbox has no {python}: {result.stderr[-300:]}")
-    site = result.stdout.strip()
+    site, _, shared = result.stdout.partition("\n")
     if not site.startswith("/"):
         raise EnvironmentFailure(f"{python} in the sandbox names no user site directory (exit "
                                  f"{result.exit_code}): {(result.stderr or result.stdout)[-300:]}")
-    _FACTS[key] = _ImageFacts(result.exit_code == 0, site)
+    _FACTS[key] = _ImageFacts(result.exit_code == 0, site.strip(), tuple(shared.split()))
     return _FACTS[key]
 
 
@@ -325,10 +443,11 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
                           python: str = PYTHON) -> str:
     """Put ``instance``'s repository at its base commit in the sandbox's workspace, with git and pytest.
 
-    One command (the repository, and pytest when the image lacks it, on its standard input), after one probe of
-    the image per service, image and python in this process.
+    One command (`base_archive`: the files and their ``.git``, built on this host once per instance; and pytest
+    when the image lacks it and the service shares no copy of it, on its standard input), after one probe of the
+    image per service, image and python in this process.
 
-    Returns the base commit's hash in the sandbox (not ``instance.base_commit``: the history is one commit).
+    Returns the base commit's hash (not ``instance.base_commit``: the history is one commit).
 
     Args:
         sandbox: a fresh sandbox (``AsyncSandbox``) with an empty workspace.
@@ -337,7 +456,7 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
         python: the sandbox's interpreter. Default "python3".
 
     Raises:
-        EnvironmentFailure: a set-up command failed (no git, tar or python in the image; pytest unusable).
+        EnvironmentFailure: a set-up command failed (no tar or python in the image; pytest unusable).
     """
     if not isinstance(instance, SWEInstance):
         raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
@@ -345,17 +464,20 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
         raise ValueError(f"timeout must be > 0, got {timeout!r}")
     facts = await _image_facts(sandbox, python, timeout)
     key = _facts_key(sandbox, python)
-    members: dict[str, bytes] = {"repo.tar.gz": repository_archive(instance)}
+    archive, commit = await asyncio.to_thread(base_archive, instance)  # git on this host the first time
+    members: dict[str, bytes] = {"repo.tar.gz": archive}
     env = {**GIT_ENV, "ORCHARD_SITE": facts.user_site, "ORCHARD_PYTHON": python}
-    if not facts.has_pytest:
+    if facts.shared_pytest:
+        env["ORCHARD_PYTEST"] = facts.shared_pytest
+    elif not facts.has_pytest:
         members["pytest.zip"] = await asyncio.to_thread(pytest_bundle)  # built once, seconds: off the loop
-        if key not in _CHECKED:
-            env["ORCHARD_CHECK"] = "1"
-    result = await _run(sandbox, ["bash", "-c", _PREPARE], "preparing the repository and pytest", timeout=timeout,
-                        stdin=_inputs(**members), env=env)
+    if not facts.has_pytest and key not in _CHECKED:
+        env["ORCHARD_CHECK"] = "1"
+    await _run(sandbox, ["bash", "-c", _PREPARE], "preparing the repository and pytest", timeout=timeout,
+               stdin=_inputs(**members), env=env)
     if "ORCHARD_CHECK" in env:
         _CHECKED.add(key)
-    return result.stdout.strip()
+    return commit
 
 
 def patched_paths(test_patch: str) -> list[str]:
@@ -402,12 +524,15 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     patch_ok = diff.exit_code == 0 and not diff.stdout_truncated
     patch = diff.stdout if patch_ok else ""
     facts = await _image_facts(sandbox, python, setup_timeout_s)
-    members: dict[str, bytes | str] = {"repo.tar.gz": repository_archive(instance), "agent.patch": patch,
+    archive, _ = await asyncio.to_thread(base_archive, instance)
+    members: dict[str, bytes | str] = {"repo.tar.gz": archive, "agent.patch": patch,
                                        "test.patch": instance.test_patch,
                                        "reset": "".join(f"{p}\n" for p in patched_paths(instance.test_patch))}
     # Step 4's environment: nothing from the agent's home on the path.
     env = {**GIT_ENV, **PYTEST_ENV, "PYTHONNOUSERSITE": "1", "ORCHARD_SITE": facts.user_site}
-    if not facts.has_pytest:
+    if facts.shared_pytest:
+        env["ORCHARD_PYTEST"] = facts.shared_pytest  # read-only for the agent: no copy, no hash to check
+    elif not facts.has_pytest:
         env["ORCHARD_SHA"] = await asyncio.to_thread(_bundle_sha256)
     run = None
     if patch_ok:

@@ -7,7 +7,7 @@ box, `orchard.env.agent.box_client`, which then starts the sandbox's commands; a
     bwrap --unshare-user --unshare-pid --unshare-net --unshare-ipc --unshare-uts --die-with-parent
           --new-session --tmpfs / <the image's top-level entries, read-only> --tmpfs <service dir>
           --bind <home> /home --ro-bind <passwd> /etc/passwd --ro-bind <group> /etc/group
-          [--ro-bind <compiled box> /.orchard-box] --proc /proc --dev /dev --tmpfs /tmp
+          [--ro-bind <shared folder> /.orchard-shared/<name> ...] [--ro-bind <compiled box> /.orchard-box] --proc /proc --dev /dev --tmpfs /tmp
           --bind <workspace> <mount> --remount-ro / --chdir <cwd> -- <command>
 
 started as the sandbox's own non-root uid (when the service is root, each sandbox gets a uid of its own, so
@@ -366,6 +366,8 @@ class Isolation:
             None makes the workspace the home.
         ro_files: (host file, sandbox path) pairs bound read-only over the image (e.g. an /etc/passwd that
             names the sandbox's uid); bubblewrap only.
+        ro_dirs: (host directory, sandbox path) pairs bound read-only (the backend's shared folders); the
+            sandbox path must lie where the image's top level has nothing; bubblewrap only.
         privileged: with bubblewrap, a root service and a sandbox uid: start bubblewrap as root (no user
             namespace; about half the CPU per command) and drop to the sandbox uid inside with the image's
             own setpriv and prlimit (`no_new_privs` and nosuid mounts keep set-uid programs inert). None
@@ -394,6 +396,7 @@ class Isolation:
         mark_prefix: str = "",
         home: str | None = None,
         ro_files: tuple[tuple[str, str], ...] = (),
+        ro_dirs: tuple[tuple[str, str], ...] = (),
         privileged: bool | None = None,
         box_binary: str | None = None,
     ) -> None:
@@ -418,6 +421,10 @@ class Isolation:
             if not os.path.isfile(src) or not dst.startswith("/"):
                 raise ValueError(f"ro_files needs (existing file, absolute path) pairs, got {(src, dst)!r}")
         self.ro_files = tuple(ro_files)
+        for src, dst in ro_dirs:
+            if not os.path.isdir(src) or not dst.startswith("/"):
+                raise ValueError(f"ro_dirs needs (existing directory, absolute path) pairs, got {(src, dst)!r}")
+        self.ro_dirs = tuple(ro_dirs)
         if box_binary is not None and not (os.path.isfile(box_binary) and os.access(box_binary, os.X_OK)):
             raise ValueError(f"box_binary must be an executable file, got {box_binary!r}")
         self.box_binary = box_binary if mode == BUBBLEWRAP else None
@@ -608,6 +615,9 @@ class Isolation:
                 args += ["--bind", self.home, "/home"]
             for src, dst in self.ro_files:
                 args += ["--ro-bind", src, dst]
+            for src, dst in self.ro_dirs:
+                # the mount point's parents would be bubblewrap's (root's 0700 when started as root)
+                args += ["--perms", "0755", "--dir", os.path.dirname(dst), "--ro-bind", src, dst]
             if self.box_binary is not None:
                 args += ["--ro-bind", self.box_binary, BOX_MOUNT]
             # sticky and world-writable, as on a normal system (a root-started bubblewrap would make them

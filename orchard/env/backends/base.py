@@ -14,6 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+SHARED_MOUNT = "/.orchard-shared"
+"""Where a backend's service-level shared folders appear in its sandboxes, read-only: ``SHARED_MOUNT/<name>``
+(the local backend's `shared`; on Kubernetes an image layer or a read-only volume mounted there)."""
+
 
 class BackendError(Exception):
     """A sandbox could not be created, reached or used (an environment failure, never a policy failure)."""

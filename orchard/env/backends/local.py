@@ -54,6 +54,7 @@ from orchard.env.agent.isolation import (
 )
 from orchard.env.agent.pty import LocalPty
 from orchard.env.backends.base import (
+    SHARED_MOUNT,
     BackendError,
     CapacityError,
     ExecRequest,
@@ -80,6 +81,12 @@ _GITCONFIG = """[user]
 \temail = sandbox@orchard.invalid
 """
 _PATCH_MOUNT = "/.orchard-workspace"
+_SECRET_DIRS = ("/etc", "/root", "/home", "/proc", "/sys", "/dev", "/run", "/boot", "/var/run")
+"""Shared folders may neither lie under nor contain these (credentials, keys, other users' files)."""
+_SECRET_NAMES = frozenset({".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".netrc", ".git-credentials",
+                           ".pypirc", ".env", "id_rsa", "id_ed25519", "credentials.json"})
+"""A shared folder holding an entry of one of these names is refused: every sandbox could read it."""
+_SHARED_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_UID_RANGE = (200_000, 65_536)
 """(first uid, count): the uids given to sandboxes when the service runs as root."""
 
@@ -172,6 +179,56 @@ def _check_traversable(root_dir: str) -> None:
             )
 
 
+def _check_readable_by_others(name: str, folder: str) -> None:
+    """Sandbox uids must reach a shared folder (every directory above it searchable, itself readable)."""
+    parts = PurePosixPath(folder).parts
+    for i in range(2, len(parts) + 1):
+        d = os.path.join(*parts[:i])
+        need = 0o005 if i == len(parts) else 0o001
+        if os.stat(d).st_mode & need != need:
+            raise ValueError(f"shared[{name!r}] = {folder!r} is not readable by the sandboxes' uids: {d!r} lacks "
+                             f"o+{'rx' if need == 0o005 else 'x'}")
+
+
+def _within(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def check_shared(shared: Mapping[str, str | os.PathLike[str]], root_dir: str) -> dict[str, str]:
+    """The shared folders as name -> real host path, or ValueError naming ``shared`` and the offending entry.
+
+    Refused: a name that is not a plain word (letters, digits, ``_.-``); a path that is not an existing
+    directory; ``/``; a path under or above a system or home directory (``/etc``, ``/root``, ``/home``, ``/proc``,
+    ``/sys``, ``/dev``, ``/run``, ``/boot``, this process's ``$HOME``) or the service's ``root_dir`` (its state and
+    every sandbox's files); a folder holding an entry named like a credential (``.ssh``, ``.aws``, ``.netrc``, ...).
+    Symlinks are resolved first, so a link cannot smuggle a refused path in.
+    """
+    if not isinstance(shared, Mapping):
+        raise ValueError(f"shared must be a mapping name -> directory, got {type(shared).__name__}")
+    home = os.path.realpath(os.path.expanduser("~"))
+    guarded = [*(os.path.realpath(d) for d in _SECRET_DIRS), home, os.path.realpath(root_dir)]
+    out: dict[str, str] = {}
+    for name, folder in shared.items():
+        if not isinstance(name, str) or not _SHARED_NAME_RE.match(name):
+            raise ValueError(f"shared names must match {_SHARED_NAME_RE.pattern}, got {name!r}")
+        if not isinstance(folder, str | os.PathLike):
+            raise ValueError(f"shared[{name!r}] must be a path, got {type(folder).__name__}")
+        path = os.path.realpath(os.fspath(folder))
+        if not os.path.isdir(path):
+            raise ValueError(f"shared[{name!r}] must be an existing directory, got {os.fspath(folder)!r}")
+        for guard in guarded:
+            if path == "/" or _within(path, guard) or _within(guard, path):
+                raise ValueError(f"shared[{name!r}] = {path!r} would show {guard!r} (or lie in it) to every "
+                                 "sandbox; share a directory of its own")
+        for top, dirs, files in os.walk(path):
+            secret = _SECRET_NAMES.intersection(dirs + files)
+            if secret:
+                raise ValueError(f"shared[{name!r}] holds {os.path.join(top, min(secret))!r}, which looks like "
+                                 "a credential; every sandbox could read it")
+        out[name] = path
+    return out
+
+
 class LocalBackend:
     """Sandboxes as workspace directories under `root_dir`, isolated with bubblewrap where it works.
 
@@ -202,6 +259,13 @@ class LocalBackend:
             command; False keeps a bubblewrap per command. Terminals always get a bubblewrap of their own.
             The box is the compiled one (`orchard.env.agent.box_build`, built once per machine with the C
             compiler and copied to `root_dir/.box/`) where it can be built, else the Python one.
+        shared: service-level shared folders, name -> host directory: each is bound read-only at
+            `SHARED_MOUNT/<name>` (``/.orchard-shared/<name>``) in every sandbox, so what all sandboxes need
+            (a tool, a package bundle, a data set) is on the host once instead of copied into each. Refused
+            (ValueError, see `check_shared`) for paths that would expose secrets or the service's own files.
+            Under bubblewrap only: the process-group fallback has no mount namespace and logs that it ignores
+            them. When the service runs as root the folders must be readable by others (the sandbox uids).
+            On Kubernetes an image layer or a read-only volume plays this role.
 
     Attributes:
         isolation: "bubblewrap" or "process-group" (report it on /health and with every sandbox).
@@ -228,6 +292,7 @@ class LocalBackend:
         max_sandboxes: int | None = None,
         box: bool = True,
         allow_weak_isolation: bool = False,
+        shared: Mapping[str, str | os.PathLike[str]] | None = None,
     ) -> None:
         if not isinstance(root_dir, str | os.PathLike):
             raise ValueError(f"root_dir must be a path, got {type(root_dir).__name__}")
@@ -253,6 +318,7 @@ class LocalBackend:
         self.allow_weak_isolation = allow_weak_isolation
         self.box = box
         self.root_dir = os.path.abspath(os.fspath(root_dir))
+        self.shared = check_shared(shared or {}, self.root_dir)
         os.makedirs(self.root_dir, exist_ok=True)
         os.chmod(self.root_dir, 0o711)
         self.is_root = os.geteuid() == 0
@@ -274,6 +340,12 @@ class LocalBackend:
         self._next_uid = 0
         self.isolation, self.isolation_warning = self._choose_isolation(use_bwrap)
         self.blocks_network = self.isolation == BUBBLEWRAP
+        if self.shared and self.isolation != BUBBLEWRAP:
+            logger.warning("shared folders %s are not mounted: sandboxes run in process groups, without a "
+                           "mount namespace", sorted(self.shared))  # fmt: skip
+        elif self.is_root:
+            for name, folder in self.shared.items():
+                _check_readable_by_others(name, folder)
         self._sweep_trash()
         self.box_binary = None
         if box and self.isolation == BUBBLEWRAP:
@@ -360,6 +432,8 @@ class LocalBackend:
             "per_sandbox_uid": self.is_root,
             "limits": asdict(self.default_limits),
             "images": self.images.names(),
+            "shared": {name: f"{SHARED_MOUNT}/{name}" for name in self.shared} if self.isolation == BUBBLEWRAP
+            else {},
         }
 
     # -- bookkeeping -------------------------------------------------------------------------------------
@@ -463,7 +537,8 @@ class LocalBackend:
             hide=(self.root_dir,),
             privileged=None if self.bwrap_as_root else False,
         )
-        own = dict(rootfs=image.rootfs, ro_files=ro_files, box_binary=self.box_binary)
+        shared = tuple((folder, f"{SHARED_MOUNT}/{name}") for name, folder in sorted(self.shared.items()))
+        own = dict(rootfs=image.rootfs, ro_files=ro_files, ro_dirs=shared, box_binary=self.box_binary)
         iso = Isolation(ws, **own, **common)  # type: ignore[arg-type]
         host_iso = None
         if image.rootfs != "/":

@@ -3,11 +3,27 @@ and the reward: the gold patch resolves (also once committed), no patch and a pa
 edits the tests to pass does not (the SWE-bench reset), and a deleted sandbox raises instead of scoring."""
 
 import asyncio
+import dataclasses
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
 
 import pytest
 
 from orchard.domains.swe.generator import make_instance
-from orchard.domains.swe.sandbox import patched_paths, prepare_sandbox, score_sandbox
+from orchard.domains.swe.sandbox import (
+    GIT_ENV,
+    SHARED_PYTEST,
+    base_archive,
+    patched_paths,
+    prepare_sandbox,
+    repository_archive,
+    score_sandbox,
+    write_pytest_bundle,
+)
 from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.env.embedded import serve
 from orchard.env.errors import SandboxError
@@ -175,3 +191,58 @@ def test_one_command_prepares_two_score_and_the_agent_cannot_fake_the_run(servic
     assert fake_score == 3 and not faked.resolved and faked.patch == "" and not any(faked.fail_to_pass.values())
     assert all(faked.pass_to_pass.values())  # the real pytest ran: what passes at the base passed
     assert not exited.resolved and exited.patch_applied and exited.details["exit_code"] == 127
+
+
+def test_the_base_commit_is_built_once_per_instance_on_the_host(tmp_path):
+    instance = make_instance("graph", 2, level=1)
+    archive, commit = base_archive(instance)
+    assert base_archive(instance)[0] is archive  # cached: the same bytes, no second git run
+    # the hash git gives these files committed as the sandbox did before (fixed identity and date)
+    repo = tmp_path / "repo"
+    with tarfile.open(fileobj=io.BytesIO(repository_archive(instance))) as tar:
+        tar.extractall(repo, filter="tar")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **GIT_ENV}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, env=env, capture_output=True, text=True)
+    assert commit == head.stdout.strip()
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        names = tar.getnames()
+    assert ".git/HEAD" in names and ".git/index" in names and ".git/hooks" not in names
+    # another instance under the same id (its files changed) never gets this build
+    changed = dataclasses.replace(instance, files={**instance.files, "NOTES.md": "changed\n"})
+    assert changed.instance_id == instance.instance_id and base_archive(changed)[1] != commit
+
+
+def test_a_shared_pytest_is_read_in_place_and_never_sent():
+    instance = make_instance("graph", 2, level=1)
+    folder = tempfile.mkdtemp(prefix="orchard-swe-pytest-")
+    shared_zip = write_pytest_bundle(folder)
+    sent = []
+
+    class Recording(CountingSandbox):
+        async def exec(self, *args, **kwargs):
+            sent.append(len(kwargs.get("stdin") or ""))
+            return await super().exec(*args, **kwargs)
+
+    async def main(url, key):
+        async with AsyncSandboxClient(url, key) as client, await client.create() as raw:
+            sandbox = Recording(raw)
+            await prepare_sandbox(sandbox, instance)
+            view = await sandbox.exec("cat ~/.local/lib/python3*/site-packages/orchard-pytest.pth; "
+                                      "ls ~/.local/lib/python3*/site-packages; python3 -m pytest --version")
+            assert (await sandbox.exec(["git", "apply", "-"], stdin=instance.patch)).exit_code == 0
+            return view, await score_sandbox(sandbox, instance, timeout_s=60)
+
+    try:
+        with serve(shared={SHARED_PYTEST: folder}) as svc:
+            view, verdict = asyncio.run(main(svc.url, svc.api_key))
+    finally:
+        shutil.rmtree(folder)
+    lines = view.stdout.splitlines()
+    # the .pth names the service's copy; no zip in the user site
+    assert lines[0] == f"/.orchard-shared/orchard-pytest/{os.path.basename(shared_zip)}"
+    assert lines[1:3] == ["orchard-pytest.pth", "pytest " + pytest.__version__], view
+    assert verdict.resolved
+    # probe, prepare, the check run by the agent's view, apply, diff, score: nothing near the 3 MB bundle
+    assert max(sent) < 100_000, sent

@@ -1,0 +1,77 @@
+"""The warm pool against the real service: sandboxes made and started ahead, handed out and replaced, the idle
+ones deleted on close (also while a refill is in flight), none leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchard.env import AsyncSandboxClient, AsyncSandboxPool
+from orchard.env.embedded import serve
+
+# A file in the home (outside the workspace) shows the warm command ran, so the sandbox's box has started (the
+# local backend starts it with the first command and keeps it until delete).
+WARM = ["sh", "-c", "echo started > ~/.warm"]
+
+
+@pytest.fixture(scope="module")
+def service():
+    with serve() as svc:
+        yield svc
+
+
+async def ids(client):
+    return {s["sandbox_id"] for s in await client.list_sandboxes()}
+
+
+async def test_the_pool_hands_out_started_sandboxes_refills_and_deletes_the_idle_on_close(service):
+    async with AsyncSandboxClient(service.url, service.api_key) as client:
+        pool = AsyncSandboxPool(client, 2, warm_command=WARM)
+        async with pool:
+            await pool.wait_filled()
+            ahead = await ids(client)
+            assert pool.idle == 2 and len(ahead) == 2
+            taken = [await pool.acquire() for _ in range(3)]  # two from the pool, the third created at once
+            assert {s.sandbox_id for s in taken[:2]} == ahead
+            for sandbox in taken[:2]:
+                assert (await sandbox.exec("cat ~/.warm")).stdout == "started\n"
+                assert (await sandbox.exec(["ls", "-A"])).stdout == ""  # an empty workspace, as a fresh one
+            assert (await taken[2].exec("cat ~/.warm")).exit_code != 0  # not from the pool
+            await pool.wait_filled()
+            # 3 handed out + 2 made again (each acquire tops the pool up to 2, never beyond)
+            assert pool.idle == 2 and len(await ids(client)) == 3 + 2
+        assert await ids(client) == {s.sandbox_id for s in taken}  # closed: the idle two deleted
+        with pytest.raises(RuntimeError, match="closed"):
+            await pool.acquire()
+        for sandbox in taken:
+            await sandbox.delete()
+        assert await ids(client) == set()
+
+
+async def test_closing_while_refilling_leaks_nothing(service):
+    async with AsyncSandboxClient(service.url, service.api_key) as client:
+        pool = AsyncSandboxPool(client, 3)
+        pool.start()
+        await pool.aclose()  # three creations in flight: each is deleted once made
+        assert pool.idle == 0 and await ids(client) == set()
+        await pool.aclose()
+
+
+async def test_a_failed_warm_command_is_never_handed_out(service):
+    async with AsyncSandboxClient(service.url, service.api_key) as client:
+        async with AsyncSandboxPool(client, 2, warm_command=["false"]) as pool:
+            await pool.wait_filled()
+            assert pool.idle == 0 and pool.failures == 2 and await ids(client) == set()
+            sandbox = await pool.acquire()  # created directly
+            assert (await sandbox.exec(["true"])).exit_code == 0
+            await sandbox.delete()
+            await pool.wait_filled()  # the refill acquire started failed as well
+            assert pool.failures == 4
+        assert await ids(client) == set()
+
+
+def test_pool_arguments_are_checked():
+    client = AsyncSandboxClient("http://127.0.0.1:9", "k")
+    for kwargs, name in (({"size": -1}, "size"), ({"size": True}, "size"), ({"size": 1, "warm_command": "true"},
+                         "warm_command"), ({"size": 1, "sandbox_id": "a"}, "sandbox_id")):
+        with pytest.raises(ValueError, match=name):
+            AsyncSandboxPool(client, **kwargs)
