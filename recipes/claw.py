@@ -39,13 +39,10 @@ this script saves is partitioned: use ZeRO-2 here.
 
 from __future__ import annotations
 
-import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from orchard import stages
 from orchard._cli import run_main
@@ -57,8 +54,8 @@ from orchard.domains.claw.text_rollout import ClawTextRollouts
 from orchard.env import AsyncSandboxClient
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
-from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
-from orchard.stages.ranks import Ranks, barrier, init_ranks
+from orchard.stages.policy import ModelConfig, load_policy, make_engine
+from orchard.stages.ranks import Ranks, init_ranks
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
 
@@ -156,64 +153,38 @@ def claw_harnesses(cfg: ClawConfig, tokenizer: Any, client: AsyncSandboxClient) 
 
 
 async def run(cfg: ClawConfig) -> dict[str, Any]:
-    out = Path(cfg.output_dir)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     ranks = init_ranks()
+    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval, ranks=ranks)
     train_tasks, rl_pool, heldout = task_pools(cfg)
-    log = stages.RunLog(out, enabled=ranks.is_main)
     model, tokenizer = load_policy(cfg.model, tokenizer_corpus(train_tasks), seed=cfg.seed)
     engine = rollout_engine(cfg, model, tokenizer, ranks)
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    sft_history: list[dict[str, float]] = []
-    rl_history: list[dict[str, float]] = []
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
             harnesses = claw_harnesses(cfg, tokenizer, client)
             trained = {h: harnesses[h] for h in cfg.harnesses}
-
-            async def held_out(stage: str, step: int) -> None:
-                results[stage] = await stages.evaluate_stage(stage, step, harnesses, engine, heldout, cfg.eval, log)
-
-            await held_out("base", 0)
+            await run.evaluate("base", 0, harnesses, engine, heldout)
             if cfg.sft.enabled:
                 # The teacher recognises a task by its request: it demonstrates one task per distinct request.
                 demo_tasks = list({t.prompt: t for t in reversed(train_tasks)}.values())[::-1]
                 teacher = TeacherEngine(tokenizer, demo_tasks)
                 samples, stats = await stages.demonstrations(trained, teacher, demo_tasks)
-                log.log(stats, 0)
-                sft_history = stages.sft_stage(model, samples, cfg.sft, pad_id=tokenizer.pad_token_id,
-                                               seed=cfg.seed, output_dir=str(out / "sft"))
-                log.print(f"sft: {len(samples)} samples, {len(sft_history)} steps, loss "
-                          f"{sft_history[0]['loss/total']:.3f} -> {sft_history[-1]['loss/total']:.3f}")
-                if ranks.is_main:
-                    save_policy(model, tokenizer, out / "sft_model")
-                await engine.update_weights(model.state_dict())
-                barrier()  # served replicas: no rank generates before rank 0's push is done
-                await held_out("sft", len(sft_history))
+                run.log.log(stats, 0)
+                await run.sft(model, tokenizer, engine, samples, cfg.sft)
+                await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
             if cfg.rl.enabled:
                 def on_step(stats: dict[str, float], step: int) -> None:
-                    log.log(stats, step)
-                    log.print(f"rl step {step}: success {stats['rl/success']:.2f} groups "
-                              f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
-                              f"env_errors {stats['rl/env_errors']:.0f}")
+                    run.log.log(stats, step)
+                    run.log.print(f"rl step {step}: success {stats['rl/success']:.2f} groups "
+                                  f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
+                                  f"env_errors {stats['rl/env_errors']:.0f}")
 
                 # The stage hands the engine new weights after every update: it holds the final policy here.
-                rl_history = await stages.rl_stage(model, engine, trained, rl_pool, cfg.rl, rollout=cfg.rollout,
-                                                   pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                                   output_dir=str(out / "rl"), log=on_step)
-                if ranks.is_main:
-                    save_policy(model, tokenizer, out / "rl_model")
-                await held_out("rl", cfg.rl.steps)
-    await engine.close()
-    log.close()
-    if not ranks.is_main:
-        return results
-    stages.write_results(out, results, config_to_dict(cfg), log, attempts=cfg.eval.attempts,
-                         sft_history=sft_history, rl_history=rl_history)
-    return results
+                run.rl_history = await stages.rl_stage(model, engine, trained, rl_pool, cfg.rl, rollout=cfg.rollout,
+                                                       pad_id=tokenizer.pad_token_id, seed=cfg.seed,
+                                                       output_dir=str(run.out / "rl"), log=on_step)
+                run.save_policy(model, tokenizer, "rl_model")
+                await run.evaluate("rl", cfg.rl.steps, harnesses, engine, heldout)
+    return await run.finish(engine, config_to_dict(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,13 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from orchard import stages
 from orchard._cli import run_main
@@ -65,7 +61,7 @@ from orchard.domains.gui.teacher import (
 from orchard.domains.gui.tools import GUI_TOOLS
 from orchard.env import SandboxClient
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
-from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
+from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
 
@@ -198,17 +194,9 @@ def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
 
 
 async def run(cfg: GUIConfig) -> dict[str, Any]:
-    out = Path(cfg.output_dir)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval)
     train, heldout = task_pools(cfg)
-    log = stages.RunLog(out)
     judge, judge_kwargs = make_judge(cfg)
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    sft_history: list[dict[str, float]] = []
-    rl_history: list[dict[str, float]] = []
     with sandbox_service(cfg.env_url) as env, SandboxClient(*env) as client:
         # the teacher's 4 rollouts per task, judged like RL rollouts (captcha runs removed, counted)
         teacher = await asyncio.to_thread(teacher_trajectories, client, train, attempts=cfg.teacher.attempts,
@@ -224,11 +212,8 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                                 seed=cfg.seed, concurrency=r.concurrency, max_time_s=r.max_time_s,
                                 max_prompt_tokens=cfg.max_prompt_tokens)
 
-        async def held_out(stage: str, step: int) -> None:
-            results[stage] = await stages.evaluate_stage(stage, step, {"gui": rollouts(r.max_steps)}, engine,
-                                                         heldout, cfg.eval, log)
-
-        await held_out("base", 0)
+        # a fresh Rollouts per evaluation: each draws its episodes' seeds from cfg.seed anew
+        await run.evaluate("base", 0, {"gui": rollouts(r.max_steps)}, engine, heldout)
         if cfg.sft.enabled:
             curated = curate_sft(teacher, train, max_tasks_per_site=cfg.tasks.max_tasks_per_site, seed=cfg.seed)
             samples = sft_turn_samples(curated, tokenizer)
@@ -236,37 +221,29 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                      "sft/teacher_passed": float(sum(t.passed for t in teacher)),
                      "sft/curated_tasks": float(len(curated)), "sft/samples": float(len(samples)),
                      **{k.replace("rl/", "sft/teacher_"): v for k, v in judged.items()}}
-            log.log(stats, 0)
-            log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
-            sft_history = stages.sft_stage(model, samples, sft_config(cfg, len(samples)), pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                           output_dir=str(out / "sft"))
-            log.print(f"sft: {len(samples)} samples, {len(sft_history)} steps, loss "
-                      f"{sft_history[0]['loss/total']:.3f} -> {sft_history[-1]['loss/total']:.3f}")
-            save_policy(model, tokenizer, out / "sft_model")
-            await engine.update_weights(model.state_dict())
-            await held_out("sft", len(sft_history))
+            run.log.log(stats, 0)
+            run.log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
+            await run.sft(model, tokenizer, engine, samples, sft_config(cfg, len(samples)))
+            await run.evaluate("sft", len(run.sft_history), {"gui": rollouts(r.max_steps)}, engine, heldout)
         if cfg.rl.enabled:
             for budget in cfg.step_budgets:
-                offset = len(rl_history)
+                offset = len(run.rl_history)
 
                 def on_step(stats: dict[str, float], step: int, budget: int = budget, offset: int = offset) -> None:
-                    log.log({**stats, "rl/step_budget": float(budget)}, offset + step)
-                    log.print(f"rl step {offset + step} (budget {budget}): success {stats['rl/success']:.2f} "
-                              f"groups {stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} removed "
-                              f"{stats['rl/removed']:.0f} format_errors {stats['rl/format_errors']:.0f}")
+                    run.log.log({**stats, "rl/step_budget": float(budget)}, offset + step)
+                    run.log.print(f"rl step {offset + step} (budget {budget}): success {stats['rl/success']:.2f} "
+                                  f"groups {stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} removed "
+                                  f"{stats['rl/removed']:.0f} format_errors {stats['rl/format_errors']:.0f}")
 
                 judged_rollouts = JudgedGUIRollouts(rollouts(budget), judge, **judge_kwargs)
                 # each budget is one RL stage: a fresh optimizer and schedule on the weights the last one left
-                rl_history += await stages.rl_stage(model, engine, {"gui": judged_rollouts}, train, cfg.rl,
-                                                    rollout=r, pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                                    output_dir=str(out / "rl" / f"budget_{budget}"), log=on_step)
-            save_policy(model, tokenizer, out / "rl_model")
-            await held_out("rl", len(rl_history))
-    await engine.close()
-    log.close()
-    stages.write_results(out, results, config_to_dict(cfg), log, attempts=cfg.eval.attempts,
-                         sft_history=sft_history, rl_history=rl_history)
-    return results
+                run.rl_history += await stages.rl_stage(model, engine, {"gui": judged_rollouts}, train, cfg.rl,
+                                                        rollout=r, pad_id=tokenizer.pad_token_id, seed=cfg.seed,
+                                                        output_dir=str(run.out / "rl" / f"budget_{budget}"),
+                                                        log=on_step)
+            run.save_policy(model, tokenizer, "rl_model")
+            await run.evaluate("rl", len(run.rl_history), {"gui": rollouts(r.max_steps)}, engine, heldout)
+    return await run.finish(engine, config_to_dict(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,13 +40,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import random
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from orchard import stages
 from orchard._cli import run_main
@@ -65,7 +62,7 @@ from orchard.rollout.openai_engine import OpenAIEngine
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.sampling import balanced_subset
 from orchard.stages import SFT_MODES, EvalConfig, RecordedRollouts, RLConfig, RolloutConfig, SFTConfig
-from orchard.stages.policy import ModelConfig, load_policy, make_engine, save_policy
+from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
 from orchard.train.model import load_causal_lm
@@ -484,28 +481,17 @@ async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts]
 
 
 async def run(cfg: SWEConfig) -> dict[str, Any]:
-    out = Path(cfg.output_dir)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval)
+    out, log = run.out, run.log
     train, heldout = instance_pools(cfg)
-    log = stages.RunLog(out)
     model, tokenizer = load_policy(cfg.model, corpus([*train, *heldout]), seed=cfg.seed)
     engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    sft_history: list[dict[str, float]] = []
-    rl_history: list[dict[str, float]] = []
     trajectories: list[Any] = []
     dropped: dict[str, float] = {}
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
             harnesses = swe_harnesses(cfg, tokenizer, client)
-
-            async def held_out(stage: str, step: int) -> None:
-                results[stage] = await stages.evaluate_stage(stage, step, harnesses, engine, heldout, cfg.eval, log)
-
-            await held_out("base", 0)
+            await run.evaluate("base", 0, harnesses, engine, heldout)
             row = RL_VARIANTS[cfg.rl.variant]
             cpu_teacher = cfg.rl.enabled and row.teacher and cfg.rl.teacher.url is None and cfg.rl.teacher.path is None
             if cfg.sft.enabled or cpu_teacher:  # the scripted teacher's corpus: SFT's data, the CPU OPD teacher's
@@ -523,30 +509,21 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
                 stats = {**stats, **dropped}
                 log.log(stats, 0)
                 log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
-                sft_history = stages.sft_stage(model, samples, cfg.sft, pad_id=tokenizer.pad_token_id,
-                                               seed=cfg.seed, output_dir=str(out / "sft"))
-                log.print(f"sft: {len(samples)} samples, {len(sft_history)} steps, loss "
-                          f"{sft_history[0]['loss/total']:.3f} -> {sft_history[-1]['loss/total']:.3f}")
-                save_policy(model, tokenizer, out / "sft_model")
-                await engine.update_weights(model.state_dict())
-                await held_out("sft", len(sft_history))
+                await run.sft(model, tokenizer, engine, samples, cfg.sft)
+                await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
             pool: list[Any] = []
             if cfg.rl.enabled:
                 teacher = opd_teacher(cfg, out, tokenizer, trajectories, log) if row.teacher else None
                 # The stage hands the engine new weights after every update: it holds the final policy here.
-                rl_history, pool = await rl(cfg, out, harnesses, engine, model, tokenizer, train, log, teacher)
+                run.rl_history, pool = await rl(cfg, out, harnesses, engine, model, tokenizer, train, log, teacher)
                 if teacher is not None:
                     await teacher.close()
-                if rl_history:
-                    save_policy(model, tokenizer, out / "rl_model")
-                    await held_out("rl", len(rl_history))
+                if run.rl_history:
+                    run.save_policy(model, tokenizer, "rl_model")
+                    await run.evaluate("rl", len(run.rl_history), harnesses, engine, heldout)
             if cfg.value_model.enabled:
                 await value_rerank(cfg, out, harnesses, engine, model, tokenizer, heldout, pool, log)
-    await engine.close()
-    log.close()
-    stages.write_results(out, results, config_to_dict(cfg), log, attempts=cfg.eval.attempts,
-                         sft_history=sft_history, rl_history=rl_history)
-    return results
+    return await run.finish(engine, config_to_dict(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

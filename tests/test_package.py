@@ -54,3 +54,17 @@ def test_setup_takes_the_cpu_index_only_when_torch_would_bring_cuda(tmp_path, re
     )
     out = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert (out.returncode == 0) is without_cuda, out.stderr
+
+
+def test_every_data_file_of_the_package_ships():
+    # A wheel holds a package's non-Python files only where setup.cfg's package_data names them: box.c missing
+    # there would leave an installed orchard unable to build the compiled box (the sandboxes fall back silently).
+    from setuptools.config.setupcfg import read_configuration
+
+    declared = read_configuration(ROOT / "setup.cfg")["options"]["package_data"]
+    shipped = {path for package, patterns in declared.items() for pattern in patterns
+               for path in (ROOT / package.replace(".", "/")).glob(pattern)}
+    data = {path for path in (ROOT / "orchard").rglob("*")
+            if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts}
+    assert ROOT / "orchard/env/agent/box.c" in data
+    assert sorted(str(p.relative_to(ROOT)) for p in data - shipped) == []

@@ -9,7 +9,8 @@ Names load lazily (``orchard --help`` imports this package's CLI and must stay f
 - serving: `serve_app` (any ASGI app on the caller's event loop)
 - acting: `AgentLoop`, `PromptBuilder`, `Harness`, `Observation`, `InvalidToolCall`, `EnvironmentFailure`,
   `ShellHarness`, `parse_tool_calls`, `ParsedOutput`
-- one interface for every harness path: `Rollouts`, `AgentLoopRollouts`
+- one interface for every harness path: `Rollouts`, `AgentLoopRollouts`; `JudgedRolloutsBase` (a judge over
+  every batch, for a domain to subclass)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _EXPORTS = {
     "serve_app": "serving",
     "Rollouts": "rollouts",
     "AgentLoopRollouts": "rollouts",
+    "JudgedRolloutsBase": "rollouts",
     "AgentLoop": "agent_loop",
     "PromptBuilder": "agent_loop",
     "Harness": "harness",

@@ -5,7 +5,8 @@ agent loop (`AgentLoopRollouts`) or a program we do not control whose model call
 training data (e.g. the Claw domain's text harness), a :class:`Rollouts` returns the same thing: one `Trajectory`
 per episode, task-major (``group_size`` consecutive episodes per task), each with ``task_id`` / ``group_id`` set,
 its reward scored by the domain's verifier, and its training samples in ``Trajectory.samples``. Environment
-failures come back as ``env_error`` trajectories (never scored 0, never trained on).
+failures come back as ``env_error`` trajectories (never scored 0, never trained on). A domain whose RL reward needs
+a judge wraps its rollouts in a subclass of :class:`JudgedRolloutsBase`, which judges every batch before it returns.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from orchard.data import Trajectory, merge_prefix_samples, render_trajectory
 from orchard.rollout.agent_loop import AgentLoop
 from orchard.rollout.engine import Engine, SamplingParams
 from orchard.rollout.harness import Harness
+from orchard.rollout.program import check_engine_or_url
 from orchard.rollout.proxy import RecordingProxy
 
-__all__ = ["AgentLoopRollouts", "ProxyRollouts", "Rollouts"]
+__all__ = ["AgentLoopRollouts", "JudgedRolloutsBase", "ProxyRollouts", "Rollouts"]
 
 
 @runtime_checkable
@@ -105,4 +107,45 @@ class ProxyRollouts:
             await proxy.aclose()
         for traj in trajectories:
             traj.samples = merge_prefix_samples(traj.samples)
+        return trajectories
+
+
+class JudgedRolloutsBase:
+    """A `Rollouts` that judges every batch of another: ``await judged(engine, tasks, ...)`` plays the episodes with
+    ``rollouts``, then :meth:`judge_batch` sets their RL reward in place, or takes a rollout out of the loss
+    (``metadata["removed"]``: remove_sample) and counts it, before the batch goes back to the stage.
+
+    A domain subclasses it with its judge call (`orchard.domains.swe.judge.JudgedRollouts`,
+    `orchard.domains.gui.judge.JudgedGUIRollouts`). The last call's stats are in :attr:`stats`; :attr:`totals` sums
+    the keys named in :attr:`counted` over calls (a mean summed over calls would mean nothing).
+
+    Args:
+        rollouts: the domain's `Rollouts`.
+        judge: an OpenAI-compatible http(s) URL or an in-process ``Engine`` (its chat tokenizer from
+            ``kwargs["tokenizer"]`` or its own).
+        **kwargs: the rest of the domain's judge keywords, passed on by :meth:`judge_batch`.
+    """
+
+    counted: tuple[str, ...] = ()
+    """The keys of :meth:`judge_batch`'s stats that are counts, summed into :attr:`totals`."""
+
+    def __init__(self, rollouts: Rollouts, judge: Engine | str, **kwargs: Any) -> None:
+        if not isinstance(rollouts, Rollouts):
+            raise ValueError(f"rollouts must be a Rollouts (an async callable), got {type(rollouts).__name__}")
+        check_engine_or_url(judge, kwargs.get("tokenizer"))
+        self.rollouts, self.judge, self.kwargs = rollouts, judge, kwargs
+        self.stats: dict[str, float] = {}
+        self.totals: dict[str, float] = {}
+
+    async def judge_batch(self, trajectories: list[Trajectory], tasks: Sequence[Any]) -> dict[str, float]:
+        """Judge one batch in place (``tasks``: the ones it played); returns the judge's stats."""
+        raise NotImplementedError
+
+    async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
+                       max_tokens: int | None = None) -> list[Trajectory]:
+        trajectories = await self.rollouts(engine, tasks, group_size=group_size, temperature=temperature,
+                                           max_tokens=max_tokens)
+        self.stats = await self.judge_batch(trajectories, tasks)
+        for key in self.counted:
+            self.totals[key] = self.totals.get(key, 0.0) + self.stats.get(key, 0.0)
         return trajectories

@@ -23,6 +23,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   (keeps what a stage generated, for the pool), `plot_value_curves`, `ValueRerankResult`
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
   `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
+- a recipe's run (`orchard.stages.recipe_run`): `RecipeRun` (seeds, the log, held-out results per stage, the SFT
+  hand-over to the engine, the end: engine closed, results written by rank 0)
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
   `evaluate` and `rl_stage` shard their tasks over the launcher's ranks by themselves
 """
@@ -30,6 +32,7 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, derived_keys
 from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, success_row
+from orchard.stages.recipe_run import RecipeRun
 from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
@@ -46,6 +49,7 @@ __all__ = [
     "SFT_MODES",
     "EvalConfig",
     "RLConfig",
+    "RecipeRun",
     "RecordedRollouts",
     "RolloutConfig",
     "RunLog",

@@ -1,13 +1,8 @@
 """Images in the data layer: rendering through a Qwen-VL image processor keeps the action masks exact, the tiny
 Qwen3-VL trains on the rendered batch, and image parts survive the schema and JSONL."""
 
-import base64
-import io
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from orchard.data import (
     Trajectory,
@@ -19,40 +14,23 @@ from orchard.data import (
     write_jsonl,
 )
 from orchard.data.vision import decode_data_url
-from orchard.models.tiny import tiny_vl_chat_model
-
-
-def png_url(width: int, height: int, seed: int) -> str:
-    pixels = np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
 
 
 @pytest.fixture(scope="module")
-def vl():
-    return tiny_vl_chat_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def traj(vl):
-    _, tok, _ = vl
+def traj(tiny_vl, screenshot):
+    _, tok, _ = tiny_vl
     return Trajectory(messages=[
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "look"}, image_part(png_url(64, 64, 0))]},
+        {"role": "user", "content": [{"type": "text", "text": "look"}, screenshot(64, 64, 0)]},
         {"role": "assistant", "content": "click", "token_ids": tok.encode("click<|im_end|>"),
          "logprobs": [-0.5] * len(tok.encode("click<|im_end|>"))},
-        {"role": "tool", "content": [{"type": "text", "text": "ok"}, image_part(png_url(64, 96, 1))]},
+        {"role": "tool", "content": [{"type": "text", "text": "ok"}, screenshot(64, 96, 1)]},
         {"role": "assistant", "content": "done"},
     ], reward=1.0, task_id="t")
 
 
-def test_masks_with_hand_counted_vision_tokens(vl, traj):
-    _, tok, processor = vl
+def test_masks_with_hand_counted_vision_tokens(tiny_vl, traj):
+    _, tok, processor = tiny_vl
     sample = render_trajectory(traj, tok, processor=processor)
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
 
@@ -88,10 +66,9 @@ def test_masks_with_hand_counted_vision_tokens(vl, traj):
     assert sample.turn_index[sample.action_mask].tolist() == [0] * len(click) + [1] * len(done)
 
 
-def test_same_screenshot_twice_gives_equal_vision_tokens_and_pixels(vl):
-    _, tok, processor = vl
-    url = png_url(64, 64, 3)
-    t = Trajectory(messages=[{"role": "user", "content": [image_part(url), image_part(url)]},
+def test_same_screenshot_twice_gives_equal_vision_tokens_and_pixels(tiny_vl, screenshot):
+    _, tok, processor = tiny_vl
+    t = Trajectory(messages=[{"role": "user", "content": [screenshot(64, 64, 3), screenshot(64, 64, 3)]},
                              {"role": "assistant", "content": "ok"}])
     sample = render_trajectory(t, tok, processor=processor)
     assert sample.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4]]
@@ -99,8 +76,8 @@ def test_same_screenshot_twice_gives_equal_vision_tokens_and_pixels(vl):
     assert int(sample.mm_token_type_ids.sum()) == 8  # 4 + 4
 
 
-def test_truncation_never_splits_an_image(vl, traj):
-    _, tok, processor = vl
+def test_truncation_never_splits_an_image(tiny_vl, traj):
+    _, tok, processor = tiny_vl
     full = render_trajectory(traj, tok, processor=processor)
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     second = [t for t, token in enumerate(full.input_ids.tolist()) if token == pad][4]  # first token of image 2
@@ -122,8 +99,8 @@ def test_truncation_never_splits_an_image(vl, traj):
     assert torch.equal(left.input_ids, torch.cat([full.input_ids[:system], full.input_ids[first + 4:]]))
 
 
-def test_render_turns_carry_the_images_of_their_prompt_and_merge_back(vl, traj):
-    _, tok, processor = vl
+def test_render_turns_carry_the_images_of_their_prompt_and_merge_back(tiny_vl, traj):
+    _, tok, processor = tiny_vl
     full = render_trajectory(traj, tok, processor=processor)
     turns = render_turns(traj, tok, processor=processor)
     assert [s.image_grid_thw.tolist() for s in turns] == [[[1, 4, 4]], [[1, 4, 4], [1, 6, 4]]]
@@ -137,8 +114,8 @@ def test_render_turns_carry_the_images_of_their_prompt_and_merge_back(vl, traj):
     assert torch.equal(merged[0].mm_token_type_ids, full.mm_token_type_ids[:n])
 
 
-def test_collate_and_forward_backward_of_the_tiny_vlm(vl, traj):
-    model, tok, processor = vl
+def test_collate_and_forward_backward_of_the_tiny_vlm(tiny_vl, traj):
+    model, tok, processor = tiny_vl
     text_only = Trajectory(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     samples = [render_trajectory(traj, tok, processor=processor), render_trajectory(text_only, tok)]
     batch = collate(samples, pad_id=tok.pad_token_id)
@@ -164,13 +141,13 @@ def test_collate_and_forward_backward_of_the_tiny_vlm(vl, traj):
     model.zero_grad()
 
 
-def test_images_without_a_processor_or_in_assistant_turns_are_refused(vl, traj):
-    _, tok, processor = vl
+def test_images_without_a_processor_or_in_assistant_turns_are_refused(tiny_vl, traj, screenshot):
+    _, tok, processor = tiny_vl
     with pytest.raises(ValueError, match="processor"):
         render_trajectory(traj, tok)
     with pytest.raises(ValueError, match="assistant"):
-        Trajectory(messages=[{"role": "assistant", "content": [image_part(png_url(8, 8, 0))]}])
-    remote = Trajectory(messages=[{"role": "user", "content": [image_part("https://example.com/a.png")]},
+        Trajectory(messages=[{"role": "assistant", "content": [screenshot(8, 8, 0)]}])
+    remote = Trajectory(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]},
                                   {"role": "assistant", "content": "ok"}])
     with pytest.raises(ValueError, match="url must be a base64 data URL"):
         render_trajectory(remote, tok, processor=processor)

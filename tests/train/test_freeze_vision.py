@@ -3,15 +3,14 @@
 import pytest
 import torch
 
-from orchard.data.tokenizer import build_chat_tokenizer
-from orchard.models.tiny import tiny_qwen3_config, tiny_qwen_vl
+from orchard.models.tiny import tiny_qwen3_config
 from orchard.train.model import freeze_vision_tower, load_causal_lm
 from orchard.train.trainer import OptimConfig, param_groups
 
 
 @pytest.fixture(scope="module")
-def config():
-    return tiny_qwen_vl(build_chat_tokenizer(vision=True)).config
+def config(tiny_vl):
+    return tiny_vl[0].config
 
 
 def _grid_batch(model):

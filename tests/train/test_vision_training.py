@@ -3,51 +3,31 @@ cuts them by row, and the RL log-probs of an image batch are the model's own."""
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from orchard.data import Trajectory, collate, render_trajectory
-from orchard.models.tiny import tiny_qwen3, tiny_vl_chat_model
+from orchard.models.tiny import tiny_qwen3
 from orchard.train.action_logprobs import action_logprobs, action_token_loss
 from orchard.train.model import load_causal_lm
 from orchard.train.trainer import OptimConfig, TrainConfig, Trainer, _pad_rows, split_batch
 
 
-def png_url(width: int, height: int, seed: int) -> str:
-    pixels = np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
 @pytest.fixture(scope="module")
-def vl():
-    return tiny_vl_chat_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def batch(vl):
+def batch(tiny_vl, screenshot):
     """Two image trajectories: row 0 one 64 x 64 screenshot (16 patches), row 1 that size and a 64 x 96 one
     (16 + 24 patches), so the rows own 16 and 40 of the 56 patch rows."""
-    _, tok, processor = vl
+    _, tok, processor = tiny_vl
     one = Trajectory(messages=[
-        {"role": "user", "content": [{"type": "text", "text": "look"}, image_part(png_url(64, 64, 0))]},
+        {"role": "user", "content": [{"type": "text", "text": "look"}, screenshot(64, 64, 0)]},
         {"role": "assistant", "content": "click the red one"},
     ])
     two = Trajectory(messages=[
-        {"role": "user", "content": [{"type": "text", "text": "where"}, image_part(png_url(64, 64, 1))]},
+        {"role": "user", "content": [{"type": "text", "text": "where"}, screenshot(64, 64, 1)]},
         {"role": "assistant", "content": "scroll"},
-        {"role": "tool", "content": [image_part(png_url(64, 96, 2))]},
+        {"role": "tool", "content": [screenshot(64, 96, 2)]},
         {"role": "assistant", "content": "done now"},
     ])
     samples = [render_trajectory(t, tok, processor=processor) for t in (one, two)]
@@ -61,30 +41,30 @@ def _config(tmp_path: Path, micro: int, total_steps: int = 1) -> TrainConfig:
                        optim=OptimConfig(lr=1e-2, min_lr=1e-2), loggers=["jsonl"])
 
 
-def _sft_gradient(vl, batch, tmp_path: Path, micro: int) -> dict[str, torch.Tensor]:
-    model = load_causal_lm(vl[0].config, seed=3)
+def _sft_gradient(tiny_vl, batch, tmp_path: Path, micro: int) -> dict[str, torch.Tensor]:
+    model = load_causal_lm(tiny_vl[0].config, seed=3)
     trainer = Trainer(model, _config(tmp_path / f"mb{micro}", micro))
     trainer.accumulate_gradients(batch)
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
-def test_sft_gradient_is_split_invariant_and_reads_the_images(vl, batch, tmp_path):
-    whole = _sft_gradient(vl, batch, tmp_path, micro=2)
-    split = _sft_gradient(vl, batch, tmp_path, micro=1)
+def test_sft_gradient_is_split_invariant_and_reads_the_images(tiny_vl, batch, tmp_path):
+    whole = _sft_gradient(tiny_vl, batch, tmp_path, micro=2)
+    split = _sft_gradient(tiny_vl, batch, tmp_path, micro=1)
     assert whole.keys() == split.keys()
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-6, msg=name)
     # The images reach the loss: the vision encoder's patch embedding has a gradient, and blank screenshots give
     # the language model another one.
     assert whole["model.visual.patch_embed.proj.weight"].abs().sum() > 0
-    blank = _sft_gradient(vl, {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}, tmp_path / "b", 2)
+    blank = _sft_gradient(tiny_vl, {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}, tmp_path / "b", 2)
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert (blank[name] - whole[name]).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_a_step_leaves_a_frozen_vision_tower_unchanged(vl, batch, tmp_path, freeze):
-    model = load_causal_lm(vl[0].config, seed=3, freeze_vision=freeze)
+def test_a_step_leaves_a_frozen_vision_tower_unchanged(tiny_vl, batch, tmp_path, freeze):
+    model = load_causal_lm(tiny_vl[0].config, seed=3, freeze_vision=freeze)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = Trainer(model, _config(tmp_path, micro=1))
     trainer.train_step(batch)
@@ -98,8 +78,8 @@ def test_a_step_leaves_a_frozen_vision_tower_unchanged(vl, batch, tmp_path, free
         assert "model.visual.patch_embed.proj.weight" in moved
 
 
-def test_action_logprobs_of_an_image_batch_equal_a_direct_forward(vl, batch):
-    model = vl[0].eval()
+def test_action_logprobs_of_an_image_batch_equal_a_direct_forward(tiny_vl, batch):
+    model = tiny_vl[0].eval()
     images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **images).logits
@@ -162,8 +142,8 @@ def test_padding_rows_bring_row_zeros_images():
     assert torch.equal(split_batch(padded, slice(2, 3))["pixel_values"], batch["pixel_values"][:4])
 
 
-def test_image_errors_name_the_argument(vl, batch):
-    model = vl[0]
+def test_image_errors_name_the_argument(tiny_vl, batch):
+    model = tiny_vl[0]
     ids, action, attn = batch["input_ids"], batch["action_mask"], batch["attention_mask"]
     with pytest.raises(ValueError, match="image_grid_thw is None"):
         action_logprobs(model, ids, action, attention_mask=attn, pixel_values=batch["pixel_values"])
@@ -175,7 +155,7 @@ def test_image_errors_name_the_argument(vl, batch):
     with pytest.raises(ValueError, match="mm_token_type_ids must have the shape"):
         action_logprobs(model, ids, action, mm_token_type_ids=batch["mm_token_type_ids"][:, 1:])
     with pytest.raises(ValueError, match="takes no images"):
-        action_logprobs(tiny_qwen3(len(vl[1])), ids, action, pixel_values=batch["pixel_values"],
+        action_logprobs(tiny_qwen3(len(tiny_vl[1])), ids, action, pixel_values=batch["pixel_values"],
                         image_grid_thw=batch["image_grid_thw"])
     # Row 0's single token ends inside the one 8-patch image (2 tokens of 4 patches): no row owns it whole.
     odd = {"input_ids": torch.zeros(2, 2, dtype=torch.long), "mm_token_type_ids": torch.tensor([[1, 0], [1, 0]]),

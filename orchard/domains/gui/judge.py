@@ -63,7 +63,7 @@ from orchard.domains.gui.tools import GUI_TOOLS
 from orchard.rewards import GUIReward, gui_reward, two_stage_select
 from orchard.rollout.engine import Engine, GenerateRequest, SamplingParams
 from orchard.rollout.program import chat_completion, check_engine_or_url
-from orchard.rollout.rollouts import Rollouts
+from orchard.rollout.rollouts import JudgedRolloutsBase, Rollouts
 from orchard.rollout.scripted import ScriptedEngine
 
 __all__ = [
@@ -479,11 +479,9 @@ async def judge_gui_trajectories(
             "rl/format_failures": float(results.count("format"))}
 
 
-class JudgedGUIRollouts:
-    """A `Rollouts` that judges every batch of another: ``await judged(engine, tasks, ...)`` plays the episodes
-    with ``rollouts``, then `judge_gui_trajectories` sets their RL reward (or removes them) before returning.
-
-    The last call's stats are in :attr:`stats`; :attr:`totals` sums them over calls.
+class JudgedGUIRollouts(JudgedRolloutsBase):
+    """`JudgedRolloutsBase` with `judge_gui_trajectories`: every batch played by ``rollouts`` gets its RL reward (or
+    is removed from the loss) before it returns. :attr:`totals` sums every stat over calls (all are counts).
 
     Args:
         rollouts: the domain's `Rollouts` (its trajectories carry ``metadata["site_state"]``).
@@ -491,22 +489,14 @@ class JudgedGUIRollouts:
         **kwargs: the rest of `judge_gui_trajectories`' keywords; the batch's own tasks are passed as ``tasks``.
     """
 
+    counted = ("rl/judged", "rl/judge_completed", "rl/judge_failures", "rl/judge_unparseable", "rl/captcha_blocked",
+               "rl/format_failures")
+
     def __init__(self, rollouts: Rollouts, judge: Engine | str, **kwargs: Any) -> None:
-        if not isinstance(rollouts, Rollouts):
-            raise ValueError(f"rollouts must be a Rollouts (an async callable), got {type(rollouts).__name__}")
         if "tasks" in kwargs:
             raise ValueError("kwargs must not hold tasks: each batch's tasks are the ones it plays")
-        check_engine_or_url(judge, kwargs.get("tokenizer"))
-        self.rollouts, self.judge, self.kwargs = rollouts, judge, kwargs
-        self.stats: dict[str, float] = {}
-        self.totals: dict[str, float] = {}
+        super().__init__(rollouts, judge, **kwargs)
 
-    async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
-        trajectories = await self.rollouts(engine, tasks, group_size=group_size, temperature=temperature,
-                                           max_tokens=max_tokens)
+    async def judge_batch(self, trajectories: list[Trajectory], tasks: Sequence[Any]) -> dict[str, float]:
         known = [t for t in tasks if isinstance(t, GUITask)]
-        self.stats = await judge_gui_trajectories(self.judge, trajectories, tasks=known, **self.kwargs)
-        for key, value in self.stats.items():
-            self.totals[key] = self.totals.get(key, 0.0) + value
-        return trajectories
+        return await judge_gui_trajectories(self.judge, trajectories, tasks=known, **self.kwargs)

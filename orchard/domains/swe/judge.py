@@ -62,7 +62,7 @@ from orchard.domains.swe.values import (
 from orchard.rewards import RPR_WEIGHTS, RubricJudgement, parse_rubric_judgement
 from orchard.rollout.engine import Engine
 from orchard.rollout.program import chat_completion, check_engine_or_url
-from orchard.rollout.rollouts import Rollouts
+from orchard.rollout.rollouts import JudgedRolloutsBase
 from orchard.rollout.scripted import ScriptedEngine
 
 __all__ = [
@@ -509,11 +509,10 @@ async def judge_trajectories(
             "rl/rubric_mean": sum(rubrics) / len(rubrics) if rubrics else 0.0}
 
 
-class JudgedRollouts:
-    """A `Rollouts` that judges every batch of another: ``await judged(engine, tasks, ...)`` plays the episodes
-    with ``rollouts``, then :func:`judge_trajectories` sets their RL reward (or removes them) before returning.
-
-    The last call's judge stats are in :attr:`stats`; :attr:`totals` sums them over calls.
+class JudgedRollouts(JudgedRolloutsBase):
+    """`~orchard.rollout.rollouts.JudgedRolloutsBase` with :func:`judge_trajectories`: every batch played by
+    ``rollouts`` gets its RL reward (or is removed from the loss) before it returns. :attr:`totals` sums the counts
+    (``rl/judged``, ``rl/judge_failures``, ``rl/judge_unparseable``; not ``rl/rubric_mean``) over calls.
 
     Args:
         rollouts: the domain's `Rollouts` (its trajectories scored by the verifier).
@@ -521,19 +520,7 @@ class JudgedRollouts:
         **kwargs: the rest of :func:`judge_trajectories`'s keywords (``rubric_weight``, ``reference``, ...).
     """
 
-    def __init__(self, rollouts: Rollouts, judge: Engine | str, **kwargs: Any) -> None:
-        if not isinstance(rollouts, Rollouts):
-            raise ValueError(f"rollouts must be a Rollouts (an async callable), got {type(rollouts).__name__}")
-        check_engine_or_url(judge, kwargs.get("tokenizer"))
-        self.rollouts, self.judge, self.kwargs = rollouts, judge, kwargs
-        self.stats: dict[str, float] = {}
-        self.totals: dict[str, float] = {}
+    counted = ("rl/judged", "rl/judge_failures", "rl/judge_unparseable")
 
-    async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
-        trajectories = await self.rollouts(engine, tasks, group_size=group_size, temperature=temperature,
-                                           max_tokens=max_tokens)
-        self.stats = await judge_trajectories(self.judge, trajectories, **self.kwargs)
-        for key in ("rl/judged", "rl/judge_failures", "rl/judge_unparseable"):
-            self.totals[key] = self.totals.get(key, 0.0) + self.stats[key]
-        return trajectories
+    async def judge_batch(self, trajectories: list[Trajectory], tasks: Sequence[Any]) -> dict[str, float]:
+        return await judge_trajectories(self.judge, trajectories, **self.kwargs)

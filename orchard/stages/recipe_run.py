@@ -1,0 +1,109 @@
+"""What every recipe's ``run`` does around its domain's choices, once: seeds, the run log, held-out evaluation after
+each stage, the SFT stage's hand-over to the engine, and the end (results written by rank 0).
+
+A recipe reads::
+
+    run = RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
+                    ranks=init_ranks())
+    ...                                          # the domain: tasks, model, engine, harnesses
+    await run.evaluate("base", 0, harnesses, engine, heldout)
+    await run.sft(model, tokenizer, engine, samples, cfg.sft)
+    await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
+    run.rl_history = await rl_stage(...)
+    run.save_policy(model, tokenizer, "rl_model")
+    await run.evaluate("rl", len(run.rl_history), harnesses, engine, heldout)
+    return await run.finish(engine, config_to_dict(cfg))
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchard.data import RenderedSample
+from orchard.rollout.rollouts import Rollouts
+from orchard.stages.config import EvalConfig, SFTConfig
+from orchard.stages.evaluate import evaluate_stage
+from orchard.stages.policy import save_policy
+from orchard.stages.ranks import Ranks, barrier
+from orchard.stages.report import RunLog, write_results
+from orchard.stages.sft import sft_stage
+
+__all__ = ["RecipeRun"]
+
+
+class RecipeRun:
+    """One recipe run: Python's and torch's generators seeded with ``seed``, torch's CPU threads set (``threads``
+    0 leaves torch's default), a `RunLog` under ``output_dir`` (silent but on rank 0), and what the run reports:
+    :attr:`results` (``{stage: {harness: row}}`` of `evaluate_stage`), :attr:`sft_history` and
+    :attr:`rl_history` (per-step metrics for the learning curve).
+
+    Args:
+        output_dir: where metrics.jsonl, results.json, learning_curve.png and the saved models go.
+        seed: the run's seed; also the SFT stage's.
+        threads: torch CPU threads, >= 0 (0: torch's default).
+        eval_cfg: the held-out evaluation's settings (`evaluate_stage`; its ``attempts`` head the final table).
+        ranks: this process among the launcher's (`orchard.stages.ranks.init_ranks`); default a single process.
+    """
+
+    def __init__(self, output_dir: str | Path, *, seed: int, threads: int = 0, eval_cfg: EvalConfig,
+                 ranks: Ranks | None = None) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise ValueError(f"threads must be an int >= 0, got {threads!r}")
+        if not isinstance(eval_cfg, EvalConfig):
+            raise ValueError(f"eval_cfg must be an EvalConfig, got {type(eval_cfg).__name__}")
+        if ranks is not None and not isinstance(ranks, Ranks):
+            raise ValueError(f"ranks must be a Ranks or None, got {type(ranks).__name__}")
+        random.seed(seed)
+        torch.manual_seed(seed)
+        if threads:
+            torch.set_num_threads(threads)
+        self.out = Path(output_dir)
+        self.seed, self.eval_cfg = seed, eval_cfg
+        self.ranks = ranks if ranks is not None else Ranks()
+        self.log = RunLog(self.out, enabled=self.ranks.is_main)
+        self.results: dict[str, dict[str, dict[str, float]]] = {}
+        self.sft_history: list[dict[str, float]] = []
+        self.rl_history: list[dict[str, float]] = []
+
+    async def evaluate(self, stage: str, step: int, harnesses: Mapping[str, Rollouts], engine: Any,
+                       tasks: Sequence[Any]) -> dict[str, dict[str, float]]:
+        """`evaluate_stage` of ``engine``'s policy after ``stage`` (logged at ``step``), kept in :attr:`results`."""
+        self.results[stage] = await evaluate_stage(stage, step, harnesses, engine, tasks, self.eval_cfg, self.log)
+        return self.results[stage]
+
+    async def sft(self, model: Any, tokenizer: Any, engine: Any, samples: Sequence[RenderedSample],
+                  cfg: SFTConfig) -> list[dict[str, float]]:
+        """`sft_stage` on ``samples`` (trainer output under ``output_dir/sft``), the loss printed, the model saved as
+        ``sft_model`` (rank 0), then the engine given the new weights; every rank waits there for rank 0's push, so
+        no served replica generates with the old ones. Returns (and keeps in :attr:`sft_history`) the per-step
+        metrics."""
+        self.sft_history = sft_stage(model, samples, cfg, pad_id=tokenizer.pad_token_id, seed=self.seed,
+                                     output_dir=str(self.out / "sft"))
+        self.log.print(f"sft: {len(samples)} samples, {len(self.sft_history)} steps, loss "
+                       f"{self.sft_history[0]['loss/total']:.3f} -> {self.sft_history[-1]['loss/total']:.3f}")
+        self.save_policy(model, tokenizer, "sft_model")
+        await engine.update_weights(model.state_dict())
+        barrier()
+        return self.sft_history
+
+    def save_policy(self, model: Any, tokenizer: Any, name: str) -> None:
+        """The model and tokenizer saved under ``output_dir/name`` by rank 0 (`orchard.stages.policy.save_policy`)."""
+        if self.ranks.is_main:
+            save_policy(model, tokenizer, self.out / name)
+
+    async def finish(self, engine: Any, config: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+        """The end of the run: ``engine`` closed, the log closed, and on rank 0 `write_results` (results.json with
+        ``config``, the learning curve, the printed table). Returns :attr:`results`."""
+        await engine.close()
+        self.log.close()
+        if self.ranks.is_main:
+            write_results(self.out, self.results, config, self.log, attempts=self.eval_cfg.attempts,
+                          sft_history=self.sft_history, rl_history=self.rl_history)
+        return self.results

@@ -1,0 +1,88 @@
+"""RecipeRun: the frame every recipe's run shares (seeds, held-out results, the SFT hand-over, the written end)."""
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+
+from orchard.data import Trajectory, render_trajectory
+from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.models import tiny_qwen3
+from orchard.stages import EvalConfig, RecipeRun, SFTConfig
+from orchard.stages.ranks import Ranks
+from orchard.train.trainer import OptimConfig, TrainConfig
+
+EVAL = EvalConfig(attempts=2, temperature=0.5, harnesses=["x"])
+
+
+class Engine:
+    def __init__(self):
+        self.pushed, self.closed = [], False
+
+    async def update_weights(self, state_dict):
+        self.pushed.append(sorted(state_dict))
+
+    async def close(self):
+        self.closed = True
+
+
+async def harness(engine, tasks, *, group_size, temperature, max_tokens=None):
+    # every task: the first attempt fails (-1), the second passes (+1)
+    return [Trajectory(reward=1.0 if i % 2 else -1.0, termination_reason="done", task_id=t)
+            for t in tasks for i in range(group_size)]
+
+
+def test_seeds_and_threads_are_set_at_the_start(tmp_path):
+    threads = torch.get_num_threads()
+    RecipeRun(tmp_path, seed=3, threads=1, eval_cfg=EVAL)
+    drawn = (random.random(), torch.rand(1))
+    random.seed(3)
+    torch.manual_seed(3)
+    assert drawn == (random.random(), torch.rand(1)) and torch.get_num_threads() == 1
+    torch.set_num_threads(threads)
+
+
+def test_a_run_keeps_each_stage_and_writes_the_results(tmp_path):
+    run = RecipeRun(tmp_path, seed=0, eval_cfg=EVAL)
+    engine = Engine()
+    row = asyncio.run(run.evaluate("base", 0, {"x": harness, "unused": harness}, engine, ["a", "b"]))
+    # a and b: 1 of 2 attempts passed each -> success 2 / 4, pass@2 = 1, pass^2 = 0
+    assert row == {"x": {"success": 0.5, "pass@2": 1.0, "pass^2": 0.0, "tasks": 2, "env_errors": 0}}
+    assert asyncio.run(run.finish(engine, {"seed": 0})) == {"base": row} and engine.closed
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["results"] == {"base": row} and written["config"] == {"seed": 0}
+    [logged] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged["eval/base/x/success"] == 0.5 and logged["step"] == 0
+    assert (tmp_path / "learning_curve.png").is_file()
+
+
+def test_sft_trains_saves_and_hands_the_weights_to_the_engine(tmp_path):
+    tok = build_chat_tokenizer()
+    model = tiny_qwen3(tok, seed=0, hidden_size=16, num_hidden_layers=1)
+    sample = render_trajectory(Trajectory(messages=[{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": "hello"}]), tok)
+    cfg = SFTConfig(epochs=1, train=TrainConfig(global_batch_size=2, micro_batch_size=2, optim=OptimConfig(lr=1e-3)))
+    for ranks, saved in ((Ranks(), True), (Ranks(rank=1, world_size=2), False)):
+        out = tmp_path / str(ranks.rank)
+        run, engine = RecipeRun(out, seed=0, eval_cfg=EVAL, ranks=ranks), Engine()
+        history = asyncio.run(run.sft(model, tok, engine, [sample, sample], cfg))
+        # 1 epoch x 2 samples / global batch 2 = 1 step; the engine gets every weight once, on every rank
+        assert len(history) == 1 and run.sft_history is history
+        assert engine.pushed == [sorted(model.state_dict())]
+        # only rank 0 writes: the saved model, the log, the results
+        assert (out / "sft_model" / "config.json").is_file() is saved
+        asyncio.run(run.finish(engine, {}))
+        assert (out / "results.json").is_file() is saved and (out / "metrics.jsonl").is_file() is saved
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="seed must be an int"):
+        RecipeRun(tmp_path, seed=1.5, eval_cfg=EVAL)
+    with pytest.raises(ValueError, match="threads must be an int >= 0"):
+        RecipeRun(tmp_path, seed=0, threads=-1, eval_cfg=EVAL)
+    with pytest.raises(ValueError, match="eval_cfg must be an EvalConfig"):
+        RecipeRun(tmp_path, seed=0, eval_cfg={"attempts": 2})
+    with pytest.raises(ValueError, match="ranks must be a Ranks"):
+        RecipeRun(tmp_path, seed=0, eval_cfg=EVAL, ranks=0)
