@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from conftest import NAMESPACE, Cluster, k8s_service
 from k8s_replicas import start_replica, stop_replica
 
@@ -48,6 +49,7 @@ def _create_in_background(url: str, sandbox_id: str, idempotency_key: str) -> th
     return thread
 
 
+@pytest.mark.slow
 def test_creates_of_a_killed_replica_are_adopted_or_dropped_by_the_survivor(cluster: Cluster, redis_url, tmp_path):
     store = redis_url.rsplit("/", 1)[0] + "/6"  # a database of its own: both replicas use the default prefix
     adopted, half = "settle-adopted", "settle-half"
