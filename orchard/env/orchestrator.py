@@ -28,7 +28,11 @@ replica that got the request and claimed by it atomically before it runs (`State
 run at most once; an exec holds the store lock of its sandbox (`orchard.env.locks.StoreLock`), so execs of one
 sandbox run one at a time across replicas, and the job's result is written with the lock's fencing token, so a
 replica paused past its lease cannot write. Every reaper pass fails, as lost, the queued and running jobs of
-replicas whose lease has ended: the same "lost:" jobs a restart reports, never re-run.
+replicas whose lease has ended: the same "lost:" jobs a restart reports, never re-run. It also settles the
+creates such a replica left in flight (`settle_creates`; a sandbox record names the replica that creates it): a
+sandbox the backend holds is adopted (waited for until ready, or failed with the backend's reason), one it does
+not is dropped with whatever its create had made, and the create's Idempotency-Key is answered or forgotten, as
+a restart does. A restart leaves alone the pending records of replicas that are still alive.
 """
 
 from __future__ import annotations
@@ -300,34 +304,93 @@ class Orchestrator:
         report["lost_jobs"] = await self.store.mark_lost_jobs(now)
         live = set(await self.backend.list_ids())
         known = {record.sandbox_id: record for record in await self.store.list_sandboxes()}
+        in_flight: set[str] = set()
         for sandbox_id, record in known.items():
-            if sandbox_id not in live:
+            if record.status == "pending" and await self._creating_elsewhere(record):
+                in_flight.add(sandbox_id)  # another live replica is making it: its create decides
+            elif record.status == "pending":
+                kept = await self._settle_create(record, live)
+                report["kept" if kept else "dropped"].append(sandbox_id)
+            elif sandbox_id not in live:
                 await self.store.delete_sandbox(sandbox_id)
                 report["dropped"].append(sandbox_id)
             elif record.status == "deleting":
                 await self._destroy(sandbox_id)
                 report["dropped"].append(sandbox_id)
             else:
-                if record.status == "pending":
-                    try:
-                        await self.backend.create(sandbox_id, self._spec(record))
-                        record.status = "ready"
-                    except Exception as exc:
-                        record.status, record.status_message = "failed", f"create failed: {exc}"
-                    await self.store.put_sandbox(record)
                 report["kept"].append(sandbox_id)
         for sandbox_id in sorted(live - set(known)):
             with contextlib.suppress(Exception):
                 await self.backend.delete(sandbox_id)
             report["orphans_deleted"].append(sandbox_id)
+        await self._settle_create_claims(lambda claim: claim.resource_id not in in_flight)
+        logger.info("reconciled: %s", {k: len(v) for k, v in report.items()})
+        return report
+
+    async def _creating_elsewhere(self, record: SandboxRecord) -> bool:
+        """Whether a pending record's create is in flight on another replica that is still alive."""
+        return (record.replica is not None and record.replica != self.replica_id
+                and await self.store.replica_alive(record.replica))
+
+    async def _settle_create(self, record: SandboxRecord, live: set[str]) -> bool:
+        """Finish a create whose replica stopped half-way; True when the record stays (ready or failed).
+
+        The backend holds the sandbox (with Kubernetes: its pod was made): it is adopted, i.e. waited for as the
+        create would have, and then is "ready", or "failed" with the reason. It does not: the create died before
+        the sandbox existed, so what it may have made already (a Secret, a NetworkPolicy) is deleted and the
+        record dropped, as if the create had failed; a client's retry creates it anew."""
+        sandbox_id = record.sandbox_id
+        if sandbox_id in live:
+            try:
+                await self.backend.create(sandbox_id, self._spec(record))
+                record.status = "ready"
+            except Exception as exc:
+                record.status, record.status_message = "failed", f"create failed: {exc}"
+            await self.store.put_sandbox(record)
+            return True
+        with contextlib.suppress(Exception):
+            await self.backend.delete(sandbox_id)
+        await self.store.delete_sandbox(sandbox_id)
+        return False
+
+    async def _settle_create_claims(self, which: Callable[[IdempotencyRecord], bool]) -> None:
+        """The pending Idempotency-Keys `which` selects, of creates no replica is making any more: answered
+        with the sandbox when it is ready, else forgotten (a retry then runs the create again)."""
         for claim in await self.store.list_idempotency(pending_only=True):
+            if not which(claim):
+                continue
             made = await self.store.get_sandbox(claim.resource_id) if claim.resource_id else None
             if made is not None and made.status == "ready" and self.sandbox_response is not None:
                 await self.store.complete_idempotency(claim.key, 200, json.dumps(self.sandbox_response(made)))
             else:
                 await self.store.delete_idempotency(claim.key)
-        logger.info("reconciled: %s", {k: len(v) for k, v in report.items()})
-        return report
+
+    async def settle_creates(self) -> dict[str, str]:
+        """Settle the creates that replicas whose lease ended left in flight (their records "pending"): each
+        is adopted ("ready", or "failed" with the reason) or dropped ("dropped") as `reconcile` does after a
+        restart, and its pending Idempotency-Key answered or forgotten. Returns sandbox id -> what became of it.
+        Every reaper pass runs it when the store is shared."""
+        abandoned = [r for r in await self.store.list_sandboxes()
+                     if r.status == "pending" and r.replica not in (None, self.replica_id)
+                     and not await self.store.replica_alive(r.replica)]  # type: ignore[arg-type]
+        if not abandoned:
+            return {}
+        live = set(await self.backend.list_ids())
+        settled: dict[str, str] = {}
+        for record in abandoned:
+            # one survivor settles it: the sandbox's store lock (an exec's) keeps a second one out, and a record
+            # no longer pending when the lock is had was settled meanwhile
+            async with StoreLock(self.store, f"sandbox:{record.sandbox_id}", self.replica_lease_s):
+                current = await self.store.get_sandbox(record.sandbox_id)
+                if current is None or current.status != "pending" or current.replica != record.replica:
+                    continue
+                kept = await self._settle_create(current, live)
+                settled[record.sandbox_id] = current.status if kept else "dropped"
+        if not settled:
+            return settled
+        await self._settle_create_claims(lambda claim: claim.resource_id in settled)
+        logger.warning("creates left in flight by replicas whose lease ended, settled: %s", settled)
+        return settled
 
     async def _beat_forever(self) -> None:
         while True:
@@ -364,6 +427,7 @@ class Orchestrator:
             lost = await self.store.mark_lost_jobs(now)
             if lost:
                 logger.warning("jobs of replicas whose lease ended, failed as lost: %s", lost)
+            await self.settle_creates()
         await self.store.delete_jobs_completed_before(now - self.job_retention_s)
         await self.store.delete_idempotency_before(now - self.idempotency_ttl_s)
         if reaped:
@@ -456,7 +520,7 @@ class Orchestrator:
             memory=params.memory, timeout=int(params.timeout or 3600), env=dict(params.env), status="pending",
             created_at=now, last_heartbeat=now,
             heartbeat_timeout=float(params.heartbeat_timeout or self.heartbeat_timeout_s),
-            expires_at=now + params.ttl_seconds if params.ttl_seconds else None,
+            expires_at=now + params.ttl_seconds if params.ttl_seconds else None, replica=self.replica_id,
         )
         spec = self._spec(record)  # validates cpu and memory before anything is stored
         if not await self.store.insert_sandbox(record):

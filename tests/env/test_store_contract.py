@@ -158,6 +158,17 @@ async def test_jobs_of_a_replica_whose_lease_ended_are_lost_never_rerun(handles)
     assert [j.job_id for j in await one.list_jobs(("queued", "running"))] == ["a-queued"]
 
 
+async def test_a_replica_is_alive_while_its_lease_holds(handles):
+    one, two = handles(), handles()
+    await one.register_replica("long", 30.0)
+    await one.register_replica("short", 1.0)
+    assert [await two.replica_alive(r) for r in ("long", "short", "never")] == [True, True, False]
+    await asyncio.sleep(1.1)  # "short"'s 1 s lease has ended; "long" has 28.9 s left
+    assert [await two.replica_alive(r) for r in ("long", "short")] == [True, False]
+    await one.register_replica("short", 30.0)  # a renewal after the end makes it alive again
+    assert await two.replica_alive("short") is True
+
+
 async def test_locks_grant_growing_tokens_and_refuse_a_stale_one(handles):
     one, two = handles(), handles()
     first = await one.acquire_lock("sandbox:s", 30.0)

@@ -10,6 +10,7 @@ Several replicas need three more things from the store, which both stores provid
 - replicas: each replica says it is alive with a lease (`register_replica`, renewed well before it ends); a job
   is run by one replica (`claim_job` moves it from queued to running atomically, so of two claims one wins), and
   the queued or running jobs of a replica whose lease ended are failed as lost (`mark_lost_jobs`), never re-run;
+  the creates it left in flight are settled by another (`replica_alive` tells which replica ended);
 - locks with leases and fencing tokens (`acquire_lock`): each grant of a lock gets a larger token, and a write
   that needs the lock (`put_job_fenced`) is refused unless its token still holds the lock, checked atomically
   with the write. A holder paused past its lease thus cannot write, whoever holds the lock since.
@@ -47,6 +48,9 @@ class SandboxRecord:
     """Seconds without a heartbeat (or any exec) after which the reaper deletes the sandbox."""
     expires_at: float | None = None
     """Hard end of life (epoch seconds) from `ttl_seconds`; None = none."""
+    replica: str | None = None
+    """The orchestrator replica that created it: while the record is "pending", the one whose create is in
+    flight. Once that replica's lease has ended, another settles the record (`Orchestrator.settle_creates`)."""
 
 
 @dataclass
@@ -142,6 +146,10 @@ class StateStore(Protocol):
 
     async def register_replica(self, replica: str, lease_s: float) -> None:
         """Say that `replica` is alive for the next `lease_s` seconds (call again before that to stay alive)."""
+        ...
+
+    async def replica_alive(self, replica: str) -> bool:
+        """Whether `replica`'s lease (`register_replica`) has not ended yet."""
         ...
 
     async def claim_job(self, job_id: str, replica: str, started_at: float) -> bool:

@@ -291,6 +291,9 @@ class RedisStore:
     async def register_replica(self, replica: str, lease_s: float) -> None:
         await self._r.set(self._replica(replica), "alive", px=_ms(lease_s))
 
+    async def replica_alive(self, replica: str) -> bool:
+        return bool(await self._r.exists(self._replica(replica)))
+
     async def acquire_lock(self, name: str, lease_s: float) -> int | None:
         token = await self._acquire(keys=[f"{self.prefix}lock:{name}", f"{self.prefix}fence:{name}"],
                                     args=[_ms(lease_s)])

@@ -224,6 +224,9 @@ class SQLiteStore:
     async def register_replica(self, replica: str, lease_s: float) -> None:
         self._replicas[replica] = time.monotonic() + lease_s
 
+    async def replica_alive(self, replica: str) -> bool:
+        return self._alive(replica)
+
     def _alive(self, replica: str | None) -> bool:
         return replica is not None and self._replicas.get(replica, 0.0) > time.monotonic()
 

@@ -92,6 +92,7 @@ class SimulatedKubelet:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         shutil.rmtree(self.workdir / name, ignore_errors=True)
+        (self.workdir / "logs" / f"{name}.log").unlink(missing_ok=True)  # what a deleted pod leaves: nothing
 
     def stop(self) -> None:
         for name in list(self.processes):
