@@ -69,15 +69,17 @@ def summarize(seeds: Sequence[int], runs: Sequence[Mapping[str, Any]], counts: S
         rows = [r["results"][stage]["gui"] for r in runs]
         lines.append(f"| {stage} | " + " | ".join(mean_std([row[m] for row in rows], each=3) for m in metrics)
                      + f" | {sum(row['env_errors'] for row in rows):.0f} |")
-    lines.append("")
+    verdicts = []
     for baseline in ("sft", "base"):
         if baseline not in stages or "rl" not in stages:
             continue
         gain, spread = gain_and_spread([r["results"][baseline]["gui"]["success"] for r in runs],
                                        [r["results"]["rl"]["gui"]["success"] for r in runs])
         verdict = "beyond the spread" if gain.mean() > spread else "NOT beyond the spread"
-        lines.append(f"RL - {baseline} success = {gain.mean():+.3f} (per seed {np.round(gain, 3).tolist()}), "
-                     f"spread across seeds {spread:.3f} -> {verdict}")
+        verdicts.append(f"RL - {baseline} success = {gain.mean():+.3f} (per seed {np.round(gain, 3).tolist()}), "
+                        f"spread across seeds {spread:.3f} -> {verdict}")
+    if verdicts:
+        lines += ["", *verdicts]
     keys = [k for k in (*TEACHER_COUNTS, "rl_steps", *(f"rl_{k}" for k in RL_COUNTS)) if all(k in c for c in counts)]
     if keys:
         lines += ["", "| count | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
