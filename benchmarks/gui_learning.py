@@ -97,7 +97,8 @@ def plot(out: Path, seeds: Sequence[int], runs: Sequence[Mapping[str, Any]]) -> 
     fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(10, 4))
     for i, (seed, run) in enumerate(zip(seeds, runs, strict=True)):
         sft = read_jsonl(out / f"seed{seed}" / "sft" / "metrics.jsonl")
-        ax_sft.plot([r["step"] for r in sft], [r["loss/total"] for r in sft], color=f"C{i}", label=f"seed {seed}")
+        ax_sft.plot([r["step"] for r in sft], [r["loss/total"] for r in sft], marker=".", markersize=3, color=f"C{i}",
+                    label=f"seed {seed}")
         rl = [r for r in read_jsonl(out / f"seed{seed}" / "metrics.jsonl") if "rl/step_budget" in r]
         if rl:
             ax_rl.plot([r["step"] for r in rl], [r["rl/success"] for r in rl], marker="o", color=f"C{i}",
