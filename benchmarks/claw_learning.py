@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -40,15 +37,13 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _seeds import Launch, gain_and_spread, machine, mean_std, run_launches
+
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURES = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
 VALIDATION_BLOCK = 1
 """``split_tasks`` seed block of the validation split: task seeds 10,000 on, which no training pool reaches."""
-
-
-def machine() -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, commit {commit.stdout.strip()}"
 
 
 def best_temperature(success_by_temperature: Mapping[float, float], *, reference: float) -> float:
@@ -67,26 +62,8 @@ def recipe_command(config: str, args: list[str]) -> list[str]:
 def run_all(seeds: list[int], jobs: int, out: Path, command: Callable[[int], list[str]], log_name: str,
             t0: float) -> None:
     """Runs ``command(seed)`` once per seed, ``jobs`` at once, each logging to ``seed<N>/<log_name>``."""
-    pending = list(seeds)
-    running: list[tuple[int, subprocess.Popen, Any]] = []
-    while pending or running:
-        while pending and len(running) < jobs:
-            seed = pending.pop(0)
-            run_dir = out / f"seed{seed}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = command(seed)
-            print("+", " ".join(cmd[1:]), flush=True)
-            log = (run_dir / log_name).open("w")
-            running.append((seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-        time.sleep(2)
-        for item in list(running):
-            seed, proc, log = item
-            if proc.poll() is not None:
-                log.close()
-                running.remove(item)
-                if proc.returncode != 0:
-                    raise SystemExit(f"seed {seed} failed (exit {proc.returncode}); see {out}/seed{seed}/{log_name}")
-                print(f"seed {seed} done after {time.monotonic() - t0:.0f} s", flush=True)
+    run_launches([Launch(seed, f"seed {seed}", command(seed), out / f"seed{seed}" / log_name) for seed in seeds],
+                 jobs=jobs, t0=t0)
 
 
 def norm_scale(model_dir: Path) -> float:
@@ -186,14 +163,10 @@ def temperature_control(args: Any, out: Path, runs: list[dict[str, Any]], harnes
         f"seed {s} {a:.3f} -> {b:.3f} ({t})" for s, (a, b, t) in temps.items()), "",
         "| harness | SFT at T=1 | SFT at the RL temperature | RL at T=1 |", "|---|---|---|---|"]
 
-    def cell(values: list[float]) -> str:
-        v = np.array(values)
-        return f"{v.mean():.3f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.3f} ({', '.join(f'{x:.3f}' for x in v)})"
-
     for harness in harnesses:
-        lines.append(f"| {harness} | {cell([r['results']['sft'][harness]['success'] for r in runs])} | "
-                     f"{cell([c['results']['base'][harness]['success'] for c in controls])} | "
-                     f"{cell([r['results']['rl'][harness]['success'] for r in runs])} |")
+        lines.append(f"| {harness} | {mean_std([r['results']['sft'][harness]['success'] for r in runs], each=3)} | "
+                     f"{mean_std([c['results']['base'][harness]['success'] for c in controls], each=3)} | "
+                     f"{mean_std([r['results']['rl'][harness]['success'] for r in runs], each=3)} |")
     return lines
 
 
@@ -251,11 +224,7 @@ def main() -> int:
     for harness in harnesses:
         for stage in stages:
             rows = [r["results"][stage][harness] for r in runs]
-            cells = []
-            for m in metrics:
-                values = np.array([row[m] for row in rows])
-                std = values.std(ddof=1) if len(values) > 1 else 0.0
-                cells.append(f"{values.mean():.3f} ± {std:.3f}")
+            cells = [mean_std([row[m] for row in rows]) for m in metrics]
             errors = sum(row["env_errors"] for row in rows)
             lines.append(f"| {harness} | {stage} | " + " | ".join(cells) + f" | {errors:.0f} |")
     lines.append("")
@@ -266,10 +235,8 @@ def main() -> int:
         for harness in harnesses:
             if baseline not in stages or "rl" not in stages:
                 continue
-            base = np.array([r["results"][baseline][harness]["success"] for r in runs])
-            rl = np.array([r["results"]["rl"][harness]["success"] for r in runs])
-            gain = rl - base
-            spread = max(base.std(ddof=1), rl.std(ddof=1)) if len(runs) > 1 else 0.0
+            gain, spread = gain_and_spread([r["results"][baseline][harness]["success"] for r in runs],
+                                           [r["results"]["rl"][harness]["success"] for r in runs])
             verdict = "beyond the spread" if gain.mean() > spread else "NOT beyond the spread"
             lines.append(f"{harness}: RL - {baseline} success = {gain.mean():+.3f} (per seed "
                          f"{np.round(gain, 3).tolist()}), spread across seeds {spread:.3f} -> {verdict}")

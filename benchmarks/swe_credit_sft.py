@@ -31,9 +31,6 @@ import asyncio
 import importlib.util
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -41,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _seeds import Launch, gain_and_spread, machine, mean_std, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("resolved", "credit", "control", "all")
@@ -56,11 +56,6 @@ def recipe_module() -> Any:
     sys.modules["swe_recipe"] = module
     spec.loader.exec_module(module)
     return module
-
-
-def machine() -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, commit {commit.stdout.strip()}"
 
 
 async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
@@ -121,23 +116,10 @@ async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
 
 def run_seeds(args: Any, out: Path) -> None:
     """Each seed as its own process (its own embedded sandbox service), ``--jobs`` at once."""
-    pending, running = list(args.seeds), []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            seed = pending.pop(0)
-            cmd = [sys.executable, __file__, "--one-seed", str(seed), "--out", str(out), "--config", args.config,
-                   *(["--quick"] if args.quick else []), *args.overrides]
-            log = (out / f"seed{seed}.log").open("w")
-            print("+", " ".join(cmd[1:]), flush=True)
-            running.append((seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-        time.sleep(2)
-        for item in list(running):
-            seed, proc, log = item
-            if proc.poll() is not None:
-                log.close()
-                running.remove(item)
-                if proc.returncode != 0:
-                    raise SystemExit(f"seed {seed} failed (exit {proc.returncode}); see {out}/seed{seed}.log")
+    run_launches([Launch(seed, f"seed {seed}", [
+        sys.executable, __file__, "--one-seed", str(seed), "--out", str(out), "--config", args.config,
+        *(["--quick"] if args.quick else []), *args.overrides], out / f"seed{seed}.log") for seed in args.seeds],
+        jobs=args.jobs, t0=time.monotonic())
 
 
 def summarize(args: Any, out: Path, t0: float) -> str:
@@ -147,9 +129,6 @@ def summarize(args: Any, out: Path, t0: float) -> str:
     def rates(arm: str, harness: str) -> np.ndarray:
         return np.array([r["arms"][arm]["eval"][harness]["success"] for r in runs])
 
-    def cell(v: np.ndarray) -> str:
-        return f"{v.mean():.3f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.3f}"
-
     lines = [f"machine: {machine()}",
              f"seeds: {args.seeds}; config: {Path(args.config).name} {'--quick ' if args.quick else ''}"
              f"{' '.join(args.overrides)}; wall per seed {np.mean([r['wall_s'] for r in runs]):.0f} s, "
@@ -158,12 +137,11 @@ def summarize(args: Any, out: Path, t0: float) -> str:
              "| arm | samples | " + " | ".join(harnesses) + " |", "|---|---|" + "---|" * len(harnesses)]
     for arm in ARMS:
         samples = np.mean([r["arms"][arm]["samples"] for r in runs])
-        lines.append(f"| {arm} | {samples:.0f} | " + " | ".join(cell(rates(arm, h)) for h in harnesses) + " |")
+        lines.append(f"| {arm} | {samples:.0f} | " + " | ".join(mean_std(rates(arm, h)) for h in harnesses) + " |")
     counts = {k: np.mean([r["counts"][k] for r in runs]) for k in runs[0]["counts"]}
     lines += ["", "teacher per seed (mean): " + ", ".join(f"{k} {v:.1f}" for k, v in counts.items()), ""]
     for h in harnesses:
-        gain = rates("credit", h) - rates("resolved", h)
-        spread = max(rates("credit", h).std(ddof=1), rates("resolved", h).std(ddof=1)) if len(runs) > 1 else 0.0
+        gain, spread = gain_and_spread(rates("resolved", h), rates("credit", h))
         verdict = "above the spread" if gain.mean() > spread else "NOT above the spread"
         lines.append(f"{h}: credit - resolved = {gain.mean():+.3f} (per seed {np.round(gain, 3).tolist()}), "
                      f"spread {spread:.3f} -> {verdict}")

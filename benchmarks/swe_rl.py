@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _seeds import Launch, machine, mean_std, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("grpo_bar", "opd_k2", "opd_k3", "opd_js", "opd_js_grpo", "rpr")
@@ -37,40 +37,19 @@ QUICK = ["instances.templates=[inventory, ledger]", "instances.train_per_templat
          "rl.tasks_per_step=2", "rl.filter.attempts=4", "value_model.steps=10", "eval.harnesses=[bash, tool]"]
 
 
-def machine() -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, commit {commit.stdout.strip()}"
-
-
 def run_all(jobs_list: list[tuple[int, str]], jobs: int, out: Path, config: str, overrides: list[str],
             t0: float) -> dict[tuple[int, str], int]:
     """Runs recipes/swe.py once per (seed, variant), ``jobs`` at once; returns each run's exit status."""
-    pending, running, status = list(jobs_list), [], {}
-    while pending or running:
-        while pending and len(running) < jobs:
-            seed, variant = pending.pop(0)
-            run_dir = out / f"seed{seed}" / variant
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, str(ROOT / "recipes/swe.py"), "--config", config, f"seed={seed}",
-                   f"output_dir={run_dir}", f"rl.variant={variant}", *overrides]
-            print("+", " ".join(cmd[1:]), flush=True)
-            log = (run_dir / "stdout.log").open("w")
-            running.append(((seed, variant), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-        time.sleep(2)
-        for item in list(running):
-            key, proc, log = item
-            if proc.poll() is not None:
-                log.close()
-                running.remove(item)
-                status[key] = proc.returncode
-                print(f"seed {key[0]} {key[1]}: exit {proc.returncode} after {time.monotonic() - t0:.0f} s", flush=True)
-    return status
+    return run_launches([Launch((seed, variant), f"seed {seed} {variant}", [
+        sys.executable, str(ROOT / "recipes/swe.py"), "--config", config, f"seed={seed}",
+        f"output_dir={out / f'seed{seed}' / variant}", f"rl.variant={variant}", *overrides],
+        out / f"seed{seed}" / variant / "stdout.log") for seed, variant in jobs_list], jobs=jobs, t0=t0,
+        stop_on_failure=False)
 
 
 def cell(values: list[float]) -> str:
-    v = np.array(values, dtype=float)
-    std = v.std(ddof=1) if len(v) > 1 else 0.0
-    return f"{v.mean():.3f} ± {std:.3f} ({', '.join(f'{x:.2f}' for x in v)})"
+    """Mean ± std over seeds, each seed's rate after it at two decimals."""
+    return mean_std(values, each=2)
 
 
 def read(run_dir: Path, name: str) -> Any:
