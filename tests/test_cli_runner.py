@@ -1,10 +1,13 @@
 """orchard._cli.run_main: a user's mistake is one line on stderr and exit status 2; a bug keeps its traceback.
 
-Each case runs a tiny script in a real subprocess, as a user would run a recipe.
+A tiny script's ``main`` is called under ``run_main`` in process, what the script's ``__main__`` line does (a
+subprocess per case paid the torch and transformers imports each); one mistake and one bug run the script in a real
+subprocess, as a user would run a recipe, and prove the exit status and what reaches stderr end to end.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -59,24 +62,53 @@ SCRIPT = textwrap.dedent(
         return 0
 
 
-    sys.exit(run_main(main))
+    if __name__ == "__main__":
+        sys.exit(run_main(main))
     '''
 )
 
 
-def run_script(tmp_path: Path, *args: str, debug_env: bool = False) -> subprocess.CompletedProcess[str]:
+def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "tiny.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "ORCHARD_DEBUG"}
-    if debug_env:
-        env["ORCHARD_DEBUG"] = "1"
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=120)
 
 
-def stderr_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+def stderr_lines(stderr: str) -> list[str]:
     # Libraries may warn on import (not ours to silence here); the runner's own output is the "error:" line.
-    return [ln for ln in proc.stderr.splitlines() if "Warning" not in ln and ln.strip()]
+    return [ln for ln in stderr.splitlines() if "Warning" not in ln and ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def tiny_main(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("script") / "tiny.py"
+    path.write_text(SCRIPT)
+    spec = importlib.util.spec_from_file_location("cli_runner_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module.main
+    del sys.modules[spec.name]
+
+
+@pytest.fixture
+def in_process(tiny_main, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """``in_process(*args)`` -> (exit status, stdout, stderr) of the tiny script's ``run_main(main, args)``, run in
+    ``tmp_path`` (as the subprocess is) without ``ORCHARD_DEBUG``."""
+    from orchard._cli import run_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ORCHARD_DEBUG", raising=False)
+
+    def call(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        status = run_main(tiny_main, list(args))
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return call
 
 
 @pytest.mark.parametrize(
@@ -92,35 +124,50 @@ def stderr_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
          "error: source must be a local checkpoint directory or a config; no such directory: 'missing_model'"),
     ],
 )
-def test_user_mistakes_are_one_line_and_status_2(tmp_path: Path, args: list[str], line: str) -> None:
-    proc = run_script(tmp_path, *args)
+def test_user_mistakes_are_one_line_and_status_2(in_process, args: list[str], line: str) -> None:
+    status, out, err = in_process(*args)
+    assert status == 2, err
+    assert stderr_lines(err) == [line]
+    assert out == ""
+
+
+def test_a_mistake_from_the_command_line(tmp_path: Path) -> None:
+    proc = run_script(tmp_path, "rl.steps=-3")
     assert proc.returncode == 2, proc.stderr
-    assert stderr_lines(proc) == [line]
+    assert stderr_lines(proc.stderr) == ["error: rl.steps must be an int >= 1, got -3"]
     assert proc.stdout == ""
 
 
-def test_a_correct_run_and_a_bug(tmp_path: Path) -> None:
-    ok = run_script(tmp_path, "rl.steps=5")
-    assert ok.returncode == 0 and ok.stdout == "ran 5\n"
-    # A bug (a KeyError, or a FileNotFoundError of a path the user never wrote) keeps its traceback, status 1.
-    for args, last in ((["--bug"], "KeyError: 'a key nobody set'"), (["rl.steps=99"], "FileNotFoundError:")):
-        proc = run_script(tmp_path, *args)
-        assert proc.returncode == 1
-        assert "Traceback (most recent call last)" in proc.stderr
-        assert proc.stderr.strip().splitlines()[-1].startswith(last)
+def test_a_correct_run_and_a_bug(in_process) -> None:
+    assert in_process("rl.steps=5") == (0, "ran 5\n", "")
+    # A bug (a KeyError, or a FileNotFoundError of a path the user never wrote) propagates: its traceback stays.
+    with pytest.raises(KeyError, match="a key nobody set"):
+        in_process("--bug")
+    with pytest.raises(FileNotFoundError, match="nonexistent-dir-of-a-bug"):
+        in_process("rl.steps=99")
+
+
+def test_a_bug_from_the_command_line_keeps_its_traceback_and_status_1(tmp_path: Path) -> None:
+    proc = run_script(tmp_path, "--bug")
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("KeyError: 'a key nobody set'")
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
-def test_debug_shows_the_traceback_of_a_mistake(tmp_path: Path, how: str) -> None:
+def test_debug_shows_the_traceback_of_a_mistake(in_process, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    from orchard.train.config import ConfigError
+
     args = ["rl.steps=-3", "--debug"] if how == "flag" else ["rl.steps=-3"]
-    proc = run_script(tmp_path, *args, debug_env=how == "env")
-    assert proc.returncode == 1
-    assert "Traceback (most recent call last)" in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
+    if how == "env":
+        monkeypatch.setenv("ORCHARD_DEBUG", "1")
+    with pytest.raises(ConfigError) as raised:  # propagates: the interpreter prints its traceback, status 1
+        in_process(*args)
+    # the traceback's last line, as the interpreter writes it
+    assert f"{type(raised.value).__module__}.{type(raised.value).__qualname__}: {raised.value}" == (
         "orchard.train.config.ConfigError: rl.steps must be an int >= 1, got -3"
     )
-    ok = run_script(tmp_path, "--debug", "rl.steps=4")  # --debug never reaches main's parser
-    assert ok.returncode == 0 and ok.stdout == "ran 4\n"
+    assert in_process("--debug", "rl.steps=4") == (0, "ran 4\n", "")  # --debug never reaches main's parser
 
 
 def test_run_main_restores_argparse_and_rejects_a_non_callable() -> None:

@@ -36,12 +36,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(560)
-def test_claw_recipe_on_two_ranks_writes_only_from_rank_0(tmp_path):
+def test_claw_recipe_on_two_ranks_writes_only_from_rank_0(tmp_path, deepspeed_cpu_comm_op):
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
-    # DeepSpeed's CPU shared-memory op, built once before two ranks race to build it (see tests/stages/test_ranks).
-    subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder; "
-                    "ShareMemCommBuilder().load()"], env=env, check=True, capture_output=True, timeout=300)
     procs = [subprocess.Popen([sys.executable, str(ROOT / "recipes/claw.py"), "--config",
                                str(ROOT / "recipes/configs/claw_tiny.yaml"), f"output_dir={tmp_path / f'rank{r}'}",
                                *TINY],

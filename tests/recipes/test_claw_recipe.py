@@ -80,6 +80,9 @@ def recipe(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+CONFIG = ("--config", str(ROOT / "recipes/configs/claw_tiny.yaml"))
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("rl.stepz=3", "rl.stepz is not a config key; did you mean 'rl.steps'?"),
     ("rl.steps=-3", "rl.steps must be an int >= 1, got -3"),
@@ -93,19 +96,24 @@ def recipe(*args):
     ("model.path=/no/such/dir", "model.path must be a local checkpoint directory, got '/no/such/dir' "
                                 "(no such directory)"),
 ])
-def test_config_mistakes_are_one_line_before_any_work(override, message):
-    proc = recipe(override)
-    assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
-    assert proc.stdout == ""  # nothing ran, not even the config print
+def test_config_mistakes_are_one_line_before_any_work(override, message, recipe_main):
+    # in process (the recipe's main under run_main, as its __main__ calls it): a subprocess per case costs a torch
+    # import each; test_a_config_mistake_from_the_command_line runs one case as a user does
+    assert recipe_main("claw", *CONFIG, override) == (2, "", f"error: {message}\n")  # nothing ran, no config print
 
 
-def test_show_config_prints_the_resolved_config_and_exits():
-    proc = recipe("--show-config", "rl.steps=5")
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+def test_a_config_mistake_from_the_command_line():
+    proc = recipe("rl.steps=-3")
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, "error: rl.steps must be an int >= 1, got -3\n", "")
+
+
+def test_show_config_prints_the_resolved_config_and_exits(recipe_main):
+    status, out, err = recipe_main("claw", *CONFIG, "--show-config", "rl.steps=5")
+    assert status == 0, err
+    lines = out.splitlines()
     # The override, the YAML's values and the stage's own defaults (not TrainConfig's class defaults) show.
     assert [ln.split("#")[0].strip() for ln in lines if ln.startswith(("rl.steps:", "rl.train.global_batch_size:",
                                                                         "rl.train.optim.lr:", "sft.epochs:"))] == [
         "sft.epochs: 16.0", "rl.steps: 5", "rl.train.global_batch_size: 64", "rl.train.optim.lr: 0.0001"]
-    assert "(derived from rl.steps x rl.ppo_epochs x rl.mini_batches)" in proc.stdout
-    assert "eval base" not in proc.stdout and "stage  harness" not in proc.stdout  # it did not run
+    assert "(derived from rl.steps x rl.ppo_epochs x rl.mini_batches)" in out
+    assert "eval base" not in out and "stage  harness" not in out  # it did not run

@@ -54,6 +54,13 @@ def test_gui_recipe_smoke(tmp_path):
     ("sft_warmup_fraction=1.5", "sft_warmup_fraction must be in [0, 1) or null, got 1.5"),
     ("sft.train.total_steps=3", "sft.train.total_steps is derived from sft.epochs; set that instead"),
 ])
-def test_config_mistakes_are_one_line(override, message):
-    proc = recipe(override, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+def test_config_mistakes_are_one_line(override, message, recipe_main):
+    # in process (the recipe's main under run_main, as its __main__ calls it): a subprocess per case costs a torch
+    # import each; test_a_config_mistake_from_the_command_line runs one case as a user does
+    status, _, err = recipe_main("gui", "--config", str(ROOT / "recipes/configs/gui_tiny.yaml"), override)
+    assert status == 2 and err.startswith(f"error: {message}"), err
+
+
+def test_a_config_mistake_from_the_command_line():
+    proc = recipe("step_budgets=[]", timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: step_budgets must be a non-empty list"), proc.stderr

@@ -148,11 +148,9 @@ def test_one_process_killed_and_resumed_ends_with_the_uninterrupted_parameters(t
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)
-def test_two_ranks_killed_and_resumed_end_with_the_uninterrupted_parameters(tmp_path):
+def test_two_ranks_killed_and_resumed_end_with_the_uninterrupted_parameters(tmp_path, deepspeed_cpu_comm_op):
     """2 gloo ranks under torchrun, ZeRO-2; rank 1 SIGKILLs itself in step 3's rollouts and torchrun stops rank 0;
     the relaunched job resumes from step 2's checkpoint and ends with the uninterrupted job's weights."""
-    _run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder; "
-          "ShareMemCommBuilder().load()"])  # built once before two ranks race to build it (see test_ranks)
 
     def torchrun() -> list[str]:
         return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_addr",
