@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -123,7 +124,9 @@ async def lifecycles(url: str, key: str, total: int, concurrency: int, execs: in
                 deletes.append(time.perf_counter() - t)
                 succeeded += 1
             except Exception as exc:
-                errors[f"{type(exc).__name__}: {str(exc)[:120]}"] += 1
+                # one line per kind of failure: the sandbox's id and its pod's address would make each unique
+                kind = re.sub(r"\b\d+(\.\d+){3}\b", "<ip>", str(exc).replace(sandbox_id, "<id>"))
+                errors[f"{type(exc).__name__}: {kind[:160]}"] += 1
                 if sandbox is not None:
                     with contextlib.suppress(Exception):
                         await sandbox.delete()
