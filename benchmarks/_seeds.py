@@ -1,5 +1,5 @@
 """What the learning benchmarks share: one process per seed (or per seed and arm), ``jobs`` at once, each with its
-own log, and the mean ± std cells and RL-minus-baseline verdicts of their tables.
+own log, the mean ± std cells and RL-minus-baseline verdicts of their tables, and the printed and saved summary.
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _seeds import Launch, gain_and_spread, machine, mean_std, run_launches
@@ -102,3 +102,10 @@ def gain_and_spread(baseline: Sequence[float], treated: Sequence[float]) -> tupl
                          f"and {new.shape}")
     spread = float(max(base.std(ddof=1), new.std(ddof=1))) if base.size > 1 else 0.0
     return new - base, spread
+
+
+def publish(out: Path, lines: Sequence[str]) -> None:
+    """Prints a benchmark's summary and writes it, as printed, to ``out/summary.md``."""
+    text = "\n".join(lines)
+    print(text)
+    (out / "summary.md").write_text(text + "\n")

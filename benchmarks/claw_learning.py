@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, gain_and_spread, machine, mean_std, run_launches
+from _seeds import Launch, gain_and_spread, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURES = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
@@ -242,9 +242,7 @@ def main() -> int:
                          f"{np.round(gain, 3).tolist()}), spread across seeds {spread:.3f} -> {verdict}")
     if args.temperature_control:
         lines += ["", *temperature_control(args, out, runs, harnesses, t0)]
-    text = "\n".join(lines)
-    print(text)
-    (out / "summary.md").write_text(text + "\n")
+    publish(out, lines)
     return 0
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, gain_and_spread, machine, mean_std, run_launches
+from _seeds import Launch, gain_and_spread, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("base", "sft", "rl")
@@ -140,9 +140,7 @@ def main() -> int:
              f"({args.jobs} at once; this invocation {time.monotonic() - t0:.0f} s"
              f"{', finished seeds reused' if args.reuse else ''})", *summarize(args.seeds, runs, counts)]
     plot(out, args.seeds, runs)
-    text = "\n".join(lines)
-    print(text)
-    (out / "summary.md").write_text(text + "\n")
+    publish(out, lines)
     return 0
 
 

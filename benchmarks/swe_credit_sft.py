@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, gain_and_spread, machine, mean_std, run_launches
+from _seeds import Launch, gain_and_spread, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("resolved", "credit", "control", "all")
@@ -177,9 +177,7 @@ def main() -> int:
         return 0
     t0 = time.monotonic()
     run_seeds(args, out)
-    text = summarize(args, out, t0)
-    print(text)
-    (out / "summary.md").write_text(text + "\n")
+    publish(out, [summarize(args, out, t0)])
     return 0
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, machine, mean_std, run_launches
+from _seeds import Launch, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("grpo_bar", "opd_k2", "opd_k3", "opd_js", "opd_js_grpo", "rpr")
@@ -189,9 +189,7 @@ def main() -> int:
              "held-out resolve rate, mean ± std over seeds (per seed in brackets)", "",
              *summarise(out, args.seeds, args.variants, status, harnesses)]
     plots(out, args.seeds, args.variants)
-    text = "\n".join(lines)
-    print(text)
-    (out / "summary.md").write_text(text + "\n")
+    publish(out, lines)
     return 0
 
 

@@ -22,6 +22,13 @@ def test_mean_std_is_the_sample_std_over_seeds():
     assert seeds.mean_std([0.1, 0.3], each=3) == "0.200 ± 0.141 (0.100, 0.300)"
 
 
+def test_the_summary_printed_is_the_summary_saved(tmp_path, capsys):
+    seeds.publish(tmp_path, ["| a | b |", "|---|---|", "", "RL - SFT = +0.100"])
+    printed = capsys.readouterr().out
+    assert printed == "| a | b |\n|---|---|\n\nRL - SFT = +0.100\n"
+    assert (tmp_path / "summary.md").read_text() == printed
+
+
 def test_one_seed_has_no_spread_and_no_seed_is_refused_by_name():
     assert seeds.mean_std([0.4]) == "0.400 ± 0.000"
     with pytest.raises(ValueError, match="values must be a non-empty list"):
