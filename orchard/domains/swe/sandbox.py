@@ -314,7 +314,10 @@ def pytest_bundle() -> bytes:
     source. Of pygments (1.2 MB of source, mostly lexers) only the modules pytest imports on every run get
     bytecode: the rest is imported only to colour other languages.
     """
-    import _pytest._io.terminalwriter  # noqa: F401  (what it imports of pygments is what every run imports)
+    from orchard._extras import requires_extra
+
+    with requires_extra("swe"):
+        import _pytest._io.terminalwriter  # noqa: F401  (what it imports of pygments is what every run imports)
 
     loaded = {Path(m.__file__).resolve() for name, m in list(sys.modules.items())
               if name.partition(".")[0] == "pygments" and getattr(m, "__file__", None)}
