@@ -141,6 +141,18 @@ class Host:
     def alive(self) -> bool:
         return self.browser.is_connected() and bool(self.pages)
 
+    @staticmethod
+    def _screenshot(page: Any) -> bytes:
+        """The tab's screenshot. A navigation that swaps the tab's renderer (a refused page is shown by a renderer
+        of its own) can leave headless Chromium's view of the tab hidden, and every capture then fails ("Unable
+        to capture screenshot"); bringing the tab to the front shows it again. Seen in about half of the episodes
+        that met a network error; the second failure is the browser's, an env_error."""
+        try:
+            return page.screenshot(type="png")
+        except Exception:
+            page.bring_to_front()
+            return page.screenshot(type="png")
+
     def observe(self, text_view: bool) -> dict[str, Any]:
         page = self.page
         tabs = []
@@ -151,7 +163,7 @@ class Host:
                 title = ""
             tabs.append({"url": p.url, "title": title})
         obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height],
-                               "screenshot": base64.b64encode(page.screenshot(type="png")).decode("ascii")}
+                               "screenshot": base64.b64encode(self._screenshot(page)).decode("ascii")}
         if text_view:
             obs["text"] = page.evaluate(_TEXT_VIEW_JS)
         return obs

@@ -183,9 +183,15 @@ def test_the_browser_reaches_only_the_sandbox_own_sites(browser):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        obs = browser.step("goto_url", {"url": f"http://127.0.0.1:{server.server_address[1]}/"})
-        # refused, as a rule; any network error proves the point: the host's page never loads
-        assert obs.error is not None and "net::ERR_" in obs.error and obs.env_error is None, obs.error
+        # Three times: Chromium shows a refused page in a renderer of its own, and the swap could leave the tab's
+        # view hidden, so that every later screenshot failed (an env_error for the rest of the episode; it
+        # happened in about half of the episodes, so three rounds catch it with probability ~7/8).
+        for _ in range(3):
+            obs = browser.step("goto_url", {"url": f"http://127.0.0.1:{server.server_address[1]}/"})
+            # refused, as a rule; any network error proves the point: the host's page never loads
+            assert obs.error is not None and "net::ERR_" in obs.error and obs.env_error is None, obs.error
+            back = browser.step("goto_url", {"url": SHOP})
+            assert back.env_error is None and back.error is None and back.screenshot, back.env_error
     finally:
         server.shutdown()
     assert "could not open" in browser.step("goto_url", {"url": "http://example.com/"}).error
