@@ -18,6 +18,7 @@ import pytest
 
 from orchard.env.backends.local import LocalBackend
 from orchard.env.embedded import serve
+from orchard.env.errors import NotFoundError
 from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator
 from orchard.env.store import open_store
 from orchard.env.store.redis_store import RedisStore
@@ -112,7 +113,16 @@ async def test_a_live_replicas_reaper_reports_a_dead_replicas_job_lost_after_its
         await a.create_sandbox(CreateParams(sandbox_id="s"))
         params = ExecParams(command="echo ran >> count; sleep 30")
         job = await a.submit_exec("s", params, key="k", fingerprint="f")
-        while (await b.get_job(job.job_id)).status != "running":
+
+        async def ran() -> bool:
+            try:
+                return await b.read_file("s", "count") == b"ran\n"
+            except NotFoundError:  # the command has not yet made it
+                return False
+
+        # A dies after its command began: "running" is written before the process starts, so wait for the
+        # command's own mark too (in CI once, A died between the two and the command never ran at all)
+        while (await b.get_job(job.job_id)).status != "running" or not await ran():
             await asyncio.sleep(0.02)
         for task in (a._beat, *a._tasks):  # A dies: it renews nothing and writes nothing from here on
             task.cancel()
