@@ -60,7 +60,6 @@ from orchard.models import tiny_qwen3
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.openai_engine import OpenAIEngine
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
-from orchard.sampling import balanced_subset
 from orchard.stages import SFT_MODES, EvalConfig, RecordedRollouts, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.sandboxes import sandbox_service
@@ -348,18 +347,23 @@ async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any
     return kept.tasks, kept.trajectories
 
 
-def bar_groups(calls_per_step: list[list[list[Any]]], cfg: RLConfig) -> list[dict[str, Any]]:
-    """BAR's positive ratio per group and step: over the group's generated pool and over the group_size it kept
-    (None: dropped), the pool being BAR's candidates (`stages.bar_candidate`: judge-removed rollouts and dropped
-    timeouts are not). One generation call is one group's pool when bar_stride == bar_n_max (the paper's)."""
-    bar, rows = cfg.bar_config(), []
+def bar_groups(calls_per_step: list[list[list[Any]]]) -> list[dict[str, Any]]:
+    """BAR's positive ratio per group and step: over the group's pool (BAR's candidates: judge-removed rollouts,
+    dropped timeouts and sandbox failures are not) and over the group_size it kept (None: dropped; pool None: no
+    candidate). Read from the choice `stages.rollout_groups` made (each candidate's ``metadata["bar"]``), never
+    made again here, so the report and the groups that trained agree, whatever the stride."""
+    rows = []
     for step, calls in enumerate(calls_per_step, 1):
-        for call in calls:
-            pool = [t for t in call if stages.bar_candidate(t, drop_timeouts=cfg.drop_timeouts)]
-            won = [t.reward > 0 for t in pool]
-            kept, _ = balanced_subset(won, [t.terminated for t in pool], [t.length for t in pool], bar)
-            rows.append({"step": step, "pool_positive_ratio": sum(won) / len(pool) if pool else None,
-                         "kept_positive_ratio": sum(won[i] for i in kept) / len(kept) if kept else None})
+        groups: dict[str, list[dict[str, bool]]] = {}
+        for traj in (t for call in calls for t in call):  # a step draws each task once: one group per task
+            groups.setdefault(traj.task_id, [])
+            if "bar" in traj.metadata:
+                groups[traj.task_id].append(traj.metadata["bar"])
+        for pool in groups.values():
+            kept = [c["positive"] for c in pool if c["kept"]]
+            rows.append({"step": step,
+                         "pool_positive_ratio": sum(c["positive"] for c in pool) / len(pool) if pool else None,
+                         "kept_positive_ratio": sum(kept) / len(kept) if kept else None})
     return rows
 
 
@@ -451,7 +455,8 @@ async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: 
             summary["judge"] = {k: sum(j.totals.get(k, 0.0) for j in judges.values())
                                 for k in ("rl/judged", "rl/judge_failures", "rl/judge_unparseable")}
         summary.update(steps=len(history), tasks_per_step=rl_cfg.tasks_per_step,
-                       bar_groups=bar_groups([calls[a:b] for a, b in itertools.pairwise(marks)], rl_cfg))
+                       bar_groups=bar_groups([calls[a:b] for a, b in itertools.pairwise(marks)])
+                       if rl_cfg.use_bar else [])
     else:
         log.print("rl: skipped, no task of useful difficulty for the policy")
     (out / "rl_summary.json").write_text(json.dumps(summary, indent=2))

@@ -118,7 +118,9 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
     BAR chooses among `bar_candidate` rollouts only (not removed by a judge, not a dropped timeout), so a kept
     group trains on ``group_size`` members. Returns the groups (a BAR group that was dropped is empty) and every
     trajectory generated (BAR's whole pool and discards, so success over what was generated can be reported next
-    to success over what trains).
+    to success over what trains). Under BAR each member of a group's pool (its candidates) carries BAR's reading
+    and choice in ``metadata["bar"]``: ``{"positive": bool, "kept": bool}`` (kept: in the group), so a report of
+    the choice reads it rather than choosing again; a rollout that was no candidate has no such key.
     """
     if len(harness_of) != len(tasks):
         raise ValueError(f"harness_of must name one harness per task, got {len(harness_of)} for {len(tasks)}")
@@ -145,6 +147,9 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
             return await harnesses[harness_of[i]](engine, [tasks[i]], group_size=k, temperature=rollout.temperature)
 
         result = await abar_select(source, bar, valid=lambda t: bar_candidate(t, drop_timeouts=cfg.drop_timeouts))
+        chosen = set(result.selected_indices)
+        for j, (traj, won) in enumerate(zip(result.pool, result.pool_positive, strict=True)):
+            traj.metadata["bar"] = {"positive": won, "kept": j in chosen}  # reported as chosen, never re-chosen
         return (RolloutGroup(ids[i], tuple(result.selected), drop_timeouts=cfg.drop_timeouts),
                 [*result.pool, *result.discarded])
 

@@ -146,28 +146,47 @@ def test_a_config_mistake_from_the_command_line():
     assert proc.returncode == 2 and proc.stderr.startswith("error: rl.variant must be one of ")
 
 
-def test_bar_groups_positive_ratios_by_hand():
+def test_bar_groups_report_the_choice_bar_made_by_hand():
+    """bar_groups reads BAR's choice from rollout_groups (it chooses nothing itself): with strides smaller than
+    the budget a group's pool spans several generation calls, and the report still matches the groups that train."""
     sys.path.insert(0, str(ROOT / "recipes"))
+    import asyncio
+
     from swe import SWERLConfig, bar_groups
 
     from orchard.data import Trajectory
+    from orchard.stages import RecordedRollouts, RolloutConfig, rollout_groups
 
-    def pool(passed, failed, dead=0):
-        return ([Trajectory(reward=1.0)] * passed + [Trajectory(reward=-1.0)] * failed
-                + [Trajectory(reward=None, termination_reason="env_error")] * dead)
+    # Per task, the outcomes of its successive strides of 4: +1 resolved, -1 not, None a dead sandbox.
+    strides = {"a": [[1, 1, 1, 1], [-1, -1, 1, -1]], "b": [[1, -1, -1, 1]], "c": [[None, -1, -1, -1], [-1] * 4]}
+    played = {task: 0 for task in strides}
 
-    cfg = SWERLConfig(group_size=4, bar_n_max=8, bar_stride=8)
-    rows = bar_groups([[pool(3, 5)], [pool(0, 6, dead=2), pool(2, 4, dead=2)]], cfg)
-    # Step 1: 3 of 8 resolved = 0.375; BAR keeps k in [ceil(0.375 x 4), floor(0.625 x 4)] = {2}: 2 of 4 = 0.5.
-    # Step 2: the dead sandboxes are not outcomes: 0 of 6 (dropped, no signal) and 2 of 6 = 0.333 -> 2 of 4 kept.
-    assert rows == [{"step": 1, "pool_positive_ratio": 0.375, "kept_positive_ratio": 0.5},
-                    {"step": 2, "pool_positive_ratio": 0.0, "kept_positive_ratio": None},
-                    {"step": 2, "pool_positive_ratio": 2 / 6, "kept_positive_ratio": 0.5}]
-    # A judge removed 2 of 3 resolved rollouts: they are not BAR's candidates, so the pool is 1 of 6 = 0.167 and no
-    # balanced set (2 of 4) exists -> relaxed, k+ in [max(0, 4 - 5), min(4, 1)] = [0, 1] nearest 2 -> 1 of 4 = 0.25.
-    removed = [Trajectory(reward=1.0, metadata={"removed": "judge_failure"}) for _ in range(2)]
-    [row] = bar_groups([[removed + pool(1, 5)]], cfg)
-    assert row == {"step": 1, "pool_positive_ratio": 1 / 6, "kept_positive_ratio": 0.25}
+    async def scripted(engine, tasks, *, group_size, temperature, max_tokens=None):
+        [task] = tasks
+        outcomes = strides[task][played[task]]
+        played[task] += 1
+        return [Trajectory(task_id=task, reward=r, termination_reason="done" if r is not None else "env_error")
+                for r in outcomes[:group_size]]
+
+    cfg = SWERLConfig(group_size=4, bar_n_max=8, bar_stride=4, tasks_per_step=3)
+    calls = []
+    groups, _ = asyncio.run(rollout_groups({"bash": RecordedRollouts(scripted, calls)}, None, ["a", "b", "c"],
+                                           ["bash"] * 3, cfg, RolloutConfig()))
+    rows = {row["pool_positive_ratio"]: row for row in bar_groups([calls])}
+    # a: 4 of 4 resolved has no balanced set (k+ in [ceil(0.375 x 4), floor(0.625 x 4)] = {2}), so BAR draws a
+    #    second stride: 5 of 8 = 0.625 in the pool, 2 of 4 kept = 0.5. (Read call by call, as bar_groups did
+    #    before, the first call alone would be a pool of 4 of 4 = 1.0.)
+    # b: 2 of 4 at once: kept whole, 0.5 both.
+    # c: the dead sandbox is no candidate: 0 of 7, no signal, dropped.
+    assert rows == {0.625: {"step": 1, "pool_positive_ratio": 0.625, "kept_positive_ratio": 0.5},
+                    0.5: {"step": 1, "pool_positive_ratio": 0.5, "kept_positive_ratio": 0.5},
+                    0.0: {"step": 1, "pool_positive_ratio": 0.0, "kept_positive_ratio": None}}
+    # ... and they are the groups that train: the kept ratios are those of the groups' members.
+    trained = sorted(sum(t.reward > 0 for t in g.trajectories) / len(g.trajectories) for g in groups if g.trajectories)
+    assert trained == sorted(r["kept_positive_ratio"] for r in rows.values() if r["kept_positive_ratio"] is not None)
+    # a step with no candidate at all (every sandbox dead) still has its row
+    dead = [Trajectory(task_id="d", reward=None, termination_reason="env_error")]
+    assert bar_groups([[dead]]) == [{"step": 1, "pool_positive_ratio": None, "kept_positive_ratio": None}]
 
 
 def test_rpr_trains_the_all_failed_groups_bar_would_drop():
