@@ -64,9 +64,7 @@ async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
 
     from orchard import stages
     from orchard.domains.swe.teacher import SWETeacherEngine, teacher_trajectories
-    from orchard.env import AsyncSandboxClient
     from orchard.stages.policy import load_policy, make_engine
-    from orchard.stages.sandboxes import sandbox_service
 
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -75,40 +73,42 @@ async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
     log = stages.RunLog(out)
     _, tokenizer = load_policy(cfg.model, swe.corpus([*train, *heldout]), seed=cfg.seed)
     result: dict[str, Any] = {"seed": cfg.seed, "arms": {}, "counts": {}}
-    with sandbox_service(cfg.env_url) as env:
-        async with AsyncSandboxClient(*env) as client:
-            harnesses = swe.swe_harnesses(cfg, tokenizer, client)
+    async with swe.swe_sandboxes(cfg) as sandboxes:  # the recipe's: pytest shared, a warm pool per stage
+        harnesses = swe.swe_harnesses(cfg, tokenizer, sandboxes)
 
-            async def teach(failure_rate: float, seed: int, attempts: int) -> list[Any]:
-                teacher = SWETeacherEngine(tokenizer, train, failure_rate=failure_rate, seed=seed)
+        async def teach(failure_rate: float, seed: int, attempts: int) -> list[Any]:
+            teacher = SWETeacherEngine(tokenizer, train, failure_rate=failure_rate, seed=seed)
+            async with swe.warm(sandboxes, cfg, len(train) * attempts):
                 return [t for h in cfg.harnesses for t in await teacher_trajectories(
                     harnesses[h], teacher, train, attempts=attempts)]
 
-            trajectories = await teach(cfg.teacher.failure_rate, cfg.seed, cfg.teacher.attempts)
-            values = await swe.hindsight_values(cfg, trajectories, tokenizer)
-            arm_samples: dict[str, list[Any]] = {}
-            for mode in ("resolved", "credit", "all"):
-                arm_samples[mode], stats = stages.sft_samples(trajectories, mode=mode, eps=cfg.values.eps,
-                                                              step_values=lambda t: values.get(id(t)))
-                if mode == "credit":
-                    result["counts"] = {k.split("/")[1]: v for k, v in stats.items()}
-            extra_needed = int(result["counts"]["credit_trajectories"])
-            per_instance = math.ceil(extra_needed / (len(train) * len(cfg.harnesses))) if extra_needed else 0
-            extra = [t for t in await teach(0.0, cfg.seed + 1, per_instance) if t.valid and (t.reward or 0) > 0] \
-                if per_instance else []
-            arm_samples["control"] = arm_samples["resolved"] + [s for t in extra[:extra_needed] for s in t.samples]
-            result["counts"]["control_extra"] = min(len(extra), extra_needed)
-            log.print("teacher: " + " ".join(f"{k}={v:.0f}" for k, v in result["counts"].items()))
-            for arm in ARMS:
-                model, _ = load_policy(cfg.model, swe.corpus([*train, *heldout]), seed=cfg.seed)
-                history = stages.sft_stage(model, arm_samples[arm], cfg.sft, pad_id=tokenizer.pad_token_id,
-                                           seed=cfg.seed, output_dir=str(out / arm))
-                engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
-                try:
-                    rows = await stages.evaluate_stage(arm, len(history), harnesses, engine, heldout, cfg.eval, log)
-                finally:
-                    await engine.close()
-                result["arms"][arm] = {"samples": len(arm_samples[arm]), "steps": len(history), "eval": rows}
+        trajectories = await teach(cfg.teacher.failure_rate, cfg.seed, cfg.teacher.attempts)
+        values = await swe.hindsight_values(cfg, trajectories, tokenizer)
+        arm_samples: dict[str, list[Any]] = {}
+        for mode in ("resolved", "credit", "all"):
+            arm_samples[mode], stats = stages.sft_samples(trajectories, mode=mode, eps=cfg.values.eps,
+                                                          step_values=lambda t: values.get(id(t)))
+            if mode == "credit":
+                result["counts"] = {k.split("/")[1]: v for k, v in stats.items()}
+        extra_needed = int(result["counts"]["credit_trajectories"])
+        per_instance = math.ceil(extra_needed / (len(train) * len(cfg.harnesses))) if extra_needed else 0
+        extra = [t for t in await teach(0.0, cfg.seed + 1, per_instance) if t.valid and (t.reward or 0) > 0] \
+            if per_instance else []
+        arm_samples["control"] = arm_samples["resolved"] + [s for t in extra[:extra_needed] for s in t.samples]
+        result["counts"]["control_extra"] = min(len(extra), extra_needed)
+        log.print("teacher: " + " ".join(f"{k}={v:.0f}" for k, v in result["counts"].items()))
+        for arm in ARMS:
+            model, _ = load_policy(cfg.model, swe.corpus([*train, *heldout]), seed=cfg.seed)
+            history = stages.sft_stage(model, arm_samples[arm], cfg.sft, pad_id=tokenizer.pad_token_id,
+                                       seed=cfg.seed, output_dir=str(out / arm))
+            engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
+            try:
+                async with swe.warm(sandboxes, cfg, len(heldout) * cfg.eval.attempts):
+                    rows = await stages.evaluate_stage(arm, len(history), harnesses, engine, heldout, cfg.eval,
+                                                       log)
+            finally:
+                await engine.close()
+            result["arms"][arm] = {"samples": len(arm_samples[arm]), "steps": len(history), "eval": rows}
     log.close()
     result["wall_s"] = log.elapsed_s
     return result

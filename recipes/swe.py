@@ -38,9 +38,12 @@ yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import math
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ from orchard.domains.swe.generator import LEVELS, TEMPLATES, generate_instances
 from orchard.domains.swe.harness import SWEEvalHarness
 from orchard.domains.swe.instances import SWEInstance, load_instances
 from orchard.domains.swe.judge import JudgedRollouts, ScriptedJudge
+from orchard.domains.swe.sandbox import SHARED_PYTEST, write_pytest_bundle
 from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine, teacher_trajectories
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
 from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
@@ -62,7 +66,7 @@ from orchard.rollout.openai_engine import OpenAIEngine
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.stages import SFT_MODES, EvalConfig, RecordedRollouts, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
-from orchard.stages.sandboxes import sandbox_service
+from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.train.config import config_to_dict
 from orchard.train.model import load_causal_lm
 from orchard.train.objective import LossTerm
@@ -250,7 +254,13 @@ class SWEConfig:
     seed: int = 0
     """Seed of model initialisation, the teacher's noise, sampling and training."""
     env_url: str | None = None
-    """Sandbox service URL (key in SANDBOX_API_KEY); null starts the embedded service for the run."""
+    """Sandbox service URL (key in SANDBOX_API_KEY); null starts the embedded service for the run, sharing the
+    pytest bundle with every sandbox (read in place; a service by URL keeps its own way: pytest in its image, its
+    shared folder, or sent with each sandbox's set-up)."""
+    env_pool: int = 64
+    """Most sandboxes kept created and started ahead for one stage (a warm pool per stage, sized to the episodes
+    the stage plays at once: held-out tasks x attempts, train tasks x teacher attempts, RL tasks per step x N, ...,
+    up to this); its idle ones are deleted when the stage ends. 0: every sandbox created on the spot."""
     harnesses: list[str] = field(default_factory=lambda: ["bash", "tool"])
     """Harnesses whose teacher trajectories train the model (bash and / or tool)."""
     threads: int = 0
@@ -294,6 +304,8 @@ class SWEConfig:
             raise ValueError(f"value_model.harness must be among {list(TRAINABLE)}, got {self.value_model.harness!r}")
         if self.value_model.candidates < 2:
             raise ValueError(f"value_model.candidates must be >= 2, got {self.value_model.candidates}")
+        if isinstance(self.env_pool, bool) or not isinstance(self.env_pool, int) or self.env_pool < 0:
+            raise ValueError(f"env_pool must be an int >= 0, got {self.env_pool!r}")
 
 
 def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance]]:
@@ -305,8 +317,23 @@ def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance]
             generate_instances("heldout", cfg.instances.heldout_per_template, **kw))
 
 
-def swe_harnesses(cfg: SWEConfig, tokenizer: Any, client: AsyncSandboxClient) -> dict[str, Rollouts]:
-    """The three conventions behind one interface: bash and tool as a program via the proxy, eval in process."""
+@contextlib.asynccontextmanager
+async def swe_sandboxes(cfg: SWEConfig) -> AsyncIterator[PooledSandboxes]:
+    """The run's sandboxes: the service (``env_url``, or the embedded one with the pytest bundle shared), a client,
+    and the per-stage warm pools the harnesses draw from (`warm`)."""
+    with sandbox_service(cfg.env_url, shared={SHARED_PYTEST: write_pytest_bundle}) as env:
+        async with AsyncSandboxClient(*env) as client:
+            yield PooledSandboxes(client)
+
+
+def warm(sandboxes: PooledSandboxes, cfg: SWEConfig, episodes: int) -> Any:
+    """A stage's warm pool for ``episodes`` played at once (up to ``env_pool``), closed when the stage ends."""
+    return sandboxes.stage(min(episodes, cfg.env_pool))
+
+
+def swe_harnesses(cfg: SWEConfig, tokenizer: Any, client: Any) -> dict[str, Rollouts]:
+    """The three conventions behind one interface: bash and tool as a program via the proxy, eval in process;
+    ``client`` an ``AsyncSandboxClient`` or the run's `PooledSandboxes`."""
     r = cfg.rollout
     program = {"concurrency": r.concurrency, "max_steps": r.max_steps, "max_tokens": r.max_tokens,
                "max_time_s": r.max_time_s}
@@ -421,13 +448,15 @@ def judged(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any, train: 
                               tokenizer=tokenizer) for h, r in trained.items()}
 
 
-async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: Any, model: Any, tokenizer: Any,
-             train: list[SWEInstance], log: stages.RunLog, teacher: Any = None,
+async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], sandboxes: PooledSandboxes, engine: Any,
+             model: Any, tokenizer: Any, train: list[SWEInstance], log: stages.RunLog, teacher: Any = None,
              ) -> tuple[list[dict[str, float]], list[Any]]:
     """Task filter, then ``rl.variant`` through the trained harnesses on the kept tasks (skipped when none is
-    kept). Returns the RL history and every verified-or-not rollout generated on train tasks (the value pool)."""
+    kept), each with its warm pool. Returns the RL history and every verified-or-not rollout generated on train
+    tasks (the value pool)."""
     trained = {h: harnesses[h] for h in cfg.harnesses}
-    tasks, generated = await rl_task_pool(cfg, trained, engine, train, log)
+    async with warm(sandboxes, cfg, len(train) * math.ceil(cfg.rl.filter.attempts / len(trained))):
+        tasks, generated = await rl_task_pool(cfg, trained, engine, train, log)
     judges = judged(cfg, trained, tokenizer, train) if RL_VARIANTS[cfg.rl.variant].judge else None
     trained = judges or trained
     summary: dict[str, Any] = {"variant": cfg.rl.variant, "tasks": len(tasks), "steps": 0}
@@ -447,9 +476,12 @@ async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: 
                       f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
                       f"env_errors {stats['rl/env_errors']:.0f}")
 
-        history = await stages.rl_stage(model, engine, recorded, tasks, rl_cfg, rollout=cfg.rollout,
-                                        pad_id=tokenizer.pad_token_id, seed=cfg.seed, output_dir=str(out / "rl"),
-                                        log=on_step, teacher=teacher)
+        # a step plays tasks_per_step groups at once; under BAR each draws a stride at a time
+        group = rl_cfg.bar_stride if rl_cfg.use_bar else rl_cfg.group_size
+        async with warm(sandboxes, cfg, rl_cfg.tasks_per_step * group):
+            history = await stages.rl_stage(model, engine, recorded, tasks, rl_cfg, rollout=cfg.rollout,
+                                            pad_id=tokenizer.pad_token_id, seed=cfg.seed,
+                                            output_dir=str(out / "rl"), log=on_step, teacher=teacher)
         generated += [t for c in calls for t in c]
         if judges is not None:  # the judge's counts over the whole stage (rubric mean: of the last batch)
             summary["judge"] = {k: sum(j.totals.get(k, 0.0) for j in judges.values())
@@ -463,12 +495,14 @@ async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: 
     return history, generated
 
 
-async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], engine: Any, policy: Any,
-                       tokenizer: Any, heldout: list[SWEInstance], pool: list[Any], log: stages.RunLog) -> None:
+async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], sandboxes: PooledSandboxes,
+                       engine: Any, policy: Any, tokenizer: Any, heldout: list[SWEInstance], pool: list[Any],
+                       log: stages.RunLog) -> None:
     """Value model on ``pool``; N candidates per held-out instance from the final policy, reranked by V."""
     v = cfg.value_model
-    candidates = await harnesses[v.harness](engine, heldout, group_size=v.candidates,
-                                            temperature=cfg.eval.temperature)
+    async with warm(sandboxes, cfg, len(heldout) * v.candidates):
+        candidates = await harnesses[v.harness](engine, heldout, group_size=v.candidates,
+                                                temperature=cfg.eval.temperature)
     backbone = v.backbone or (str(out / "sft_model") if cfg.sft.enabled else None)
     value_model = ValueModel.from_pretrained(backbone, seed=cfg.seed) if backbone \
         else ValueModel.from_config(policy.config, seed=cfg.seed)
@@ -493,41 +527,46 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
     engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
     trajectories: list[Any] = []
     dropped: dict[str, float] = {}
-    with sandbox_service(cfg.env_url) as env:
-        async with AsyncSandboxClient(*env) as client:
-            harnesses = swe_harnesses(cfg, tokenizer, client)
+    evaluating = len(heldout) * cfg.eval.attempts  # one harness's held-out episodes: one call
+    async with swe_sandboxes(cfg) as sandboxes:
+        harnesses = swe_harnesses(cfg, tokenizer, sandboxes)
+        async with warm(sandboxes, cfg, evaluating):
             await run.evaluate("base", 0, harnesses, engine, heldout)
-            row = RL_VARIANTS[cfg.rl.variant]
-            cpu_teacher = cfg.rl.enabled and row.teacher and cfg.rl.teacher.url is None and cfg.rl.teacher.path is None
-            if cfg.sft.enabled or cpu_teacher:  # the scripted teacher's corpus: SFT's data, the CPU OPD teacher's
-                teacher = SWETeacherEngine(tokenizer, train, failure_rate=cfg.teacher.failure_rate, seed=cfg.seed)
+        row = RL_VARIANTS[cfg.rl.variant]
+        cpu_teacher = cfg.rl.enabled and row.teacher and cfg.rl.teacher.url is None and cfg.rl.teacher.path is None
+        if cfg.sft.enabled or cpu_teacher:  # the scripted teacher's corpus: SFT's data, the CPU OPD teacher's
+            teacher = SWETeacherEngine(tokenizer, train, failure_rate=cfg.teacher.failure_rate, seed=cfg.seed)
+            async with warm(sandboxes, cfg, len(train) * cfg.teacher.attempts):
                 trajectories = [t for h in cfg.harnesses for t in await teacher_trajectories(
                     harnesses[h], teacher, train, attempts=cfg.teacher.attempts)]
-                # curated once: SFT and the CPU OPD teacher learn from the same corpus
-                trajectories, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
-                                                          unparseable=unparseable_actions) if cfg.sft.curate \
-                    else (trajectories, {})
-            if cfg.sft.enabled:
-                values = await hindsight_values(cfg, trajectories, tokenizer) if cfg.sft_mode == "credit" else {}
-                samples, stats = stages.sft_samples(trajectories, mode=cfg.sft_mode, eps=cfg.values.eps,
-                                                    step_values=lambda t: values.get(id(t)))
-                stats = {**stats, **dropped}
-                log.log(stats, 0)
-                log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
-                await run.sft(model, tokenizer, engine, samples, cfg.sft)
+            # curated once: SFT and the CPU OPD teacher learn from the same corpus
+            trajectories, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
+                                                      unparseable=unparseable_actions) if cfg.sft.curate \
+                else (trajectories, {})
+        if cfg.sft.enabled:
+            values = await hindsight_values(cfg, trajectories, tokenizer) if cfg.sft_mode == "credit" else {}
+            samples, stats = stages.sft_samples(trajectories, mode=cfg.sft_mode, eps=cfg.values.eps,
+                                                step_values=lambda t: values.get(id(t)))
+            stats = {**stats, **dropped}
+            log.log(stats, 0)
+            log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
+            await run.sft(model, tokenizer, engine, samples, cfg.sft)
+            async with warm(sandboxes, cfg, evaluating):
                 await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
-            pool: list[Any] = []
-            if cfg.rl.enabled:
-                teacher = opd_teacher(cfg, out, tokenizer, trajectories, log) if row.teacher else None
-                # The stage hands the engine new weights after every update: it holds the final policy here.
-                run.rl_history, pool = await rl(cfg, out, harnesses, engine, model, tokenizer, train, log, teacher)
-                if teacher is not None:
-                    await teacher.close()
-                if run.rl_history:
-                    run.save_policy(model, tokenizer, "rl_model")
+        pool: list[Any] = []
+        if cfg.rl.enabled:
+            teacher = opd_teacher(cfg, out, tokenizer, trajectories, log) if row.teacher else None
+            # The stage hands the engine new weights after every update: it holds the final policy here.
+            run.rl_history, pool = await rl(cfg, out, harnesses, sandboxes, engine, model, tokenizer, train, log,
+                                            teacher)
+            if teacher is not None:
+                await teacher.close()
+            if run.rl_history:
+                run.save_policy(model, tokenizer, "rl_model")
+                async with warm(sandboxes, cfg, evaluating):
                     await run.evaluate("rl", len(run.rl_history), harnesses, engine, heldout)
-            if cfg.value_model.enabled:
-                await value_rerank(cfg, out, harnesses, engine, model, tokenizer, heldout, pool, log)
+        if cfg.value_model.enabled:
+            await value_rerank(cfg, out, harnesses, sandboxes, engine, model, tokenizer, heldout, pool, log)
     return await run.finish(engine, config_to_dict(cfg))
 
 

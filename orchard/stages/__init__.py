@@ -25,6 +25,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
 - a recipe's run (`orchard.stages.recipe_run`): `RecipeRun` (seeds, the log, held-out results per stage, the SFT
   hand-over to the engine, the end: engine closed, results written by rank 0)
+- sandboxes (`orchard.stages.sandboxes`): `sandbox_service` (a service by URL, or the embedded one for the run
+  with its shared folders), `PooledSandboxes` (what the harnesses create sandboxes from: a warm pool per stage)
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
   `evaluate` and `rl_stage` shard their tasks over the launcher's ranks by themselves
 """
@@ -35,6 +37,7 @@ from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, succ
 from orchard.stages.recipe_run import RecipeRun
 from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
+from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
 from orchard.stages.value_rerank import (
@@ -48,6 +51,7 @@ __all__ = [
     "OPD_TERMS",
     "SFT_MODES",
     "EvalConfig",
+    "PooledSandboxes",
     "RLConfig",
     "RecipeRun",
     "RecordedRollouts",
@@ -70,6 +74,7 @@ __all__ = [
     "recipe_main",
     "rl_stage",
     "rollout_groups",
+    "sandbox_service",
     "sft_samples",
     "sft_stage",
     "split_attempts",

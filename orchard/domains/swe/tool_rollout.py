@@ -7,7 +7,8 @@ their sampling log-probs).
 
 One batch (`run_swe_episodes`)::
 
-    for each instance x group member: create a sandbox, prepare_sandbox (the repository at its base commit)
+    for each instance x group member: a sandbox from client.create() (a warm pool's, when the client is the
+        recipe's `orchard.stages.PooledSandboxes`), prepare_sandbox (the repository at its base commit)
     write the episodes file (session id, sandbox id, opening user message)
     python -m orchard.domains.swe.tool_harness --convention tool|bash ...   # the proxy answers it from here
     for each episode that did not fail: score_sandbox -> +1 resolved / -1 not
@@ -119,16 +120,18 @@ async def run_swe_episodes(
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every instance through the harness program; score; return them.
 
-    Episode ``i`` plays ``instances[i // group_size]``; its proxy session and its sandbox are both named
-    ``f"{run_id}-{i}"``. One `Trajectory` each, in that order: reward +1 resolved / -1 not (None for
-    ``env_error``), ``reward_components`` the verdict's (`SWEVerdict.components`), ``samples`` the proxy's (one per
-    recorded call), ``metadata`` with ``harness`` (the convention), ``session_id``, ``group_index``, ``steps``,
-    ``format_errors``, ``tool_calls``, ``tests`` (per decisive test: passed), ``patch`` (the agent's diff),
-    ``error``, ``wall_s`` and ``recorded_calls``.
+    Episode ``i`` plays ``instances[i // group_size]``; its proxy session is named ``f"{run_id}-{i}"`` and its
+    sandbox is whichever ``client.create()`` gives (the program is told its id). One `Trajectory` each, in that
+    order: reward +1 resolved / -1 not (None for ``env_error``), ``reward_components`` the verdict's
+    (`SWEVerdict.components`), ``samples`` the proxy's (one per recorded call), ``metadata`` with ``harness`` (the
+    convention), ``session_id``, ``group_index``, ``steps``, ``format_errors``, ``tool_calls``, ``tests`` (per
+    decisive test: passed), ``patch`` (the agent's diff), ``error``, ``wall_s`` and ``recorded_calls``.
 
     Args:
         instances: the tasks, at least one.
-        client: an ``orchard.env.AsyncSandboxClient``; sandboxes are created, prepared, scored and deleted here.
+        client: an ``orchard.env.AsyncSandboxClient``, or anything whose ``await create()`` gives one's sandbox
+            and that has its ``base_url`` and ``api_key`` (``orchard.stages.PooledSandboxes``: from a warm pool);
+            sandboxes are created, prepared, scored and deleted here.
         proxy: the `RecordingProxy` in front of the policy; its samples become `Trajectory.samples`.
         convention: "tool" (OpenHands') or "bash" (mini-swe-agent's). Default "tool".
         proxy_url: where the program reaches the proxy; None (default) serves ``proxy.app`` on this event loop.
@@ -172,7 +175,7 @@ async def run_swe_episodes(
     async def prepare(episode: _Episode) -> None:
         async with semaphore:
             try:
-                sandbox = await client.create(sandbox_id=episode.session_id)
+                sandbox = await client.create()
                 sandboxes[episode.session_id] = sandbox
                 await asyncio.wait_for(prepare_sandbox(sandbox, episode.instance, timeout=exec_timeout_s),
                                        4 * exec_timeout_s)
@@ -202,7 +205,7 @@ async def run_swe_episodes(
                 workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swe-harness-")))
                 episodes_path, out_path = workdir / "episodes.jsonl", workdir / "results.jsonl"
                 episodes_path.write_text("".join(
-                    json.dumps({"session_id": e.session_id, "sandbox_id": e.session_id,
+                    json.dumps({"session_id": e.session_id, "sandbox_id": sandboxes[e.session_id].sandbox_id,
                                 "prompt": task_prompt(e.instance.problem_statement)}) + "\n" for e in ready))
                 argv = ["--convention", convention, "--model-url", proxy_url, "--env-url", env_url,
                         "--env-key-env", KEY_ENV, "--episodes", str(episodes_path), "--out", str(out_path),

@@ -1,0 +1,53 @@
+"""The SWE recipe's sandboxes, against the real embedded service: the service it starts shares the pytest bundle,
+read in place by every sandbox; a stage's rollouts (the harness program's episodes) play in its warm pool's
+sandboxes; and a stage that raises leaves no sandbox behind on the service."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import load_recipe
+
+from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.swe.generator import make_instance
+from orchard.domains.swe.sandbox import prepare_sandbox
+from orchard.domains.swe.teacher import SWETeacherEngine, teacher_trajectories
+from orchard.env.embedded import serve
+
+swe = load_recipe("swe")
+
+
+async def test_the_embedded_service_shares_pytest_with_every_sandbox():
+    instance = make_instance("ledger", 0, level=1)
+    async with swe.swe_sandboxes(swe.SWEConfig()) as sandboxes, await sandboxes.create() as sandbox:
+        await prepare_sandbox(sandbox, instance)
+        where = await sandbox.exec(["python3", "-c", "import pytest; print(pytest.__file__)"])
+    # imported from the service's read-only copy, not from one sent into the sandbox
+    assert where.exit_code == 0 and where.stdout.startswith("/.orchard-shared/orchard-pytest/pytest-"), where
+
+
+async def test_a_stage_plays_in_its_pools_sandboxes_and_leaves_none_when_it_raises(monkeypatch):
+    instances = [make_instance("ledger", i, level=1) for i in range(2)]
+    tokenizer = build_chat_tokenizer()
+    teacher = SWETeacherEngine(tokenizer, instances, failure_rate=0.0)
+    with serve() as service:
+        monkeypatch.setenv("SANDBOX_API_KEY", service.api_key)
+        cfg = swe.SWEConfig(env_url=service.url)  # a service by URL: the recipe starts none of its own
+        async with swe.swe_sandboxes(cfg) as sandboxes:
+            harnesses = swe.swe_harnesses(cfg, tokenizer, sandboxes)
+            drawn = []
+            with pytest.raises(RuntimeError, match="the stage failed"):
+                async with swe.warm(sandboxes, cfg, len(instances)) as pool:
+                    acquire = pool.acquire
+
+                    async def counted():
+                        drawn.append(1)
+                        return await acquire()
+
+                    pool.acquire = counted
+                    await pool.wait_filled()
+                    trajectories = await teacher_trajectories(harnesses["bash"], teacher, instances, attempts=1)
+                    # the program found the pool's sandboxes by their ids, and the careful teacher resolved both
+                    assert [t.reward for t in trajectories] == [1.0, 1.0]
+                    assert len(drawn) == 2
+                    raise RuntimeError("the stage failed")  # while the pool makes the two replacements
+            assert await sandboxes.client.list_sandboxes() == []
