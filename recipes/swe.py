@@ -10,7 +10,8 @@ harnesses -> the task filter (8 rollouts of the SFT policy per train instance, k
 ``rl.variant`` (the RL_VARIANTS table; grpo_bar: GRPO with Balanced Adaptive Rollout on the outcome reward) on the
 kept instances through the trained harnesses -> held-out evaluation -> a value model trained on the run's
 rollouts, and best-of-6 by value over the final policy's held-out candidates beside random and oracle. Sandbox
-failures are counted, never scored. Writes ``metrics.jsonl``, ``results.json`` (with the resolved config),
+failures are counted, never scored. Each stage's episodes draw their sandboxes from a warm pool sized to what it
+plays at once (``env_pool`` the most); the embedded service shares the pytest bundle with every sandbox. Writes ``metrics.jsonl``, ``results.json`` (with the resolved config),
 ``learning_curve.png``, ``rl_summary.json`` (BAR's positive ratio per group), ``rerank.json`` and
 ``value_curves.png`` under ``output_dir``.
 

@@ -128,6 +128,7 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
     ("harnesses=[eval]", "harnesses must be a non-empty list among ['bash', 'tool'], got ['eval']"),
     ("sft.train.total_steps=3", "sft.train.total_steps is derived from sft.epochs; set that instead"),
     ("instances.path=x.jsonl", "instances.heldout_path must be set exactly when instances.path is"),
+    ("env_pool=-1", "env_pool must be an int >= 0, got -1"),
 ])
 def test_config_mistakes_are_one_line(override, message, capsys):
     # in process (the recipe's own main under run_main, as its __main__ calls it): a subprocess per case costs a
