@@ -45,6 +45,7 @@ import json
 import math
 import sys
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ from orchard.domains.swe.sandbox import SHARED_PYTEST, write_pytest_bundle
 from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine, teacher_trajectories
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
 from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
-from orchard.env import AsyncSandboxClient
+from orchard.env import AsyncSandboxClient, AsyncSandboxPool
 from orchard.models import tiny_qwen3
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.openai_engine import OpenAIEngine
@@ -327,7 +328,7 @@ async def swe_sandboxes(cfg: SWEConfig) -> AsyncIterator[PooledSandboxes]:
             yield PooledSandboxes(client)
 
 
-def warm(sandboxes: PooledSandboxes, cfg: SWEConfig, episodes: int) -> Any:
+def warm(sandboxes: PooledSandboxes, cfg: SWEConfig, episodes: int) -> AbstractAsyncContextManager[AsyncSandboxPool]:
     """A stage's warm pool for ``episodes`` played at once (up to ``env_pool``), closed when the stage ends."""
     return sandboxes.stage(min(episodes, cfg.env_pool))
 
