@@ -6,21 +6,22 @@ site server (a thread), the Playwright driver and Chromium are all its descendan
 namespace (loopback only, unless the sandbox has network) and die together with the terminal: the terminal's
 bubblewrap ends its pid namespace when the session closes or the sandbox is deleted.
 
-Protocol over the terminal, which the host puts in raw mode first (no echo, no newline translation): the client
-writes one JSON object per line, `{"op": ...}`; the host answers each with one line `FRAME_MARK + JSON + "\\n"`.
-Only the answer lines go to the terminal: the host keeps a private copy of it and points its own stdout and
-stderr (which Chromium and the Playwright driver inherit) at a log file.
+Protocol over the terminal, which the host puts in raw mode first (no echo, no newline translation: 8-bit
+clean): the client writes one JSON object per line, `{"op": ...}`; the host answers each with one line
+`FRAME_MARK + JSON + "\\n"`, and when the JSON has `"payload": n`, n raw bytes after the newline (the
+screenshot's PNG: base64 would make the frame a third longer, and the terminal hands a frame on in ~4 KiB
+pieces, each a relay through the service). Only the answer frames go to the terminal: the host keeps a private
+copy of it and points its own stdout and stderr (which Chromium and the Playwright driver inherit) at a log file.
 
 Requests: `observe {text_view}`, `tool {name, arguments, text_view}`, `reset {url, text_view, fresh_state}`,
 `state`, `close`.
-An answer carries either an observation (`tabs`, `active`, `viewport`, `screenshot` base64 PNG, optional
-`text`, `error` for an invalid or failed action) or `state`; `env_error` says the browser itself is gone.
+An answer carries either an observation (`tabs`, `active`, `viewport`, optional `text`, `error` for an invalid
+or failed action; its screenshot is the payload) or `state`; `env_error` says the browser itself is gone.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import fcntl
 import json
 import math
@@ -80,8 +81,14 @@ _WATCH_JS = """(() => {
     if (a.target === '_blank') window.__orchardOpened = (window.__orchardOpened || 0) + 1; else leave();
   });
 })()"""
-# Settled: the document loaded and not being left. The answer is 1 + the tabs its links opened (truthy).
-_SETTLED_JS = "() => document.readyState === 'complete' && !window.__orchardLeaving && 1 + (window.__orchardOpened || 0)"
+# Settled: the document loaded and not being left. The answer is 1 + the tabs its links opened since the last
+# settled answer (truthy), which it counts from 0 again: one round trip to the page where two were.
+_SETTLED_JS = """() => {
+  if (document.readyState !== 'complete' || window.__orchardLeaving) return false;
+  const opened = window.__orchardOpened || 0;
+  window.__orchardOpened = 0;
+  return 1 + opened;
+}"""
 
 
 # Chromium keeps only the last --disable-features / --enable-features switch, so ours repeat Playwright's own
@@ -153,7 +160,8 @@ class Host:
             page.bring_to_front()
             return page.screenshot(type="png")
 
-    def observe(self, text_view: bool) -> dict[str, Any]:
+    def observe(self, text_view: bool) -> tuple[dict[str, Any], bytes]:
+        """The observation without its screenshot, and the screenshot (PNG)."""
         page = self.page
         tabs = []
         for p in self.pages:
@@ -162,20 +170,24 @@ class Host:
             except Exception:  # a tab in the middle of a navigation has no title yet
                 title = ""
             tabs.append({"url": p.url, "title": title})
-        obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height],
-                               "screenshot": base64.b64encode(self._screenshot(page)).decode("ascii")}
+        obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height]}
+        screenshot = self._screenshot(page)
         if text_view:
             obs["text"] = page.evaluate(_TEXT_VIEW_JS)
-        return obs
+        return obs, screenshot
 
     def settle(self, tabs_before: int) -> None:
         """Wait on page events, never a fixed time: the navigation an action started (if any) until its page has
         loaded, and the tabs its links opened until they have. A slow page is observed as it is."""
         page = self.page
         try:
-            # re-evaluated in the next document when a navigation replaces this one
-            opened = int(page.wait_for_function(_SETTLED_JS, polling=20, timeout=_NAV_TIMEOUT_MS).json_value()) - 1
-            page.evaluate("() => { window.__orchardOpened = 0; }")
+            try:  # most actions leave the page as it is: asked once, settled at once
+                settled = page.evaluate(_SETTLED_JS)
+            except Exception:  # the document was replaced while asked
+                settled = False
+            if not settled:  # re-evaluated in the next document when a navigation replaces this one
+                settled = page.wait_for_function(_SETTLED_JS, polling=20, timeout=_NAV_TIMEOUT_MS).json_value()
+            opened = int(settled) - 1
             while len(self.pages) < tabs_before + opened:
                 self.context.wait_for_event("page", timeout=_NAV_TIMEOUT_MS)
             for new in self.pages[tabs_before:]:
@@ -317,6 +329,13 @@ def _number(args: dict[str, Any], name: str) -> float:
     return float(value)
 
 
+def frame_bytes(frame: dict[str, Any], payload: bytes = b"") -> bytes:
+    """One answer as it crosses the terminal: the mark, the JSON line, then the payload's raw bytes."""
+    if payload:
+        frame = {**frame, "payload": len(payload)}
+    return (FRAME_MARK + json.dumps(frame) + "\n").encode() + payload
+
+
 def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, text_default: bool) -> None:
     buffer = b""
     while True:
@@ -362,12 +381,12 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                     continue
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             try:
-                obs = host.observe(text_view)
+                obs, screenshot = host.observe(text_view)
             except Exception as exc:
                 send({"env_error": f"cannot observe the browser: {type(exc).__name__}: {str(exc)[:300]}"})
                 continue
             obs["error"] = error
-            send({"observation": obs})
+            send({"observation": obs}, screenshot)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -383,14 +402,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     out = os.dup(1)
-    if os.isatty(0):
-        tty.setraw(0, termios.TCSANOW)
+    for fd in {0, out}:  # the same terminal, normally; raw both ways in any case, the payload is binary
+        if os.isatty(fd):
+            tty.setraw(fd, termios.TCSANOW)
     log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
 
-    def send(frame: dict[str, Any]) -> None:
-        data = (FRAME_MARK + json.dumps(frame) + "\n").encode()
+    def send(frame: dict[str, Any], payload: bytes = b"") -> None:
+        data = frame_bytes(frame, payload)
         while data:
             data = data[os.write(out, data):]
 

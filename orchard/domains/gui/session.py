@@ -30,7 +30,6 @@ plus greenlet, so the two interpreters must share a minor version.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -140,15 +139,20 @@ class BrowserSession:
     # -- requests -------------------------------------------------------------------------------------------
 
     def _receive(self, timeout: float) -> dict[str, Any]:
-        """The next answer frame; everything else on the terminal (there should be nothing) is skipped."""
+        """The next answer frame, its payload (if any) as bytes under "payload"; everything else on the terminal
+        (there should be nothing) is skipped."""
         mark = _host.FRAME_MARK.encode()
         deadline = time.monotonic() + timeout
         while True:
             start = self._buffer.find(mark)
             end = self._buffer.find(b"\n", start) if start >= 0 else -1
             if end >= 0:
-                frame, self._buffer = self._buffer[start + len(mark):end], self._buffer[end + 1:]
-                return json.loads(frame)
+                frame = json.loads(self._buffer[start + len(mark):end])
+                size = frame.get("payload", 0)
+                if len(self._buffer) > end + size:
+                    frame["payload"] = self._buffer[end + 1:end + 1 + size]
+                    self._buffer = self._buffer[end + 1 + size:]
+                    return frame
             left = deadline - time.monotonic()
             if left <= 0:
                 return {"env_error": f"the browser host did not answer within {timeout:g}s"}
@@ -181,7 +185,7 @@ class BrowserSession:
             return Observation(b"", self.viewport, (), 0,
                                env_error=answer.get("env_error") or answer.get("error") or "no observation")
         obs = answer["observation"]
-        return Observation(screenshot=base64.b64decode(obs["screenshot"]), viewport=tuple(obs["viewport"]),
+        return Observation(screenshot=answer["payload"], viewport=tuple(obs["viewport"]),
                            tabs=tuple((t["url"], t["title"]) for t in obs["tabs"]), active=int(obs["active"]),
                            text=obs.get("text"), error=obs.get("error"))
 

@@ -103,6 +103,17 @@ def test_observation_is_the_screenshot_viewport_and_tabs(browser):
     assert browser.observe(text_view=False).text is None
 
 
+def test_the_screenshot_crosses_the_terminal_as_raw_bytes(browser, monkeypatch):
+    browser.reset(SHOP, text_view=False)
+    read, received = browser._pty.read, []
+    monkeypatch.setattr(browser._pty, "read", lambda timeout: received.append(read(timeout)) or received[-1])
+    obs = browser.observe(text_view=False)
+    # the PNG (tens of KB) plus a JSON line of about 200 bytes; base64 would add a third of the PNG
+    # (4 bytes for every 3): the bound len + 2000 sits between, for any PNG over 6 KB (len / 3 > 2000)
+    assert len(obs.screenshot) > 6000
+    assert len(obs.screenshot) < sum(map(len, received)) < len(obs.screenshot) + 2000
+
+
 def test_click_write_and_press_keys_search_the_shop(browser):
     obs = browser.reset(SHOP)
     browser.step("click", {"x": at(obs, "textbox", "Search")[0], "y": at(obs, "textbox", "Search")[1]})
