@@ -106,9 +106,11 @@ class BrowserSession:
             sandbox.upload(f"{HOST_DIR}/{Path(source.__file__).name}", Path(source.__file__).read_text())
         argv = [python, f"{HOST_DIR}/_host.py", "--seed", str(seed), "--port", str(SITE_PORT),
                 "--width", str(viewport[0]), "--height", str(viewport[1]), "--chromium", chromium,
-                "--lock", f"{HOST_DIR}/lock", "--log", f"{HOST_DIR}/host.log"]
+                "--lock", f"{HOST_DIR}/lock", "--log", f"{HOST_DIR}/host.log",
+                "--payload-file", f"{HOST_DIR}/screenshot.png"]
         env = f"PYTHONPATH={shlex.quote(playwright_path)} " if playwright_path else ""
         cwd = sandbox.info.get("workdir") or "/workspace"
+        self._cwd = cwd
         self._pty = sandbox.pty(f"cd {shlex.quote(cwd)} && exec env {env}{shlex.join(argv)}")
         hello = self._receive(start_timeout)
         self.uid: int | None = hello.get("uid")
@@ -148,6 +150,9 @@ class BrowserSession:
             end = self._buffer.find(b"\n", start) if start >= 0 else -1
             if end >= 0:
                 frame = json.loads(self._buffer[start + len(mark):end])
+                if "payload_file" in frame:
+                    self._buffer = self._buffer[end + 1:]
+                    return self._payload_file(frame)
                 size = frame.get("payload", 0)
                 if len(self._buffer) > end + size:
                     frame["payload"] = self._buffer[end + 1:end + 1 + size]
@@ -164,6 +169,17 @@ class BrowserSession:
                 return {"env_error": f"the browser host exited (code {self._pty.returncode}, "
                                      f"{self._pty.error or 'no error'})"}
             self._buffer += chunk
+
+    def _payload_file(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """The frame with its payload read from the file the host wrote it to (a large screenshot)."""
+        path = frame.pop("payload_file")
+        try:
+            payload = self.sandbox.download(path if path.startswith("/") else f"{self._cwd}/{path}")
+        except SandboxError as exc:
+            return {"env_error": f"cannot read the browser's screenshot {path}: {exc}"}
+        if len(payload) != frame["payload"]:
+            return {"env_error": f"the browser's screenshot {path} has {len(payload)} bytes, not {frame['payload']}"}
+        return {**frame, "payload": payload}
 
     def _request(self, request: dict[str, Any]) -> dict[str, Any]:
         if self.closed:

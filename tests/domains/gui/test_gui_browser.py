@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from orchard.domains.gui import BROWSER_MEMORY, BrowserSession
-from orchard.domains.gui._host import CHROMIUM_ARGS
+from orchard.domains.gui._host import CHROMIUM_ARGS, INLINE_PAYLOAD_MAX
 from orchard.domains.gui.sites import shop_catalog
 from orchard.env import SandboxClient, SandboxError
 from orchard.env.embedded import serve
@@ -103,15 +103,24 @@ def test_observation_is_the_screenshot_viewport_and_tabs(browser):
     assert browser.observe(text_view=False).text is None
 
 
-def test_the_screenshot_crosses_the_terminal_as_raw_bytes(browser, monkeypatch):
-    browser.reset(SHOP, text_view=False)
+def test_the_screenshot_crosses_the_terminal_raw_or_as_a_file_when_large(browser, monkeypatch):
     read, received = browser._pty.read, []
     monkeypatch.setattr(browser._pty, "read", lambda timeout: received.append(read(timeout)) or received[-1])
-    obs = browser.observe(text_view=False)
-    # the PNG (tens of KB) plus a JSON line of about 200 bytes; base64 would add a third of the PNG
-    # (4 bytes for every 3): the bound len + 2000 sits between, for any PNG over 6 KB (len / 3 > 2000)
-    assert len(obs.screenshot) > 6000
-    assert len(obs.screenshot) < sum(map(len, received)) < len(obs.screenshot) + 2000
+    sizes = {}
+    for page in ("/forms/settings", "/shop/"):
+        browser.reset(BrowserSession.url(page), text_view=False)
+        received.clear()
+        obs = browser.observe(text_view=False)
+        assert obs.screenshot[:8] == b"\x89PNG\r\n\x1a\n" and obs.env_error is None
+        sizes[page] = len(obs.screenshot), sum(map(len, received))
+    # the settings page's PNG (~20 KB, under INLINE_PAYLOAD_MAX = 65 536) crosses raw after a JSON line of
+    # about 200 bytes; base64 would add a third (4 bytes for every 3): the bound png + 2000 sits between for any
+    # PNG over 6 KB (png / 3 > 2000)
+    png, terminal = sizes["/forms/settings"]
+    assert 6000 < png <= INLINE_PAYLOAD_MAX and png < terminal < png + 2000
+    # the shop's (~110 KB) goes through the file: only the JSON line crosses the terminal
+    png, terminal = sizes["/shop/"]
+    assert png > INLINE_PAYLOAD_MAX and terminal < 2000
 
 
 def test_click_write_and_press_keys_search_the_shop(browser):

@@ -3,7 +3,8 @@
 import json
 
 from orchard.domains.gui import BrowserSession
-from orchard.domains.gui._host import FRAME_MARK, frame_bytes
+from orchard.domains.gui._host import FRAME_MARK, INLINE_PAYLOAD_MAX, frame_bytes
+from orchard.env import NotFoundError
 
 
 class ScriptedPty:
@@ -27,8 +28,13 @@ class ScriptedPty:
 class ScriptedSandbox:
     sandbox_id, info = "scripted", {}
 
-    def __init__(self, terminal: bytes, piece: int) -> None:
-        self.terminal, self.piece = terminal, piece
+    def __init__(self, terminal: bytes, piece: int, files: dict[str, bytes] | None = None) -> None:
+        self.terminal, self.piece, self.files = terminal, piece, files or {}
+
+    def download(self, path: str) -> bytes:
+        if path not in self.files:
+            raise NotFoundError(f"no file {path}")
+        return self.files[path]
 
     def upload(self, path: str, content: str) -> None:
         pass
@@ -62,3 +68,19 @@ def test_the_screenshot_crosses_the_terminal_raw_after_its_json_line():
         assert first.env_error is None and second.env_error is None
         assert [w["op"] for w in session._pty.written] == ["observe", "observe"]
         session.close()
+
+
+def test_a_screenshot_over_the_inline_limit_is_downloaded_from_the_file_its_frame_names():
+    big = bytes(range(256)) * (INLINE_PAYLOAD_MAX // 256 + 1)  # 65 792 bytes: 256 over the limit
+    named = {**_observation("http://big/"), "payload": len(big), "payload_file": ".orchard-gui/screenshot.png"}
+    terminal = frame_bytes({"hello": True}) + frame_bytes(named) + frame_bytes(named) + frame_bytes(named)
+    # the relative name is the host's, in the sandbox's working directory (/workspace by default)
+    files = {"/workspace/.orchard-gui/screenshot.png": big}
+    session = BrowserSession(ScriptedSandbox(terminal, 4095, files), playwright_path=None)
+    obs = session.observe()
+    assert obs.screenshot == big and obs.tabs == (("http://big/", "T"),) and obs.env_error is None
+    files["/workspace/.orchard-gui/screenshot.png"] = big[:-1]  # a file that is not what the frame says
+    assert "65791 bytes, not 65792" in session.observe().env_error
+    session.env_error = None
+    del files["/workspace/.orchard-gui/screenshot.png"]  # a file that is gone
+    assert "cannot read the browser's screenshot" in session.observe().env_error
