@@ -7,7 +7,8 @@
 
 Where the driver runs: inside the sandbox. `BrowserSession` uploads the browser host (`_host.py`) and the sites
 (`sites.py`) into the workspace and starts the host as a sandbox terminal (the service's PTY); the host starts
-the site server on 127.0.0.1 and Chromium through Playwright, and answers JSON requests over the terminal. So
+the site server on 127.0.0.1 and Chromium through Playwright, and answers JSON requests over the terminal
+(a screenshot over 64 KiB comes through a file the answer names: see `_host`'s protocol). So
 the browser runs under the sandbox's isolation, in its network namespace (with `block_network`, the default,
 it reaches the sites the sandbox serves and nothing else), and it dies with the terminal: closing the session,
 a lost connection or deleting the sandbox ends the terminal's bubblewrap, whose pid namespace takes every
