@@ -87,13 +87,14 @@ _WATCH_JS = """(() => {
     if (a.target === '_blank') window.__orchardOpened = (window.__orchardOpened || 0) + 1; else leave();
   });
 })()"""
-# Settled: the document loaded and not being left. The answer is 1 + the tabs its links opened since the last
-# settled answer (truthy), which it counts from 0 again: one round trip to the page where two were.
+# Settled: the document loaded and not being left. The answer is [the tabs its links opened since the last
+# settled answer, which it counts from 0 again, and the page's title], or false: one round trip to the page
+# where three were (this check, the counter's reset, and the title the observation reads next).
 _SETTLED_JS = """() => {
   if (document.readyState !== 'complete' || window.__orchardLeaving) return false;
   const opened = window.__orchardOpened || 0;
   window.__orchardOpened = 0;
-  return 1 + opened;
+  return [opened, document.title];
 }"""
 
 
@@ -166,15 +167,18 @@ class Host:
             page.bring_to_front()
             return page.screenshot(type="png")
 
-    def observe(self, text_view: bool) -> tuple[dict[str, Any], bytes]:
-        """The observation without its screenshot, and the screenshot (PNG)."""
+    def observe(self, text_view: bool, titles: dict[Any, str] | None = None) -> tuple[dict[str, Any], bytes]:
+        """The observation without its screenshot, and the screenshot (PNG). `titles`: tabs' titles read just
+        before (by `settle`), not asked again."""
         page = self.page
         tabs = []
         for p in self.pages:
-            try:
-                title = p.title()
-            except Exception:  # a tab in the middle of a navigation has no title yet
-                title = ""
+            title = (titles or {}).get(p)
+            if title is None:
+                try:
+                    title = p.title()
+                except Exception:  # a tab in the middle of a navigation has no title yet
+                    title = ""
             tabs.append({"url": p.url, "title": title})
         obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height]}
         screenshot = self._screenshot(page)
@@ -182,9 +186,12 @@ class Host:
             obs["text"] = page.evaluate(_TEXT_VIEW_JS)
         return obs, screenshot
 
-    def settle(self, tabs_before: int) -> None:
+    def settle(self, tabs_before: int) -> dict[Any, str]:
         """Wait on page events, never a fixed time: the navigation an action started (if any) until its page has
-        loaded, and the tabs its links opened until they have. A slow page is observed as it is."""
+        loaded, and the tabs its links opened until they have. A slow page is observed as it is.
+
+        Returns the active tab's title as of settling when no tab opened (the observation that follows shows
+        it, as the title it would read a moment later), else no title."""
         page = self.page
         try:
             try:  # most actions leave the page as it is: asked once, settled at once
@@ -193,7 +200,7 @@ class Host:
                 settled = False
             if not settled:  # re-evaluated in the next document when a navigation replaces this one
                 settled = page.wait_for_function(_SETTLED_JS, polling=20, timeout=_NAV_TIMEOUT_MS).json_value()
-            opened = int(settled) - 1
+            opened, title = int(settled[0]), str(settled[1])
             while len(self.pages) < tabs_before + opened:
                 self.context.wait_for_event("page", timeout=_NAV_TIMEOUT_MS)
             for new in self.pages[tabs_before:]:
@@ -201,6 +208,9 @@ class Host:
         except Exception:
             if not self.alive():
                 raise
+            return {}
+        # waiting for new tabs gave the page time to change its title
+        return {page: title} if len(self.pages) == tabs_before else {}
 
     def point(self, args: dict[str, Any], x: str, y: str) -> tuple[float, float]:
         px, py = _number(args, x), _number(args, y)
@@ -226,7 +236,8 @@ class Host:
                 raise
             raise ToolError(f"could not open {url}: {str(exc).splitlines()[0]}") from None
 
-    def run_tool(self, name: str, args: dict[str, Any]) -> None:
+    def run_tool(self, name: str, args: dict[str, Any]) -> dict[Any, str]:
+        """Run one tool; returns the tabs' titles `settle` read (for `observe`)."""
         spec = TOOL_ARGS.get(name)
         if spec is None:
             raise ToolError(f"unknown tool {name!r}; the tools are {', '.join(TOOL_ARGS)}")
@@ -304,7 +315,8 @@ class Host:
         elif name == "done" and not isinstance(args["response"], str):
             raise ToolError(f"response must be a string, got {args['response']!r}")
         if name in ("click", "press_keys", "drag"):
-            self.settle(tabs_before)
+            return self.settle(tabs_before)
+        return {}
 
     def reset(self, url: str) -> None:
         """Close every tab but the first and open `url` in it."""
@@ -369,10 +381,10 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                 send({"env_error": launch_error or "the browser is gone (crashed or killed)"})
                 continue
             text_view = bool(request.get("text_view", text_default))
-            error = None
+            error, titles = None, {}
             try:
                 if op == "tool":
-                    host.run_tool(str(request.get("name")), request.get("arguments") or {})
+                    titles = host.run_tool(str(request.get("name")), request.get("arguments") or {})
                 elif op == "reset":
                     if request.get("fresh_state"):
                         sites.state = type(sites.state)()
@@ -387,7 +399,7 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                     continue
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             try:
-                obs, screenshot = host.observe(text_view)
+                obs, screenshot = host.observe(text_view, titles)
             except Exception as exc:
                 send({"env_error": f"cannot observe the browser: {type(exc).__name__}: {str(exc)[:300]}"})
                 continue
