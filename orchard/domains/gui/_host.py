@@ -12,7 +12,7 @@ clean): the client writes one JSON object per line, `{"op": ...}`; the host answ
 screenshot's PNG: base64 would make the frame a third longer). A payload over `INLINE_PAYLOAD_MAX` bytes goes
 to the file `--payload-file` instead, which the JSON names as `"payload_file"` and the client downloads: a
 terminal hands its output on in pieces of at most 4095 bytes, each a wake-up of the kernel's worker and of the
-service's reader, and a 110 KB screenshot took 30-50 ms that way against 8 ms as one download (issue 19). Only
+service's reader, and a 110 KB screenshot took 50-80 ms that way, 12-17 ms with the download (issue 19). Only
 the answer frames go to the terminal: the host keeps a private copy of it and points its own stdout and stderr
 (which Chromium and the Playwright driver inherit) at a log file.
 
