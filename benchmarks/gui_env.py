@@ -1,20 +1,26 @@
 """What does a GUI tool step cost through the sandbox service, and how many browsers fit at once?
 
 1. One tool step (a click, then the screenshot the agent sees) on the same page, two ways, in the same run,
-   alternating step by step with both browsers open (so a load that drifts weighs on both alike):
+   in pairs of one step each way with both browsers open, the order within a pair alternating (so a load that
+   drifts weighs on both alike, and neither way always goes second):
 
     direct    Playwright in this process drives a local Chromium on the sites served here      the baseline
     service   BrowserSession.step("click", ...) in a sandbox of the embedded service           what a user pays
-              (JSON over the sandbox terminal, the host in the sandbox, the same click, screenshot, base64)
+              (JSON over the sandbox terminal, the host in the sandbox, the same click and screenshot, the
+              PNG back raw after the answer's JSON line, the tabs' titles the agent also sees)
 
    Both wait on page events (the host's settle: the page's own submit/unload/new-tab events, then load), never on
-   a fixed sleep; the paper's environment sleeps 0.5-5 s after each action. Target: service p50 <= 1.2 x direct.
+   a fixed sleep; the paper's environment sleeps 0.5-5 s after each action. Target: service <= 1.2 x direct,
+   as the median over pairs of service / direct (a pair's two steps meet the same load), with a bootstrap
+   95 % interval of that median and the quartiles of the pairs' ratios as the spread; the ratio of the two
+   ways' medians is printed beside it.
 
 2. Browsers alive at once: open `--browsers` sessions one after another, keep them all open, and take each
    sandbox's memory as the proportional set size (PSS, shared pages split among their users) of its uid's
    processes, from /proc/<pid>/smaps_rollup, also by process kind. Target: >= 8 browsers at <= 250 MiB each.
 
-    python benchmarks/gui_env.py                    # 30 steps each, 8 browsers
+    python benchmarks/gui_env.py                    # 100 pairs, 8 browsers
+    python benchmarks/gui_env.py --browsers 0       # the step only
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -55,13 +62,14 @@ def centre(text: str, name: str) -> tuple[int, int]:
     return int(x), int(y)
 
 
-def p50(samples: list[float]) -> float:
-    return statistics.median(samples) * 1000
+def ms(samples: list[float], q: int) -> float:
+    """The q-th percentile (1-99) of `samples` (seconds) in ms."""
+    return statistics.quantiles(samples, n=100, method="inclusive")[q - 1] * 1000
 
 
-def steps(client: SandboxClient, n: int) -> tuple[list[float], list[float]]:
-    """`n` timed steps each way, alternating service and direct step by step, both browsers open at once: a
-    load that changes during the run (a shared machine) weighs on both ways alike."""
+def pairs(client: SandboxClient, n: int) -> tuple[list[float], list[float]]:
+    """`n` timed pairs of one step each way (after 3 untimed), the way that goes first alternating from pair
+    to pair, both browsers open at once: a load that changes during the run weighs on both ways alike."""
     from playwright.sync_api import sync_playwright
 
     from orchard.domains.gui._host import Host
@@ -71,17 +79,29 @@ def steps(client: SandboxClient, n: int) -> tuple[list[float], list[float]]:
         x, y = centre(browser.reset(BrowserSession.url(PAGE)).text, TARGET)
         host = Host(pw, "/usr/bin/chromium", 1280, 720)
         host.goto(host.page, f"http://127.0.0.1:{server.server_address[1]}{PAGE}")
-        service, direct = [], []
-        for _ in range(n + 3):
+
+        def service_step() -> float:
             start = time.perf_counter()
             obs = browser.step("click", {"x": x, "y": y}, text_view=False)
-            service.append(time.perf_counter() - start)
+            took = time.perf_counter() - start
             assert obs.error is None and obs.screenshot, obs.error
+            return took
+
+        def direct_step() -> float:
             start = time.perf_counter()
             host.page.mouse.click(x, y)
             host.settle(1)
             host.page.screenshot(type="png")
-            direct.append(time.perf_counter() - start)
+            return time.perf_counter() - start
+
+        service, direct = [], []
+        for i in range(n + 3):
+            if i % 2:
+                d, s = direct_step(), service_step()
+            else:
+                s, d = service_step(), direct_step()
+            service.append(s)
+            direct.append(d)
         host.browser.close()
     server.shutdown()
     return service[3:], direct[3:]
@@ -117,19 +137,41 @@ def pss_by_kind(uid: int) -> dict[str, float]:
     return kinds
 
 
+def pair_ratios(service: list[float], direct: list[float], resamples: int = 2000) -> dict[str, float]:
+    """The median of the pairs' service / direct ratios, their quartiles (how much one pair's ratio scatters)
+    and a 95 % bootstrap interval of the median (how well the pairs pin it down: pairs resampled with
+    replacement, seeded)."""
+    ratios = [s / d for s, d in zip(service, direct, strict=True)]
+    q25, median, q75 = statistics.quantiles(ratios, n=4, method="inclusive")
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return {"median": median, "q25": q25, "q75": q75, "lo": medians[int(0.025 * resamples)],
+            "hi": medians[int(0.975 * resamples) - 1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=30, help="timed steps each way")
-    parser.add_argument("--browsers", type=int, default=8, help="browsers to keep open at once")
+    parser.add_argument("--pairs", type=int, default=100, help="timed pairs of one step each way")
+    parser.add_argument("--browsers", type=int, default=8, help="browsers to keep open at once (0: skip part 2)")
     args = parser.parse_args()
+    if args.pairs < 4:
+        raise ValueError(f"--pairs must be >= 4 (quartiles), got {args.pairs}")
+    if args.browsers < 0:
+        raise ValueError(f"--browsers must be >= 0, got {args.browsers}")
     print(machine())
     with serve(reap_interval_s=1.0) as (url, key), SandboxClient(url, key) as client:
-        service, direct = steps(client, args.n)
-        print(f"\none tool step (click + screenshot), {args.n} steps each, alternating, p50 / p90 ms")
-        print(f"{'way':<10}{'p50':>8}{'p90':>8}")
+        service, direct = pairs(client, args.pairs)
+        r = pair_ratios(service, direct)
+        print(f"\none tool step (click + screenshot), {args.pairs} pairs of one step each way, ms")
+        print(f"{'way':<10}{'p25':>8}{'p50':>8}{'p75':>8}{'p90':>8}")
         for name, samples in (("direct", direct), ("service", service)):
-            print(f"{name:<10}{p50(samples):>8.1f}{statistics.quantiles(samples, n=10)[-1] * 1000:>8.1f}")
-        print(f"service / direct p50: {p50(service) / p50(direct):.2f} x (target <= 1.2)")
+            print(f"{name:<10}" + "".join(f"{ms(samples, q):>8.1f}" for q in (25, 50, 75, 90)))
+        print(f"service / direct, median of the pairs' ratios: {r['median']:.2f} x (95 % interval {r['lo']:.2f} - "
+              f"{r['hi']:.2f}; pairs' quartiles {r['q25']:.2f} - {r['q75']:.2f}; ratio of the p50s "
+              f"{statistics.median(service) / statistics.median(direct):.2f} x; target <= 1.2)")
+        print(f"load avg at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        if args.browsers == 0:
+            return
 
         sessions, start = [], time.perf_counter()
         try:

@@ -6,21 +6,25 @@ site server (a thread), the Playwright driver and Chromium are all its descendan
 namespace (loopback only, unless the sandbox has network) and die together with the terminal: the terminal's
 bubblewrap ends its pid namespace when the session closes or the sandbox is deleted.
 
-Protocol over the terminal, which the host puts in raw mode first (no echo, no newline translation): the client
-writes one JSON object per line, `{"op": ...}`; the host answers each with one line `FRAME_MARK + JSON + "\\n"`.
-Only the answer lines go to the terminal: the host keeps a private copy of it and points its own stdout and
-stderr (which Chromium and the Playwright driver inherit) at a log file.
+Protocol over the terminal, which the host puts in raw mode first (no echo, no newline translation: 8-bit
+clean): the client writes one JSON object per line, `{"op": ...}`; the host answers each with one line
+`FRAME_MARK + JSON + "\\n"`, and when the JSON has `"payload": n`, n raw bytes after the newline (the
+screenshot's PNG: base64 would make the frame a third longer). A payload over `INLINE_PAYLOAD_MAX` bytes goes
+to the file `--payload-file` instead, which the JSON names as `"payload_file"` and the client downloads: a
+terminal hands its output on in pieces of at most 4095 bytes, each a wake-up of the kernel's worker and of the
+service's reader, and a 110 KB screenshot took 50-80 ms that way, 12-17 ms with the download (issue 19). Only
+the answer frames go to the terminal: the host keeps a private copy of it and points its own stdout and stderr
+(which Chromium and the Playwright driver inherit) at a log file.
 
 Requests: `observe {text_view}`, `tool {name, arguments, text_view}`, `reset {url, text_view, fresh_state}`,
 `state`, `close`.
-An answer carries either an observation (`tabs`, `active`, `viewport`, `screenshot` base64 PNG, optional
-`text`, `error` for an invalid or failed action) or `state`; `env_error` says the browser itself is gone.
+An answer carries either an observation (`tabs`, `active`, `viewport`, optional `text`, `error` for an invalid
+or failed action; its screenshot is the payload) or `state`; `env_error` says the browser itself is gone.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import fcntl
 import json
 import math
@@ -31,6 +35,9 @@ import tty
 from typing import Any
 
 FRAME_MARK = "\x1eORCHARD-GUI "
+INLINE_PAYLOAD_MAX = 65536
+"""The largest payload sent over the terminal; larger ones go through `--payload-file`. One read of the exec
+agent's terminal (64 KiB) relays up to this much at once; beyond it the pieces and relays add up."""
 _NAV_TIMEOUT_MS = 15000
 _MAX_WAIT_S = 10.0
 
@@ -80,8 +87,15 @@ _WATCH_JS = """(() => {
     if (a.target === '_blank') window.__orchardOpened = (window.__orchardOpened || 0) + 1; else leave();
   });
 })()"""
-# Settled: the document loaded and not being left. The answer is 1 + the tabs its links opened (truthy).
-_SETTLED_JS = "() => document.readyState === 'complete' && !window.__orchardLeaving && 1 + (window.__orchardOpened || 0)"
+# Settled: the document loaded and not being left. The answer is [the tabs its links opened since the last
+# settled answer, which it counts from 0 again, and the page's title], or false: one round trip to the page
+# where three were (this check, the counter's reset, and the title the observation reads next).
+_SETTLED_JS = """() => {
+  if (document.readyState !== 'complete' || window.__orchardLeaving) return false;
+  const opened = window.__orchardOpened || 0;
+  window.__orchardOpened = 0;
+  return [opened, document.title];
+}"""
 
 
 # Chromium keeps only the last --disable-features / --enable-features switch, so ours repeat Playwright's own
@@ -153,29 +167,40 @@ class Host:
             page.bring_to_front()
             return page.screenshot(type="png")
 
-    def observe(self, text_view: bool) -> dict[str, Any]:
+    def observe(self, text_view: bool, titles: dict[Any, str] | None = None) -> tuple[dict[str, Any], bytes]:
+        """The observation without its screenshot, and the screenshot (PNG). `titles`: tabs' titles read just
+        before (by `settle`), not asked again."""
         page = self.page
         tabs = []
         for p in self.pages:
-            try:
-                title = p.title()
-            except Exception:  # a tab in the middle of a navigation has no title yet
-                title = ""
+            title = (titles or {}).get(p)
+            if title is None:
+                try:
+                    title = p.title()
+                except Exception:  # a tab in the middle of a navigation has no title yet
+                    title = ""
             tabs.append({"url": p.url, "title": title})
-        obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height],
-                               "screenshot": base64.b64encode(self._screenshot(page)).decode("ascii")}
+        obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height]}
+        screenshot = self._screenshot(page)
         if text_view:
             obs["text"] = page.evaluate(_TEXT_VIEW_JS)
-        return obs
+        return obs, screenshot
 
-    def settle(self, tabs_before: int) -> None:
+    def settle(self, tabs_before: int) -> dict[Any, str]:
         """Wait on page events, never a fixed time: the navigation an action started (if any) until its page has
-        loaded, and the tabs its links opened until they have. A slow page is observed as it is."""
+        loaded, and the tabs its links opened until they have. A slow page is observed as it is.
+
+        Returns the active tab's title as of settling when no tab opened (the observation that follows shows
+        it, as the title it would read a moment later), else no title."""
         page = self.page
         try:
-            # re-evaluated in the next document when a navigation replaces this one
-            opened = int(page.wait_for_function(_SETTLED_JS, polling=20, timeout=_NAV_TIMEOUT_MS).json_value()) - 1
-            page.evaluate("() => { window.__orchardOpened = 0; }")
+            try:  # most actions leave the page as it is: asked once, settled at once
+                settled = page.evaluate(_SETTLED_JS)
+            except Exception:  # the document was replaced while asked
+                settled = False
+            if not settled:  # re-evaluated in the next document when a navigation replaces this one
+                settled = page.wait_for_function(_SETTLED_JS, polling=20, timeout=_NAV_TIMEOUT_MS).json_value()
+            opened, title = int(settled[0]), str(settled[1])
             while len(self.pages) < tabs_before + opened:
                 self.context.wait_for_event("page", timeout=_NAV_TIMEOUT_MS)
             for new in self.pages[tabs_before:]:
@@ -183,6 +208,9 @@ class Host:
         except Exception:
             if not self.alive():
                 raise
+            return {}
+        # waiting for new tabs gave the page time to change its title
+        return {page: title} if len(self.pages) == tabs_before else {}
 
     def point(self, args: dict[str, Any], x: str, y: str) -> tuple[float, float]:
         px, py = _number(args, x), _number(args, y)
@@ -208,7 +236,8 @@ class Host:
                 raise
             raise ToolError(f"could not open {url}: {str(exc).splitlines()[0]}") from None
 
-    def run_tool(self, name: str, args: dict[str, Any]) -> None:
+    def run_tool(self, name: str, args: dict[str, Any]) -> dict[Any, str]:
+        """Run one tool; returns the tabs' titles `settle` read (for `observe`)."""
         spec = TOOL_ARGS.get(name)
         if spec is None:
             raise ToolError(f"unknown tool {name!r}; the tools are {', '.join(TOOL_ARGS)}")
@@ -286,7 +315,8 @@ class Host:
         elif name == "done" and not isinstance(args["response"], str):
             raise ToolError(f"response must be a string, got {args['response']!r}")
         if name in ("click", "press_keys", "drag"):
-            self.settle(tabs_before)
+            return self.settle(tabs_before)
+        return {}
 
     def reset(self, url: str) -> None:
         """Close every tab but the first and open `url` in it."""
@@ -317,6 +347,13 @@ def _number(args: dict[str, Any], name: str) -> float:
     return float(value)
 
 
+def frame_bytes(frame: dict[str, Any], payload: bytes = b"") -> bytes:
+    """One answer as it crosses the terminal: the mark, the JSON line, then the payload's raw bytes."""
+    if payload:
+        frame = {**frame, "payload": len(payload)}
+    return (FRAME_MARK + json.dumps(frame) + "\n").encode() + payload
+
+
 def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, text_default: bool) -> None:
     buffer = b""
     while True:
@@ -344,10 +381,10 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                 send({"env_error": launch_error or "the browser is gone (crashed or killed)"})
                 continue
             text_view = bool(request.get("text_view", text_default))
-            error = None
+            error, titles = None, {}
             try:
                 if op == "tool":
-                    host.run_tool(str(request.get("name")), request.get("arguments") or {})
+                    titles = host.run_tool(str(request.get("name")), request.get("arguments") or {})
                 elif op == "reset":
                     if request.get("fresh_state"):
                         sites.state = type(sites.state)()
@@ -362,12 +399,12 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                     continue
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             try:
-                obs = host.observe(text_view)
+                obs, screenshot = host.observe(text_view, titles)
             except Exception as exc:
                 send({"env_error": f"cannot observe the browser: {type(exc).__name__}: {str(exc)[:300]}"})
                 continue
             obs["error"] = error
-            send({"observation": obs})
+            send({"observation": obs}, screenshot)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -379,18 +416,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--lock", default=".gui.lock")
     parser.add_argument("--log", default="gui-host.log")
+    parser.add_argument("--payload-file", default="gui-payload.bin")
     parser.add_argument("--text-view", action="store_true")
     args = parser.parse_args(argv)
 
     out = os.dup(1)
-    if os.isatty(0):
-        tty.setraw(0, termios.TCSANOW)
+    for fd in {0, out}:  # the same terminal, normally; raw both ways in any case, the payload is binary
+        if os.isatty(fd):
+            tty.setraw(fd, termios.TCSANOW)
     log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
 
-    def send(frame: dict[str, Any]) -> None:
-        data = (FRAME_MARK + json.dumps(frame) + "\n").encode()
+    def send(frame: dict[str, Any], payload: bytes = b"") -> None:
+        if len(payload) > INLINE_PAYLOAD_MAX:  # written before its frame is sent, read before the next request
+            with open(args.payload_file, "wb") as f:
+                f.write(payload)
+            frame, payload = {**frame, "payload": len(payload), "payload_file": args.payload_file}, b""
+        data = frame_bytes(frame, payload)
         while data:
             data = data[os.write(out, data):]
 

@@ -7,7 +7,8 @@
 
 Where the driver runs: inside the sandbox. `BrowserSession` uploads the browser host (`_host.py`) and the sites
 (`sites.py`) into the workspace and starts the host as a sandbox terminal (the service's PTY); the host starts
-the site server on 127.0.0.1 and Chromium through Playwright, and answers JSON requests over the terminal. So
+the site server on 127.0.0.1 and Chromium through Playwright, and answers JSON requests over the terminal
+(a screenshot over 64 KiB comes through a file the answer names: see `_host`'s protocol). So
 the browser runs under the sandbox's isolation, in its network namespace (with `block_network`, the default,
 it reaches the sites the sandbox serves and nothing else), and it dies with the terminal: closing the session,
 a lost connection or deleting the sandbox ends the terminal's bubblewrap, whose pid namespace takes every
@@ -30,7 +31,6 @@ plus greenlet, so the two interpreters must share a minor version.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -107,9 +107,11 @@ class BrowserSession:
             sandbox.upload(f"{HOST_DIR}/{Path(source.__file__).name}", Path(source.__file__).read_text())
         argv = [python, f"{HOST_DIR}/_host.py", "--seed", str(seed), "--port", str(SITE_PORT),
                 "--width", str(viewport[0]), "--height", str(viewport[1]), "--chromium", chromium,
-                "--lock", f"{HOST_DIR}/lock", "--log", f"{HOST_DIR}/host.log"]
+                "--lock", f"{HOST_DIR}/lock", "--log", f"{HOST_DIR}/host.log",
+                "--payload-file", f"{HOST_DIR}/screenshot.png"]
         env = f"PYTHONPATH={shlex.quote(playwright_path)} " if playwright_path else ""
         cwd = sandbox.info.get("workdir") or "/workspace"
+        self._cwd = cwd
         self._pty = sandbox.pty(f"cd {shlex.quote(cwd)} && exec env {env}{shlex.join(argv)}")
         hello = self._receive(start_timeout)
         self.uid: int | None = hello.get("uid")
@@ -140,15 +142,23 @@ class BrowserSession:
     # -- requests -------------------------------------------------------------------------------------------
 
     def _receive(self, timeout: float) -> dict[str, Any]:
-        """The next answer frame; everything else on the terminal (there should be nothing) is skipped."""
+        """The next answer frame, its payload (if any) as bytes under "payload"; everything else on the terminal
+        (there should be nothing) is skipped."""
         mark = _host.FRAME_MARK.encode()
         deadline = time.monotonic() + timeout
         while True:
             start = self._buffer.find(mark)
             end = self._buffer.find(b"\n", start) if start >= 0 else -1
             if end >= 0:
-                frame, self._buffer = self._buffer[start + len(mark):end], self._buffer[end + 1:]
-                return json.loads(frame)
+                frame = json.loads(self._buffer[start + len(mark):end])
+                if "payload_file" in frame:
+                    self._buffer = self._buffer[end + 1:]
+                    return self._payload_file(frame)
+                size = frame.get("payload", 0)
+                if len(self._buffer) > end + size:
+                    frame["payload"] = self._buffer[end + 1:end + 1 + size]
+                    self._buffer = self._buffer[end + 1 + size:]
+                    return frame
             left = deadline - time.monotonic()
             if left <= 0:
                 return {"env_error": f"the browser host did not answer within {timeout:g}s"}
@@ -160,6 +170,17 @@ class BrowserSession:
                 return {"env_error": f"the browser host exited (code {self._pty.returncode}, "
                                      f"{self._pty.error or 'no error'})"}
             self._buffer += chunk
+
+    def _payload_file(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """The frame with its payload read from the file the host wrote it to (a large screenshot)."""
+        path = frame.pop("payload_file")
+        try:
+            payload = self.sandbox.download(path if path.startswith("/") else f"{self._cwd}/{path}")
+        except SandboxError as exc:
+            return {"env_error": f"cannot read the browser's screenshot {path}: {exc}"}
+        if len(payload) != frame["payload"]:
+            return {"env_error": f"the browser's screenshot {path} has {len(payload)} bytes, not {frame['payload']}"}
+        return {**frame, "payload": payload}
 
     def _request(self, request: dict[str, Any]) -> dict[str, Any]:
         if self.closed:
@@ -181,7 +202,7 @@ class BrowserSession:
             return Observation(b"", self.viewport, (), 0,
                                env_error=answer.get("env_error") or answer.get("error") or "no observation")
         obs = answer["observation"]
-        return Observation(screenshot=base64.b64decode(obs["screenshot"]), viewport=tuple(obs["viewport"]),
+        return Observation(screenshot=answer["payload"], viewport=tuple(obs["viewport"]),
                            tabs=tuple((t["url"], t["title"]) for t in obs["tabs"]), active=int(obs["active"]),
                            text=obs.get("text"), error=obs.get("error"))
 

@@ -17,12 +17,13 @@ import struct
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from orchard.domains.gui import BROWSER_MEMORY, BrowserSession
-from orchard.domains.gui._host import CHROMIUM_ARGS
-from orchard.domains.gui.sites import shop_catalog
+from orchard.domains.gui._host import _TEXT_VIEW_JS, CHROMIUM_ARGS, INLINE_PAYLOAD_MAX, Host
+from orchard.domains.gui.sites import Sites, serve_sites, shop_catalog
 from orchard.env import SandboxClient, SandboxError
 from orchard.env.embedded import serve
 
@@ -101,6 +102,57 @@ def test_observation_is_the_screenshot_viewport_and_tabs(browser):
     assert parts[0]["type"] == "text" and "Tab 0 (active): 'Shop'" in parts[0]["text"]
     assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,iVBORw0KGgo")
     assert browser.observe(text_view=False).text is None
+
+
+def test_the_screenshot_crosses_the_terminal_raw_or_as_a_file_when_large(browser, monkeypatch):
+    read, received = browser._pty.read, []
+    monkeypatch.setattr(browser._pty, "read", lambda timeout: received.append(read(timeout)) or received[-1])
+    sizes = {}
+    for page in ("/forms/settings", "/shop/"):
+        browser.reset(BrowserSession.url(page), text_view=False)
+        received.clear()
+        obs = browser.observe(text_view=False)
+        assert obs.screenshot[:8] == b"\x89PNG\r\n\x1a\n" and obs.env_error is None
+        sizes[page] = len(obs.screenshot), sum(map(len, received))
+    # the settings page's PNG (~20 KB, under INLINE_PAYLOAD_MAX = 65 536) crosses raw after a JSON line of
+    # about 200 bytes; base64 would add a third (4 bytes for every 3): the bound png + 2000 sits between for any
+    # PNG over 6 KB (png / 3 > 2000)
+    png, terminal = sizes["/forms/settings"]
+    assert 6000 < png <= INLINE_PAYLOAD_MAX and png < terminal < png + 2000
+    # the shop's (~110 KB) goes through the file: only the JSON line crosses the terminal
+    png, terminal = sizes["/shop/"]
+    assert png > INLINE_PAYLOAD_MAX and terminal < 2000
+
+
+def test_a_click_that_stays_on_the_page_asks_the_page_once(monkeypatch):
+    """Settled, the opened-tab count reset and the title in one round trip (were: the check, a reset, and a
+    title read per tab); the host in this process, its page calls counted."""
+    _require_browser()
+    from playwright.sync_api import Page, sync_playwright
+
+    server = serve_sites(Sites(7), 0)
+    url = f"http://127.0.0.1:{server.server_address[1]}/forms/settings"
+    calls = []
+    for name in ("evaluate", "wait_for_function", "title"):
+        original = getattr(Page, name)
+        monkeypatch.setattr(Page, name, lambda self, *a, _n=name, _o=original, **k: calls.append(_n) or _o(self, *a, **k))
+    try:
+        with sync_playwright() as pw:
+            host = Host(pw, CHROMIUM, 1280, 720)
+            host.goto(host.page, url)
+            before = host.page.evaluate(_TEXT_VIEW_JS)
+            x, y = at(SimpleNamespace(text=before), "checkbox", "Newsletter")
+            calls.clear()
+            titles = host.run_tool("click", {"x": x, "y": y})
+            obs, _ = host.observe(False, titles)
+            assert calls == ["evaluate"]
+            assert obs["tabs"] == [{"url": url, "title": "Settings"}]
+            newsletter = [next(line for line in text.splitlines() if line.startswith('[checkbox] "Newsletter"'))
+                          for text in (before, host.page.evaluate(_TEXT_VIEW_JS))]
+            assert newsletter[0] != newsletter[1]  # the click did act: the box flipped
+            host.browser.close()
+    finally:
+        server.shutdown()
 
 
 def test_click_write_and_press_keys_search_the_shop(browser):
