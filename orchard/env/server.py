@@ -93,7 +93,8 @@ _RESPONSE_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separator
 def sandbox_view(record: SandboxRecord, namespace: str, isolation: str = "unknown",
                  blocks_network: bool = True) -> dict[str, Any]:
     """A sandbox as the API shows it (Orchard Env's fields, then ours). `block_network` is what is enforced:
-    true only where the backend blocks the network (`blocks_network`); `isolation` names how."""
+    true only where the backend blocks the network (`blocks_network`); `isolation` names how; `env` is the
+    environment every command starts with (as created)."""
     return {
         "sandbox_id": record.sandbox_id,
         "namespace": namespace,
@@ -111,6 +112,7 @@ def sandbox_view(record: SandboxRecord, namespace: str, isolation: str = "unknow
         "heartbeat_timeout": record.heartbeat_timeout,
         "expires_at": record.expires_at,
         "isolation": isolation,
+        "env": dict(record.env),
     }
 
 

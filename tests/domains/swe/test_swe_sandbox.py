@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 
 import pytest
 
@@ -212,6 +213,22 @@ def test_the_base_commit_is_built_once_per_instance_on_the_host(tmp_path):
     # another instance under the same id (its files changed) never gets this build
     changed = dataclasses.replace(instance, files={**instance.files, "NOTES.md": "changed\n"})
     assert changed.instance_id == instance.instance_id and base_archive(changed)[1] != commit
+
+
+def test_the_cache_holds_whatever_the_clock_says(monkeypatch):
+    # gzip stamps its header with the current second: two calls a second apart gave other bytes, so the cache
+    # key (the archive's hash) missed and git ran again for nearly every sandbox
+    instance = make_instance("graph", 3, level=1)
+    monkeypatch.setattr(time, "time", lambda: 1_000_000_000.0)
+    plain, (archive, _) = repository_archive(instance), base_archive(instance)
+    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)
+    assert repository_archive(instance) == plain
+    assert base_archive(instance)[0] is archive
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        names = tar.getnames()
+    # the objects in one pack: no directory and file per loose object for the sandbox to write
+    assert all(n.startswith((".git/objects/info", ".git/objects/pack")) for n in names if n.startswith(".git/objects/"))
+    assert sum(n.endswith(".pack") for n in names) == 1
 
 
 def test_a_shared_pytest_is_read_in_place_and_never_sent():
