@@ -21,6 +21,7 @@ from orchard.domains.swe.sandbox import (
     base_archive,
     patched_paths,
     prepare_sandbox,
+    pytest_env,
     repository_archive,
     score_sandbox,
     write_pytest_bundle,
@@ -229,6 +230,58 @@ def test_the_cache_holds_whatever_the_clock_says(monkeypatch):
     # the objects in one pack: no directory and file per loose object for the sandbox to write
     assert all(n.startswith((".git/objects/info", ".git/objects/pack")) for n in names if n.startswith(".git/objects/"))
     assert sum(n.endswith(".pack") for n in names) == 1
+
+
+def test_with_pytest_env_nothing_runs_to_prepare_and_links_out_are_scored_on_the_host_safely(tmp_path):
+    instance = make_instance("graph", 2, level=1)
+    test_file = patched_paths(instance.test_patch)[0]  # tests/test_<module>.py
+    test_dir = os.path.dirname(test_file)
+    host_dir = tmp_path / "host"  # what a link the agent made points at: on this host, beside the service
+    host_dir.mkdir()
+    (host_dir / os.path.basename(test_file)).write_text("host file\n")
+    folder = tempfile.mkdtemp(prefix="orchard-swe-pytest-")
+    write_pytest_bundle(folder)
+
+    async def episode(client, act):
+        async with await client.create(env=pytest_env()) as raw:
+            sandbox = CountingSandbox(raw)
+            await prepare_sandbox(sandbox, instance)
+            prepared = sandbox.execs
+            view = await raw.exec("git status --porcelain; python3 -m pytest --version")
+            assert (await raw.exec(["git", "apply", "-"], stdin=instance.patch)).exit_code == 0
+            await act(raw)
+            sandbox.execs = 0
+            verdict = await score_sandbox(sandbox, instance, timeout_s=60)
+            return prepared, view.stdout, sandbox.execs, verdict
+
+    async def gold(sandbox):
+        pass
+
+    async def links_out(sandbox):
+        # a link the archive upload refuses, and the tests' directory made a link to a directory of this host
+        made = await sandbox.exec(f"ln -s /etc/passwd passwd_link && rm -rf {test_dir} && ln -s {host_dir} {test_dir}")
+        assert made.exit_code == 0, made
+
+    async def main(url, key):
+        async with AsyncSandboxClient(url, key) as client:
+            await episode(client, gold)  # the first sandbox of the image probes it
+            return [await episode(client, act) for act in (gold, links_out)]
+
+    try:
+        with serve(shared={SHARED_PYTEST: folder}) as svc:
+            (prepared, view, gold_score, resolved), (_, _, links_score, linked) = asyncio.run(main(svc.url,
+                                                                                                   svc.api_key))
+    finally:
+        shutil.rmtree(folder)
+    # prepare: the repository through the archive upload, pytest on the path by the sandbox's env: no command
+    assert prepared == 0 and view == "pytest " + pytest.__version__ + "\n"
+    # score: the diff (emptying the workspace), then pytest; the tree in between through the upload
+    assert gold_score == 2 and resolved.resolved
+    # the refused tree is unpacked by tar in a third command; the reset never went through the agent's link
+    assert links_score == 3 and linked.patch_applied and "passwd_link" in linked.patch
+    assert f"b/{test_dir}\nnew file mode 120000" in linked.patch
+    assert not linked.resolved  # the agent removed the other test files: their tests cannot pass
+    assert (host_dir / os.path.basename(test_file)).read_text() == "host file\n"
 
 
 def test_a_shared_pytest_is_read_in_place_and_never_sent():
