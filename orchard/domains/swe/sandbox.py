@@ -1,39 +1,42 @@
 """SWE sandboxes: the repository at its base commit before the episode (`prepare_sandbox`), and the reward after
 it (`score_sandbox`), through the async sandbox client (``orchard.env.AsyncSandboxClient``'s sandboxes).
 
-Before the episode: the instance's repository (its ``files``, or its ``repo_dir`` without ``.git``) is unpacked
-in the sandbox's workspace (its working directory, ``/workspace`` under bubblewrap) with its git repository of one
+Before the episode: the instance's repository (its ``files``, or its ``repo_dir`` without ``.git``) is put in the
+sandbox's workspace (its working directory, ``/workspace`` under bubblewrap) with its git repository of one
 commit (so ``git diff`` against it is the agent's patch) already built: `base_archive` runs ``git init`` and the
-commit on this host once per instance (cached by instance id and content hash), so the sandbox only unpacks.
+commit on this host once per instance (cached by instance id and content hash), and the service's archive
+upload unpacks it through its file layer, so no process starts in the sandbox for it.
 And ``python3 -m pytest`` works: where the image's python has no pytest (the host image here: the development
 virtualenv's interpreter lies under a home the sandbox's uid cannot enter), pytest and its dependencies (pure
 Python) come as one zip with their bytecode (`pytest_bundle`), put on the sandbox user's path by a ``.pth`` file
 in its site directory. The zip is read where every sandbox of the service sees it, read-only, when the service
 shares a folder named ``orchard-pytest`` holding it (`write_pytest_bundle`; ``serve(shared={"orchard-pytest":
 folder})``, on Kubernetes an image layer or volume at the same path); else it is sent with the command into the
-user site. All of that is one command; whether the image has pytest, where its user site lies and what the
+user site. The ``.pth`` takes a command (the user site is outside the workspace, where the file API does not
+reach), unless the sandbox was created with `pytest_env` (the shared zip on every command's ``PYTHONPATH``):
+then the set-up runs no command at all. Whether the image has pytest, where its user site lies and what the
 shared folder holds is asked once per service, image and python and remembered by this process. The sandbox is
 created by the caller, with the network blocked (the client's default); nothing here needs the network.
 
 After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent's patch counts:
 
 1. the patch is the workspace's diff from the base commit (``git add -A; git diff --cached --binary``, so new
-   files count; ``__pycache__`` and ``.pytest_cache`` are excluded);
-2. the workspace is emptied and the base unpacked again, and the patch applied to it (so a rewritten history,
-   hooks or files outside the diff change nothing);
+   files count; ``__pycache__`` and ``.pytest_cache`` are excluded), and the workspace is emptied;
+2. on this host (`scored_tree`), the base with the patch applied (so a rewritten history, hooks or files outside
+   the diff change nothing);
 3. the test files ``test_patch`` touches are reset to their base version (a patch that edited the tests loses
-   those edits), then ``test_patch`` is applied;
+   those edits), then ``test_patch`` is applied, and the tree goes into the emptied workspace by the archive
+   upload;
 4. ``FAIL_TO_PASS`` + ``PASS_TO_PASS`` run with one pytest under a timeout, with the user site directory off
    (pytest comes from the image, or from the service's read-only shared folder, or from a copy of the zip in the
    command's own ``/tmp`` whose SHA-256 matches this process's bundle, else from a fresh copy sent with the
    command: never from where the agent could have written): resolved iff every one passes.
 
-Step 1 is one command and steps 2-4 another (the base, both patches and, when needed, pytest travel in one tar
-on its standard input). A patch that does not apply, or a run that times out or crashes, is the policy's failure
-(not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that should succeed and
-did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode ``env_error``,
-never 0. The scoring command reports which step it reached on its first output line, written before any of the
-agent's code runs, so a test that exits with a chosen status cannot pass itself off as a set-up failure.
+Step 1 is one command and step 4 another. A patch that does not apply, or a run that times out or crashes, is
+the policy's failure (not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that
+should succeed and did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode
+``env_error``, never 0. Every set-up step is done before the agent's code runs again (in step 4), so a test
+that exits with a chosen status cannot pass itself off as a set-up failure.
 """
 
 from __future__ import annotations
@@ -338,7 +341,9 @@ def pytest_bundle() -> bytes:
     loaded = {Path(m.__file__).resolve() for name, m in list(sys.modules.items())
               if name.partition(".")[0] == "pygments" and getattr(m, "__file__", None)}
     buffer = io.BytesIO()
-    flags = (0b11).to_bytes(4, "little")  # a hash-based pyc that is never checked against its source (PEP 552)
+    # PEP 552: bit 0 hash-based, bit 1 check the source; 0b01 is never checked (0b11 had every import decompress
+    # and hash its module's source)
+    flags = (0b01).to_bytes(4, "little")
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
         for dist in _pytest_distributions():
             for entry in sorted(dist.files or [], key=str):

@@ -8,9 +8,11 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 
 import pytest
 
@@ -21,6 +23,7 @@ from orchard.domains.swe.sandbox import (
     base_archive,
     patched_paths,
     prepare_sandbox,
+    pytest_bundle,
     pytest_env,
     repository_archive,
     score_sandbox,
@@ -282,6 +285,20 @@ def test_with_pytest_env_nothing_runs_to_prepare_and_links_out_are_scored_on_the
     assert f"b/{test_dir}\nnew file mode 120000" in linked.patch
     assert not linked.resolved  # the agent removed the other test files: their tests cannot pass
     assert (host_dir / os.path.basename(test_file)).read_text() == "host file\n"
+
+
+def test_the_bundles_bytecode_is_used_without_reading_its_source(tmp_path):
+    # pytest's own __init__.py replaced by a source that fails: only a pyc that is never checked against its
+    # source still imports (a checked one is recompiled from the changed source)
+    bundle = zipfile.ZipFile(io.BytesIO(pytest_bundle()))
+    altered = tmp_path / "bundle.zip"
+    with zipfile.ZipFile(altered, "w") as out:
+        for info in bundle.infolist():
+            data = bundle.read(info)
+            out.writestr(info, b"raise ImportError('source read')\n" if info.filename == "pytest/__init__.py" else data)
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                          "import pytest; print(pytest.__version__)", str(altered)], capture_output=True, text=True)
+    assert run.stdout == pytest.__version__ + "\n", run.stderr[-500:]
 
 
 def test_a_shared_pytest_is_read_in_place_and_never_sent():
