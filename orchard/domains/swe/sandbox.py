@@ -553,9 +553,15 @@ def scored_tree(base: bytes, patch: str, test_patch: str) -> bytes | None:
     gzipped tar, or None when ``patch`` does not apply.
 
     Raises:
+        ValueError: ``base`` is not bytes, or a patch not a string.
         EnvironmentFailure: ``test_patch`` does not apply to the base with the agent's patch undone on its
-            files (the instance's fault, not the policy's), or this host's git failed to start.
+            files (the instance's fault, not the policy's), or names a path outside the repository.
     """
+    if not isinstance(base, bytes):
+        raise ValueError(f"base must be bytes (a base_archive), got {type(base).__name__}")
+    for name, value in (("patch", patch), ("test_patch", test_patch)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a str, got {type(value).__name__}")
     with tempfile.TemporaryDirectory(prefix="orchard-swe-score-") as tmp:
         work = Path(tmp) / "repo"
         work.mkdir()

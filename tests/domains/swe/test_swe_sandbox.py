@@ -27,6 +27,7 @@ from orchard.domains.swe.sandbox import (
     pytest_env,
     repository_archive,
     score_sandbox,
+    scored_tree,
     write_pytest_bundle,
 )
 from orchard.env import AsyncSandboxClient, RetryPolicy
@@ -285,6 +286,26 @@ def test_with_pytest_env_nothing_runs_to_prepare_and_links_out_are_scored_on_the
     assert f"b/{test_dir}\nnew file mode 120000" in linked.patch
     assert not linked.resolved  # the agent removed the other test files: their tests cannot pass
     assert (host_dir / os.path.basename(test_file)).read_text() == "host file\n"
+
+
+def test_scored_tree_resets_the_tests_and_refuses_bad_input():
+    instance = make_instance("graph", 2, level=1)
+    archive, _ = base_archive(instance)
+    test_file = patched_paths(instance.test_patch)[0]
+    # the agent's patch empties the test file; the reset brings it back, so test_patch applies on top
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        base_text = tar.extractfile(test_file).read().decode()
+    emptied = (f"diff --git a/{test_file} b/{test_file}\n--- a/{test_file}\n+++ b/{test_file}\n"
+               f"@@ -1,{base_text.count(chr(10))} +0,0 @@\n" + "".join(f"-{line}\n" for line in base_text.splitlines()))
+    with tarfile.open(fileobj=io.BytesIO(scored_tree(archive, emptied, instance.test_patch))) as tar:
+        scored = tar.extractfile(test_file).read().decode()
+    hidden = instance.FAIL_TO_PASS[0].split("::")[1]
+    assert scored.startswith(base_text.splitlines()[0]) and f"def {hidden}(" in scored
+    assert scored_tree(archive, "not a diff\n", instance.test_patch) is None  # does not apply: unresolved
+    with pytest.raises(ValueError, match="base must be bytes"):
+        scored_tree("tar", "", instance.test_patch)
+    with pytest.raises(ValueError, match="test_patch must be a str"):
+        scored_tree(archive, "", None)
 
 
 def test_the_bundles_bytecode_is_used_without_reading_its_source(tmp_path):
