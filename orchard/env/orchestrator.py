@@ -794,6 +794,11 @@ class Orchestrator:
             await self.backend.write_file(sandbox_id, path, data, mode)
         return len(data)
 
+    async def extract_archive(self, sandbox_id: str, path: str, data: bytes) -> tuple[int, int]:
+        await self._ready_sandbox(sandbox_id)
+        with backend_errors(sandbox_id):
+            return await self.backend.extract_archive(sandbox_id, path, data)
+
     async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
         await self._ready_sandbox(sandbox_id)
         with backend_errors(sandbox_id):

@@ -73,6 +73,11 @@ class ApplyPatchRequest(BaseModel):
     timeout_seconds: float = 30.0
 
 
+class UploadArchiveRequest(BaseModel):
+    path: str = Field("/workspace", description="The directory to unpack into (made if missing).")
+    content: str = Field(..., description="Base64 of a tar archive, gzipped or not.")
+
+
 class UploadFileRequest(BaseModel):
     path: str
     content: str = Field(..., description="Base64 of the file's bytes.")
@@ -88,7 +93,8 @@ _RESPONSE_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separator
 def sandbox_view(record: SandboxRecord, namespace: str, isolation: str = "unknown",
                  blocks_network: bool = True) -> dict[str, Any]:
     """A sandbox as the API shows it (Orchard Env's fields, then ours). `block_network` is what is enforced:
-    true only where the backend blocks the network (`blocks_network`); `isolation` names how."""
+    true only where the backend blocks the network (`blocks_network`); `isolation` names how; `env` is the
+    environment every command starts with (as created)."""
     return {
         "sandbox_id": record.sandbox_id,
         "namespace": namespace,
@@ -106,6 +112,7 @@ def sandbox_view(record: SandboxRecord, namespace: str, isolation: str = "unknow
         "heartbeat_timeout": record.heartbeat_timeout,
         "expires_at": record.expires_at,
         "isolation": isolation,
+        "env": dict(record.env),
     }
 
 
@@ -343,6 +350,23 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
         fingerprint = _fingerprint(request.method, request.url.path,
                                    {"path": body.path, "mode": body.mode, "sha256": hashlib.sha256(data).hexdigest()})
         return replay(*await orchestrator.idempotent(key, fingerprint, upload))
+
+    @app.post("/sandboxes/{sandbox_id}/files/archive", dependencies=auth)
+    async def upload_archive(sandbox_id: str, body: UploadArchiveRequest, request: Request,
+                             idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
+        try:
+            data = base64.b64decode(body.content, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequestError("content must be base64") from None
+
+        async def unpack() -> tuple[int, dict[str, Any]]:
+            entries, size = await orchestrator.extract_archive(sandbox_id, body.path, data)
+            return 200, {"success": True, "path": body.path, "entries": entries, "size": size}
+
+        key = _check_idempotency_key(idempotency_key)
+        fingerprint = _fingerprint(request.method, request.url.path,
+                                   {"path": body.path, "sha256": hashlib.sha256(data).hexdigest()})
+        return replay(*await orchestrator.idempotent(key, fingerprint, unpack))
 
     @app.get("/sandboxes/{sandbox_id}/files", dependencies=auth)
     async def download_file(sandbox_id: str, path: str, max_bytes: int | None = Query(None, ge=0)) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from _archives import TREE, TREE_BYTES, bad_archive, tar_of
 from websockets.asyncio.client import unix_connect
 
 TOKEN = secrets.token_hex(16)
@@ -129,6 +130,13 @@ async def test_exec_files_patch_over_http(agent_server):
         assert (await c.get("/files", params={"path": "d/f.txt"}, headers=AUTH)).content == b"new\n"
         r = await c.get("/resources", headers=AUTH)
         assert r.json()["pids"] == 256 and r.json()["disk_bytes"] > 0
+
+        r = await c.put("/files/archive", params={"path": "repo"}, content=tar_of(*TREE, gz=True), headers=AUTH)
+        assert r.json() == {"entries": len(TREE) - 1, "bytes": TREE_BYTES}  # the "./" entry is repo itself
+        assert os.stat(os.path.join(root, "repo", "run.sh")).st_mode & 0o777 == 0o755
+        r = await c.put("/files/archive", params={"path": "."}, content=bad_archive("symlink_absolute"), headers=AUTH)
+        assert r.status_code == 400 and "absolute" in r.json()["detail"]
+        assert not os.path.exists(os.path.join(root, "good.txt"))
 
 
 async def test_timeout_over_http_leaves_nothing_and_agent_survives(agent_server):

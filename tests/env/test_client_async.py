@@ -12,6 +12,7 @@ from urllib.parse import parse_qs
 
 import httpx
 import pytest
+from _archives import TREE, TREE_BYTES, TREE_FILES, bad_archive, tar_of
 
 from orchard.env import (
     AsyncSandboxClient,
@@ -64,6 +65,16 @@ async def test_async_files_patch_pty_and_jobs(service, tmp_path):
 
 
 @pytest.mark.slow
+async def test_async_upload_archive_unpacks_and_refuses_an_escape(service):
+    async with AsyncSandboxClient(service.url, service.api_key) as client, await client.create() as sb:
+        assert await sb.upload_archive("/workspace/repo", tar_of(*TREE)) == TREE_BYTES
+        assert (await sb.exec("stat -c %a repo/run.sh repo/empty && cat repo/pkg/hard.py")).stdout == (
+            "755\n700\n" + TREE_FILES["pkg/hard.py"][0].decode())
+        with pytest.raises(PathError):
+            await sb.upload_archive("/workspace", bad_archive("symlink_climbs_out"))
+        assert not (await sb.exec("ls good.txt")).ok
+
+
 async def test_200_concurrent_execs_over_50_sandboxes_all_succeed(service):
     async with AsyncSandboxClient(service.url, service.api_key) as client:
         sandboxes = await asyncio.gather(*(client.create() for _ in range(50)))

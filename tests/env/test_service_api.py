@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _archives import BAD, TREE, TREE_BYTES, TREE_FILES, bad_archive, tar_of
 from fastapi.routing import APIRoute, APIWebSocketRoute
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -170,6 +171,53 @@ def test_path_escapes_are_refused_with_400(service, sb, path):
             json={"path": path, "content": base64.b64encode(b"x").decode()})
     assert r.status_code == 400
     assert raw(service, "GET", f"/sandboxes/{sb.sandbox_id}/files/list", params={"path": path}).status_code == 400
+
+
+# A tree as `find -printf '%p %y %m'` lists it after the upload of `TREE` (sorted): types, modes, the empty
+# directories and .git's, the links; every entry the sandbox user's (checked with `test -O` in the sandbox).
+TREE_LISTING = """repo d 755
+repo/.git d 755
+repo/.git/HEAD f 644
+repo/.git/objects d 755
+repo/.git/objects/ab d 755
+repo/.git/objects/ab/cdef f 444
+repo/.git/refs d 755
+repo/.git/refs/heads d 755
+repo/empty d 700
+repo/pkg d 755
+repo/pkg/__init__.py f 644
+repo/pkg/core.py f 644
+repo/pkg/core_link.py l 777
+repo/pkg/hard.py f 644
+repo/pkg_link l 777
+repo/run.sh f 755
+"""
+
+
+def test_upload_archive_unpacks_a_tree_as_the_sandbox_user(sb):
+    assert sb.upload_archive("/workspace/repo", tar_of(*TREE, gz=True)) == TREE_BYTES
+    listing = sb.exec("find repo -printf '%p %y %m\\n' | LC_ALL=C sort")
+    assert listing.stdout == TREE_LISTING
+    assert sb.exec("find repo ! -user \"$(id -u)\" | wc -l").stdout == "0\n"
+    assert sb.exec("./repo/run.sh && cat repo/pkg_link/core_link.py").stdout == "ran\n" + TREE_FILES["pkg/core.py"][0].decode()
+    sb.upload_archive("repo", tar_of(("run.sh", "file", (b"#!/bin/sh\necho again\n", 0o755))))  # over the old
+    assert sb.exec("./repo/run.sh").stdout == "again\n"
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_upload_archive_refuses_every_escape_with_the_file_apis_error(service, sb, name):
+    with pytest.raises(PathError):
+        sb.upload_archive("/workspace", bad_archive(name))
+    r = raw(service, "POST", f"/sandboxes/{sb.sandbox_id}/files/archive",
+            json={"path": "/workspace/dest", "content": base64.b64encode(bad_archive(name)).decode()})
+    assert (r.status_code, r.json()["detail"]["error"]) == (400, "path_escape")
+    assert sb.exec("ls -A /workspace").stdout == ""  # neither good.txt nor dest
+
+
+def test_upload_archive_refuses_what_is_no_tar_and_bad_base64(service, sb):
+    for content in ("@@not base64", base64.b64encode(b"no tar here" * 100).decode()):
+        r = raw(service, "POST", f"/sandboxes/{sb.sandbox_id}/files/archive", json={"path": ".", "content": content})
+        assert r.status_code == 400
 
 
 def test_bad_base64_is_400(service, sb):

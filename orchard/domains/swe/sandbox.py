@@ -1,46 +1,51 @@
 """SWE sandboxes: the repository at its base commit before the episode (`prepare_sandbox`), and the reward after
 it (`score_sandbox`), through the async sandbox client (``orchard.env.AsyncSandboxClient``'s sandboxes).
 
-Before the episode: the instance's repository (its ``files``, or its ``repo_dir`` without ``.git``) is unpacked
-in the sandbox's workspace (its working directory, ``/workspace`` under bubblewrap) with its git repository of one
+Before the episode: the instance's repository (its ``files``, or its ``repo_dir`` without ``.git``) is put in the
+sandbox's workspace (its working directory, ``/workspace`` under bubblewrap) with its git repository of one
 commit (so ``git diff`` against it is the agent's patch) already built: `base_archive` runs ``git init`` and the
-commit on this host once per instance (cached by instance id and content hash), so the sandbox only unpacks.
+commit on this host once per instance (cached by instance id and content hash), and the service's archive
+upload unpacks it through its file layer, so no process starts in the sandbox for it.
 And ``python3 -m pytest`` works: where the image's python has no pytest (the host image here: the development
 virtualenv's interpreter lies under a home the sandbox's uid cannot enter), pytest and its dependencies (pure
 Python) come as one zip with their bytecode (`pytest_bundle`), put on the sandbox user's path by a ``.pth`` file
 in its site directory. The zip is read where every sandbox of the service sees it, read-only, when the service
 shares a folder named ``orchard-pytest`` holding it (`write_pytest_bundle`; ``serve(shared={"orchard-pytest":
 folder})``, on Kubernetes an image layer or volume at the same path); else it is sent with the command into the
-user site. All of that is one command; whether the image has pytest, where its user site lies and what the
+user site. The ``.pth`` takes a command (the user site is outside the workspace, where the file API does not
+reach), unless the sandbox was created with `pytest_env` (the shared zip on every command's ``PYTHONPATH``):
+then the set-up runs no command at all. Whether the image has pytest, where its user site lies and what the
 shared folder holds is asked once per service, image and python and remembered by this process. The sandbox is
 created by the caller, with the network blocked (the client's default); nothing here needs the network.
 
 After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent's patch counts:
 
 1. the patch is the workspace's diff from the base commit (``git add -A; git diff --cached --binary``, so new
-   files count; ``__pycache__`` and ``.pytest_cache`` are excluded);
-2. the workspace is emptied and the base unpacked again, and the patch applied to it (so a rewritten history,
-   hooks or files outside the diff change nothing);
+   files count; ``__pycache__`` and ``.pytest_cache`` are excluded), and the workspace is emptied;
+2. on this host (`scored_tree`), the base with the patch applied (so a rewritten history, hooks or files outside
+   the diff change nothing);
 3. the test files ``test_patch`` touches are reset to their base version (a patch that edited the tests loses
-   those edits), then ``test_patch`` is applied;
+   those edits), then ``test_patch`` is applied, and the tree goes into the emptied workspace by the archive
+   upload;
 4. ``FAIL_TO_PASS`` + ``PASS_TO_PASS`` run with one pytest under a timeout, with the user site directory off
    (pytest comes from the image, or from the service's read-only shared folder, or from a copy of the zip in the
    command's own ``/tmp`` whose SHA-256 matches this process's bundle, else from a fresh copy sent with the
    command: never from where the agent could have written): resolved iff every one passes.
 
-Step 1 is one command and steps 2-4 another (the base, both patches and, when needed, pytest travel in one tar
-on its standard input). A patch that does not apply, or a run that times out or crashes, is the policy's failure
-(not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that should succeed and
-did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode ``env_error``,
-never 0. The scoring command reports which step it reached on its first output line, written before any of the
-agent's code runs, so a test that exits with a chosen status cannot pass itself off as a set-up failure.
+Step 1 is one command and step 4 another. A patch that does not apply, or a run that times out or crashes, is
+the policy's failure (not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that
+should succeed and did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode
+``env_error``, never 0. Every set-up step is done before the agent's code runs again (in step 4), so a test
+that exits with a chosen status cannot pass itself off as a set-up failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
+import gzip
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -48,6 +53,7 @@ import io
 import marshal
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -55,6 +61,7 @@ import tempfile
 import threading
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +69,11 @@ from typing import Any
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.testrun import PYTEST_ENV, parse_test_results, pytest_argv
 from orchard.env.backends.base import SHARED_MOUNT
+from orchard.env.errors import PathError
 from orchard.rollout.harness import EnvironmentFailure
+
+WORKSPACE = "/workspace"
+"""The sandbox's workspace as the file API names it (its working directory: the repository's root)."""
 
 PYTHON = "python3"
 """The interpreter inside the sandbox (as the Claw domain: the image's ``python3`` on PATH)."""
@@ -96,11 +107,8 @@ base64 -d | tar -xf - -C "$t" || { echo "unpacking the command's inputs failed" 
 """
 """The command's standard input, a base64 tar of its inputs, unpacked in a fresh temporary directory ``$t``."""
 
-_GIT_BASE = """tar -xzf "$t/repo.tar.gz" --no-same-owner -C . >&2 || exit 1
-"""
-"""The base commit from ``$t/repo.tar.gz``, `base_archive`: the files and their ``.git``, built on the host."""
-
-_PREPARE = _INPUTS + _GIT_BASE + f"""if [ -f "$t/pytest.zip" ]; then
+_PREPARE = _INPUTS + f"""if [ -f "$t/tree.tar.gz" ]; then tar -xzf "$t/tree.tar.gz" --no-same-owner -C . >&2 || exit 1; fi
+if [ -f "$t/pytest.zip" ]; then
   {{ mkdir -p "$ORCHARD_SITE" && mv "$t/pytest.zip" "$ORCHARD_SITE/{_BUNDLE}.zip" &&
     printf '%s\\n' "$ORCHARD_SITE/{_BUNDLE}.zip" > "$ORCHARD_SITE/{_BUNDLE}.pth"; }} >&2 || exit 1
 elif [ -n "${{ORCHARD_PYTEST:-}}" ]; then
@@ -108,39 +116,38 @@ elif [ -n "${{ORCHARD_PYTEST:-}}" ]; then
 fi
 if [ -n "${{ORCHARD_CHECK:-}}" ]; then "$ORCHARD_PYTHON" -c "import pytest" >&2 || exit 1; fi
 """
-"""`prepare_sandbox`'s one command: the base commit; pytest in the user site ``$ORCHARD_SITE`` when it was sent, or
-a ``.pth`` there naming the shared copy ``$ORCHARD_PYTEST``; the import checked when ``$ORCHARD_CHECK`` is set."""
+"""The set-up command, when one is needed: a tree the archive upload refused (``$t/tree.tar.gz``, unpacked by
+tar); pytest in the user site ``$ORCHARD_SITE`` when it was sent, or a ``.pth`` there naming the shared copy
+``$ORCHARD_PYTEST``; the import checked when ``$ORCHARD_CHECK`` is set."""
 
-_TESTS, _PATCH_FAILED, _PYTEST_MISSING = "orchard: tests", "orchard: patch-failed", "orchard: pytest-missing"
-"""The scoring command's first output line: the step it reached (absent: a set-up step failed)."""
+_EMPTY_FAILED = 2
+_TAKE_PATCH = f"""base=$(git rev-list --max-parents=0 HEAD) && base=${{base##*$'\\n'}} && git add -A &&
+  git diff --cached --binary --no-color --no-ext-diff "$base" || exit 1
+{{ chmod -R u+rwX . 2>/dev/null; find . -mindepth 1 -delete; }} >&2 || exit {_EMPTY_FAILED}
+"""
+"""`score_sandbox`'s first command (steps 1 and 2's emptying): the diff from the first root commit on standard
+output (exit 1 when git fails: the agent broke its repository), then the workspace emptied (exit
+`_EMPTY_FAILED` when that fails: the sandbox's failure)."""
 
-_SCORE = _INPUTS + """{ chmod -R u+rwX . 2>/dev/null; find . -mindepth 1 -delete; } >&2 || exit 1
-""" + _GIT_BASE + f"""if [ -s "$t/agent.patch" ] && ! git apply --binary "$t/agent.patch" >&2; then
-  echo "{_PATCH_FAILED}"; exit 0
+_TESTS, _PYTEST_MISSING = "orchard: tests", "orchard: pytest-missing"
+"""`_BUNDLE_TESTS`'s first output line: the step it reached (absent: a set-up step failed)."""
+
+_BUNDLE_TESTS = f"""set -o pipefail
+t=$(mktemp -d) || exit 1
+trap 'rm -rf "$t"' EXIT
+if [ -n "${{ORCHARD_SEND:-}}" ]; then
+  base64 -d > "$t/pytest.zip" || exit 1
+else
+  cp -- "$ORCHARD_SITE/{_BUNDLE}.zip" "$t/pytest.zip" 2>/dev/null || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
+  [ "$(sha256sum < "$t/pytest.zip" 2>/dev/null | cut -c1-64)" = "$ORCHARD_SHA" ] || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
 fi
-while IFS= read -r f; do
-  if git cat-file -e HEAD:"$f" 2>/dev/null; then git checkout -q HEAD -- "$f"; else rm -rf -- "$f"; fi >&2 || exit 1
-done < "$t/reset"
-if [ -s "$t/test.patch" ]; then git apply --binary "$t/test.patch" >&2 || exit 1; fi
-if [ -n "${{ORCHARD_PYTEST:-}}" ]; then
-  export PYTHONPATH="$ORCHARD_PYTEST${{PYTHONPATH:+:$PYTHONPATH}}"
-elif [ -n "${{ORCHARD_SHA:-}}" ]; then
-  if [ ! -f "$t/pytest.zip" ]; then
-    cp -- "$ORCHARD_SITE/{_BUNDLE}.zip" "$t/pytest.zip" 2>/dev/null || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
-    [ "$(sha256sum < "$t/pytest.zip" 2>/dev/null | cut -c1-64)" = "$ORCHARD_SHA" ] || {{ echo "{_PYTEST_MISSING}"; exit 0; }}
-  fi
-  export PYTHONPATH="$t/pytest.zip${{PYTHONPATH:+:$PYTHONPATH}}"
-fi
+export PYTHONPATH="$t/pytest.zip${{PYTHONPATH:+:$PYTHONPATH}}"
 echo "{_TESTS}"
 "$@"
 """
-"""`score_sandbox`'s second command (steps 2-4): the base again, the agent's patch, the test files reset
-(the lines of ``$t/reset``), ``test_patch``, and the tests (its arguments). ``$ORCHARD_PYTEST`` set: pytest comes
-from the service's read-only shared copy there. ``$ORCHARD_SHA`` set: from the bundle, the copy in the user site
-when its hash is ``$ORCHARD_SHA``, else ``pytest.zip`` sent with the inputs."""
-
-_DIFF = ("base=$(git rev-list --max-parents=0 HEAD | tail -n 1) && git add -A && "
-         "git diff --cached --binary --no-color --no-ext-diff \"$base\"")
+"""`score_sandbox`'s test run when neither the image nor the service's shared folder has pytest: the bundle
+from the user site, used only when its SHA-256 is ``$ORCHARD_SHA`` (the agent could have replaced it), copied
+into the command's own ``/tmp``; else (``$ORCHARD_SEND`` set) a fresh copy from standard input."""
 
 
 @dataclass(frozen=True)
@@ -183,13 +190,22 @@ class SWEVerdict:
                 "empty_patch": float(not self.patch.strip())}
 
 
+@contextlib.contextmanager
+def _gzipped_tar(buffer: io.BytesIO, level: int) -> Iterator[tarfile.TarFile]:
+    """A tar written gzipped into ``buffer`` with a fixed gzip time (tarfile's ``w:gz`` stamps the current second
+    in the header, so the same files would give other bytes, and `base_archive`'s cache key another hash)."""
+    with gzip.GzipFile(fileobj=buffer, mode="wb", compresslevel=level, mtime=0) as stream, \
+            tarfile.open(fileobj=stream, mode="w") as tar:
+        yield tar
+
+
 def repository_archive(instance: SWEInstance) -> bytes:
     """The repository at the base commit as a gzipped tar (sorted, fixed times; a ``repo_dir``'s ``.git`` left
     out, symlinks kept as links)."""
     if not isinstance(instance, SWEInstance):
         raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+    with _gzipped_tar(buffer, 6) as tar:
         if instance.files is not None:
             for path in sorted(instance.files):
                 data = instance.files[path].encode()
@@ -242,8 +258,11 @@ def _build_base(plain: bytes) -> tuple[bytes, str]:
         (work / ".git" / "info").mkdir(exist_ok=True)
         (work / ".git" / "info" / "exclude").write_text(EXCLUDE)
         git("add", "-A")
-        git("-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "--allow-empty", "-m", "base")
+        git("-c", "commit.gpgsign=false", "-c", "core.logAllRefUpdates=false", "commit", "-q", "--no-verify",
+            "--allow-empty", "-m", "base")
         commit = git("rev-parse", "HEAD").strip()
+        # One pack instead of a loose object (and often a directory) per file: the sandbox gets a few members
+        git("repack", "-a", "-d", "-q", "-n")
 
         def owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
             info.uid = info.gid = 0
@@ -251,7 +270,7 @@ def _build_base(plain: bytes) -> tuple[bytes, str]:
             return info
 
         buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+        with _gzipped_tar(buffer, 6) as tar:
             for entry in sorted(work.iterdir()):
                 tar.add(entry, entry.name, filter=owned_by_nobody)
     return buffer.getvalue(), commit
@@ -322,7 +341,9 @@ def pytest_bundle() -> bytes:
     loaded = {Path(m.__file__).resolve() for name, m in list(sys.modules.items())
               if name.partition(".")[0] == "pygments" and getattr(m, "__file__", None)}
     buffer = io.BytesIO()
-    flags = (0b11).to_bytes(4, "little")  # a hash-based pyc that is never checked against its source (PEP 552)
+    # PEP 552: bit 0 hash-based, bit 1 check the source; 0b01 is never checked (0b11 had every import decompress
+    # and hash its module's source)
+    flags = (0b01).to_bytes(4, "little")
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
         for dist in _pytest_distributions():
             for entry in sorted(dist.files or [], key=str):
@@ -422,8 +443,23 @@ async def _image_facts(sandbox: Any, python: str, timeout: float) -> _ImageFacts
     return _FACTS[key]
 
 
+def pytest_env() -> dict[str, str]:
+    """The sandbox environment (``client.create(env=pytest_env())``, or a pool's ``env``) that puts the service's
+    shared pytest (`write_pytest_bundle`) on the path of every command: `prepare_sandbox` then writes no ``.pth``
+    and runs no command at all. For images without pytest (it would come before the image's own); a path that
+    is not there (the service shares no such folder) is ignored by Python, and `prepare_sandbox` writes the
+    ``.pth`` as without it."""
+    return {"PYTHONPATH": f"{SHARED_MOUNT}/{SHARED_PYTEST}/{_shared_bundle_name()}"}
+
+
+def _pytest_on_path(sandbox: Any, shared: str) -> bool:
+    """Whether every command of ``sandbox`` has ``shared`` on its ``PYTHONPATH`` (the sandbox's own env)."""
+    env = (getattr(sandbox, "info", None) or {}).get("env") or {}
+    return bool(shared) and shared in str(env.get("PYTHONPATH", "")).split(":")
+
+
 def _inputs(**members: bytes | str) -> str:
-    """A base64 tar of named files: the standard input of `_PREPARE` and `_SCORE`."""
+    """A base64 tar of named files: the standard input of `_PREPARE`."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for name, data in members.items():
@@ -442,13 +478,27 @@ async def _run(sandbox: Any, command: list[str] | str, what: str, *, timeout: fl
     return result
 
 
+async def _upload_tree(sandbox: Any, tree: bytes) -> bool:
+    """Unpack ``tree`` (a gzipped tar) in the workspace through the archive upload, no process in the sandbox;
+    False when the service refused a member (a link that leaves the tree: `_PREPARE` unpacks it with tar)."""
+    try:
+        await sandbox.upload_archive(WORKSPACE, tree)
+    except PathError:
+        return False
+    return True
+
+
 async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float = 60.0,
                           python: str = PYTHON) -> str:
     """Put ``instance``'s repository at its base commit in the sandbox's workspace, with git and pytest.
 
-    One command (`base_archive`: the files and their ``.git``, built on this host once per instance; and pytest
-    when the image lacks it and the service shares no copy of it, on its standard input), after one probe of the
-    image per service, image and python in this process.
+    The repository (`base_archive`: the files and their ``.git``, built on this host once per instance) goes in
+    through the service's archive upload, which starts no process in the sandbox. No command follows when the
+    image has pytest, or when the service shares it and the sandbox was created with `pytest_env`; else one
+    (a ``.pth`` in the user site naming the shared copy, or pytest itself on its standard input when the image
+    lacks it and the service shares none). A repository with a link the upload refuses (one leaving the tree)
+    is unpacked by that command instead. Before the first sandbox of a service, image and python in this
+    process: one probe of the image.
 
     Returns the base commit's hash (not ``instance.base_commit``: the history is one commit).
 
@@ -468,12 +518,16 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
     facts = await _image_facts(sandbox, python, timeout)
     key = _facts_key(sandbox, python)
     archive, commit = await asyncio.to_thread(base_archive, instance)  # git on this host the first time
-    members: dict[str, bytes] = {"repo.tar.gz": archive}
+    members: dict[str, bytes] = {} if await _upload_tree(sandbox, archive) else {"tree.tar.gz": archive}
     env = {**GIT_ENV, "ORCHARD_SITE": facts.user_site, "ORCHARD_PYTHON": python}
-    if facts.shared_pytest:
+    if facts.has_pytest or _pytest_on_path(sandbox, facts.shared_pytest):
+        pass
+    elif facts.shared_pytest:
         env["ORCHARD_PYTEST"] = facts.shared_pytest
-    elif not facts.has_pytest:
+    else:
         members["pytest.zip"] = await asyncio.to_thread(pytest_bundle)  # built once, seconds: off the loop
+    if not members and "ORCHARD_PYTEST" not in env:
+        return commit
     if not facts.has_pytest and key not in _CHECKED:
         env["ORCHARD_CHECK"] = "1"
     await _run(sandbox, ["bash", "-c", _PREPARE], "preparing the repository and pytest", timeout=timeout,
@@ -493,27 +547,86 @@ def patched_paths(test_patch: str) -> list[str]:
     return paths
 
 
+def scored_tree(base: bytes, patch: str, test_patch: str) -> bytes | None:
+    """The tree the tests run in (steps 2 and 3, on this host): the base (`base_archive`) with the agent's
+    ``patch`` applied, the files ``test_patch`` touches reset to the base, then ``test_patch`` applied; as a
+    gzipped tar, or None when ``patch`` does not apply.
+
+    Raises:
+        ValueError: ``base`` is not bytes, or a patch not a string.
+        EnvironmentFailure: ``test_patch`` does not apply to the base with the agent's patch undone on its
+            files (the instance's fault, not the policy's), or names a path outside the repository.
+    """
+    if not isinstance(base, bytes):
+        raise ValueError(f"base must be bytes (a base_archive), got {type(base).__name__}")
+    for name, value in (("patch", patch), ("test_patch", test_patch)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+    with tempfile.TemporaryDirectory(prefix="orchard-swe-score-") as tmp:
+        work = Path(tmp) / "repo"
+        work.mkdir()
+        with tarfile.open(fileobj=io.BytesIO(base), mode="r:gz") as tar:
+            tar.extractall(work, filter="tar")
+            members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, **GIT_ENV}
+
+            def apply(diff: str) -> subprocess.CompletedProcess[str]:
+                # --binary as the sandbox's diff was taken; the patch is data, never a path of ours
+                return subprocess.run(["git", "apply", "--binary", "-"], cwd=work, env=env, input=diff, text=True,
+                                      capture_output=True)
+
+            if patch.strip() and apply(patch).returncode != 0:
+                return None
+            for path in patched_paths(test_patch):
+                if path.startswith("/") or ".." in Path(path).parts:
+                    raise EnvironmentFailure(f"test_patch names a path outside the repository: {path!r}")
+                target = work
+                for part in Path(path).parts:
+                    # never through a link the agent made (it could point anywhere on this host): the link goes
+                    if target.is_symlink() or (target.exists() and not target.is_dir()):
+                        target.unlink()
+                    target = target / part
+                if target.is_symlink() or target.is_file():
+                    target.unlink()
+                elif target.is_dir():
+                    shutil.rmtree(target)
+                if path in members:
+                    tar.extract(members[path], work, filter="tar")
+        if test_patch.strip():
+            run = apply(test_patch)
+            if run.returncode != 0:
+                raise EnvironmentFailure(f"test_patch does not apply to the base: {run.stderr[-300:]}")
+        buffer = io.BytesIO()
+        with _gzipped_tar(buffer, 1) as out:
+            for entry in sorted(work.iterdir()):
+                out.add(entry, entry.name)
+        return buffer.getvalue()
+
+
 async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 300.0, *,
                         setup_timeout_s: float = 60.0, python: str = PYTHON) -> SWEVerdict:
     """Score the finished episode in its sandbox: the agent's patch against the hidden tests (see the module).
 
-    Two commands: the diff, then the rest (steps 2-4) in one, whose limit is ``timeout_s + setup_timeout_s``
-    (the set-up and the tests together; our reading of "the tests run with a timeout", so that a slow set-up
-    never eats the tests' time). A third only when the user site's pytest was removed or altered: the same
-    command with a fresh copy.
+    Two commands and an upload: the diff, taken with the workspace emptied in the same command; the patched
+    tree (`scored_tree`, built on this host) through the archive upload; the tests, whose limit is
+    ``timeout_s + setup_timeout_s`` (our reading of "the tests run with a timeout": a slow start never eats
+    the tests' time). A tree the upload refuses (a link the agent made that leaves the repository) is unpacked
+    by a third command with tar. When pytest is neither in the image nor shared, the test command takes the
+    user site's copy after checking its hash, and runs once more with a fresh copy when that was altered.
 
     Args:
         sandbox: the episode's sandbox, prepared by `prepare_sandbox`.
         instance: the task.
         timeout_s: the test run's limit, seconds. Default 300.
-        setup_timeout_s: the diff's limit, and the set-up's share of the second command's. Default 60.
+        setup_timeout_s: the first command's limit, and the set-up's share of the test command's. Default 60.
         python: the sandbox's interpreter. Default "python3".
 
     Raises:
-        EnvironmentFailure: a step before the tests that should succeed did not (unpacking, the base commit,
-            ``test_patch`` not applying to the base), or the image's pytest is gone. Once the tests started, any
-            exit status is theirs: the probe found the python, so a 126 or 127 comes from the agent's code (a
-            conftest that exits so), the policy's failure rather than an ``env_error`` it could hide behind.
+        EnvironmentFailure: a step before the tests that should succeed did not (emptying the workspace,
+            unpacking, ``test_patch`` not applying to the base), or the image's pytest is gone. Once the tests
+            started, any exit status is theirs: the probe found the python, so a 126 or 127 comes from the
+            agent's code (a conftest that exits so), the policy's failure rather than an ``env_error`` it could
+            hide behind.
     """
     if not isinstance(instance, SWEInstance):
         raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
@@ -521,38 +634,43 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
         if not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
     tests = instance.tests
-    diff = await sandbox.exec(["bash", "-c", _DIFF], timeout=setup_timeout_s, env=GIT_ENV,
-                              max_output_bytes=MAX_PATCH_BYTES)
+    taken = await sandbox.exec(["bash", "-c", _TAKE_PATCH], timeout=setup_timeout_s, env=GIT_ENV,
+                               max_output_bytes=MAX_PATCH_BYTES)
+    if taken.exit_code == _EMPTY_FAILED:
+        raise EnvironmentFailure(f"emptying the workspace failed: {taken.stderr[-500:]}")
     # A repository the agent broke (.git removed) gives no patch: its failure, not the sandbox's.
-    patch_ok = diff.exit_code == 0 and not diff.stdout_truncated
-    patch = diff.stdout if patch_ok else ""
+    patch_ok = taken.exit_code == 0 and not taken.stdout_truncated
+    patch = taken.stdout if patch_ok else ""
     facts = await _image_facts(sandbox, python, setup_timeout_s)
     archive, _ = await asyncio.to_thread(base_archive, instance)
-    members: dict[str, bytes | str] = {"repo.tar.gz": archive, "agent.patch": patch,
-                                       "test.patch": instance.test_patch,
-                                       "reset": "".join(f"{p}\n" for p in patched_paths(instance.test_patch))}
-    # Step 4's environment: nothing from the agent's home on the path.
-    env = {**GIT_ENV, **PYTEST_ENV, "PYTHONNOUSERSITE": "1", "ORCHARD_SITE": facts.user_site}
-    if facts.shared_pytest:
-        env["ORCHARD_PYTEST"] = facts.shared_pytest  # read-only for the agent: no copy, no hash to check
-    elif not facts.has_pytest:
-        env["ORCHARD_SHA"] = await asyncio.to_thread(_bundle_sha256)
-    run = None
-    if patch_ok:
-        argv = ["bash", "-c", _SCORE, "bash", *pytest_argv(python, tests)]
-        run = await sandbox.exec(argv, timeout=timeout_s + setup_timeout_s, env=env, stdin=_inputs(**members))
-        if run.stdout.startswith(_PYTEST_MISSING + "\n"):
-            members["pytest.zip"] = await asyncio.to_thread(pytest_bundle)
-            run = await sandbox.exec(argv, timeout=timeout_s + setup_timeout_s, env=env, stdin=_inputs(**members))
-        step, _, output = run.stdout.partition("\n")
-        patch_ok = step != _PATCH_FAILED
-    if run is None or not patch_ok:
+    tree = await asyncio.to_thread(scored_tree, archive, patch, instance.test_patch) if patch_ok else None
+    if tree is None:
         return SWEVerdict(False, dict.fromkeys(instance.FAIL_TO_PASS, False),
                           dict.fromkeys(instance.PASS_TO_PASS, False), patch, False,
                           {"reason": "the patch could not be taken or applied"})
-    if step != _TESTS:
-        raise EnvironmentFailure(f"setting up the test run failed (exit {run.exit_code}"
-                                 f"{', timed out' if run.timed_out else ''}): {(run.stderr or run.stdout)[-500:]}")
+    if not await _upload_tree(sandbox, tree):
+        await _run(sandbox, ["bash", "-c", _PREPARE], "unpacking the scored tree", timeout=setup_timeout_s,
+                   stdin=_inputs(**{"tree.tar.gz": tree}))
+    # The tests' environment: nothing from the agent's home on the path.
+    env = {**PYTEST_ENV, "PYTHONNOUSERSITE": "1"}
+    argv = pytest_argv(python, tests)
+    limit = timeout_s + setup_timeout_s
+    if facts.has_pytest or facts.shared_pytest:
+        if facts.shared_pytest:
+            env["PYTHONPATH"] = facts.shared_pytest  # read-only for the agent: no copy, no hash to check
+        run = await sandbox.exec(argv, timeout=limit, env=env)
+        output = run.stdout
+    else:
+        env.update(ORCHARD_SITE=facts.user_site, ORCHARD_SHA=await asyncio.to_thread(_bundle_sha256))
+        bundle_argv = ["bash", "-c", _BUNDLE_TESTS, "bash", *argv]
+        run = await sandbox.exec(bundle_argv, timeout=limit, env=env)
+        if run.stdout.startswith(_PYTEST_MISSING + "\n"):
+            fresh = base64.b64encode(await asyncio.to_thread(pytest_bundle)).decode("ascii")
+            run = await sandbox.exec(bundle_argv, timeout=limit, env={**env, "ORCHARD_SEND": "1"}, stdin=fresh)
+        step, _, output = run.stdout.partition("\n")
+        if step != _TESTS:
+            raise EnvironmentFailure(f"setting up the test run failed (exit {run.exit_code}"
+                                     f"{', timed out' if run.timed_out else ''}): {(run.stderr or run.stdout)[-500:]}")
     if facts.has_pytest and run.exit_code == 1 and "No module named pytest" in run.stderr:
         # The image's pytest gone (an image replaced under its name while this process remembered it), or a
         # conftest that says so: the image, which the agent cannot touch, tells which.

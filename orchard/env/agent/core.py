@@ -11,6 +11,7 @@ import logging
 import math
 from dataclasses import replace
 
+from orchard.env.agent.archive import ArchiveSummary, extract_archive
 from orchard.env.agent.box_client import Box, BoxUnavailableError, compiled_box_failed
 from orchard.env.agent.files import Workspace
 from orchard.env.agent.isolation import BUBBLEWRAP, Isolation
@@ -218,6 +219,10 @@ class SandboxAgent:
 
     async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         return await asyncio.to_thread(self.workspace.read_file, path, max_bytes)
+
+    async def extract_archive(self, path: str, data: bytes) -> ArchiveSummary:
+        """Unpack a tar (gzipped or not) into the directory `path` (`orchard.env.agent.archive`)."""
+        return await asyncio.to_thread(extract_archive, self.workspace, path, data)
 
     async def list_files(self, path: str = ".", recursive: bool = False) -> list[FileInfo]:
         return await asyncio.to_thread(self.workspace.list_files, path, recursive)

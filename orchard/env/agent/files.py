@@ -243,27 +243,35 @@ class Workspace:
                 raise ValueError(f"{path!r} is not a regular file (mode {oct(old.st_mode)})")
             if mode is None:
                 mode = stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode) else 0o644
-            # Written beside the target and renamed over it: readers never see half a file, and the old
-            # inode (which might have other links) is never written through.
-            tmp = f".orchard-{secrets.token_hex(6)}.tmp"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
-            try:
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                    os.fchmod(fd, mode)
-                    self._chown_fd(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dfd)
-                raise
+            self.replace_at(dfd, name, data, mode)
         finally:
             os.close(dfd)
+
+    def replace_at(self, dfd: int, name: str, data: bytes | bytearray | memoryview, mode: int,
+                   mtime_ns: int | None = None) -> None:
+        """Write ``name`` in the directory ``dfd`` (opened by this workspace's O_NOFOLLOW walk) with ``data`` and
+        ``mode``, owned by the sandbox's uid, as a new inode renamed over whatever file or link had the name."""
+        # Written beside the target and renamed over it: readers never see half a file, and the old
+        # inode (which might have other links) is never written through.
+        tmp = f".orchard-{secrets.token_hex(6)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fchmod(fd, mode)
+                self._chown_fd(fd)
+                if mtime_ns is not None:
+                    os.utime(fd, ns=(mtime_ns, mtime_ns))
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
 
     def list_files(self, path: str = ".", recursive: bool = False) -> list[FileInfo]:
         """Entries under a directory (or the file itself), sorted by path; symlinks are listed, not followed.

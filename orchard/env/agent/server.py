@@ -8,6 +8,7 @@ Run `python -m orchard.env.agent --root DIR [--port N | --uds PATH]`. One agent 
                         -> {exit_code, stdout_b64, stderr_b64, stdout_truncated, stderr_truncated,
                             timed_out, duration_s}
     PUT  /files?path=P[&mode=OCTAL]      raw body -> 204
+    PUT  /files/archive?path=DIR         raw tar or tar.gz body -> {entries, bytes} (`orchard.env.agent.archive`)
     GET  /files?path=P[&max_bytes=N]     -> raw body
     GET  /files/list?path=P[&recursive=true] -> {"files": [{path, size, is_dir, mode, mtime}]}
     POST /apply_patch   {patch}          -> like /exec
@@ -128,6 +129,10 @@ def create_agent_app(agent: SandboxAgent, *, token: str | None = None) -> FastAP
             raise ValueError(f"mode must be octal digits, got {mode!r}") from e
         await agent.write_file(path, await request.body(), mode_int)
         return Response(status_code=204)
+
+    @app.put("/files/archive", dependencies=[Depends(auth)])
+    async def put_archive(request: Request, path: str = Query(...)) -> dict[str, Any]:
+        return asdict(await agent.extract_archive(path, await request.body()))
 
     @app.get("/files", dependencies=[Depends(auth)])
     async def get_file(path: str = Query(...), max_bytes: int | None = None) -> Response:

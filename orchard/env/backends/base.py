@@ -158,6 +158,12 @@ class Backend(Protocol):
 
     async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes: ...
 
+    async def extract_archive(self, sandbox_id: str, path: str, data: bytes) -> tuple[int, int]:
+        """Unpack a tar (gzipped or not) into the directory `path` without a process in the sandbox (see
+        `orchard.env.agent.archive`: members that leave `path` raise `PathEscapeError`, nothing written);
+        returns the members and the file bytes written."""
+        ...
+
     async def list_files(self, sandbox_id: str, path: str = ".", recursive: bool = False) -> list[FileInfo]: ...
 
     async def apply_patch(self, sandbox_id: str, patch: str) -> ExecResult:

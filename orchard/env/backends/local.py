@@ -643,6 +643,10 @@ class LocalBackend:
     async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
         return await self._agent(sandbox_id).read_file(path, max_bytes)
 
+    async def extract_archive(self, sandbox_id: str, path: str, data: bytes) -> tuple[int, int]:
+        summary = await self._agent(sandbox_id).extract_archive(path, data)
+        return summary.entries, summary.bytes
+
     async def list_files(self, sandbox_id: str, path: str = ".", recursive: bool = False) -> list[FileInfo]:
         return await self._agent(sandbox_id).list_files(path, recursive)
 

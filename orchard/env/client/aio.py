@@ -312,6 +312,11 @@ class AsyncSandbox:
             body["mode"] = mode
         return int((await self.client.request("POST", self._path("/files"), json=body))["size"])
 
+    async def upload_archive(self, remote_path: str, archive: bytes) -> int:
+        """See `Sandbox.upload_archive`."""
+        body = {"path": remote_path, "content": base64.b64encode(bytes(archive)).decode("ascii")}
+        return int((await self.client.request("POST", self._path("/files/archive"), json=body))["size"])
+
     async def upload_file(self, local_path: str | Path, remote_path: str) -> int:
         path = Path(local_path)
         return await self.upload(remote_path, path.read_bytes(), mode=path.stat().st_mode & 0o777)

@@ -8,8 +8,11 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
+import time
+import zipfile
 
 import pytest
 
@@ -20,8 +23,11 @@ from orchard.domains.swe.sandbox import (
     base_archive,
     patched_paths,
     prepare_sandbox,
+    pytest_bundle,
+    pytest_env,
     repository_archive,
     score_sandbox,
+    scored_tree,
     write_pytest_bundle,
 )
 from orchard.env import AsyncSandboxClient, RetryPolicy
@@ -212,6 +218,108 @@ def test_the_base_commit_is_built_once_per_instance_on_the_host(tmp_path):
     # another instance under the same id (its files changed) never gets this build
     changed = dataclasses.replace(instance, files={**instance.files, "NOTES.md": "changed\n"})
     assert changed.instance_id == instance.instance_id and base_archive(changed)[1] != commit
+
+
+def test_the_cache_holds_whatever_the_clock_says(monkeypatch):
+    # gzip stamps its header with the current second: two calls a second apart gave other bytes, so the cache
+    # key (the archive's hash) missed and git ran again for nearly every sandbox
+    instance = make_instance("graph", 3, level=1)
+    monkeypatch.setattr(time, "time", lambda: 1_000_000_000.0)
+    plain, (archive, _) = repository_archive(instance), base_archive(instance)
+    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)
+    assert repository_archive(instance) == plain
+    assert base_archive(instance)[0] is archive
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        names = tar.getnames()
+    # the objects in one pack: no directory and file per loose object for the sandbox to write
+    assert all(n.startswith((".git/objects/info", ".git/objects/pack")) for n in names if n.startswith(".git/objects/"))
+    assert sum(n.endswith(".pack") for n in names) == 1
+
+
+def test_with_pytest_env_nothing_runs_to_prepare_and_links_out_are_scored_on_the_host_safely(tmp_path):
+    instance = make_instance("graph", 2, level=1)
+    test_file = patched_paths(instance.test_patch)[0]  # tests/test_<module>.py
+    test_dir = os.path.dirname(test_file)
+    host_dir = tmp_path / "host"  # what a link the agent made points at: on this host, beside the service
+    host_dir.mkdir()
+    (host_dir / os.path.basename(test_file)).write_text("host file\n")
+    folder = tempfile.mkdtemp(prefix="orchard-swe-pytest-")
+    write_pytest_bundle(folder)
+
+    async def episode(client, act):
+        async with await client.create(env=pytest_env()) as raw:
+            sandbox = CountingSandbox(raw)
+            await prepare_sandbox(sandbox, instance)
+            prepared = sandbox.execs
+            view = await raw.exec("git status --porcelain; python3 -m pytest --version")
+            assert (await raw.exec(["git", "apply", "-"], stdin=instance.patch)).exit_code == 0
+            await act(raw)
+            sandbox.execs = 0
+            verdict = await score_sandbox(sandbox, instance, timeout_s=60)
+            return prepared, view.stdout, sandbox.execs, verdict
+
+    async def gold(sandbox):
+        pass
+
+    async def links_out(sandbox):
+        # a link the archive upload refuses, and the tests' directory made a link to a directory of this host
+        made = await sandbox.exec(f"ln -s /etc/passwd passwd_link && rm -rf {test_dir} && ln -s {host_dir} {test_dir}")
+        assert made.exit_code == 0, made
+
+    async def main(url, key):
+        async with AsyncSandboxClient(url, key) as client:
+            await episode(client, gold)  # the first sandbox of the image probes it
+            return [await episode(client, act) for act in (gold, links_out)]
+
+    try:
+        with serve(shared={SHARED_PYTEST: folder}) as svc:
+            (prepared, view, gold_score, resolved), (_, _, links_score, linked) = asyncio.run(main(svc.url,
+                                                                                                   svc.api_key))
+    finally:
+        shutil.rmtree(folder)
+    # prepare: the repository through the archive upload, pytest on the path by the sandbox's env: no command
+    assert prepared == 0 and view == "pytest " + pytest.__version__ + "\n"
+    # score: the diff (emptying the workspace), then pytest; the tree in between through the upload
+    assert gold_score == 2 and resolved.resolved
+    # the refused tree is unpacked by tar in a third command; the reset never went through the agent's link
+    assert links_score == 3 and linked.patch_applied and "passwd_link" in linked.patch
+    assert f"b/{test_dir}\nnew file mode 120000" in linked.patch
+    assert not linked.resolved  # the agent removed the other test files: their tests cannot pass
+    assert (host_dir / os.path.basename(test_file)).read_text() == "host file\n"
+
+
+def test_scored_tree_resets_the_tests_and_refuses_bad_input():
+    instance = make_instance("graph", 2, level=1)
+    archive, _ = base_archive(instance)
+    test_file = patched_paths(instance.test_patch)[0]
+    # the agent's patch empties the test file; the reset brings it back, so test_patch applies on top
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        base_text = tar.extractfile(test_file).read().decode()
+    emptied = (f"diff --git a/{test_file} b/{test_file}\n--- a/{test_file}\n+++ b/{test_file}\n"
+               f"@@ -1,{base_text.count(chr(10))} +0,0 @@\n" + "".join(f"-{line}\n" for line in base_text.splitlines()))
+    with tarfile.open(fileobj=io.BytesIO(scored_tree(archive, emptied, instance.test_patch))) as tar:
+        scored = tar.extractfile(test_file).read().decode()
+    hidden = instance.FAIL_TO_PASS[0].split("::")[1]
+    assert scored.startswith(base_text.splitlines()[0]) and f"def {hidden}(" in scored
+    assert scored_tree(archive, "not a diff\n", instance.test_patch) is None  # does not apply: unresolved
+    with pytest.raises(ValueError, match="base must be bytes"):
+        scored_tree("tar", "", instance.test_patch)
+    with pytest.raises(ValueError, match="test_patch must be a str"):
+        scored_tree(archive, "", None)
+
+
+def test_the_bundles_bytecode_is_used_without_reading_its_source(tmp_path):
+    # pytest's own __init__.py replaced by a source that fails: only a pyc that is never checked against its
+    # source still imports (a checked one is recompiled from the changed source)
+    bundle = zipfile.ZipFile(io.BytesIO(pytest_bundle()))
+    altered = tmp_path / "bundle.zip"
+    with zipfile.ZipFile(altered, "w") as out:
+        for info in bundle.infolist():
+            data = bundle.read(info)
+            out.writestr(info, b"raise ImportError('source read')\n" if info.filename == "pytest/__init__.py" else data)
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                          "import pytest; print(pytest.__version__)", str(altered)], capture_output=True, text=True)
+    assert run.stdout == pytest.__version__ + "\n", run.stderr[-500:]
 
 
 def test_a_shared_pytest_is_read_in_place_and_never_sent():

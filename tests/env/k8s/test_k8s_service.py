@@ -9,6 +9,7 @@ import uuid
 
 import httpx
 import pytest
+from _archives import TREE, TREE_BYTES, bad_archive, tar_of
 from conftest import NAMESPACE, Cluster, k8s_service
 
 from orchard.env import ConflictError, NotFoundError, PathError, SandboxClient
@@ -92,6 +93,16 @@ def test_upload_download_list_roundtrip(sb):
     assert any(e.path.endswith("dir/blob.bin") for e in sb.list_files("/workspace", recursive=True))
     with pytest.raises(NotFoundError):
         sb.download("/workspace/missing.txt")
+
+
+def test_upload_archive_through_the_pod_agent(sb):
+    assert sb.upload_archive("/workspace/repo", tar_of(*TREE, gz=True)) == TREE_BYTES
+    listing = sb.exec("cd repo && stat -c '%n %a' run.sh empty .git/objects/ab/cdef && readlink pkg_link && ls -A empty")
+    assert listing.stdout == "run.sh 755\nempty 700\n.git/objects/ab/cdef 444\npkg\n"
+    for name in ("dotdot", "symlink_climbs_out", "hardlink_out", "device"):
+        with pytest.raises(PathError):
+            sb.upload_archive("/workspace", bad_archive(name))
+    assert sb.exec("ls -A").stdout == "repo\n"  # the simulated pod runs in its workspace, not at /workspace
 
 
 @pytest.mark.parametrize("path", ["../outside.txt", "/etc/passwd", "link/passwd"])

@@ -308,6 +308,10 @@ class KubernetesBackend:
         params = {"path": path} if mode is None else {"path": path, "mode": f"{mode:o}"}
         await self._agent(sandbox_id, "PUT", "/files", params=params, content=data)
 
+    async def extract_archive(self, sandbox_id: str, path: str, data: bytes) -> tuple[int, int]:
+        summary = (await self._agent(sandbox_id, "PUT", "/files/archive", params={"path": path}, content=data)).json()
+        return int(summary["entries"]), int(summary["bytes"])
+
     async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
         params: dict[str, Any] = {"path": path} if max_bytes is None else {"path": path, "max_bytes": max_bytes}
         return (await self._agent(sandbox_id, "GET", "/files", params=params)).content

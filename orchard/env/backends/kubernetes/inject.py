@@ -20,6 +20,7 @@ AGENT_DIR = "agent"
 _ORCHARD = Path(__file__).resolve().parents[3]
 _MODULES = (
     "env/agent/__init__.py",
+    "env/agent/archive.py",
     "env/agent/box.py",
     "env/agent/box_build.py",
     "env/agent/box_client.py",

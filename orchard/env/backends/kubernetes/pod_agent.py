@@ -12,7 +12,7 @@ runs ``python3 /orchard-agent/agent.pyz --root /workspace ...``. Requirement on 
 version 3.10 or later on its PATH, and ``bash`` (string commands run under ``bash -lc``, as everywhere).
 
 Routes (see `orchard.env.agent.server` for the bodies): GET /health (no auth), POST /exec, PUT /files,
-GET /files, GET /files/list, POST /apply_patch, GET /resources. Every route but /health needs
+PUT /files/archive, GET /files, GET /files/list, POST /apply_patch, GET /resources. Every route but /health needs
 ``Authorization: Bearer <token>``, the token read from the environment variable named by ``--token-env``
 (the pod gets it from its own Kubernetes Secret); without that variable the agent refuses to start.
 """
@@ -154,6 +154,11 @@ def _put_file(h: _Handler, query: dict[str, str]) -> None:
     h._send(204)
 
 
+def _put_archive(h: _Handler, query: dict[str, str]) -> None:
+    data = h._body()
+    h._json(200, asdict(h.server.run(h.server.agent.extract_archive(query["path"], data))))
+
+
 def _get_file(h: _Handler, query: dict[str, str]) -> None:
     h._body()
     max_bytes = int(query["max_bytes"]) if "max_bytes" in query else None
@@ -187,6 +192,7 @@ class _AgentServer(ThreadingHTTPServer):
     routes = {
         ("POST", "/exec"): _exec,
         ("PUT", "/files"): _put_file,
+        ("PUT", "/files/archive"): _put_archive,
         ("GET", "/files"): _get_file,
         ("GET", "/files/list"): _list_files,
         ("POST", "/apply_patch"): _apply_patch,
