@@ -57,7 +57,7 @@ from orchard.domains.swe.generator import LEVELS, TEMPLATES, generate_instances
 from orchard.domains.swe.harness import SWEEvalHarness
 from orchard.domains.swe.instances import SWEInstance, load_instances
 from orchard.domains.swe.judge import JudgedRollouts, ScriptedJudge
-from orchard.domains.swe.sandbox import SHARED_PYTEST, write_pytest_bundle
+from orchard.domains.swe.sandbox import SHARED_PYTEST, sandbox_options, write_pytest_bundle
 from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine, teacher_trajectories
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
 from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
@@ -330,7 +330,7 @@ async def swe_sandboxes(cfg: SWEConfig) -> AsyncIterator[PooledSandboxes]:
 
 def warm(sandboxes: PooledSandboxes, cfg: SWEConfig, episodes: int) -> AbstractAsyncContextManager[AsyncSandboxPool]:
     """A stage's warm pool for ``episodes`` played at once (up to ``env_pool``), closed when the stage ends."""
-    return sandboxes.stage(min(episodes, cfg.env_pool))
+    return sandboxes.stage(min(episodes, cfg.env_pool), **sandbox_options())
 
 
 def swe_harnesses(cfg: SWEConfig, tokenizer: Any, client: Any) -> dict[str, Rollouts]:

@@ -9,7 +9,7 @@ from conftest import load_recipe
 
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.swe.generator import make_instance
-from orchard.domains.swe.sandbox import prepare_sandbox
+from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options
 from orchard.domains.swe.teacher import SWETeacherEngine, teacher_trajectories
 from orchard.env.embedded import serve
 
@@ -23,6 +23,34 @@ async def test_the_embedded_service_shares_pytest_with_every_sandbox():
         where = await sandbox.exec(["python3", "-c", "import pytest; print(pytest.__file__)"])
     # imported from the service's read-only copy, not from one sent into the sandbox
     assert where.exit_code == 0 and where.stdout.startswith("/.orchard-shared/orchard-pytest/pytest-"), where
+
+
+async def test_the_pools_sandboxes_are_ready_without_a_command():
+    instance = make_instance("ledger", 0, level=1)
+    cfg = swe.SWEConfig()
+    async with swe.swe_sandboxes(cfg) as sandboxes, swe.warm(sandboxes, cfg, 2) as pool:
+        await pool.wait_filled()
+        acquire, drawn, commands = pool.acquire, [], []
+
+        async def counted_acquire():
+            drawn.append(1)
+            return await acquire()
+
+        pool.acquire = counted_acquire
+        for _ in range(2):
+            async with await sandboxes.create(**sandbox_options()) as sandbox:
+                run = sandbox.exec
+
+                async def counted(*args, _run=run, **kwargs):
+                    commands.append(args[0])
+                    return await _run(*args, **kwargs)
+
+                sandbox.exec = counted
+                await prepare_sandbox(sandbox, instance)
+        assert len(drawn) == 2  # the SWE episodes' options are the pool's: both came from it
+    # the first prepare probes the image once per service (1 command); the second runs none: the pool's sandboxes
+    # carry pytest_env and the repository goes in by the archive upload (without the env: a .pth command each)
+    assert len(commands) == 1, commands
 
 
 async def test_a_stage_plays_in_its_pools_sandboxes_and_leaves_none_when_it_raises(monkeypatch):

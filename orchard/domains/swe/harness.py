@@ -32,7 +32,7 @@ from orchard.domains.swe.convention import (
     truncate_output,
 )
 from orchard.domains.swe.instances import SWEInstance
-from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
+from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options, score_sandbox
 from orchard.rollout.harness import InvalidToolCall, Observation
 
 
@@ -73,7 +73,7 @@ class SWEEvalHarness:
         return EVAL_SCHEMAS
 
     def sandbox_spec(self, task: Any) -> dict[str, Any]:
-        return {"image": "host"}
+        return sandbox_options()
 
     async def setup(self, sandbox: Any, task: Any) -> list[Message]:
         instance = _instance(task)

@@ -452,6 +452,13 @@ def pytest_env() -> dict[str, str]:
     return {"PYTHONPATH": f"{SHARED_MOUNT}/{SHARED_PYTEST}/{_shared_bundle_name()}"}
 
 
+def sandbox_options() -> dict[str, Any]:
+    """What every SWE episode creates its sandbox with (``client.create(**sandbox_options())``, and the recipe's
+    warm pools, whose sandboxes only serve requests with the same options): the host image and `pytest_env`, so
+    that `prepare_sandbox` runs no command where the service shares pytest."""
+    return {"image": "host", "env": pytest_env()}
+
+
 def _pytest_on_path(sandbox: Any, shared: str) -> bool:
     """Whether every command of ``sandbox`` has ``shared`` on its ``PYTHONPATH`` (the sandbox's own env)."""
     env = (getattr(sandbox, "info", None) or {}).get("env") or {}

@@ -7,8 +7,8 @@ their sampling log-probs).
 
 One batch (`run_swe_episodes`)::
 
-    for each instance x group member: a sandbox from client.create() (a warm pool's, when the client is the
-        recipe's `orchard.stages.PooledSandboxes`), prepare_sandbox (the repository at its base commit)
+    for each instance x group member: a sandbox from client.create(**sandbox_options()) (a warm pool's, when the
+        client is the recipe's `orchard.stages.PooledSandboxes`), prepare_sandbox (the repository at its base commit)
     write the episodes file (session id, sandbox id, opening user message)
     python -m orchard.domains.swe.tool_harness --convention tool|bash ...   # the proxy answers it from here
     for each episode that did not fail: score_sandbox -> +1 resolved / -1 not
@@ -36,7 +36,7 @@ from typing import Any
 from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_prompt
 from orchard.domains.swe.instances import SWEInstance
-from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
+from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options, score_sandbox
 from orchard.rollout.agent_loop import ENV_ERRORS
 from orchard.rollout.program import check_launch, program_env, read_results, run_program
 from orchard.rollout.proxy import RecordingProxy
@@ -175,7 +175,7 @@ async def run_swe_episodes(
     async def prepare(episode: _Episode) -> None:
         async with semaphore:
             try:
-                sandbox = await client.create()
+                sandbox = await client.create(**sandbox_options())
                 sandboxes[episode.session_id] = sandbox
                 await asyncio.wait_for(prepare_sandbox(sandbox, episode.instance, timeout=exec_timeout_s),
                                        4 * exec_timeout_s)
