@@ -96,7 +96,8 @@ __all__ = ["LOST_JOB_ERROR", "CreateParams", "CreateTakenOverError", "ExecParams
 
 class CreateTakenOverError(ConflictError):
     """This replica's create was settled by another replica, which took it over when this one's lease had
-    ended (it was stalled, not dead): the outcome is that replica's, and so is the create's Idempotency-Key."""
+    ended (it was stalled, not dead), or the sandbox was deleted meanwhile: the record is no longer this
+    create's to write. The outcome is the other writer's, and so is the create's Idempotency-Key."""
 
 
 @dataclass(frozen=True)
@@ -572,11 +573,12 @@ class Orchestrator:
         if record is None:
             with contextlib.suppress(Exception):
                 await self.backend.delete(sandbox_id)
-        now = f"it is {record.status} now" if record is not None else "it dropped the sandbox"
+        now = f"it is {record.status} now" if record is not None else "it is gone"
         logger.warning("sandbox %s: create taken over by another replica (%s)", sandbox_id, now)
         return CreateTakenOverError(
-            f"Sandbox {sandbox_id}: this replica stalled past its lease while creating it and another replica "
-            f"settled the create ({now}); GET the sandbox, or retry with the same Idempotency-Key, for its state")
+            f"Sandbox {sandbox_id}: another replica settled the create while this one was stalled past its "
+            f"lease, or the sandbox was deleted meanwhile ({now}); GET the sandbox, or retry with the same "
+            "Idempotency-Key, for its state")
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxRecord:
         record = await self.store.get_sandbox(sandbox_id)

@@ -419,7 +419,7 @@ class KubernetesBackend:
                 if not isinstance(e, AGENT_RETRYABLE) or attempt == AGENT_RETRIES or name in self._deleting:
                     raise BackendError(f"sandbox {sandbox_id}: its agent at {ip} did not answer: {_chain(e)}") from e
                 delay = backoff_s(attempt)
-                logger.info("sandbox %s: %s %s to its agent: %s; retry %d in %.2fs", sandbox_id, method, path,
+                logger.warning("sandbox %s: %s %s to its agent: %s; retry %d in %.2fs", sandbox_id, method, path,
                             _chain(e), attempt + 1, delay)
                 await asyncio.sleep(delay)
         if r.status_code < 300:
