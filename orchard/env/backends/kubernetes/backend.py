@@ -9,7 +9,8 @@ Commands and files go over HTTP to the agent in the pod, at the pod's IP (so the
 cluster, or route to pod IPs). Every API request is retried on 429, 5xx and transport errors, with backoff.
 Every request to an agent goes on a connection of its own (`Connection: close`): httpcore's pool can close an
 idle keep-alive connection it has just handed to a request that has not started yet (its keep-alive expiry
-passes meanwhile, encode/httpcore#1110), which under load broke execs mid-request (docs/env-kubernetes.md).
+passes meanwhile: the race of encode/httpcore#1110), which under load broke execs mid-request
+(docs/env-kubernetes.md).
 A request whose connection breaks anyway (refused, reset, closed early) is retried; an exec or a patch carries
 a `request_id` that the agent deduplicates, so a retry of one that already reached the agent gets its answer
 and never runs it again.
@@ -404,7 +405,8 @@ class KubernetesBackend:
         else:
             ip = state.ip  # type: ignore[assignment]
         if self._http is None:
-            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            # nothing kept alive: a pooled connection can be closed under the request it was handed to (below)
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
         host = f"[{ip}]" if ":" in ip else ip
         # a connection per request: a pooled one can be closed under the request by the pool (module docstring)
         headers = {"Authorization": f"Bearer {await self._token(sandbox_id)}", "Connection": "close"}
@@ -419,8 +421,8 @@ class KubernetesBackend:
                 if not isinstance(e, AGENT_RETRYABLE) or attempt == AGENT_RETRIES or name in self._deleting:
                     raise BackendError(f"sandbox {sandbox_id}: its agent at {ip} did not answer: {_chain(e)}") from e
                 delay = backoff_s(attempt)
-                logger.warning("sandbox %s: %s %s to its agent: %s; retry %d in %.2fs", sandbox_id, method, path,
-                            _chain(e), attempt + 1, delay)
+                logger.warning("sandbox %s: %s %s to its agent: %s; retry %d in %.2fs", sandbox_id, method,
+                               path, _chain(e), attempt + 1, delay)
                 await asyncio.sleep(delay)
         if r.status_code < 300:
             return r
