@@ -97,6 +97,7 @@ async def lifecycles(url: str, key: str, total: int, concurrency: int, execs: in
     exec_rows: list[dict[str, float]] = []
     deletes: list[float] = []
     errors: Counter[str] = Counter()
+    examples: dict[str, str] = {}  # kind -> one whole message of it (with its cause chain: errno, sandbox)
     succeeded = 0
     ids = iter(f"{prefix}-{i:05d}" for i in range(total))
 
@@ -127,6 +128,7 @@ async def lifecycles(url: str, key: str, total: int, concurrency: int, execs: in
                 # one line per kind of failure: the sandbox's id and its pod's address would make each unique
                 kind = re.sub(r"\b\d+(\.\d+){3}\b", "<ip>", str(exc).replace(sandbox_id, "<id>"))
                 errors[f"{type(exc).__name__}: {kind[:160]}"] += 1
+                examples.setdefault(f"{type(exc).__name__}: {kind[:160]}", str(exc))
                 if sandbox is not None:
                     with contextlib.suppress(Exception):
                         await sandbox.delete()
@@ -143,7 +145,8 @@ async def lifecycles(url: str, key: str, total: int, concurrency: int, execs: in
             with contextlib.suppress(Exception):
                 await (await client.sandbox(sandbox_id)).delete()
     creates = [done - began for began, done in created.values()]
-    return {"total": total, "succeeded": succeeded, "errors": dict(errors.most_common(5)), "wall_s": wall,
+    return {"total": total, "succeeded": succeeded, "errors": dict(errors.most_common(5)),
+            "error_examples": [examples[kind] for kind, _ in errors.most_common(5)], "wall_s": wall,
             "left_after": len(left),
             "create_p50_ms": 1e3 * quantile(creates, 0.5), "create_p99_ms": 1e3 * quantile(creates, 0.99),
             "exec_p50_ms": 1e3 * quantile([r["latency"] for r in exec_rows], 0.5),
@@ -285,6 +288,8 @@ def report_results(results: dict[str, Any], args: argparse.Namespace) -> None:
     for name, row in rows.items():
         if row["errors"]:
             print(f"{name} errors:", *(f"{n} x {e}" for e, n in row["errors"].items()), sep="\n  ")
+            print(f"{name}: one whole message of each kind (with its cause chain):",
+                  *row["error_examples"], sep="\n  ")
     print("sandboxes still listed after each run, then deleted:", {n: r["left_after"] for n, r in rows.items()},
           "; objects left in the emulated cluster after both:", results["leftovers_after_service_runs"])
     print("\nwhere a create's time goes, Kubernetes backend (medians, ms)\n| phase | ms |\n|---|---|")

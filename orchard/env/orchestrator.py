@@ -32,7 +32,11 @@ replicas whose lease has ended: the same "lost:" jobs a restart reports, never r
 creates such a replica left in flight (`settle_creates`; a sandbox record names the replica that creates it): a
 sandbox the backend holds is adopted (waited for until ready, or failed with the backend's reason), one it does
 not is dropped with whatever its create had made, and the create's Idempotency-Key is answered or forgotten, as
-a restart does. A restart leaves alone the pending records of replicas that are still alive.
+a restart does. A restart leaves alone the pending records of replicas that are still alive. Sandbox records
+are fenced like job results: the settling replica first takes the pending record over (a conditional write
+that expects it pending and its creator's), and the creator writes its outcome only while the record is still
+pending and its own (`StateStore.put_sandbox_if`), so a creator that was paused past its lease, not dead, cannot
+overwrite the settlement when it resumes: its client gets `CreateTakenOverError` (409) instead.
 """
 
 from __future__ import annotations
@@ -87,7 +91,13 @@ from orchard.env.store.base import (
 logger = logging.getLogger(__name__)
 
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-__all__ = ["LOST_JOB_ERROR", "CreateParams", "ExecParams", "Orchestrator"]
+__all__ = ["LOST_JOB_ERROR", "CreateParams", "CreateTakenOverError", "ExecParams", "Orchestrator"]
+
+
+class CreateTakenOverError(ConflictError):
+    """This replica's create was settled by another replica, which took it over when this one's lease had
+    ended (it was stalled, not dead), or the sandbox was deleted meanwhile: the record is no longer this
+    create's to write. The outcome is the other writer's, and so is the create's Idempotency-Key."""
 
 
 @dataclass(frozen=True)
@@ -309,8 +319,8 @@ class Orchestrator:
             if record.status == "pending" and await self._creating_elsewhere(record):
                 in_flight.add(sandbox_id)  # another live replica is making it: its create decides
             elif record.status == "pending":
-                kept = await self._settle_create(record, live)
-                report["kept" if kept else "dropped"].append(sandbox_id)
+                outcome = await self._settle_create(record, live)
+                report["dropped" if outcome == "dropped" else "kept"].append(sandbox_id)
             elif sandbox_id not in live:
                 await self.store.delete_sandbox(sandbox_id)
                 report["dropped"].append(sandbox_id)
@@ -332,26 +342,37 @@ class Orchestrator:
         return (record.replica is not None and record.replica != self.replica_id
                 and await self.store.replica_alive(record.replica))
 
-    async def _settle_create(self, record: SandboxRecord, live: set[str]) -> bool:
-        """Finish a create whose replica stopped half-way; True when the record stays (ready or failed).
+    async def _settle_create(self, record: SandboxRecord, live: set[str]) -> str:
+        """Finish a create whose replica stopped half-way; what became of it: "ready", "failed" or "dropped"
+        (or the status another writer gave the record meanwhile).
 
-        The backend holds the sandbox (with Kubernetes: its pod was made): it is adopted, i.e. waited for as the
+        First the record is taken over (pending, this replica's), expecting it pending and its creator's, so
+        that the creator, were it only stalled, can no longer write its own outcome over this one. Then: the
+        backend holds the sandbox (with Kubernetes: its pod was made): it is adopted, i.e. waited for as the
         create would have, and then is "ready", or "failed" with the reason. It does not: the create died before
         the sandbox existed, so what it may have made already (a Secret, a NetworkPolicy) is deleted and the
         record dropped, as if the create had failed; a client's retry creates it anew."""
-        sandbox_id = record.sandbox_id
+        sandbox_id, creator = record.sandbox_id, record.replica
+        record.replica = self.replica_id
+        if not await self.store.put_sandbox_if(record, status="pending", replica=creator):
+            return await self._status_now(sandbox_id)  # its creator finished it after all
         if sandbox_id in live:
             try:
                 await self.backend.create(sandbox_id, self._spec(record))
                 record.status = "ready"
             except Exception as exc:
                 record.status, record.status_message = "failed", f"create failed: {exc}"
-            await self.store.put_sandbox(record)
-            return True
+            if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
+                return await self._status_now(sandbox_id)  # deleted meanwhile
+            return record.status
         with contextlib.suppress(Exception):
             await self.backend.delete(sandbox_id)
-        await self.store.delete_sandbox(sandbox_id)
-        return False
+        await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id)
+        return "dropped"
+
+    async def _status_now(self, sandbox_id: str) -> str:
+        record = await self.store.get_sandbox(sandbox_id)
+        return record.status if record is not None else "dropped"
 
     async def _settle_create_claims(self, which: Callable[[IdempotencyRecord], bool]) -> None:
         """The pending Idempotency-Keys `which` selects, of creates no replica is making any more: answered
@@ -384,8 +405,7 @@ class Orchestrator:
                 current = await self.store.get_sandbox(record.sandbox_id)
                 if current is None or current.status != "pending" or current.replica != record.replica:
                     continue
-                kept = await self._settle_create(current, live)
-                settled[record.sandbox_id] = current.status if kept else "dropped"
+                settled[record.sandbox_id] = await self._settle_create(current, live)
         if not settled:
             return settled
         await self._settle_create_claims(lambda claim: claim.resource_id in settled)
@@ -457,13 +477,14 @@ class Orchestrator:
             try:
                 status, body = await operation()
             except SandboxError as exc:
-                if exc.status_code >= 500:
+                if exc.status_code >= 500 or isinstance(exc, CreateTakenOverError):
                     raise
                 status, body = exc.status_code, {"detail": exc.detail}
             await self.store.complete_idempotency(key, status, json.dumps(body))
             return status, body
-        except BaseException:
-            await self.store.delete_idempotency(key)
+        except BaseException as exc:
+            if not isinstance(exc, CreateTakenOverError):  # else the key is the settling replica's to answer
+                await self.store.delete_idempotency(key)
             raise
         finally:
             done.set()
@@ -529,16 +550,35 @@ class Orchestrator:
         try:
             with backend_errors(sandbox_id):
                 await self.backend.create(sandbox_id, spec)
-        except BaseException:
-            await self.store.delete_sandbox(sandbox_id)
-            with contextlib.suppress(Exception):
-                await self.backend.delete(sandbox_id)
-            raise
+        except BaseException as exc:
+            # conditional, as the write below: a replica that settled this create meanwhile owns it now
+            mine = await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id)
+            if mine:
+                with contextlib.suppress(Exception):
+                    await self.backend.delete(sandbox_id)
+            if mine or not isinstance(exc, Exception):
+                raise
+            raise await self._taken_over(sandbox_id) from exc
         finally:
             self._ready.pop(sandbox_id).set()
         record.status = "ready"
-        await self.store.put_sandbox(record)
+        if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
+            raise await self._taken_over(sandbox_id)
         return record
+
+    async def _taken_over(self, sandbox_id: str) -> CreateTakenOverError:
+        """The error of a create whose record another replica settled while this one stalled past its lease.
+        A record that replica dropped leaves what this create made to nobody: it is deleted here."""
+        record = await self.store.get_sandbox(sandbox_id)
+        if record is None:
+            with contextlib.suppress(Exception):
+                await self.backend.delete(sandbox_id)
+        now = f"it is {record.status} now" if record is not None else "it is gone"
+        logger.warning("sandbox %s: create taken over by another replica (%s)", sandbox_id, now)
+        return CreateTakenOverError(
+            f"Sandbox {sandbox_id}: another replica settled the create while this one was stalled past its "
+            f"lease, or the sandbox was deleted meanwhile ({now}); GET the sandbox, or retry with the same "
+            "Idempotency-Key, for its state")
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxRecord:
         record = await self.store.get_sandbox(sandbox_id)

@@ -207,6 +207,51 @@ async def test_a_holder_paused_past_its_lease_cannot_write(handles):
     assert await one.list_jobs(("queued", "running")) == []  # and it left the queue's index
 
 
+async def test_a_creator_whose_create_was_taken_over_cannot_write_or_delete_the_record(handles):
+    a, b = handles(), handles()
+    pending = SandboxRecord(sandbox_id="s", image="img", status="pending", replica="A")
+    assert await a.insert_sandbox(pending)
+    # B settles A's create: it takes the record over (expecting it pending and A's), then writes its outcome
+    taken = SandboxRecord(sandbox_id="s", image="img", status="pending", replica="B", last_heartbeat=5.0)
+    assert await b.put_sandbox_if(taken, status="pending", replica="A") is True
+    assert await a.put_sandbox_if(taken, status="pending", replica="A") is False  # a second takeover: refused
+    settled = SandboxRecord(sandbox_id="s", image="img", status="failed", status_message="by B", replica="B")
+    assert await b.put_sandbox_if(settled, status="pending", replica="B") is True
+    # A resumes: its outcome and its clean-up both expect the record pending and its own, and are refused
+    ready = SandboxRecord(sandbox_id="s", image="img", status="ready", replica="A")
+    assert await a.put_sandbox_if(ready, status="pending", replica="A") is False
+    assert await a.delete_sandbox_if("s", status="pending", replica="A") is False
+    assert await handles().get_sandbox("s") == settled  # B's settlement, whole (its heartbeat too)
+    assert await b.put_sandbox_if(ready, status="pending", replica="B") is False  # B's own state changed too
+    # the condition is on status and replica both, a missing record refuses, and a match deletes
+    assert await b.delete_sandbox_if("s", status="ready", replica="B") is False
+    assert await b.delete_sandbox_if("s", status="failed", replica="B") is True
+    assert await a.get_sandbox("s") is None
+    assert await a.put_sandbox_if(ready, status="failed", replica="B") is False  # gone: not brought back
+    assert await a.delete_sandbox_if("s", status="failed", replica="B") is False
+    assert await a.list_sandboxes() == []
+
+
+async def test_conditional_sandbox_writes_match_a_record_without_a_replica(handles):
+    store = handles()
+    await store.put_sandbox(SandboxRecord(sandbox_id="s", image="img", status="pending", replica=None))
+    assert await store.put_sandbox_if(SandboxRecord(sandbox_id="s", image="img", status="ready"), status="pending",
+                                      replica="A") is False  # None is not "A"
+    assert await store.put_sandbox_if(SandboxRecord(sandbox_id="s", image="img", status="ready"), status="pending",
+                                      replica=None) is True
+    assert (await store.get_sandbox("s")).status == "ready"
+
+
+async def test_of_two_takeovers_of_one_create_exactly_one_succeeds(handles):
+    await handles().insert_sandbox(SandboxRecord(sandbox_id="s", image="img", status="pending", replica="A"))
+    takers = [handles() for _ in range(8)]
+    won = await asyncio.gather(*(
+        store.put_sandbox_if(SandboxRecord(sandbox_id="s", image="img", status="pending", replica=f"R{i}"),
+                             status="pending", replica="A") for i, store in enumerate(takers)))
+    assert sum(won) == 1
+    assert (await handles().get_sandbox("s")).replica == f"R{won.index(True)}"
+
+
 async def test_a_fenced_write_needs_a_running_job(handles):
     store = handles()
     queued = JobRecord(job_id="q", sandbox_id="s", command="c", replica="A")

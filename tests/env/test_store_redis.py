@@ -19,7 +19,7 @@ import pytest
 from orchard.env.backends.local import LocalBackend
 from orchard.env.embedded import serve
 from orchard.env.errors import NotFoundError
-from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator
+from orchard.env.orchestrator import CreateParams, CreateTakenOverError, ExecParams, Orchestrator
 from orchard.env.store import open_store
 from orchard.env.store.redis_store import RedisStore
 
@@ -217,3 +217,65 @@ async def _sweep(store: RedisStore) -> list[str]:
         return await store.mark_lost_jobs(time.time())
     finally:
         await store.close()
+
+
+class _HeldCreates:
+    """A backend whose create of sandbox `held` waits for `release` (a replica stalled mid-create: its lease
+    runs out meanwhile), `before` or after the backend made the sandbox."""
+
+    def __init__(self, backend: LocalBackend, held: str, *, before: bool) -> None:
+        self.backend, self.held, self.before = backend, held, before
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    async def create(self, sandbox_id, spec) -> None:
+        if sandbox_id == self.held and self.before:
+            self.entered.set()
+            await self.release.wait()
+        await self.backend.create(sandbox_id, spec)
+        if sandbox_id == self.held and not self.before:
+            self.entered.set()
+            await self.release.wait()
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["sandbox-made", "sandbox-not-made"])
+async def test_a_creator_paused_past_its_lease_cannot_overwrite_the_settlement(root, redis_url, made):
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=not made)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=1.0)  # type: ignore[arg-type]
+    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        async def create() -> tuple[int, dict]:
+            record = await a.create_sandbox(CreateParams(sandbox_id="s"))
+            return 200, {"status": record.status}
+
+        creating = asyncio.create_task(a.idempotent("key", "fingerprint", create, resource_id="s"))
+        await held.entered.wait()
+        a._beat.cancel()  # A stalls mid-create: it renews nothing, so its lease (1 s) ends
+        await asyncio.gather(a._beat, return_exceptions=True)
+        await asyncio.sleep(1.1)
+        # B's reaper pass: the sandbox the backend holds is adopted (ready); one it does not is dropped
+        assert await b.settle_creates() == {"s": "ready" if made else "dropped"}
+        settled = await b.store.get_sandbox("s")
+        held.release.set()  # A resumes and would write "ready" over B's settlement (before the fix it did)
+        with pytest.raises(CreateTakenOverError, match="another replica settled the create") as refused:
+            await creating
+        assert refused.value.status_code == 409
+        assert await b.store.get_sandbox("s") == settled  # B's, untouched: "ready" and B's, or no record at all
+        if made:
+            assert (settled.status, settled.replica) == ("ready", b.replica_id)
+            job = await b.submit_exec("s", ExecParams(command="echo adopted"))
+            assert (await b.wait_job(job.job_id, 30)).stdout == "adopted\n"
+            await b.delete_sandbox("s")
+        else:
+            assert settled is None
+            assert not await backend.exists("s")  # what A made after the drop is deleted, not leaked
+        assert await b.store.get_idempotency("key") is None  # B forgot the pending key, A did not answer it
+    finally:
+        await b.close()
+        await a.store.close()

@@ -13,7 +13,11 @@ Several replicas need three more things from the store, which both stores provid
   the creates it left in flight are settled by another (`replica_alive` tells which replica ended);
 - locks with leases and fencing tokens (`acquire_lock`): each grant of a lock gets a larger token, and a write
   that needs the lock (`put_job_fenced`) is refused unless its token still holds the lock, checked atomically
-  with the write. A holder paused past its lease thus cannot write, whoever holds the lock since.
+  with the write. A holder paused past its lease thus cannot write, whoever holds the lock since;
+- conditional sandbox writes (`put_sandbox_if`, `delete_sandbox_if`): a write that happens only while the stored
+  record still has the status and replica its writer last saw, checked atomically with the write. The replica
+  that creates a sandbox writes its outcome so, and the replica that settles a create another left in flight
+  first takes the record over so: a creator paused past its lease cannot overwrite (or delete) the settlement.
 """
 
 from __future__ import annotations
@@ -109,6 +113,17 @@ class StateStore(Protocol):
     async def list_sandboxes(self) -> list[SandboxRecord]: ...
 
     async def delete_sandbox(self, sandbox_id: str) -> None: ...
+
+    async def put_sandbox_if(self, record: SandboxRecord, *, status: str, replica: str | None) -> bool:
+        """`put_sandbox`, only while the stored record of `record.sandbox_id` has `status` and `replica`;
+        False (nothing written) when it is gone or has changed. Atomic: of two such writes expecting the same
+        state, one succeeds."""
+        ...
+
+    async def delete_sandbox_if(self, sandbox_id: str, *, status: str, replica: str | None) -> bool:
+        """`delete_sandbox`, only while the stored record has `status` and `replica`; False (nothing deleted)
+        otherwise. Atomic, as `put_sandbox_if`."""
+        ...
 
     async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
         """Set only `last_heartbeat` (False when no such sandbox): never writes back a stale record."""

@@ -51,6 +51,23 @@ end
 return 1
 """
 
+_SANDBOX_IF = """
+-- KEYS: sandboxes, beats. ARGV: sandbox id, want_status, want_replica ('' = none), data ('' = delete), beat.
+-- Writes (or deletes) the record only while the stored one has want_status and want_replica.
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local record = cjson.decode(cur)
+local replica = record['replica']
+if replica == cjson.null or replica == nil then replica = '' end
+if record['status'] ~= ARGV[2] or replica ~= ARGV[3] then return 0 end
+if ARGV[4] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1]); redis.call('HDEL', KEYS[2], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[4]); redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
+end
+return 1
+"""
+
 _CREATE_JOB = """
 -- KEYS: job, jobs:active, idem:<key> ('' args when no key), idem:created, sandboxes, beats.
 -- ARGV: data, status, replica, claim JSON ('' = no claim), sandbox id, touched_at ('' = no touch).
@@ -153,6 +170,7 @@ class RedisStore:
         self.url, self.prefix = url, prefix
         self._r = aioredis.Redis.from_url(url, decode_responses=True)
         self._put_job_if = self._r.register_script(_PUT_JOB_IF)
+        self._sandbox_if = self._r.register_script(_SANDBOX_IF)
         self._create_job = self._r.register_script(_CREATE_JOB)
         self._claim_idem = self._r.register_script(_CLAIM_IDEMPOTENCY)
         self._complete_idem = self._r.register_script(_COMPLETE_IDEMPOTENCY)
@@ -210,6 +228,14 @@ class RedisStore:
             pipe.hdel(self._sandboxes, sandbox_id)
             pipe.hdel(self._beats, sandbox_id)
             await pipe.execute()
+
+    async def put_sandbox_if(self, record: SandboxRecord, *, status: str, replica: str | None) -> bool:
+        args = [record.sandbox_id, status, replica or "", json.dumps(vars(record)), repr(record.last_heartbeat)]
+        return bool(await self._sandbox_if(keys=[self._sandboxes, self._beats], args=args))
+
+    async def delete_sandbox_if(self, sandbox_id: str, *, status: str, replica: str | None) -> bool:
+        args = [sandbox_id, status, replica or "", "", ""]
+        return bool(await self._sandbox_if(keys=[self._sandboxes, self._beats], args=args))
 
     async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
         return bool(await self._touch(keys=[self._sandboxes, self._beats], args=[sandbox_id, repr(last_heartbeat)]))

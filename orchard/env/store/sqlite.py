@@ -112,6 +112,23 @@ class SQLiteStore:
         self._db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
         self._sandboxes.pop(sandbox_id, None)
 
+    _IF_SANDBOX = "sandbox_id = ? AND json_extract(data, '$.status') = ? AND json_extract(data, '$.replica') IS ?"
+
+    async def put_sandbox_if(self, record: SandboxRecord, *, status: str, replica: str | None) -> bool:
+        cur = self._db.execute(f"UPDATE sandboxes SET data = ? WHERE {self._IF_SANDBOX}",
+                               (_dump(record), record.sandbox_id, status, replica))
+        if cur.rowcount != 1:
+            return False
+        self._sandboxes[record.sandbox_id] = _copy(record)
+        return True
+
+    async def delete_sandbox_if(self, sandbox_id: str, *, status: str, replica: str | None) -> bool:
+        cur = self._db.execute(f"DELETE FROM sandboxes WHERE {self._IF_SANDBOX}", (sandbox_id, status, replica))
+        if cur.rowcount != 1:
+            return False
+        self._sandboxes.pop(sandbox_id, None)
+        return True
+
     def _touch(self, sandbox_id: str, last_heartbeat: float) -> bool:
         """Write the heartbeat; the caller mirrors it (`_touched`) once it is committed."""
         cur = self._db.execute(

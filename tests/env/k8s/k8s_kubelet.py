@@ -39,6 +39,7 @@ from typing import Any
 from k8s_emulator import ApiEmulator
 
 REPO = str(Path(__file__).resolve().parents[3])
+KEEP_LOGS_ENV = "ORCHARD_SIM_KEEP_POD_LOGS"
 DIE_WITH_KUBELET = ["setpriv", "--pdeathsig", "KILL", "--"]
 """Prefix of every container's argv: the process is SIGKILLed when the kubelet's thread that started it ends."""
 
@@ -71,6 +72,8 @@ class SimulatedKubelet:
         """Pod name -> IP of every pod this kubelet runs."""
         self.exits: dict[str, tuple[int, str]] = {}
         """Pod name -> (exit code, output) of every agent that exited on its own (its pod then Failed)."""
+        self.keep_logs = os.environ.get(KEEP_LOGS_ENV) == "1"
+        """Keep each deleted pod's agent log in `workdir`/logs (a debugging switch: a real kubelet drops them)."""
         self._next_ip = 2
         self._lock = threading.Lock()
         api.on_event.append(self._on_event)
@@ -92,7 +95,8 @@ class SimulatedKubelet:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         shutil.rmtree(self.workdir / name, ignore_errors=True)
-        (self.workdir / "logs" / f"{name}.log").unlink(missing_ok=True)  # what a deleted pod leaves: nothing
+        if not self.keep_logs:
+            (self.workdir / "logs" / f"{name}.log").unlink(missing_ok=True)  # what a deleted pod leaves: nothing
 
     def stop(self) -> None:
         for name in list(self.processes):

@@ -7,6 +7,13 @@ not ready within `ready_timeout_s`, fails the create with the reason Kubernetes 
 
 Commands and files go over HTTP to the agent in the pod, at the pod's IP (so the orchestrator must run in the
 cluster, or route to pod IPs). Every API request is retried on 429, 5xx and transport errors, with backoff.
+Every request to an agent goes on a connection of its own (`Connection: close`): httpcore's pool can close an
+idle keep-alive connection it has just handed to a request that has not started yet (its keep-alive expiry
+passes meanwhile: the race of encode/httpcore#1110), which under load broke execs mid-request
+(docs/env-kubernetes.md).
+A request whose connection breaks anyway (refused, reset, closed early) is retried; an exec or a patch carries
+a `request_id` that the agent deduplicates, so a retry of one that already reached the agent gets its answer
+and never runs it again.
 
 Pods that fail (evicted, their node lost, their agent dead) are reaped as soon as the watcher sees them: the
 pod, its Secret and its NetworkPolicy are deleted and the sandbox's next call fails with what Kubernetes said
@@ -66,6 +73,11 @@ logger = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+AGENT_RETRIES = 3
+"""Retries of a request to a pod's agent whose connection failed (`AGENT_RETRYABLE`), with backoff."""
+AGENT_RETRYABLE = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout, httpx.WriteTimeout)
+"""Transport failures worth a retry. Not a read timeout: the agent took the request and has not answered within
+the command's own timeout (+30 s); asking again would only wait as long again."""
 
 
 def retry_delay(error: BaseException, attempt: int, *, base_s: float = 0.2, max_s: float = 10.0) -> float | None:
@@ -84,6 +96,11 @@ def retry_delay(error: BaseException, attempt: int, *, base_s: float = 0.2, max_
                 return min(max(float(after), 0.0), max_s)
     elif not isinstance(error, urllib3.exceptions.HTTPError | OSError | TimeoutError):
         return None
+    return backoff_s(attempt, base_s=base_s, max_s=max_s)
+
+
+def backoff_s(attempt: int, *, base_s: float = 0.2, max_s: float = 10.0) -> float:
+    """`base_s * 2**attempt` capped at `max_s`, jittered into its upper half (attempt 0 -> 0.1..0.2 s)."""
     delay = min(base_s * 2**attempt, max_s)
     return delay * (0.5 + secrets.randbelow(1001) / 2000)
 
@@ -300,7 +317,8 @@ class KubernetesBackend:
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         body = {"command": request.command, "cwd": request.cwd, "env": request.env, "timeout_s": request.timeout_s,
                 "max_output_bytes": request.max_output_bytes,
-                "stdin_b64": base64.b64encode(request.stdin).decode() if request.stdin is not None else None}
+                "stdin_b64": base64.b64encode(request.stdin).decode() if request.stdin is not None else None,
+                "request_id": secrets.token_hex(16)}  # the same on every retry: the agent runs it once
         r = await self._agent(sandbox_id, "POST", "/exec", json=body, timeout_s=request.timeout_s + 30)
         return _result(r.json())
 
@@ -322,7 +340,8 @@ class KubernetesBackend:
         return [FileInfo(**f) for f in r.json()["files"]]
 
     async def apply_patch(self, sandbox_id: str, patch: str) -> ExecResult:
-        return _result((await self._agent(sandbox_id, "POST", "/apply_patch", json={"patch": patch})).json())
+        body = {"patch": patch, "request_id": secrets.token_hex(16)}
+        return _result((await self._agent(sandbox_id, "POST", "/apply_patch", json=body)).json())
 
     async def resources(self, sandbox_id: str) -> Resources:
         """The pod's CPU and memory limits and the workspace's disk use (`pids` is the kubelet's: None)."""
@@ -390,16 +409,25 @@ class KubernetesBackend:
         else:
             ip = state.ip  # type: ignore[assignment]
         if self._http is None:
-            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            # nothing kept alive: a pooled connection can be closed under the request it was handed to (below)
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
         host = f"[{ip}]" if ":" in ip else ip
-        headers = {"Authorization": f"Bearer {await self._token(sandbox_id)}"}
-        try:
-            r = await self._http.request(method, f"http://{host}:{self.config.agent_port}{path}", headers=headers,
-                                         timeout=timeout_s, **kwargs)
-        except httpx.HTTPError as e:
-            if sandbox_id in self._lost:
-                raise BackendError(f"sandbox {sandbox_id} is gone: its pod failed ({self._lost[sandbox_id]})") from e
-            raise BackendError(f"sandbox {sandbox_id}: its agent at {ip} did not answer: {type(e).__name__}: {e}") from e
+        # a connection per request: a pooled one can be closed under the request by the pool (module docstring)
+        headers = {"Authorization": f"Bearer {await self._token(sandbox_id)}", "Connection": "close"}
+        for attempt in range(AGENT_RETRIES + 1):
+            try:
+                r = await self._http.request(method, f"http://{host}:{self.config.agent_port}{path}",
+                                             headers=headers, timeout=timeout_s, **kwargs)
+                break
+            except httpx.HTTPError as e:
+                if sandbox_id in self._lost:
+                    raise BackendError(f"sandbox {sandbox_id} is gone: its pod failed ({self._lost[sandbox_id]})") from e
+                if not isinstance(e, AGENT_RETRYABLE) or attempt == AGENT_RETRIES or name in self._deleting:
+                    raise BackendError(f"sandbox {sandbox_id}: its agent at {ip} did not answer: {_chain(e)}") from e
+                delay = backoff_s(attempt)
+                logger.warning("sandbox %s: %s %s to its agent: %s; retry %d in %.2fs", sandbox_id, method,
+                               path, _chain(e), attempt + 1, delay)
+                await asyncio.sleep(delay)
         if r.status_code < 300:
             return r
         try:
@@ -418,6 +446,18 @@ def _result(j: dict[str, Any]) -> ExecResult:
     return ExecResult(exit_code=j["exit_code"], stdout=base64.b64decode(j["stdout_b64"]),
                       stderr=base64.b64decode(j["stderr_b64"]), stdout_truncated=j["stdout_truncated"],
                       stderr_truncated=j["stderr_truncated"], timed_out=j["timed_out"], duration_s=j["duration_s"])
+
+
+def _chain(error: BaseException) -> str:
+    """`error` and what caused it, innermost last ("ReadError: ... <- OSError: [Errno 104] ..."): httpx's
+    transport errors hide the socket's errno, which tells a reset (a peer gone) from an end of stream."""
+    parts, seen = [], set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        parts.append(f"{type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or cause.__context__
+    return " <- ".join(parts)
 
 
 def _epoch(timestamp: str | None) -> float | None:

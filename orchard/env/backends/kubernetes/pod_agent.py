@@ -12,7 +12,10 @@ runs ``python3 /orchard-agent/agent.pyz --root /workspace ...``. Requirement on 
 version 3.10 or later on its PATH, and ``bash`` (string commands run under ``bash -lc``, as everywhere).
 
 Routes (see `orchard.env.agent.server` for the bodies): GET /health (no auth), POST /exec, PUT /files,
-PUT /files/archive, GET /files, GET /files/list, POST /apply_patch, GET /resources. Every route but /health needs
+PUT /files/archive, GET /files, GET /files/list, POST /apply_patch, GET /resources. POST /exec and POST /apply_patch
+take an optional `request_id` in their body: the orchestrator retries a request whose connection broke with the
+same id, and a request whose id the agent has seen runs nothing: it gets the first one's answer (waiting for it if
+the first is still running), so a command runs once however often its request arrives. Every route but /health needs
 ``Authorization: Bearer <token>``, the token read from the environment variable named by ``--token-env``
 (the pod gets it from its own Kubernetes Secret); without that variable the agent refuses to start.
 """
@@ -23,11 +26,13 @@ import argparse
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import hmac
 import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -39,6 +44,9 @@ from orchard.env.agent.isolation import PROCESS_GROUP, Isolation, Limits
 from orchard.env.backends.base import ExecRequest, ExecResult, PathEscapeError
 
 _MAX_BODY = 1 << 30
+KEEP_ANSWERS = 16
+"""Answers of finished requests kept for retries of their `request_id` (execs of a sandbox run one at a time,
+and a retry comes within seconds, before the next one: a few suffice; each holds up to twice the output cap)."""
 _NOT_INHERITED = frozenset({"HOSTNAME", "HOME", "PWD", "SHLVL", "OLDPWD", "_"})
 """Variables of the agent's own process that describe it, not the sandbox (the rest: the image's ENV and
 the sandbox's env, which every command starts with)."""
@@ -138,9 +146,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle("PUT")
 
 
+def _request_id(body: Any) -> str | None:
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
+        raise ValueError(f"request_id must be a string of 1 to 128 characters, got {request_id!r}")
+    return request_id
+
+
 def _exec(h: _Handler, query: dict[str, str]) -> None:
-    request = exec_request(json.loads(h._body() or b"null"))
-    h._json(200, result_json(h.server.run(h.server.agent.exec(request))))
+    body = json.loads(h._body() or b"null")
+    request = exec_request(body)
+    h._json(200, h.server.once(_request_id(body), lambda: result_json(h.server.run(h.server.agent.exec(request)))))
 
 
 def _put_file(h: _Handler, query: dict[str, str]) -> None:
@@ -177,7 +193,8 @@ def _apply_patch(h: _Handler, query: dict[str, str]) -> None:
     body = json.loads(h._body() or b"null")
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object with a 'patch'")
-    h._json(200, result_json(h.server.run(h.server.agent.apply_patch(body["patch"]))))
+    patch = body["patch"]
+    h._json(200, h.server.once(_request_id(body), lambda: result_json(h.server.run(h.server.agent.apply_patch(patch)))))
 
 
 def _resources(h: _Handler, query: dict[str, str]) -> None:
@@ -205,9 +222,33 @@ class _AgentServer(ThreadingHTTPServer):
         self.token = token
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True).start()
+        self._answers: dict[str, concurrent.futures.Future[Any]] = {}
+        self._answers_lock = threading.Lock()
 
     def run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def once(self, request_id: str | None, answer: Callable[[], Any]) -> Any:
+        """`answer()`, computed once per `request_id` (None: every time): a repeat of an id gets the first
+        call's result or exception, waiting for it while the first call runs."""
+        if request_id is None:
+            return answer()
+        with self._answers_lock:
+            future = self._answers.get(request_id)
+            first = future is None
+            if first:
+                future = self._answers[request_id] = concurrent.futures.Future()
+        assert future is not None
+        if first:
+            try:
+                future.set_result(answer())
+            except BaseException as e:  # a repeat gets the same error (a 400 stays a 400)
+                future.set_exception(e)
+            with self._answers_lock:
+                done = [k for k, f in self._answers.items() if f.done()]
+                for k in done[:max(0, len(done) - KEEP_ANSWERS)]:  # oldest first: dicts keep insertion order
+                    del self._answers[k]
+        return future.result()
 
 
 def build_server(root: str, *, host: str, port: int, token: str, mount: str | None = None,
