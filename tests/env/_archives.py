@@ -79,3 +79,37 @@ BAD = {
 def bad_archive(name: str) -> bytes:
     """`BAD`'s archive ``name`` after a good file, ``good.txt``: when it is refused, that file is not written."""
     return tar_of(("good.txt", "file", (b"good", 0o644)), *BAD[name])
+
+
+def gnu_sparse(name: str, data: bytes, realsize: int) -> bytes:
+    """A tar of ``good.txt`` then one old-GNU sparse member (type ``S``) ``name``: ``data`` stored, mapped at
+    offset 0, and a hole of zeros after it up to ``realsize``, the size tarfile reports. Hand-built, as tarfile
+    writes no sparse member: tarfile's GNU header of a plain file with the type, the first sparse-map entry and
+    the real size patched in."""
+    tar = tar_of(("good.txt", "file", (b"good", 0o644)), (name, "file", (data, 0o644)))
+    at = 1024  # good.txt's header and its 4 bytes padded to a block
+    header = bytearray(tar[at : at + 512])
+    header[156:157] = tarfile.GNUTYPE_SPARSE
+    header[386:410] = b"%011o\0" % 0 + b"%011o\0" % len(data)  # sparse map entry 0: (offset, numbytes)
+    header[483:495] = b"%011o\0" % realsize  # the member's real (expanded) size
+    header[148:156] = b" " * 8  # the checksum is the byte sum with its own field as spaces
+    header[148:155] = b"%06o\0" % sum(header)
+    return tar[:at] + bytes(header) + tar[at + 512 :]
+
+
+def pax_sparse(name: str, data: bytes, realsize: int) -> bytes:
+    """A tar of ``good.txt`` then one PAX (GNU 1.0) sparse member ``name``: ``data`` mapped at offset 0, a hole
+    up to ``realsize``. The map ("1 entry: offset 0, ``len(data)`` bytes") is a block before the data, as GNU
+    tar writes it."""
+    sparse_map = f"1\n0\n{len(data)}\n".encode().ljust(512, b"\0")
+    info = tarfile.TarInfo(f"GNUSparseFile.0/{name}")
+    info.size, info.mtime, info.mode = len(sparse_map) + len(data), MTIME, 0o644
+    info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": name,
+                        "GNU.sparse.realsize": str(realsize)}
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        good = tarfile.TarInfo("good.txt")
+        good.size, good.mtime = 4, MTIME
+        tar.addfile(good, io.BytesIO(b"good"))
+        tar.addfile(info, io.BytesIO(sparse_map + data))
+    return buffer.getvalue()

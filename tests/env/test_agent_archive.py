@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import stat
+import subprocess
+import sys
+import tarfile
+import textwrap
 from pathlib import Path
 
 import pytest
-from _archives import BAD, MTIME, TREE, TREE_BYTES, TREE_FILES, bad_archive, tar_of
+from _archives import BAD, MTIME, TREE, TREE_BYTES, TREE_FILES, bad_archive, gnu_sparse, pax_sparse, tar_of
 
 from orchard.env.agent.archive import extract_archive
 from orchard.env.agent.files import Workspace
@@ -105,3 +110,67 @@ def test_invalid_arguments(ws):
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="max_bytes"):
             extract_archive(ws, ".", tar_of(), max_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("build", [gnu_sparse, pax_sparse], ids=["gnu_type_S", "pax_gnu_sparse_1_0"])
+def test_a_sparse_member_is_refused_before_its_holes_are_expanded(ws, build):
+    archive = build("big", b"data", 1 << 20)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        good, big = tar.getmembers()
+    # 4 stored bytes, but tarfile reports (and would read out) 1 MiB = 1 048 576 bytes, 64 x the cap of
+    # 16 KiB = 16 384 bytes that the whole tar (10 240 bytes: tarfile pads to its records) stays under
+    assert (good.name, big.name, big.size, big.isreg(), len(archive)) == ("good.txt", "big", 1 << 20, True, 10_240)
+    with pytest.raises(ValueError, match="'big' is a sparse file"):
+        extract_archive(ws, "dest", archive, max_bytes=16 * 1024)
+    assert os.listdir(ws.root) == []  # not even good.txt, before it
+
+
+def test_a_member_time_beyond_2262_is_clamped_and_one_that_is_no_number_refused(ws):
+    far = tarfile.TarInfo("far.txt")
+    far.pax_headers = {"mtime": "1e30"}
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(far)
+    extract_archive(ws, ".", buffer.getvalue())
+    # (2**63 - 1) // 10**9 = 9 223 372 036 s (2262-04-11), the latest second a signed 64-bit ns count holds
+    assert os.stat(os.path.join(ws.root, "far.txt")).st_mtime_ns == 9_223_372_036 * 10**9
+    for value in ("inf", "nan"):
+        bad = tarfile.TarInfo(f"{value}.txt")
+        bad.pax_headers = {"mtime": value}
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            tar.addfile(bad)
+        with pytest.raises(ValueError, match="no number"):
+            extract_archive(ws, ".", buffer.getvalue())
+    assert os.listdir(ws.root) == ["far.txt"]
+
+
+_FEW_FDS = textwrap.dedent("""
+    import os, resource, sys
+    from orchard.env.agent.archive import extract_archive
+    from orchard.env.agent.files import Workspace
+    data = sys.stdin.buffer.read()
+    fds = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    summary = extract_archive(Workspace(sys.argv[1]), ".", data)
+    print(summary.entries, summary.bytes, len(os.listdir("/proc/self/fd")) - fds)
+""")
+
+
+def test_more_directories_than_the_fd_limit_unpack(tmp_path):
+    flat = [(f"d{i}", "dir", 0o755) for i in range(1000)] + [(f"d{i}/f", "file", (b"x", 0o644)) for i in range(1000)]
+    deep = [("/".join(["n"] * depth), "dir", 0o500 if depth == 150 else 0o755) for depth in range(1, 301)]
+    members = (*flat, *deep, ("/".join(["n"] * 300) + "/leaf", "file", (b"leaf", 0o644)))
+    (tmp_path / "ws").mkdir()
+    # 256 fds for the whole process: one open per directory (1 000 side by side, or 300 nested) would not fit
+    run = subprocess.run([sys.executable, "-c", _FEW_FDS, str(tmp_path / "ws")], input=tar_of(*members),
+                         capture_output=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    # 1 000 + 1 000 + 300 + 1 = 2 301 members, 1 000 x 1 + 4 = 1 004 file bytes, and no fd left open
+    assert run.stdout.split() == [b"2301", b"1004", b"0"]
+    assert (tmp_path / "ws" / "d999" / "f").read_bytes() == b"x"
+    chain = os.path.join(tmp_path, "ws", *["n"] * 300)
+    assert Path(chain, "leaf").read_bytes() == b"leaf"
+    # the modes came last and deepest first: the read-only (0o500) directory at depth 150 still got its members
+    assert stat.S_IMODE(os.stat(os.path.join(tmp_path, "ws", *["n"] * 150)).st_mode) == 0o500
+    os.chmod(os.path.join(tmp_path, "ws", *["n"] * 150), 0o755)  # so that pytest can remove tmp_path
