@@ -96,6 +96,18 @@ async def test_idle_sandboxes_outlive_the_heartbeat_timeout(reaping_service):
         assert await ids(client) == set()
 
 
+async def test_a_handed_out_sandbox_beats_only_with_keepalive_among_the_create_options(reaping_service):
+    # Handed out and left unused for 4 s (2 timeouts): the caller's to keep alive, so reaped; with keepalive_s
+    # (the client's heartbeat, every 0.5 s) it lives on.
+    async with (AsyncSandboxClient(reaping_service.url, reaping_service.api_key) as client,
+                AsyncSandboxPool(client, 1) as plain, AsyncSandboxPool(client, 1, keepalive_s=0.5) as kept):
+        await asyncio.gather(plain.wait_filled(), kept.wait_filled())
+        abandoned, beating = await plain.acquire(), await kept.acquire()
+        await asyncio.sleep(4.0)
+        assert beating.sandbox_id in await ids(client) and abandoned.sandbox_id not in await ids(client)
+        await beating.delete()
+
+
 async def test_acquire_never_hands_out_a_sandbox_the_service_no_longer_has(service):
     async with AsyncSandboxClient(service.url, service.api_key) as client:
 
