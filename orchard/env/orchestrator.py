@@ -350,8 +350,8 @@ class Orchestrator:
         that the creator, were it only stalled, can no longer write its own outcome over this one. Then: the
         backend holds the sandbox (with Kubernetes: its pod was made): it is adopted, i.e. waited for as the
         create would have, and then is "ready", or "failed" with the reason. It does not: the create died before
-        the sandbox existed, so what it may have made already (a Secret, a NetworkPolicy) is deleted and the
-        record dropped, as if the create had failed; a client's retry creates it anew."""
+        the sandbox existed, so the record is dropped and then what it may have made already (a Secret, a
+        NetworkPolicy) deleted, as if the create had failed; a client's retry creates it anew."""
         sandbox_id, creator = record.sandbox_id, record.replica
         record.replica = self.replica_id
         if not await self.store.put_sandbox_if(record, status="pending", replica=creator):
@@ -365,9 +365,13 @@ class Orchestrator:
             if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
                 return await self._status_now(sandbox_id)  # deleted meanwhile
             return record.status
+        # the record goes first: a stalled creator whose sandbox appears after this finds no record and deletes
+        # the sandbox itself (`_taken_over`); the other way round, one appearing between the two steps found the
+        # record still there, kept its sandbox, and then the record went: a sandbox nobody knew of
+        if not await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id):
+            return await self._status_now(sandbox_id)  # deleted meanwhile, with its sandbox
         with contextlib.suppress(Exception):
             await self.backend.delete(sandbox_id)
-        await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id)
         return "dropped"
 
     async def _status_now(self, sandbox_id: str) -> str:

@@ -3,6 +3,8 @@ ones deleted on close (also while a refill is in flight), none leaked."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from orchard.env import AsyncSandboxClient, AsyncSandboxPool
@@ -66,6 +68,66 @@ async def test_a_failed_warm_command_is_never_handed_out(service):
             await sandbox.delete()
             await pool.wait_filled()  # the refill acquire started failed as well
             assert pool.failures == 4
+        assert await ids(client) == set()
+
+
+@pytest.fixture(scope="module")
+def reaping_service():
+    """A service that deletes a sandbox idle for 2 s (its reaper looks every 0.2 s)."""
+    with serve(heartbeat_timeout_s=2.0, reap_interval_s=0.2) as svc:
+        yield svc
+
+
+async def test_idle_sandboxes_outlive_the_heartbeat_timeout(reaping_service):
+    # The pool beats each idle sandbox every 2 / 3 s, a third of the timeout it reads from the sandbox's info
+    # (the create options name none). Before the fix nothing did: idle 5 s = 2.5 timeouts, both were reaped and
+    # `acquire` handed them out anyway, so the first command got 404.
+    async with AsyncSandboxClient(reaping_service.url, reaping_service.api_key) as client:
+        async with AsyncSandboxPool(client, 2) as pool:
+            await pool.wait_filled()
+            ahead = await ids(client)
+            await asyncio.sleep(5.0)
+            taken = [await pool.acquire(), await pool.acquire()]
+            assert {s.sandbox_id for s in taken} == ahead
+            for sandbox in taken:
+                assert (await sandbox.exec(["true"])).exit_code == 0
+                await sandbox.delete()
+            assert pool.lost == 0
+        assert await ids(client) == set()
+
+
+async def test_a_handed_out_sandbox_beats_only_with_keepalive_among_the_create_options(reaping_service):
+    # Handed out and left unused for 4 s (2 timeouts): the caller's to keep alive, so reaped; with keepalive_s
+    # (the client's heartbeat, every 0.5 s) it lives on.
+    async with (AsyncSandboxClient(reaping_service.url, reaping_service.api_key) as client,
+                AsyncSandboxPool(client, 1) as plain, AsyncSandboxPool(client, 1, keepalive_s=0.5) as kept):
+        await asyncio.gather(plain.wait_filled(), kept.wait_filled())
+        abandoned, beating = await plain.acquire(), await kept.acquire()
+        await asyncio.sleep(4.0)
+        assert beating.sandbox_id in await ids(client) and abandoned.sandbox_id not in await ids(client)
+        await beating.delete()
+
+
+async def test_acquire_never_hands_out_a_sandbox_the_service_no_longer_has(service):
+    async with AsyncSandboxClient(service.url, service.api_key) as client:
+
+        async def lose(sandbox):  # the service loses it behind the pool's back, as a reap or a restart would
+            await client.request("DELETE", f"/sandboxes/{sandbox.sandbox_id}")
+
+        async with AsyncSandboxPool(client, 2) as pool:
+            await pool.wait_filled()
+            first, second = pool._idle
+            await lose(first)
+            taken = [await pool.acquire()]
+            assert taken[0] is second and pool.lost == 1 and first.deleted  # dropped; the next idle one taken
+            await pool.wait_filled()
+            for sandbox in list(pool._idle):
+                await lose(sandbox)
+            taken.append(await pool.acquire())  # both idle ones lost (1 + 2 = 3): one made on the spot
+            assert pool.lost == 3 and taken[1].sandbox_id not in {first.sandbox_id, second.sandbox_id}
+            for sandbox in taken:
+                assert (await sandbox.exec(["true"])).exit_code == 0
+                await sandbox.delete()
         assert await ids(client) == set()
 
 

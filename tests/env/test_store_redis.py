@@ -279,3 +279,54 @@ async def test_a_creator_paused_past_its_lease_cannot_overwrite_the_settlement(r
     finally:
         await b.close()
         await a.store.close()
+
+
+class _DeleteThen:
+    """A backend whose delete of sandbox `held` runs `then` once it has deleted (the settler's drop, with a
+    stalled creator resuming right after the settler's backend delete)."""
+
+    def __init__(self, backend: LocalBackend, held: str, then) -> None:
+        self.backend, self.held, self.then = backend, held, then
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    async def delete(self, sandbox_id) -> None:
+        await self.backend.delete(sandbox_id)
+        if sandbox_id == self.held:
+            await self.then()
+
+
+async def test_a_creator_whose_sandbox_appears_during_the_settlers_drop_deletes_it(root, redis_url):
+    # A stalls before its backend makes "s"; B finds no sandbox and drops the create. A resumes right after B's
+    # backend delete and makes "s". Before the fix B deleted the record after that: A had still found it
+    # (pending, B's), kept its sandbox, and "s" lived on with no record. Now B deletes the record first, so A
+    # finds none and deletes what it made.
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=True)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=1.0)  # type: ignore[arg-type]
+    creating: list[asyncio.Task] = []
+
+    async def resume_the_creator() -> None:
+        held.release.set()
+        await asyncio.wait(creating)  # A's create, to its end, inside B's drop
+
+    b = Orchestrator(_DeleteThen(backend, "s", resume_the_creator),  # type: ignore[arg-type]
+                     RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        creating.append(asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s"))))
+        await held.entered.wait()
+        a._beat.cancel()  # A renews nothing: its lease (1 s) ends
+        await asyncio.gather(a._beat, return_exceptions=True)
+        await asyncio.sleep(1.1)
+        assert await b.settle_creates() == {"s": "dropped"}
+        assert creating[0].done() and await b.store.get_sandbox("s") is None
+        assert not await backend.exists("s")  # made by A after B's backend delete, deleted by A
+        with pytest.raises(CreateTakenOverError, match="it is gone"):
+            creating[0].result()
+    finally:
+        await b.close()
+        await a.store.close()

@@ -2,7 +2,9 @@
 
 A sandbox's first command pays for starting its box (the local backend: 66-160 ms under load; a pod: seconds);
 a pool pays it before anyone asks. The sandboxes are the client's, like any it creates: those still idle when
-the pool closes are deleted, those handed out are the caller's to delete.
+the pool closes are deleted, those handed out are the caller's to delete. Idle ones are kept alive with
+heartbeats (a pool may sit idle through a training step longer than the service's heartbeat timeout), and one
+the service no longer has is never handed out.
 
     async with AsyncSandboxPool(client, size=4) as pool:
         sandbox = await pool.acquire()        # created and started ahead; the pool makes another
@@ -20,10 +22,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchard.env.client.aio import AsyncSandbox, AsyncSandboxClient
+from orchard.env.errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncSandboxPool"]
+
+SERVICE_HEARTBEAT_TIMEOUT_S = 600.0
+"""The service's default heartbeat timeout (`orchard env serve --heartbeat-timeout`), for a sandbox whose info
+names none."""
+BEATS_PER_TIMEOUT = 3
+"""Heartbeats an idle sandbox gets per heartbeat timeout: two may be late or lost before it is reaped."""
 
 
 class AsyncSandboxPool:
@@ -39,6 +48,15 @@ class AsyncSandboxPool:
 
     A sandbox that could not be made ahead (the service refused it, its warm command failed) is counted in
     `failures` and logged, never handed out; `acquire` then creates one directly, whose errors it raises.
+
+    An idle sandbox gets a heartbeat every third of its heartbeat timeout (the sandbox's ``heartbeat_timeout``
+    as the service reports it; else the create options'; else the service's default, 600 s), so the service's
+    reaper leaves it alone however long the pool sits idle. Handed out, it beats no more (the caller's use
+    keeps it alive, and an abandoned one is reaped as any other), unless ``keepalive_s`` is among the create
+    options: then the client's own heartbeat, which the pool leaves alone, keeps beating. `acquire` checks that
+    the service still has an idle sandbox before it hands it out; one it lost anyway (a service restart, a
+    reaper that ran while the pool's event loop was blocked) is counted in `lost`, deleted here, and the next
+    idle one taken, or a new one made.
     """
 
     def __init__(self, client: AsyncSandboxClient, size: int, *, warm_command: Sequence[str] = ("true",),
@@ -57,6 +75,8 @@ class AsyncSandboxPool:
         self.create_options = create_options
         self.failures = 0
         """Sandboxes that could not be made ahead."""
+        self.lost = 0
+        """Idle sandboxes the service no longer had (or was deleting) when `acquire` came for them."""
         self._idle: collections.deque[AsyncSandbox] = collections.deque()
         self._making: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -81,13 +101,42 @@ class AsyncSandboxPool:
             await asyncio.gather(*self._making, return_exceptions=True)
 
     async def acquire(self) -> AsyncSandbox:
-        """A started sandbox from the pool, or, when none is idle, a newly created one; either way the pool
-        starts making a replacement. The sandbox is the caller's (delete it, or `async with` it)."""
+        """A started sandbox from the pool (one the service still has ready: those it lost are dropped), or,
+        when none is idle, a newly created one; either way the pool starts making a replacement. The sandbox is
+        the caller's (delete it, or `async with` it)."""
         if self._closed:
             raise RuntimeError("the pool is closed")
-        sandbox = self._idle.popleft() if self._idle else None
+        while self._idle:
+            sandbox = self._idle.popleft()
+            if await self._still_ready(sandbox):
+                self.start()
+                if self.create_options.get("keepalive_s") is None:
+                    await sandbox.stop_heartbeat()
+                return sandbox
         self.start()
-        return sandbox if sandbox is not None else await self.client.create(**self.create_options)
+        return await self.client.create(**self.create_options)
+
+    async def _still_ready(self, sandbox: AsyncSandbox) -> bool:
+        """Whether the service still has the idle `sandbox`, ready; one it lost is counted and deleted."""
+        try:
+            status = (await sandbox.refresh()).get("status")
+        except NotFoundError:
+            status = "gone"
+        except BaseException:
+            self._idle.appendleft(sandbox)  # no answer (or cancelled): it stays the pool's
+            raise
+        if status == "ready":
+            return True
+        self.lost += 1
+        logger.warning("pooled sandbox %s was lost while idle (%s): dropped", sandbox.sandbox_id, status)
+        with contextlib.suppress(Exception):  # gone already, or on its way out: a 404 is fine
+            await asyncio.shield(sandbox.delete())
+        return False
+
+    def _beat_interval_s(self, sandbox: AsyncSandbox) -> float:
+        timeout = (sandbox.info.get("heartbeat_timeout") or self.create_options.get("heartbeat_timeout")
+                   or SERVICE_HEARTBEAT_TIMEOUT_S)
+        return float(timeout) / BEATS_PER_TIMEOUT
 
     async def _make_idle(self) -> None:
         try:
@@ -102,6 +151,7 @@ class AsyncSandboxPool:
         except Exception as exc:
             ok, started = False, exc
         if ok and not self._closed:
+            sandbox.start_heartbeat(self._beat_interval_s(sandbox))  # a no-op where keepalive_s started one
             self._idle.append(sandbox)
             return
         if not ok:
