@@ -32,8 +32,9 @@ After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent
    command's own ``/tmp`` whose SHA-256 matches this process's bundle, else from a fresh copy sent with the
    command: never from where the agent could have written): resolved iff every one passes.
 
-Step 1 is one command and step 4 another. A patch that does not apply, or a run that times out or crashes, is
-the policy's failure (not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that
+Step 1 is one command and step 4 another. A patch that does not apply, or may write more than
+`MAX_PATCH_WRITE_BYTES` (read from its headers before anything is unpacked here), a tree the archive upload
+refuses for its size, or a run that times out or crashes, is the policy's failure (not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that
 should succeed and did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode
 ``env_error``, never 0. Every set-up step is done before the agent's code runs again (in step 4), so a test
 that exits with a chosen status cannot pass itself off as a set-up failure.
@@ -172,7 +173,8 @@ class SWEVerdict:
     patch_applied: bool
     """The patch applied to a clean base (False for a patch too large or not applicable; empty applies)."""
     details: dict[str, Any] = field(default_factory=dict)
-    """The test run's exit code and whether it timed out, and the tail of its output."""
+    """The test run's exit code and whether it timed out, and the tail of its output; for a patch not scored,
+    the ``reason``."""
 
     @property
     def tests(self) -> dict[str, bool]:
@@ -564,9 +566,12 @@ def _git_path(text: str) -> str:
     (``core.quotePath``, git's default) a byte above 127."""
     if len(text) < 2 or text[0] != '"' or text[-1] != '"':
         return text
-    raw = re.sub(rb"\\([0-7]{1,3}|.)", lambda m: bytes([int(m[1], 8) if m[1][:1].isdigit() else
-                                                        _C_ESCAPES.get(m[1], m[1][0])]),
-                 text[1:-1].encode("utf-8", "surrogateescape"))
+
+    def byte(escape: re.Match[bytes]) -> bytes:
+        code = escape[1]
+        return bytes([int(code, 8) if code[0] in b"01234567" else _C_ESCAPES.get(code, code[0])])
+
+    raw = re.sub(rb"\\([0-7]{1,3}|.)", byte, text[1:-1].encode("utf-8", "surrogateescape"))
     return raw.decode("utf-8", "surrogateescape")
 
 
@@ -746,7 +751,9 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     ``timeout_s + setup_timeout_s`` (our reading of "the tests run with a timeout": a slow start never eats
     the tests' time). A tree the upload refuses (a link the agent made that leaves the repository) is unpacked
     by a third command with tar. When pytest is neither in the image nor shared, the test command takes the
-    user site's copy after checking its hash, and runs once more with a fresh copy when that was altered.
+    user site's copy after checking its hash, and runs once more with a fresh copy when that was altered. A
+    patch that may write more than `MAX_PATCH_WRITE_BYTES`, or a tree the upload refuses for its size, is not
+    resolved (``patch_applied`` False, the reason in ``details``), never an environment failure.
 
     Args:
         sandbox: the episode's sandbox, prepared by `prepare_sandbox`.
