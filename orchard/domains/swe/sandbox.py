@@ -641,6 +641,10 @@ def _delta_result_size(lines: list[str]) -> int | None:
     return None
 
 
+_BOUND_CEILING = 1 << 62
+"""Where `patch_write_bound` stops counting."""
+
+
 def patch_write_bound(patch: str, base_sizes: Mapping[str, int] | None = None) -> int:
     """An upper bound on the bytes ``git apply`` writes for ``patch``, read from the patch alone (nothing is
     inflated but a delta's header): its text (a text hunk adds at most its lines to a file), plus each binary
@@ -648,6 +652,7 @@ def patch_write_bound(patch: str, base_sizes: Mapping[str, int] | None = None) -
     its header, since a few bytes of delta can copy its source many times over; n when the header cannot be
     read), plus for each copy (``copy from``) its source: its size in ``base_sizes`` plus everything counted
     before it (which the patch may have written there). Both hunks of a binary patch count (git applies one).
+    The count stops at 2**62 bytes (more than any disk holds).
 
     Args:
         patch: a ``git diff --binary``.
@@ -665,14 +670,17 @@ def patch_write_bound(patch: str, base_sizes: Mapping[str, int] | None = None) -
     lines = patch.splitlines()
     bound = len(patch.encode("utf-8", "surrogateescape"))
     for i, line in enumerate(lines):
-        hunk = re.fullmatch(r"(literal|delta) (\d+)", line)
+        hunk = re.fullmatch(r"(literal|delta) ([0-9]+)", line)
         copy = re.fullmatch(r"copy from (.+)", line)
-        if hunk and (hunk[1] == "literal" or (size := _delta_result_size(lines[i + 1:i + 65])) is None):
-            bound += int(hunk[2])
-        elif hunk:
-            bound += size
+        if hunk:
+            # a number of thousands of digits is no size (and int() refuses to read it)
+            declared = int(hunk[2]) if len(hunk[2]) <= 18 else _BOUND_CEILING
+            result = _delta_result_size(lines[i + 1:i + 65]) if hunk[1] == "delta" else None
+            bound += declared if result is None else result
         elif copy:
             bound += int(sizes.get(_git_path(copy[1]), 0)) + bound
+        # a chain of copies doubles the count each time: past any size, it stays a small int
+        bound = min(bound, _BOUND_CEILING)
     return bound
 
 

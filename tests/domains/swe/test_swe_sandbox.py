@@ -421,6 +421,10 @@ def test_patch_write_bound_counts_what_git_apply_writes(tmp_path):
     created = new_binary_file("big", 1000, b"x")
     chain = created + copied.replace("a.txt", "big") * 3
     assert patch_write_bound(chain) == (len(chain) + 1000) * 8  # x2 per copy
+    # 100 000 copies would double the count past any int, a literal of 5 000 digits past what int() reads:
+    # both stop at 2**62, fast
+    assert patch_write_bound(copied * 100_000, {"a.txt": 10}) == 1 << 62
+    assert patch_write_bound(f"literal {'9' * 5000}\n") == 1 << 62
     with pytest.raises(ValueError, match="patch must be a str"):
         patch_write_bound(b"diff")
     with pytest.raises(ValueError, match="base_sizes must be a mapping"):
