@@ -32,8 +32,9 @@ After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent
    command's own ``/tmp`` whose SHA-256 matches this process's bundle, else from a fresh copy sent with the
    command: never from where the agent could have written): resolved iff every one passes.
 
-Step 1 is one command and step 4 another. A patch that does not apply, or a run that times out or crashes, is
-the policy's failure (not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that
+Step 1 is one command and step 4 another. A patch that does not apply, or may write more than
+`MAX_PATCH_WRITE_BYTES` (read from its headers before anything is unpacked here), a tree the archive upload
+refuses for its size, or a run that times out or crashes, is the policy's failure (not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that
 should succeed and did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode
 ``env_error``, never 0. Every set-up step is done before the agent's code runs again (in step 4), so a test
 that exits with a chosen status cannot pass itself off as a set-up failure.
@@ -60,8 +61,9 @@ import tarfile
 import tempfile
 import threading
 import zipfile
+import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,7 +71,7 @@ from typing import Any
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.testrun import PYTEST_ENV, parse_test_results, pytest_argv
 from orchard.env.backends.base import SHARED_MOUNT
-from orchard.env.errors import PathError
+from orchard.env.errors import BadRequestError, PathError
 from orchard.rollout.harness import EnvironmentFailure
 
 WORKSPACE = "/workspace"
@@ -90,6 +92,12 @@ EXCLUDE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 
 MAX_PATCH_BYTES = 16 << 20
 """A larger diff is not scored (not resolved): no repository fix is 16 MiB."""
+
+MAX_PATCH_WRITE_BYTES = 256 << 20
+"""A patch that may write more when applied (`patch_write_bound`) is not applied on this host and not resolved:
+``git diff --binary`` deflates, so 16 MiB of diff can stand for many GiB of files (a file of zeros). A quarter of
+the archive upload's 1 GiB cap on the scored tree, so the base, the patch and ``test_patch`` fit under it; no
+repository fix writes 256 MiB."""
 
 _BUNDLE = "orchard-pytest"
 """The zip in the sandbox user's site directory, and the ``.pth`` file there that puts it on ``sys.path``."""
@@ -165,7 +173,8 @@ class SWEVerdict:
     patch_applied: bool
     """The patch applied to a clean base (False for a patch too large or not applicable; empty applies)."""
     details: dict[str, Any] = field(default_factory=dict)
-    """The test run's exit code and whether it timed out, and the tail of its output."""
+    """The test run's exit code and whether it timed out, and the tail of its output; for a patch not scored,
+    the ``reason``."""
 
     @property
     def tests(self) -> dict[str, bool]:
@@ -485,6 +494,10 @@ async def _run(sandbox: Any, command: list[str] | str, what: str, *, timeout: fl
     return result
 
 
+_UPLOAD_TOO_LARGE = "unpacks to more than max_bytes"
+"""The archive upload's refusal of a tree beyond its cap (1 GiB), a ``BadRequestError``."""
+
+
 async def _upload_tree(sandbox: Any, tree: bytes) -> bool:
     """Unpack ``tree`` (a gzipped tar) in the workspace through the archive upload, no process in the sandbox;
     False when the service refused a member (a link that leaves the tree: `_PREPARE` unpacks it with tar)."""
@@ -544,14 +557,135 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
     return commit
 
 
+_C_ESCAPES = {b"a": 7, b"b": 8, b"t": 9, b"n": 10, b"v": 11, b"f": 12, b"r": 13, b'"': 34, b"\\": 92}
+
+
+def _git_path(text: str) -> str:
+    """A path as git writes it in a diff's headers: verbatim, or in double quotes with C escapes (``\\t``, and
+    ``\\303\\251`` per byte of a non-ASCII name) when it holds a quote, a backslash, a control character or
+    (``core.quotePath``, git's default) a byte above 127."""
+    if len(text) < 2 or text[0] != '"' or text[-1] != '"':
+        return text
+
+    def byte(escape: re.Match[bytes]) -> bytes:
+        code = escape[1]
+        return bytes([int(code, 8) if code[0] in b"01234567" else _C_ESCAPES.get(code, code[0])])
+
+    raw = re.sub(rb"\\([0-7]{1,3}|.)", byte, text[1:-1].encode("utf-8", "surrogateescape"))
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _diff_git_names(rest: str) -> list[str]:
+    """The two names of a ``diff --git`` line after its prefix: each quoted, or plain. Plain names may hold
+    spaces (git does not quote them), so they are read as git apply does: a/NAME b/NAME with equal halves; a
+    rename's differing names come from its ``rename from`` / ``rename to`` lines instead."""
+    quoted = re.fullmatch(r'("(?:[^"\\]|\\.)*"|\S+) ("(?:[^"\\]|\\.)*"|\S+)', rest)
+    if quoted and '"' in rest:
+        return [_git_path(name)[2:] for name in quoted.groups()]
+    half = (len(rest) - 1) // 2
+    if len(rest) % 2 == 1 and rest[half] == " " and rest[:2] == "a/" and rest[half + 1:half + 3] == "b/" \
+            and rest[2:half] == rest[half + 3:]:
+        return [rest[2:half]]
+    return [name[2:] for name in quoted.groups()] if quoted else []
+
+
 def patched_paths(test_patch: str) -> list[str]:
-    """The paths a ``git diff`` touches (old and new names), in order of appearance."""
+    """The paths a ``git diff`` touches (old and new names), in order of appearance; git's quoted names
+    (non-ASCII, control characters) unquoted, and names with spaces read whole."""
     paths: list[str] = []
     for line in test_patch.splitlines():
-        match = re.match(r"^diff --git a/(\S+) b/(\S+)$", line)
-        if match:
-            paths += [p for p in match.groups() if p not in paths]
+        if line.startswith("diff --git "):
+            names = _diff_git_names(line[len("diff --git "):])
+        else:
+            header = re.match(r"^(?:rename|copy) (?:from|to) (.+)$", line)
+            names = [_git_path(header[1])] if header else []
+        paths += [p for p in dict.fromkeys(names) if p and p not in paths]
     return paths
+
+
+def _base85_line(line: str) -> bytes | None:
+    """The bytes of one line of a git binary hunk: a length character (A-Z: 1-26, a-z: 27-52), then base85
+    (the alphabet of Python's ``b85``); None when malformed."""
+    if not line or not line[0].isascii() or not line[0].isalpha():
+        return None
+    size = ord(line[0]) - (ord("A") - 1 if line[0].isupper() else ord("a") - 27)
+    try:
+        return base64.b85decode(line[1:])[:size]
+    except ValueError:
+        return None
+
+
+def _delta_result_size(lines: list[str]) -> int | None:
+    """The result size a git binary delta declares: its header (after zlib) is two varints, 7 bits a byte,
+    least significant first, the source's size and the result's; None when it cannot be read (git apply then
+    refuses the hunk too)."""
+    deflated = b""
+    for line in lines:  # the header is the first bytes inflated: a few lines carry it
+        chunk = _base85_line(line)
+        if chunk is None:
+            break
+        deflated += chunk
+    try:
+        header = zlib.decompressobj().decompress(deflated, 20)
+    except zlib.error:
+        return None
+    sizes, value, shift = [], 0, 0
+    for byte in header:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            sizes.append(value)
+            value = shift = 0
+            if len(sizes) == 2:
+                return sizes[1]
+    return None
+
+
+_BOUND_CEILING = 1 << 62
+"""Where `patch_write_bound` stops counting."""
+
+
+def patch_write_bound(patch: str, base_sizes: Mapping[str, int] | None = None) -> int:
+    """An upper bound on the bytes ``git apply`` writes for ``patch``, read from the patch alone (nothing is
+    inflated but a delta's header): its text (a text hunk adds at most its lines to a file), plus each binary
+    hunk's result (a ``literal <n>``: git inflates it into exactly n bytes; a ``delta <n>``: the result size in
+    its header, since a few bytes of delta can copy its source many times over; n when the header cannot be
+    read), plus for each copy (``copy from``) its source: its size in ``base_sizes`` plus everything counted
+    before it (which the patch may have written there). Both hunks of a binary patch count (git applies one).
+    The count stops at 2**62 bytes (more than any disk holds).
+
+    Args:
+        patch: a ``git diff --binary``.
+        base_sizes: path -> size, bytes, of the files the patch applies to (copies of unknown paths count only
+            what the patch wrote before them). Default: none known.
+
+    Raises:
+        ValueError: ``patch`` is not a string, or ``base_sizes`` not a mapping.
+    """
+    if not isinstance(patch, str):
+        raise ValueError(f"patch must be a str, got {type(patch).__name__}")
+    if base_sizes is not None and not isinstance(base_sizes, Mapping):
+        raise ValueError(f"base_sizes must be a mapping of path to size or None, got {type(base_sizes).__name__}")
+    sizes = base_sizes or {}
+    lines = patch.splitlines()
+    bound = len(patch.encode("utf-8", "surrogateescape"))
+    for i, line in enumerate(lines):
+        hunk = re.fullmatch(r"(literal|delta) ([0-9]+)", line)
+        copy = re.fullmatch(r"copy from (.+)", line)
+        if hunk:
+            # a number of thousands of digits is no size (and int() refuses to read it)
+            declared = int(hunk[2]) if len(hunk[2]) <= 18 else _BOUND_CEILING
+            result = _delta_result_size(lines[i + 1:i + 65]) if hunk[1] == "delta" else None
+            bound += declared if result is None else result
+        elif copy:
+            bound += int(sizes.get(_git_path(copy[1]), 0)) + bound
+        # a chain of copies doubles the count each time: past any size, it stays a small int
+        bound = min(bound, _BOUND_CEILING)
+    return bound
+
+
+class PatchTooLargeError(Exception):
+    """`scored_tree`: the agent's patch may write more than `MAX_PATCH_WRITE_BYTES` (the policy's failure)."""
 
 
 def scored_tree(base: bytes, patch: str, test_patch: str) -> bytes | None:
@@ -561,6 +695,8 @@ def scored_tree(base: bytes, patch: str, test_patch: str) -> bytes | None:
 
     Raises:
         ValueError: ``base`` is not bytes, or a patch not a string.
+        PatchTooLargeError: ``patch`` may write more than `MAX_PATCH_WRITE_BYTES` (`patch_write_bound`, with the
+            base's file sizes); checked before anything is unpacked or applied on this host.
         EnvironmentFailure: ``test_patch`` does not apply to the base with the agent's patch undone on its
             files (the instance's fault, not the policy's), or names a path outside the repository.
     """
@@ -573,8 +709,12 @@ def scored_tree(base: bytes, patch: str, test_patch: str) -> bytes | None:
         work = Path(tmp) / "repo"
         work.mkdir()
         with tarfile.open(fileobj=io.BytesIO(base), mode="r:gz") as tar:
-            tar.extractall(work, filter="tar")
             members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
+            bound = patch_write_bound(patch, {name: m.size for name, m in members.items() if m.isreg()})
+            if bound > MAX_PATCH_WRITE_BYTES:
+                raise PatchTooLargeError(f"the patch may write {bound} bytes when applied, more than "
+                                         f"MAX_PATCH_WRITE_BYTES={MAX_PATCH_WRITE_BYTES}")
+            tar.extractall(work, filter="tar")
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, **GIT_ENV}
 
             def apply(diff: str) -> subprocess.CompletedProcess[str]:
@@ -619,7 +759,9 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     ``timeout_s + setup_timeout_s`` (our reading of "the tests run with a timeout": a slow start never eats
     the tests' time). A tree the upload refuses (a link the agent made that leaves the repository) is unpacked
     by a third command with tar. When pytest is neither in the image nor shared, the test command takes the
-    user site's copy after checking its hash, and runs once more with a fresh copy when that was altered.
+    user site's copy after checking its hash, and runs once more with a fresh copy when that was altered. A
+    patch that may write more than `MAX_PATCH_WRITE_BYTES`, or a tree the upload refuses for its size, is not
+    resolved (``patch_applied`` False, the reason in ``details``), never an environment failure.
 
     Args:
         sandbox: the episode's sandbox, prepared by `prepare_sandbox`.
@@ -650,12 +792,25 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     patch = taken.stdout if patch_ok else ""
     facts = await _image_facts(sandbox, python, setup_timeout_s)
     archive, _ = await asyncio.to_thread(base_archive, instance)
-    tree = await asyncio.to_thread(scored_tree, archive, patch, instance.test_patch) if patch_ok else None
-    if tree is None:
+
+    def unscored(reason: str) -> SWEVerdict:
         return SWEVerdict(False, dict.fromkeys(instance.FAIL_TO_PASS, False),
-                          dict.fromkeys(instance.PASS_TO_PASS, False), patch, False,
-                          {"reason": "the patch could not be taken or applied"})
-    if not await _upload_tree(sandbox, tree):
+                          dict.fromkeys(instance.PASS_TO_PASS, False), patch, False, {"reason": reason})
+
+    try:
+        tree = await asyncio.to_thread(scored_tree, archive, patch, instance.test_patch) if patch_ok else None
+    except PatchTooLargeError as exc:
+        return unscored(str(exc))
+    if tree is None:
+        return unscored("the patch could not be taken or applied")
+    try:
+        uploaded = await _upload_tree(sandbox, tree)
+    except BadRequestError as exc:
+        # the tree is the base, test_patch and the agent's patch: past the upload's cap, the patch made it so
+        if _UPLOAD_TOO_LARGE not in str(exc):
+            raise
+        return unscored(f"the patched tree is larger than the archive upload takes: {exc}")
+    if not uploaded:
         await _run(sandbox, ["bash", "-c", _PREPARE], "unpacking the scored tree", timeout=setup_timeout_s,
                    stdin=_inputs(**{"tree.tar.gz": tree}))
     # The tests' environment: nothing from the agent's home on the path.

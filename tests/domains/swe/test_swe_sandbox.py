@@ -3,9 +3,11 @@ and the reward: the gold patch resolves (also once committed), no patch and a pa
 edits the tests to pass does not (the SWE-bench reset), and a deleted sandbox raises instead of scoring."""
 
 import asyncio
+import base64
 import dataclasses
 import io
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -13,14 +15,18 @@ import tarfile
 import tempfile
 import time
 import zipfile
+import zlib
 
 import pytest
 
+from orchard.domains.swe import sandbox as swe_sandbox
 from orchard.domains.swe.generator import make_instance
 from orchard.domains.swe.sandbox import (
     GIT_ENV,
+    MAX_PATCH_WRITE_BYTES,
     SHARED_PYTEST,
     base_archive,
+    patch_write_bound,
     patched_paths,
     prepare_sandbox,
     pytest_bundle,
@@ -32,7 +38,7 @@ from orchard.domains.swe.sandbox import (
 )
 from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.env.embedded import serve
-from orchard.env.errors import SandboxError
+from orchard.env.errors import BadRequestError, SandboxError
 from orchard.rollout.harness import EnvironmentFailure
 
 
@@ -354,3 +360,155 @@ def test_a_shared_pytest_is_read_in_place_and_never_sent():
     assert verdict.resolved
     # probe, prepare, the check run by the agent's view, apply, diff, score: nothing near the 3 MB bundle
     assert max(sent) < 100_000, sent
+
+
+def binary_lines(data):
+    """``data`` as a git binary hunk's lines: zlib, then base85 in lines of up to 52 bytes, each led by its length
+    (A-Z: 1-26, a-z: 27-52)."""
+    deflated = zlib.compress(data)
+    chunks = [deflated[i:i + 52] for i in range(0, len(deflated), 52)]
+    return "".join(chr(ord("A") + len(c) - 1 if len(c) <= 26 else ord("a") + len(c) - 27)
+                   + base64.b85encode(c).decode() + "\n" for c in chunks)
+
+
+def new_binary_file(path, declared, data):
+    """A hand-built ``git diff --binary`` creating ``path`` whose literal declares ``declared`` bytes."""
+    return (f"diff --git a/{path} b/{path}\nnew file mode 100644\nindex 0000000..1111111\nGIT binary patch\n"
+            f"literal {declared}\n{binary_lines(data)}\nliteral 0\nHcmV?d00001\n\n")
+
+
+def varint(n):
+    """A git delta header's number: 7 bits a byte, least significant first, the high bit set on all but the last."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def git_diff(repo, env):
+    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
+    return subprocess.run(["git", "diff", "--cached", "--binary"], cwd=repo, env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def test_patch_write_bound_counts_what_git_apply_writes(tmp_path):
+    # git's own binary hunks: a new file of zeros (literal) and an appended binary file (delta)
+    repo, env = tmp_path / "repo", {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **GIT_ENV}
+    repo.mkdir()
+    noise = random.Random(0).randbytes(100_000)
+    (repo / "noise.bin").write_bytes(noise)
+    subprocess.run(["git", "init", "-q"], cwd=repo, env=env, check=True)
+    git_diff(repo, env)
+    subprocess.run(["git", "commit", "-qm", "base"], cwd=repo, env=env, check=True)
+    (repo / "noise.bin").write_bytes(noise + noise[:100])
+    (repo / "zeros.bin").write_bytes(bytes(3_000_000))
+    patch = git_diff(repo, env)
+    assert "delta " in patch and "literal 3000000" in patch and len(patch) < 20_000  # 3 MB deflated to a few KB
+    # the text, the zeros' forward literal 3 000 000 and reverse literal 0, noise's forward delta rebuilding
+    # 100 100 bytes and its reverse rebuilding the old 100 000 (the deltas declare ~100 and ~10 bytes themselves)
+    assert patch_write_bound(patch) == len(patch) + 3_000_000 + 0 + 100_100 + 100_000
+
+    # a hand-built delta of 13 bytes whose header says its result is 1 GiB: copy operations can repeat the source
+    delta = varint(3) + varint(1 << 30) + bytes([0x90, 0x00]) * 4 + b"\x03"
+    forged = (f"diff --git a/noise.bin b/noise.bin\nindex 1111111..2222222 100644\nGIT binary patch\n"
+              f"delta {len(delta)}\n{binary_lines(delta)}\n")
+    assert patch_write_bound(forged) == len(forged) + (1 << 30)
+    # a copy counts its source's base size plus everything before it (which may have written the source):
+    # 10 + len(copied); three copies of a created file double the count each time
+    copied = "diff --git a/a.txt b/b.txt\nsimilarity index 100%\ncopy from a.txt\ncopy to b.txt\n"
+    assert patch_write_bound(copied, {"a.txt": 10}) == len(copied) + 10 + len(copied)
+    created = new_binary_file("big", 1000, b"x")
+    chain = created + copied.replace("a.txt", "big") * 3
+    assert patch_write_bound(chain) == (len(chain) + 1000) * 8  # x2 per copy
+    # 100 000 copies would double the count past any int, a literal of 5 000 digits past what int() reads:
+    # both stop at 2**62, fast
+    assert patch_write_bound(copied * 100_000, {"a.txt": 10}) == 1 << 62
+    assert patch_write_bound(f"literal {'9' * 5000}\n") == 1 << 62
+    with pytest.raises(ValueError, match="patch must be a str"):
+        patch_write_bound(b"diff")
+    with pytest.raises(ValueError, match="base_sizes must be a mapping"):
+        patch_write_bound("", [1])
+
+
+class ForgedDiff(CountingSandbox):
+    """A sandbox whose diff command (emptying the workspace as ever) answers ``patch``: the policy's diff, as
+    ``git diff --binary`` would write it for a file the agent made."""
+
+    def __init__(self, sandbox, patch):
+        super().__init__(sandbox)
+        self.patch = patch
+
+    async def exec(self, command, *args, **kwargs):
+        result = await super().exec(command, *args, **kwargs)
+        if isinstance(command, list) and "git diff --cached --binary" in command[-1]:
+            return dataclasses.replace(result, stdout=self.patch)
+        return result
+
+
+def test_a_patch_that_inflates_past_the_cap_is_the_policys_failure_and_never_applied_here(service, monkeypatch):
+    # 2 GiB of zeros declared by a literal a few bytes long: git apply would allocate and write it on this host,
+    # and the tree would pass the upload's 1 GiB cap (an env_error the policy could hide a -1 behind)
+    instance = make_instance("graph", 2, level=1)
+    huge = new_binary_file("zeros.bin", 2 << 30, bytes(64))
+    assert len(huge) < 300
+    applied = []
+    run = subprocess.run
+
+    def recording(argv, *args, **kwargs):
+        if argv[1:2] == ["apply"]:
+            applied.append(kwargs.get("input", ""))
+        return run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(swe_sandbox.subprocess, "run", recording)
+
+    async def main():
+        async with AsyncSandboxClient(service.url, service.api_key) as client, await client.create() as raw:
+            await prepare_sandbox(raw, instance)
+            return await score_sandbox(ForgedDiff(raw, huge), instance, timeout_s=60)
+
+    verdict = asyncio.run(main())
+    assert verdict.reward == -1.0 and not verdict.patch_applied and verdict.patch == huge
+    assert verdict.details["reason"] == (f"the patch may write {len(huge) + (2 << 30)} bytes when applied, more "
+                                         f"than MAX_PATCH_WRITE_BYTES={MAX_PATCH_WRITE_BYTES}")
+    assert huge not in applied  # refused from its headers: nothing inflated or written on this host
+
+
+class RefusingUpload(CountingSandbox):
+    """A sandbox whose archive upload refuses the scored tree as the service does one past its 1 GiB cap."""
+
+    async def upload_archive(self, path, tree):
+        raise BadRequestError("the archive unpacks to more than max_bytes=1073741824 bytes")
+
+
+def test_an_upload_refused_for_its_size_is_the_policys_failure(service):
+    instance = make_instance("graph", 2, level=1)
+
+    async def main():
+        async with AsyncSandboxClient(service.url, service.api_key) as client, await client.create() as raw:
+            await prepare_sandbox(raw, instance)
+            assert (await raw.exec(["git", "apply", "-"], stdin=instance.patch)).exit_code == 0
+            return await score_sandbox(RefusingUpload(raw), instance, timeout_s=60)
+
+    verdict = asyncio.run(main())
+    assert verdict.reward == -1.0 and not verdict.patch_applied and verdict.patch
+    assert verdict.details["reason"].startswith("the patched tree is larger than the archive upload takes: ")
+
+
+def test_patched_paths_reads_names_git_quotes_or_leaves_with_spaces(tmp_path):
+    repo, env = tmp_path / "repo", {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **GIT_ENV}
+    (repo / "tests").mkdir(parents=True)
+    for name in ("tests/test a.py", "tests/old name.py", "tests/t\u00e9st.py", 'tests/q"uote.py'):
+        (repo / name).write_text("x = 1\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, env=env, check=True)
+    git_diff(repo, env)
+    subprocess.run(["git", "commit", "-qm", "base"], cwd=repo, env=env, check=True)
+    for name in ("tests/test a.py", "tests/t\u00e9st.py", 'tests/q"uote.py'):
+        (repo / name).write_text("x = 2\n")
+    (repo / "tests/old name.py").rename(repo / "tests/new name.py")
+    patch = git_diff(repo, env)
+    # git writes the space verbatim, and the others quoted with C escapes: "a/tests/t\303\251st.py"
+    assert '"a/tests/t\\303\\251st.py"' in patch and '"a/tests/q\\"uote.py"' in patch
+    # the rename's names differ, so its diff --git line is ambiguous: they come from its rename from / to lines
+    assert patched_paths(patch) == ["tests/old name.py", "tests/new name.py", 'tests/q"uote.py', "tests/test a.py",
+                                    "tests/t\u00e9st.py"]
