@@ -106,7 +106,7 @@ def test_requires_extra_passes_other_errors_through():
 DISTRIBUTION = {"_pytest": "pytest", "yaml": "pyyaml", "flash_attn": "flash-attn", "liger_kernel": "liger-kernel",
                 "kubernetes_validate": "kubernetes-validate", "PIL": "pillow"}
 TRANSITIVE = {"safetensors": "transformers", "uvloop": "uvicorn", "starlette": "fastapi",
-              "urllib3": "kubernetes"}
+              "urllib3": "kubernetes", "httpcore": "httpx"}
 # Used only by one benchmark that says so; accelerate is probed by orchard.train.model.quiet_transformers only to
 # stop it importing DeepSpeed when transformers brings it along.
 OPTIONAL = {"liger_kernel", "accelerate"}
