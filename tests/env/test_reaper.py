@@ -88,13 +88,16 @@ def exited_child(uid: int | None = None) -> int:
 
 
 def zombie_sandbox_inits() -> set[int]:
-    """Zombies anywhere on the machine that are the init of a deeper pid namespace than this process's."""
+    """Zombies that are the init of a deeper pid namespace than this process's and wait on this process or on the
+    host's pid 1 (an init left over for it); not those of other services on the machine, which wait on their own."""
     depth = len(status_field(os.getpid(), "NSpid"))
+    waiters = {str(os.getpid()), "1"}
     out = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             nspid = status_field(int(entry), "NSpid")
-            if len(nspid) > depth and nspid[-1] == "1" and is_zombie(entry):
+            if len(nspid) > depth and nspid[-1] == "1" and is_zombie(entry) \
+                    and set(status_field(int(entry), "PPid")) & waiters:
                 out.add(int(entry))
     return out
 
