@@ -154,6 +154,14 @@ def _error_headers(exc: SandboxError) -> dict[str, str]:
     return {}
 
 
+def _content_bytes(content: str) -> bytes:
+    """An upload's ``content`` field decoded; 400 when it is not base64."""
+    try:
+        return base64.b64decode(content, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequestError("content must be base64") from None
+
+
 def _check_idempotency_key(key: str | None) -> str | None:
     if key is not None and not (1 <= len(key) <= 255 and key.isprintable()):
         raise BadRequestError(f"Idempotency-Key must be 1-255 printable characters, got {len(key)} characters")
@@ -337,10 +345,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     @app.post("/sandboxes/{sandbox_id}/files", dependencies=auth)
     async def upload_file(sandbox_id: str, body: UploadFileRequest, request: Request,
                           idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
-        try:
-            data = base64.b64decode(body.content, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequestError("content must be base64") from None
+        data = _content_bytes(body.content)
 
         async def upload() -> tuple[int, dict[str, Any]]:
             size = await orchestrator.write_file(sandbox_id, body.path, data, body.mode)
@@ -354,10 +359,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     @app.post("/sandboxes/{sandbox_id}/files/archive", dependencies=auth)
     async def upload_archive(sandbox_id: str, body: UploadArchiveRequest, request: Request,
                              idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
-        try:
-            data = base64.b64decode(body.content, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequestError("content must be base64") from None
+        data = _content_bytes(body.content)
 
         async def unpack() -> tuple[int, dict[str, Any]]:
             entries, size = await orchestrator.extract_archive(sandbox_id, body.path, data)
