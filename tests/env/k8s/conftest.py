@@ -12,6 +12,7 @@ import pytest
 from k8s_emulator import ApiEmulator
 from k8s_kubelet import SimulatedKubelet
 
+from orchard.env import SandboxClient
 from orchard.env.backends.kubernetes import API_URL_ENV
 from orchard.env.embedded import EmbeddedService, serve
 
@@ -56,3 +57,23 @@ def k8s_service(cluster: Cluster, *, ready_timeout_s: float = 120, api_retries: 
            "ORCHARD_K8S_API_RETRIES": str(api_retries)}
     with mock.patch.dict(os.environ, env), serve(backend=FACTORY, **options) as svc:  # type: ignore[arg-type]
         yield svc
+
+
+@pytest.fixture(scope="module")
+def service(cluster: Cluster) -> Iterator[EmbeddedService]:
+    """One service on the Kubernetes backend for the module (a module may define its own)."""
+    with k8s_service(cluster, max_concurrent_execs=8) as svc:
+        yield svc
+    assert cluster.leftovers() == {}  # every test deleted what it made; closing the service leaves pods alone
+
+
+@pytest.fixture(scope="module")
+def client(service: EmbeddedService) -> Iterator[SandboxClient]:
+    with SandboxClient(service.url, service.api_key) as c:
+        yield c
+
+
+@pytest.fixture
+def sb(client: SandboxClient) -> Iterator[object]:
+    with client.create() as sandbox:
+        yield sandbox

@@ -2,12 +2,11 @@
 Kubernetes backend (emulated API server, real agent processes in the simulated pods): our client and the requests
 Orchard Env's own client sends get the same answers from either backend. Left out, by what the backend is: the
 terminal tests (the Kubernetes backend offers no terminals; exec only), and the tests of the local service's own
-command line and in-process fast path."""
+command line and in-process fast path. The fixtures (one service for the module, a client, a fresh sandbox) are the directory's
+conftest's, as for test_k8s_service.py."""
 
 from __future__ import annotations
 
-import pytest
-from conftest import k8s_service
 from test_service_api import (  # noqa: F401  (collected here, with this module's fixtures)
     test_apply_patch_applies_the_diff_as_data,
     test_bad_base64_is_400,
@@ -29,23 +28,3 @@ from test_service_api import (  # noqa: F401  (collected here, with this module'
     test_upload_download_list_roundtrip,
 )
 
-from orchard.env import SandboxClient
-
-
-@pytest.fixture(scope="module")
-def service(cluster):
-    with k8s_service(cluster, max_concurrent_execs=8) as svc:
-        yield svc
-    assert cluster.leftovers() == {}  # every test deleted what it made
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with SandboxClient(service.url, service.api_key) as c:
-        yield c
-
-
-@pytest.fixture
-def sb(client):
-    with client.create() as sandbox:
-        yield sandbox

@@ -10,29 +10,10 @@ import uuid
 import httpx
 import pytest
 from _archives import TREE, TREE_BYTES, bad_archive, tar_of
-from conftest import NAMESPACE, Cluster, k8s_service
+from conftest import NAMESPACE
 
-from orchard.env import ConflictError, NotFoundError, PathError, SandboxClient
+from orchard.env import ConflictError, NotFoundError, PathError
 from orchard.env.backends.kubernetes.manifests import object_name
-
-
-@pytest.fixture(scope="module")
-def service(cluster: Cluster):
-    with k8s_service(cluster, max_concurrent_execs=8) as svc:
-        yield svc
-    assert cluster.leftovers() == {}  # every test deleted what it made; closing the service leaves pods alone
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with SandboxClient(service.url, service.api_key) as c:
-        yield c
-
-
-@pytest.fixture
-def sb(client):
-    with client.create() as sandbox:
-        yield sandbox
 
 
 def raw(service, method, path, **kwargs):
