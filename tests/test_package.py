@@ -1,3 +1,4 @@
+import ast
 import json
 import subprocess
 import sys
@@ -68,3 +69,38 @@ def test_every_data_file_of_the_package_ships():
             if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts}
     assert ROOT / "orchard/env/agent/box.c" in data
     assert sorted(str(p.relative_to(ROOT)) for p in data - shipped) == []
+
+
+
+def private_imports(tree: ast.AST) -> list[str]:
+    """The dotted orchard names an import statement reaches with a private part (``a._b``, ``a._b.c``, ``_c`` from
+    ``a.b``), dunders (``__init__``) aside."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [name for name in names if name.startswith("orchard.")
+                  and any(p.startswith("_") and not p.startswith("__") for p in name.split("."))]
+    return found
+
+
+def test_no_module_reaches_into_another_packages_private_parts():
+    # `a.b._c` (a module, or a name of `a.b`'s __init__) belongs to package `a.b`, and `a.b.m._c` (a name of module
+    # `a.b.m`) to `a.b` too: modules of `a.b` and below may import them, the others import what `a.b` exports.
+    # `orchard._extras` is the whole package's (every module is below `orchard`).
+    reached = []
+    for path in sorted((ROOT / "orchard").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rpartition(".")[0]
+        for name in private_imports(ast.parse(path.read_text())):
+            parts = name.split(".")
+            owner = ".".join(parts[: next(i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__"))])
+            if not (ROOT / owner.replace(".", "/")).is_dir():
+                owner = owner.rpartition(".")[0]
+            if package != owner and not package.startswith(owner + "."):
+                reached.append(f"{module} imports {name}")
+    assert reached == []

@@ -44,7 +44,8 @@ from orchard.env.backends.base import Backend
 
 API_KEY_ENV = "ORCHARD_ENV_API_KEY"
 """The key `serve(in_process=False)` hands its child (not on the command line: /proc/*/cmdline is
-world-readable), and that `orchard env serve` uses when `--api-key` is not given."""
+world-readable), and that `orchard env serve` uses when `--api-key` is not given. The service's own key, not
+`orchard.env.API_KEY_ENV` (`SANDBOX_API_KEY`), the one its clients read."""
 READY_PREFIX = "SANDBOX_BASE_URL="
 KEY_PREFIX = "SANDBOX_API_KEY="
 """The lines the service prints once it listens: the variables the clients read (`export` them as printed)."""

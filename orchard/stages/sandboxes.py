@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from orchard.env.client._common import API_KEY_ENV
+from orchard.env.client import API_KEY_ENV
 from orchard.env.client.aio import AsyncSandbox, AsyncSandboxClient
 from orchard.env.client.pool import AsyncSandboxPool
 

@@ -232,6 +232,20 @@ def test_settings_from_environment_and_auth_error(service, monkeypatch):
         SandboxClient("ftp://x")
 
 
+def test_the_clients_read_the_public_variables_not_the_services_own_key(monkeypatch):
+    from orchard.env import API_KEY_ENV, BASE_URL_ENV
+    from orchard.env.embedded import API_KEY_ENV as SERVICE_KEY_ENV
+
+    monkeypatch.setenv(BASE_URL_ENV, "http://127.0.0.1:1")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.setenv(SERVICE_KEY_ENV, "the-service's")  # what a service starts with, not what clients send
+    with SandboxClient(auto_cleanup=False) as client:
+        assert (client.base_url, client.api_key) == ("http://127.0.0.1:1", None)
+    monkeypatch.setenv(API_KEY_ENV, "the-client's")
+    with SandboxClient(auto_cleanup=False) as client:
+        assert client.api_key == "the-client's"
+
+
 def test_keepalive_thread_sends_heartbeats(service):
     with SandboxClient(service.url, service.api_key) as client:
         kept = client.create(heartbeat_timeout=1.0, keepalive_s=0.2)

@@ -21,7 +21,11 @@ with requires_extra("env"):
 from orchard.env.errors import SandboxError, ServiceUnavailable, error_for_status
 
 BASE_URL_ENV = "SANDBOX_BASE_URL"
+"""The variable the clients read the service's URL from when no `base_url` is given."""
 API_KEY_ENV = "SANDBOX_API_KEY"
+"""The variable the clients read the service's key from when no `api_key` is given; the lines `orchard env serve`
+prints set it. Not `orchard.env.embedded.API_KEY_ENV` (`ORCHARD_ENV_API_KEY`), the key the service itself starts
+with."""
 DEFAULT_BASE_URL = "http://localhost:8000"
 RETRY_STATUSES = (502, 503, 504)
 
