@@ -1,5 +1,6 @@
-"""Set-up shared by test modules in different folders: the tiny vision-language model and the screenshots it looks
-at, and DeepSpeed's CPU op built once per session."""
+"""Set-up shared by test modules in different folders: the embedded sandbox service and the ids of the sandboxes it
+holds, the tiny vision-language model and the screenshots it looks at, and DeepSpeed's CPU op built once per
+session."""
 
 import base64
 import io
@@ -13,6 +14,27 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def embedded_service():
+    """The embedded sandbox service with `orchard.env.embedded.serve`'s defaults (local backend, SQLite state, a
+    temporary root), a fresh one per test module: a module's tests that check no sandbox is left see only their
+    own module's."""
+    from orchard.env.embedded import serve
+
+    with serve() as service:
+        yield service
+
+
+@pytest.fixture(scope="session")
+def sandbox_ids() -> Callable:
+    """``await sandbox_ids(client)``: the ids of the sandboxes an `AsyncSandboxClient`'s service holds now."""
+
+    async def ids(client) -> set[str]:
+        return {s["sandbox_id"] for s in await client.list_sandboxes()}
+
+    return ids
 
 
 @pytest.fixture(scope="module")

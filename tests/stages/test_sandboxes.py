@@ -9,27 +9,16 @@ import asyncio
 import pytest
 
 from orchard.env import AsyncSandboxClient
-from orchard.env.embedded import serve
 from orchard.stages import PooledSandboxes, sandbox_service
 
 
-@pytest.fixture(scope="module")
-def service():
-    with serve() as svc:
-        yield svc
-
-
-async def ids(client):
-    return {s["sandbox_id"] for s in await client.list_sandboxes()}
-
-
-async def test_a_stage_serves_its_pools_sandboxes_and_other_requests_on_the_spot(service):
-    async with AsyncSandboxClient(service.url, service.api_key) as client:
+async def test_a_stage_serves_its_pools_sandboxes_and_other_requests_on_the_spot(embedded_service, sandbox_ids):
+    async with AsyncSandboxClient(embedded_service.url, embedded_service.api_key) as client:
         sandboxes = PooledSandboxes(client)
         assert sandboxes.base_url == client.base_url and sandboxes.api_key == client.api_key
         async with sandboxes.stage(2) as pool:
             await pool.wait_filled()
-            ahead = await ids(client)
+            ahead = await sandbox_ids(client)
             # the defaults, and the defaults spelled out (the SWE eval harness asks for image "host"): the pool's
             drawn = [await sandboxes.create(), await sandboxes.create(image="host", block_network=True)]
             assert {s.sandbox_id for s in drawn} == ahead
@@ -41,15 +30,15 @@ async def test_a_stage_serves_its_pools_sandboxes_and_other_requests_on_the_spot
                     pass
         assert sandboxes.pool is None
         outside = await sandboxes.create()  # between stages: the client's
-        left = await ids(client)
+        left = await sandbox_ids(client)
         # the stage's two refills were deleted with it: what is left is what was handed out
         assert left == {s.sandbox_id for s in [*drawn, named, other, outside]}
         for sandbox in [*drawn, named, other, outside]:
             await sandbox.delete()
 
 
-async def test_a_stage_that_raises_leaves_no_sandbox(service):
-    async with AsyncSandboxClient(service.url, service.api_key) as client:
+async def test_a_stage_that_raises_leaves_no_sandbox(embedded_service, sandbox_ids):
+    async with AsyncSandboxClient(embedded_service.url, embedded_service.api_key) as client:
         sandboxes = PooledSandboxes(client)
         with pytest.raises(RuntimeError, match="the stage failed"):
             async with sandboxes.stage(3) as pool:
@@ -58,7 +47,7 @@ async def test_a_stage_that_raises_leaves_no_sandbox(service):
                     pass
                 # the pool is making a replacement now: it is deleted too, once made
                 raise RuntimeError("the stage failed")
-        assert await ids(client) == set()
+        assert await sandbox_ids(client) == set()
         assert pool.idle == 0
 
 
