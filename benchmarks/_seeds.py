@@ -2,7 +2,7 @@
 own log, the mean ± std cells and RL-minus-baseline verdicts of their tables, and the printed and saved summary.
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _seeds import Launch, gain_and_spread, machine, mean_std, run_launches
+    from _seeds import Launch, add_run_arguments, gain_and_spread, machine, mean_std, run_launches
 
 Each run is its own process because each recipe starts its own embedded sandbox service and uses one torch thread:
 ``jobs`` of them share the machine's cores without sharing an interpreter.
@@ -10,6 +10,7 @@ Each run is its own process because each recipe starts its own embedded sandbox 
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
@@ -28,6 +29,20 @@ def machine() -> str:
     """One line: architecture, cpus, python and the commit the run measured."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, commit {commit.stdout.strip()}"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, config: str, out: str, jobs: int = 1,
+                      jobs_help: str = "seeds run at once") -> None:
+    """Adds what every learning benchmark's command line takes: ``--seeds`` (default 0 1 2), ``--config`` (default
+    ``recipes/configs/<config>``), ``--out`` (default ``runs/<out>``), ``--jobs`` (default ``jobs``, described by
+    ``jobs_help``) and the positional ``key=value`` overrides of the recipe's config."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--config", default=str(ROOT / "recipes/configs" / config))
+    parser.add_argument("--out", default=str(ROOT / "runs" / out))
+    parser.add_argument("--jobs", type=int, default=jobs, help=jobs_help)
+    parser.add_argument("overrides", nargs="*")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, gain_and_spread, machine, mean_std, publish, run_launches
+from _seeds import Launch, add_run_arguments, gain_and_spread, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURES = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
@@ -172,10 +172,7 @@ def temperature_control(args: Any, out: Path, runs: list[dict[str, Any]], harnes
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--config", default=str(ROOT / "recipes/configs/claw_tiny.yaml"))
-    parser.add_argument("--out", default=str(ROOT / "runs/claw_learning"))
-    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once")
+    add_run_arguments(parser, config="claw_tiny.yaml", out="claw_learning")
     parser.add_argument("--reuse", action="store_true", help="keep finished seeds' results instead of rerunning")
     parser.add_argument("--temperature-control", action="store_true",
                         help="also evaluate each SFT model at the temperature its RL model's final norm implies")
@@ -185,7 +182,6 @@ def main() -> int:
     parser.add_argument("--no-best-temperature", action="store_true",
                         help="skip the SFT-at-its-best-temperature baseline")
     parser.add_argument("--search-seed", type=int, help=argparse.SUPPRESS)  # one seed's search, in its own process
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if any(not t > 0 for t in args.temperatures):
         raise SystemExit(f"--temperatures must all be > 0, got {args.temperatures}")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, gain_and_spread, machine, mean_std, publish, run_launches
+from _seeds import Launch, add_run_arguments, gain_and_spread, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("base", "sft", "rl")
@@ -118,12 +118,8 @@ def plot(out: Path, seeds: Sequence[int], runs: Sequence[Mapping[str, Any]]) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--config", default=str(ROOT / "recipes/configs/gui_tiny.yaml"))
-    parser.add_argument("--out", default=str(ROOT / "runs/gui_learning"))
-    parser.add_argument("--jobs", type=int, default=2, help="seeds run at once")
+    add_run_arguments(parser, config="gui_tiny.yaml", out="gui_learning", jobs=2)
     parser.add_argument("--reuse", action="store_true", help="keep finished seeds' results instead of rerunning")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, gain_and_spread, machine, mean_std, publish, run_launches
+from _seeds import Launch, add_run_arguments, gain_and_spread, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("resolved", "credit", "control", "all")
@@ -152,13 +152,9 @@ def summarize(args: Any, out: Path, t0: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once")
+    add_run_arguments(parser, config="swe_tiny.yaml", out="swe_credit_sft")
     parser.add_argument("--quick", action="store_true", help="a smoke: tiny pools, one epoch")
-    parser.add_argument("--config", default=str(ROOT / "recipes/configs/swe_tiny.yaml"))
-    parser.add_argument("--out", default=str(ROOT / "runs/swe_credit_sft"))
     parser.add_argument("--one-seed", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _seeds import Launch, machine, mean_std, publish, run_launches
+from _seeds import Launch, add_run_arguments, machine, mean_std, publish, run_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("grpo_bar", "opd_k2", "opd_k3", "opd_js", "opd_js_grpo", "rpr")
@@ -168,13 +168,9 @@ def plots(out: Path, seeds: list[int], variants: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_run_arguments(parser, config="swe_tiny.yaml", out="swe_rl", jobs_help="runs at once")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--config", default=str(ROOT / "recipes/configs/swe_tiny.yaml"))
-    parser.add_argument("--out", default=str(ROOT / "runs/swe_rl"))
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--quick", action="store_true", help="tiny everything: checks the pipeline, measures nothing")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = Path(args.out)
     overrides = [*(QUICK if args.quick else []), *args.overrides]

@@ -1,6 +1,8 @@
 """benchmarks/_seeds.py, the learning benchmarks' shared launcher: the mean ± std cells and the RL-minus-baseline
-spread on hand-computed values, and real child processes run ``jobs`` at once with a log each."""
+spread on hand-computed values, the command-line arguments every benchmark takes, and real child processes run
+``jobs`` at once with a log each."""
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,18 @@ def test_gain_and_spread():
     assert spread == 0.0
     with pytest.raises(ValueError, match="baseline and treated"):
         seeds.gain_and_spread([0.1, 0.2], [0.3])
+
+
+def test_the_run_arguments_every_learning_benchmark_takes():
+    parser = argparse.ArgumentParser()
+    seeds.add_run_arguments(parser, config="x_tiny.yaml", out="x", jobs=2, jobs_help="runs at once")
+    assert vars(parser.parse_args([])) == {"seeds": [0, 1, 2], "config": str(ROOT / "recipes/configs/x_tiny.yaml"),
+                                           "out": str(ROOT / "runs/x"), "jobs": 2, "overrides": []}
+    given = parser.parse_args(["--seeds", "3", "4", "--jobs", "1", "--out", "o", "--config", "c.yaml", "a=1", "b.c=2"])
+    assert vars(given) == {"seeds": [3, 4], "config": "c.yaml", "out": "o", "jobs": 1, "overrides": ["a=1", "b.c=2"]}
+    assert "runs at once" in parser.format_help()
+    with pytest.raises(ValueError, match="jobs must be an int >= 1, got 0"):
+        seeds.add_run_arguments(argparse.ArgumentParser(), config="x_tiny.yaml", out="x", jobs=0)
 
 
 def python(code: str) -> list[str]:
