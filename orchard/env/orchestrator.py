@@ -36,7 +36,12 @@ a restart does. A restart leaves alone the pending records of replicas that are 
 are fenced like job results: the settling replica first takes the pending record over (a conditional write
 that expects it pending and its creator's), and the creator writes its outcome only while the record is still
 pending and its own (`StateStore.put_sandbox_if`), so a creator that was paused past its lease, not dead, cannot
-overwrite the settlement when it resumes: its client gets `CreateTakenOverError` (409) instead.
+overwrite the settlement when it resumes: its client gets `CreateTakenOverError` (409) instead. A user's delete
+of a pending record waits for the create on whichever replica makes it (polling the store for another's) and
+then writes "deleting" conditionally on the record it read; it takes the record over without waiting only when
+its creator's lease has ended, or once its wait is up (`delete_sandbox`). Once "deleting", no create writes the
+record, and a creator (or settler) whose write a delete refused deletes what it made: the delete wins and
+leaves nothing behind. The reaper leaves pending records alone: it reaps them, if still due, once created.
 """
 
 from __future__ import annotations
