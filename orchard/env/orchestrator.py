@@ -664,7 +664,7 @@ class Orchestrator:
         while True:
             record = await self.get_sandbox(sandbox_id)
             if record.status == "deleting":
-                break  # another delete's: ending the sandbox again does no harm, and this call returns when it is
+                break  # another delete's: ending the sandbox again does no harm
             left = deadline - time.monotonic()
             if record.status == "pending" and left > 0 and await self._create_in_flight(record):
                 event = self._ready.get(sandbox_id) if record.replica == self.replica_id else None
