@@ -36,7 +36,12 @@ a restart does. A restart leaves alone the pending records of replicas that are 
 are fenced like job results: the settling replica first takes the pending record over (a conditional write
 that expects it pending and its creator's), and the creator writes its outcome only while the record is still
 pending and its own (`StateStore.put_sandbox_if`), so a creator that was paused past its lease, not dead, cannot
-overwrite the settlement when it resumes: its client gets `CreateTakenOverError` (409) instead.
+overwrite the settlement when it resumes: its client gets `CreateTakenOverError` (409) instead. A user's delete
+of a pending record waits for the create on whichever replica makes it (polling the store for another's) and
+then writes "deleting" conditionally on the record it read; it takes the record over without waiting only when
+its creator's lease has ended, or once its wait is up (`delete_sandbox`). Once "deleting", no create writes the
+record, and a creator (or settler) whose write a delete refused deletes what it made: the delete wins and
+leaves nothing behind. The reaper leaves pending records alone: it reaps them, if still due, once created.
 """
 
 from __future__ import annotations
@@ -357,14 +362,20 @@ class Orchestrator:
         if not await self.store.put_sandbox_if(record, status="pending", replica=creator):
             return await self._status_now(sandbox_id)  # its creator finished it after all
         if sandbox_id in live:
+            # waited for on this replica as its own create is (`delete_sandbox`, `wait_sandbox`)
+            self._ready[sandbox_id] = asyncio.Event()
             try:
-                await self.backend.create(sandbox_id, self._spec(record))
-                record.status = "ready"
-            except Exception as exc:
-                record.status, record.status_message = "failed", f"create failed: {exc}"
-            if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
-                return await self._status_now(sandbox_id)  # deleted meanwhile
-            return record.status
+                try:
+                    await self.backend.create(sandbox_id, self._spec(record))
+                    record.status = "ready"
+                except Exception as exc:
+                    record.status, record.status_message = "failed", f"create failed: {exc}"
+                if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
+                    now = await self._unless_deleted(sandbox_id)  # deleted meanwhile
+                    return now.status if now is not None else "dropped"
+                return record.status
+            finally:
+                self._ready.pop(sandbox_id).set()
         # the record goes first: a stalled creator whose sandbox appears after this finds no record and deletes
         # the sandbox itself (`_taken_over`); the other way round, one appearing between the two steps found the
         # record still there, kept its sandbox, and then the record went: a sandbox nobody knew of
@@ -441,7 +452,9 @@ class Orchestrator:
             expired = record.expires_at is not None and now >= record.expires_at
             idle = (self._active_jobs.get(record.sandbox_id, 0) == 0
                     and now - record.last_heartbeat >= record.heartbeat_timeout)
-            if (expired or idle) and record.status != "deleting":
+            # a pending record is its creator's (or, once that replica's lease has ended, `settle_creates`'s):
+            # a later pass reaps it once it is out of pending, rather than this one waiting for its create
+            if (expired or idle) and record.status not in ("pending", "deleting"):
                 try:
                     await self.delete_sandbox(record.sandbox_id)
                     reaped.append(record.sandbox_id)
@@ -550,39 +563,50 @@ class Orchestrator:
         spec = self._spec(record)  # validates cpu and memory before anything is stored
         if not await self.store.insert_sandbox(record):
             raise ConflictError(f"Sandbox {sandbox_id} already exists")
+        # set once the outcome is written, not before: a waiter on this replica then reads it from the store
         self._ready[sandbox_id] = asyncio.Event()
         try:
-            with backend_errors(sandbox_id):
-                await self.backend.create(sandbox_id, spec)
-        except BaseException as exc:
-            # conditional, as the write below: a replica that settled this create meanwhile owns it now
-            mine = await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id)
-            if mine:
-                with contextlib.suppress(Exception):
-                    await self.backend.delete(sandbox_id)
-            if mine or not isinstance(exc, Exception):
-                raise
-            raise await self._taken_over(sandbox_id) from exc
+            try:
+                with backend_errors(sandbox_id):
+                    await self.backend.create(sandbox_id, spec)
+            except BaseException as exc:
+                # conditional, as the write below: a replica that settled this create meanwhile owns it now
+                mine = await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id)
+                if mine:
+                    with contextlib.suppress(Exception):
+                        await self.backend.delete(sandbox_id)
+                if mine or not isinstance(exc, Exception):
+                    raise
+                raise await self._taken_over(sandbox_id) from exc
+            record.status = "ready"
+            if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
+                raise await self._taken_over(sandbox_id)
+            return record
         finally:
             self._ready.pop(sandbox_id).set()
-        record.status = "ready"
-        if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
-            raise await self._taken_over(sandbox_id)
-        return record
 
     async def _taken_over(self, sandbox_id: str) -> CreateTakenOverError:
         """The error of a create whose record another replica settled while this one stalled past its lease.
-        A record that replica dropped leaves what this create made to nobody: it is deleted here."""
-        record = await self.store.get_sandbox(sandbox_id)
-        if record is None:
-            with contextlib.suppress(Exception):
-                await self.backend.delete(sandbox_id)
+        A record that replica dropped, or that a delete took, leaves what this create made to nobody: it is
+        deleted here."""
+        record = await self._unless_deleted(sandbox_id)
         now = f"it is {record.status} now" if record is not None else "it is gone"
         logger.warning("sandbox %s: create taken over by another replica (%s)", sandbox_id, now)
         return CreateTakenOverError(
             f"Sandbox {sandbox_id}: another replica settled the create while this one was stalled past its "
             f"lease, or the sandbox was deleted meanwhile ({now}); GET the sandbox, or retry with the same "
             "Idempotency-Key, for its state")
+
+    async def _unless_deleted(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record as it is now, after this replica's write of a create's outcome (its own or one it settles)
+        was refused. When it is gone or "deleting", a delete ran before or while this replica's backend create
+        made the sandbox, and may have found nothing to delete: what the create made is deleted here (a backend
+        delete is idempotent, so a second one does no harm)."""
+        record = await self.store.get_sandbox(sandbox_id)
+        if record is None or record.status == "deleting":
+            with contextlib.suppress(Exception):
+                await self.backend.delete(sandbox_id)
+        return record
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxRecord:
         record = await self.store.get_sandbox(sandbox_id)
@@ -613,12 +637,58 @@ class Orchestrator:
             raise NotFoundError(f"Sandbox {sandbox_id} not found")
         return await self.get_sandbox(sandbox_id)
 
-    async def delete_sandbox(self, sandbox_id: str) -> None:
-        """Delete the sandbox and every process in it; queued execs then fail with "sandbox deleted"."""
-        record = await self.wait_sandbox(sandbox_id, 600.0)  # a create in flight finishes first
-        record.status = "deleting"
-        await self.store.put_sandbox(record)
+    async def delete_sandbox(self, sandbox_id: str, *, wait_s: float = 600.0) -> None:
+        """Delete the sandbox and every process in it; queued execs then fail with "sandbox deleted".
+
+        A create in flight finishes first, on whichever replica makes it: this replica waits for its own (or
+        one it is settling), and for another live replica's polls the store (from 20 ms up to every 0.5 s)
+        until the record leaves "pending". The create thus ends as it would without the delete (its client
+        gets the sandbox, its Idempotency-Key is answered) and the delete follows. The delete takes the record
+        over instead, without waiting more, when the creator's lease has ended (the create is abandoned, as
+        `settle_creates` would find it) or after `wait_s` seconds: it is then the create's settler, so it
+        forgets the create's pending Idempotency-Key (a retry creates anew), and the creator's own write is
+        refused (`CreateTakenOverError`) and the creator deletes what it made after the delete.
+
+        The "deleting" write is fenced: it expects the status and replica the delete read, so it never lands
+        between a creator's (or settler's) read and write; a record changed meanwhile is read again. Once
+        "deleting", no create writes it any more: the user's delete wins, whatever the create's outcome.
+
+        Raises:
+            NotFoundError: no such sandbox (404).
+            ValueError: `wait_s` is not a number >= 0.
+        """
+        if not isinstance(wait_s, (int, float)) or not wait_s >= 0:
+            raise ValueError(f"wait_s must be a number >= 0, got {wait_s!r}")
+        deadline, pause = time.monotonic() + wait_s, 0.02
+        took_a_create = False
+        while True:
+            record = await self.get_sandbox(sandbox_id)
+            if record.status == "deleting":
+                break  # another delete's: ending the sandbox again does no harm
+            left = deadline - time.monotonic()
+            if record.status == "pending" and left > 0 and await self._create_in_flight(record):
+                event = self._ready.get(sandbox_id) if record.replica == self.replica_id else None
+                if event is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(event.wait(), left)
+                else:
+                    await asyncio.sleep(min(pause, left))
+                    pause = min(2 * pause, 0.5)
+                continue
+            read_status, read_replica = record.status, record.replica
+            record.status = "deleting"
+            if await self.store.put_sandbox_if(record, status=read_status, replica=read_replica):
+                took_a_create = read_status == "pending"
+                break
         await self._destroy(sandbox_id)
+        if took_a_create:
+            await self._settle_create_claims(lambda claim: claim.resource_id == sandbox_id)
+
+    async def _create_in_flight(self, record: SandboxRecord) -> bool:
+        """Whether a pending record's create (or settlement) is still being made by a live replica."""
+        if record.replica == self.replica_id:
+            return record.sandbox_id in self._ready
+        return await self._creating_elsewhere(record)
 
     async def _destroy(self, sandbox_id: str) -> None:
         with backend_errors(sandbox_id):

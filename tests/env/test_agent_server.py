@@ -118,9 +118,10 @@ async def test_exec_files_patch_over_http(agent_server):
         assert [f["path"] for f in r.json()["files"]] == ["d", "d/f.txt"]
         for bad in ["../x", "/etc/passwd"]:
             r = await c.get("/files", params={"path": bad}, headers=AUTH)
-            assert r.status_code == 400, r.text
+            # the pod agent's answer, which the Kubernetes backend turns into PathEscapeError (before: no "error")
+            assert (r.status_code, r.json()["error"]) == (400, "path_escape"), r.text
         r = await c.get("/files", params={"path": "missing"}, headers=AUTH)
-        assert r.status_code == 404
+        assert (r.status_code, r.json()["error"]) == (404, "not_found"), r.text
         r = await c.post("/exec", headers=AUTH, json={"command": "true", "timeout_s": -1})
         assert r.status_code == 400
 
@@ -180,3 +181,21 @@ async def test_pty_over_websocket(agent_server):
         with pytest.raises(Exception):  # noqa: B017 - the server closes the socket when the shell ends
             while True:
                 await asyncio.wait_for(ws.recv(), 10)
+
+
+class _BrokenDisk:
+    """An agent whose `resources` fails with an error no route expects (the disk it measures is gone)."""
+
+    async def resources(self):
+        raise OSError(5, "Input/output error")
+
+
+async def test_an_unexpected_error_is_a_500_with_its_cause_as_the_pod_agent_answers():
+    from orchard.env.agent.server import create_agent_app
+
+    app = create_agent_app(_BrokenDisk(), token=TOKEN)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://agent") as c:
+        r = await c.get("/resources", headers=AUTH)
+    # before: FastAPI's bare text "Internal Server Error", so the Kubernetes backend's client had no cause
+    assert (r.status_code, r.json()) == (500, {"detail": "OSError: [Errno 5] Input/output error"})

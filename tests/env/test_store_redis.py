@@ -330,3 +330,126 @@ async def test_a_creator_whose_sandbox_appears_during_the_settlers_drop_deletes_
     finally:
         await b.close()
         await a.store.close()
+
+
+class _AskedAbout(RedisStore):
+    """A store that calls `then` each time its replica asks whether another replica is alive (a delete that
+    found a create in flight elsewhere)."""
+
+    def __init__(self, url: str, *, prefix: str, then) -> None:
+        super().__init__(url, prefix=prefix)
+        self.then = then
+
+    async def replica_alive(self, replica: str) -> bool:
+        alive = await super().replica_alive(replica)
+        self.then()
+        return alive
+
+
+async def test_a_delete_on_another_replica_waits_for_the_create_in_flight_and_leaks_nothing(root, redis_url):
+    # A (alive) is creating "s", held before its backend makes it; the user's delete reaches B. Before the fix B
+    # wrote "deleting" at once and deleted the backend's (not yet made) sandbox; A, resumed right then, made
+    # "s", found its write refused (the record was "deleting", not gone) and kept what it made; B then deleted
+    # the record: a live sandbox that no record knew of, and a create answered 409. Now B waits until A's
+    # create is written (A is released as soon as B checks A's lease), then deletes the ready sandbox.
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=True)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    creating: list[asyncio.Task] = []
+
+    async def resume_the_creator() -> None:  # before the fix: inside B's backend delete, before its record delete
+        held.release.set()
+        await asyncio.wait(creating)
+
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
+    b = Orchestrator(_DeleteThen(backend, "s", resume_the_creator),  # type: ignore[arg-type]
+                     _AskedAbout(redis_url, prefix=prefix, then=held.release.set), replica_lease_s=30.0)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        async def create() -> tuple[int, dict]:
+            record = await a.create_sandbox(CreateParams(sandbox_id="s"))
+            return 200, {"status": record.status}
+
+        creating.append(asyncio.create_task(a.idempotent("key", "fingerprint", create, resource_id="s")))
+        await held.entered.wait()
+        await b.delete_sandbox("s")
+        await asyncio.wait(creating)
+        assert not await backend.exists("s")  # before: made by A after B's backend delete, and left there
+        assert await b.store.get_sandbox("s") is None
+        assert creating[0].result() == (200, {"status": "ready"})  # the create ended as it would alone...
+        assert (await b.store.get_idempotency("key")).status_code == 200  # ...and its key was answered
+    finally:
+        await b.close()
+        await a.store.close()
+
+
+@pytest.mark.parametrize("creator", ["lease-ended", "alive-past-wait"])
+async def test_a_delete_takes_over_a_create_it_does_not_wait_for_and_the_creator_deletes_what_it_makes(
+        root, redis_url, creator):
+    # B's delete does not wait for A's create: A's lease has ended (A stalled), or A is alive but still
+    # creating after the delete's `wait_s`. B writes "deleting" over the pending record (fenced), and A resumes
+    # inside B's backend delete, so A's sandbox appears after B found nothing to delete. Before the fix A saw
+    # the record "deleting", not gone, and kept its sandbox, which outlived the record; and the create's
+    # Idempotency-Key stayed pending for its 24 h (a retry waited 600 s, then got 409).
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=True)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    creating: list[asyncio.Task] = []
+
+    async def resume_the_creator() -> None:
+        held.release.set()
+        await asyncio.wait(creating)
+
+    lease = 1.0 if creator == "lease-ended" else 30.0
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=lease)  # type: ignore[arg-type]
+    b = Orchestrator(_DeleteThen(backend, "s", resume_the_creator),  # type: ignore[arg-type]
+                     RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        async def create() -> tuple[int, dict]:
+            record = await a.create_sandbox(CreateParams(sandbox_id="s"))
+            return 200, {"status": record.status}
+
+        creating.append(asyncio.create_task(a.idempotent("key", "fingerprint", create, resource_id="s")))
+        await held.entered.wait()
+        if creator == "lease-ended":
+            a._beat.cancel()  # A renews nothing: its lease (1 s) ends
+            await asyncio.gather(a._beat, return_exceptions=True)
+            await asyncio.sleep(1.1)
+            await b.delete_sandbox("s")  # the default wait_s (600 s) is not waited: nobody is creating "s"
+        else:
+            await b.delete_sandbox("s", wait_s=0.2)
+        assert creating[0].done() and await b.store.get_sandbox("s") is None
+        assert not await backend.exists("s")  # made by A after B's backend delete, deleted by A
+        with pytest.raises(CreateTakenOverError, match="it is deleting"):
+            creating[0].result()
+        assert await b.store.get_idempotency("key") is None  # forgotten by B: a retry creates anew
+    finally:
+        await b.close()
+        await a.store.close()
+
+
+async def test_the_reaper_leaves_a_create_in_flight_on_another_replica_to_its_creator(root, redis_url):
+    # "s" is past its heartbeat timeout while A still creates it. Before the fix B's reaper deleted it under
+    # A's create (and, on A itself, its pass waited up to 600 s for the create); now it is left to A.
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=True)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
+    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0,
+                     clock=lambda: time.time() + 60)  # B's clock: a minute on, past the 1 s heartbeat timeout
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s", heartbeat_timeout=1)))
+        await held.entered.wait()
+        assert await b.reap_once() == []
+        held.release.set()
+        assert (await creating).status == "ready"
+        assert await b.reap_once() == ["s"]  # out of pending, and still idle: the next pass reaps it
+        assert await b.store.get_sandbox("s") is None and not await backend.exists("s")
+    finally:
+        await b.close()
+        await a.store.close()

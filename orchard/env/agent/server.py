@@ -16,7 +16,13 @@ Run `python -m orchard.env.agent --root DIR [--port N | --uds PATH]`. One agent 
     WS   /pty?cols=C&rows=R[&command=...]  binary frames both ways (keystrokes in, output out); a text
                         frame {"resize": [cols, rows]} resizes; the socket closes when the terminal ends.
 
-Errors: 400 for bad input and paths that leave the workspace, 404 for a missing file, 401 without the token.
+Errors: 400 for bad input and paths that leave the workspace (`{"detail", "error": "path_escape"}` for the
+latter), 404 for a missing file (`{"detail", "error": "not_found"}`), 401 without the token, 500 with
+`{"detail"}` for anything else: the JSON the pod agent (`orchard.env.backends.kubernetes.pod_agent`) answers,
+where the Kubernetes backend reads `error` to tell a path escape and a missing file from other failures.
+Unlike the pod agent, this one does not deduplicate a `request_id` (the field is ignored): no client retries it
+(the Kubernetes backend, the one client that retries, always talks to the pod agent; the local backend calls
+the agent in-process).
 When the environment variable named by `--token-env` (default ORCHARD_AGENT_TOKEN) is set, every route but
 /health needs `Authorization: Bearer <token>` (compared in constant time; also on the WebSocket, as a header,
 never in the URL).
@@ -86,11 +92,16 @@ def create_agent_app(agent: SandboxAgent, *, token: str | None = None) -> FastAP
 
     @app.exception_handler(PathEscapeError)
     async def _escape(_: Request, e: PathEscapeError) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=400)
+        return JSONResponse({"detail": str(e), "error": "path_escape"}, status_code=400)
 
     @app.exception_handler(FileNotFoundError)
     async def _missing(_: Request, e: FileNotFoundError) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=404)
+        return JSONResponse({"detail": str(e), "error": "not_found"}, status_code=404)
+
+    @app.exception_handler(Exception)
+    async def _broken(_: Request, e: Exception) -> JSONResponse:
+        # JSON with the cause, as the pod agent answers (FastAPI's own 500 is a bare "Internal Server Error")
+        return JSONResponse({"detail": f"{type(e).__name__}: {e}"}, status_code=500)
 
     @app.exception_handler(ValueError)
     async def _bad(_: Request, e: ValueError) -> JSONResponse:
