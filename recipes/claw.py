@@ -40,7 +40,7 @@ this script saves is partitioned: use ZeRO-2 here.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from orchard.domains.claw.teacher import TeacherEngine
 from orchard.domains.claw.text_rollout import ClawTextRollouts
 from orchard.env import AsyncSandboxClient
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
-from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
+from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig, TaskFilterConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.ranks import Ranks, init_ranks
 from orchard.stages.sandboxes import sandbox_service
@@ -74,6 +74,13 @@ class TasksConfig:
     rl_pool_per_template: int = 0
     """Train-split tasks per template that RL draws from (0: train_per_template). A larger pool holds the SFT
     tasks and fresh ones of the same templates, never a held-out task."""
+
+
+@dataclass
+class ClawRLConfig(RLConfig):
+    filter: TaskFilterConfig = field(default_factory=lambda: TaskFilterConfig(enabled=False))
+    """The paper's task filter before RL (off by default here: the Claw recipe trains on its whole pool): the
+    starting policy's rollouts on ``candidates`` pool tasks, RL on those with ``low < p̂ <= high``."""
 
 
 @dataclass
@@ -99,7 +106,7 @@ class ClawConfig:
     """Episode settings."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised stage."""
-    rl: RLConfig = field(default_factory=RLConfig)
+    rl: ClawRLConfig = field(default_factory=ClawRLConfig)
     """GRPO stage."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
@@ -152,6 +159,22 @@ def claw_harnesses(cfg: ClawConfig, tokenizer: Any, client: AsyncSandboxClient) 
     }
 
 
+async def rl_tasks(cfg: ClawConfig, trained: dict[str, Rollouts], engine: Any, pool: list[ClawTask],
+                   log: stages.RunLog) -> list[ClawTask]:
+    """The RL pool, or with ``rl.filter.enabled`` the candidates of useful difficulty for the starting policy
+    (none kept: RL is skipped, and the log says so)."""
+    f = cfg.rl.filter
+    if not f.enabled:
+        return pool
+    kept = await stages.filter_tasks(trained, engine, f.candidates_of(pool, cfg.seed), attempts=f.attempts,
+                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature)
+    log.log(kept.stats, 0)
+    log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= {f.high} "
+              f"over {f.attempts} rollouts), success {kept.stats['filter/success']:.3f}"
+              + ("" if kept.tasks else "; no task kept, RL skipped"))
+    return kept.tasks
+
+
 async def run(cfg: ClawConfig) -> dict[str, Any]:
     ranks = init_ranks()
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval, ranks=ranks)
@@ -178,12 +201,16 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                                   f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
                                   f"env_errors {stats['rl/env_errors']:.0f}")
 
-                # The stage hands the engine new weights after every update: it holds the final policy here.
-                run.rl_history = await stages.rl_stage(model, engine, trained, rl_pool, cfg.rl, rollout=cfg.rollout,
-                                                       pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                                       output_dir=str(run.out / "rl"), log=on_step)
-                run.save_policy(model, tokenizer, "rl_model")
-                await run.evaluate("rl", cfg.rl.steps, harnesses, engine, heldout)
+                pool = await rl_tasks(cfg, trained, engine, rl_pool, run.log)
+                if pool:
+                    # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing.
+                    rl_cfg = replace(cfg.rl, tasks_per_step=min(cfg.rl.tasks_per_step, len(pool)))
+                    # The stage hands the engine new weights after every update: it holds the final policy here.
+                    run.rl_history = await stages.rl_stage(model, engine, trained, pool, rl_cfg, rollout=cfg.rollout,
+                                                           pad_id=tokenizer.pad_token_id, seed=cfg.seed,
+                                                           output_dir=str(run.out / "rl"), log=on_step)
+                    run.save_policy(model, tokenizer, "rl_model")
+                    await run.evaluate("rl", cfg.rl.steps, harnesses, engine, heldout)
     return await run.finish(engine, config_to_dict(cfg))
 
 

@@ -66,7 +66,15 @@ from orchard.models import tiny_qwen3
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.openai_engine import OpenAIEngine
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
-from orchard.stages import SFT_MODES, EvalConfig, RecordedRollouts, RLConfig, RolloutConfig, SFTConfig
+from orchard.stages import (
+    SFT_MODES,
+    EvalConfig,
+    RecordedRollouts,
+    RLConfig,
+    RolloutConfig,
+    SFTConfig,
+    TaskFilterConfig,
+)
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.train.config import config_to_dict
@@ -145,18 +153,6 @@ class ValuesConfig:
     """Model name sent to the value teacher."""
     eps: float = 0.05
     """Credit threshold: a failed trajectory trains on the steps whose TD credit is at least this (the paper's)."""
-
-
-@dataclass
-class TaskFilterConfig:
-    enabled: bool = True
-    """Train RL only on tasks of useful difficulty; false: RL draws from every train instance."""
-    attempts: int = 8
-    """Initial rollouts of the SFT policy per candidate task, spread over the trained harnesses (the paper: 8)."""
-    low: float = 0.0
-    """Keep a task when low < p̂ (the paper: 0)."""
-    high: float = 0.5
-    """... and p̂ <= high (the paper: 0.5)."""
 
 
 @dataclass
@@ -368,11 +364,11 @@ async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any
     f = cfg.rl.filter
     if not f.enabled:
         return train, []
-    kept = await stages.filter_tasks(trained, engine, train, attempts=f.attempts, low=f.low, high=f.high,
-                                     temperature=cfg.rollout.temperature)
+    kept = await stages.filter_tasks(trained, engine, f.candidates_of(train, cfg.seed), attempts=f.attempts,
+                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature)
     log.log(kept.stats, 0)
-    log.print(f"task filter: kept {len(kept.tasks)}/{len(train)} ({f.low} < p̂ <= {f.high} over {f.attempts} "
-              f"rollouts), success {kept.stats['filter/success']:.3f}")
+    log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= {f.high} "
+              f"over {f.attempts} rollouts), success {kept.stats['filter/success']:.3f}")
     return kept.tasks, kept.trajectories
 
 

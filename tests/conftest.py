@@ -1,6 +1,6 @@
 """Set-up shared by test modules in different folders: the embedded sandbox service and the ids of the sandboxes it
-holds, the tiny vision-language model and the screenshots it looks at, and DeepSpeed's CPU op built once per
-session."""
+holds, the tiny vision-language model and the screenshots it looks at, DeepSpeed's CPU op built once per session,
+and a scripted `Rollouts` for the task filter's tests."""
 
 import base64
 import io
@@ -73,3 +73,31 @@ def deepspeed_cpu_comm_op() -> None:
     proc = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder; "
                            "ShareMemCommBuilder().load()"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+class ScriptedRollouts:
+    """A `Rollouts` whose i-th episode of a task has the i-th outcome of ``outcomes[task]`` (cycled): True passed
+    (+1), False failed (-1), None a dead sandbox (env_error, unscored). Records each call's group size."""
+
+    def __init__(self, outcomes):
+        self.outcomes, self.calls, self.seen = outcomes, [], {}
+
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+        from orchard.data import Trajectory
+
+        self.calls.append((list(tasks), group_size))
+        out = []
+        for task in tasks:
+            for _ in range(group_size):
+                i = self.seen.get(task, 0)
+                self.seen[task] = i + 1
+                o = self.outcomes[task][i % len(self.outcomes[task])]
+                out.append(Trajectory(task_id=task, reward=None if o is None else (1.0 if o else -1.0),
+                                      termination_reason="env_error" if o is None else "done"))
+        return out
+
+
+@pytest.fixture(scope="session")
+def scripted_rollouts() -> type:
+    """`ScriptedRollouts`: a `Rollouts` whose outcomes per task are fixed in advance (the task filter's tests)."""
+    return ScriptedRollouts

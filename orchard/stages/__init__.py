@@ -8,7 +8,7 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
     sft_stage(model, samples, cfg.sft, pad_id=..., seed=..., output_dir=...)
     await rl_stage(model, engine, harnesses, train_tasks, cfg.rl, rollout=cfg.rollout, ...)
 
-- configs: `RolloutConfig`, `EvalConfig`, `SFTConfig`, `RLConfig` (typed, a doc line per field), `derived_keys`
+- configs: `RolloutConfig`, `EvalConfig`, `SFTConfig`, `RLConfig`, `TaskFilterConfig` (typed, a doc line per field), `derived_keys`
 - evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table`
 - SFT: `demonstrations` (a teacher through the same harnesses), `curate_sft` (the paper's curation: over the
   context limit, invalid or unparseable calls), `sft_samples` (resolved-only, all, or credit-assigned SFT from
@@ -31,7 +31,14 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   `evaluate` and `rl_stage` shard their tasks over the launcher's ranks by themselves
 """
 
-from orchard.stages.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, derived_keys
+from orchard.stages.config import (
+    EvalConfig,
+    RLConfig,
+    RolloutConfig,
+    SFTConfig,
+    TaskFilterConfig,
+    derived_keys,
+)
 from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, success_row
 from orchard.stages.recipe_run import RecipeRun
@@ -58,6 +65,7 @@ __all__ = [
     "RolloutConfig",
     "RunLog",
     "SFTConfig",
+    "TaskFilterConfig",
     "TaskFilterResult",
     "ValueRerankResult",
     "bar_candidate",

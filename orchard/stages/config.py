@@ -9,13 +9,14 @@ refuse (the SFT stage always starts its trainer fresh; the RL stage resumes when
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
-from orchard.sampling import GROUP_FILTER_RULES, BARConfig
+from orchard.sampling import GROUP_FILTER_RULES, BARConfig, difficulty_filter
 from orchard.train.objective import LossTerm
 from orchard.train.trainer import OptimConfig, TrainConfig
 
-__all__ = ["EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "derived_keys"]
+__all__ = ["EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "TaskFilterConfig", "derived_keys"]
 
 REWARDS = ("outcome", "score")
 
@@ -87,6 +88,35 @@ class SFTConfig:
         _positive_number("epochs", self.epochs)
         if self.max_len is not None:
             _positive_int("max_len", self.max_len)
+
+
+@dataclass
+class TaskFilterConfig:
+    enabled: bool = True
+    """Train RL only on tasks of useful difficulty (`filter_tasks`); false: RL draws from the whole pool."""
+    attempts: int = 8
+    """Initial rollouts of the starting policy per candidate task, spread over the trained harnesses (the paper: 8)."""
+    low: float = 0.0
+    """Keep a task when low < p̂ (the paper: 0)."""
+    high: float = 0.5
+    """... and p̂ <= high (the paper: 0.5)."""
+    candidates: int = 0
+    """Candidate tasks rated: 0 rates the whole pool (the paper); n > 0 rates n drawn from it with the run's seed
+    (`candidates_of`), which bounds the filter's cost when the pool is large."""
+
+    def __post_init__(self) -> None:
+        _positive_int("attempts", self.attempts)
+        if isinstance(self.candidates, bool) or not isinstance(self.candidates, int) or self.candidates < 0:
+            raise ValueError(f"candidates must be an int >= 0, got {self.candidates!r}")
+        difficulty_filter([[0.0]], low=self.low, high=self.high)  # the rule's own checks of the bounds
+
+    def candidates_of(self, tasks: list, seed: int) -> list:
+        """The tasks to rate: all of ``tasks`` when ``candidates`` is 0 or covers them, else ``candidates`` of them
+        drawn without replacement by ``random.Random(seed)``, in pool order."""
+        if not self.candidates or self.candidates >= len(tasks):
+            return list(tasks)
+        chosen = sorted(random.Random(seed).sample(range(len(tasks)), self.candidates))
+        return [tasks[i] for i in chosen]
 
 
 @dataclass
