@@ -615,22 +615,65 @@ class Orchestrator:
         return record
 
     async def wait_sandbox(self, sandbox_id: str, timeout: float) -> SandboxRecord:
-        """Block until the sandbox is out of "pending"; `WaitTimeoutError` (408) after `timeout` seconds."""
-        record = await self.get_sandbox(sandbox_id)
-        event = self._ready.get(sandbox_id)
-        if record.status == "pending" and event is not None:
-            try:
-                await asyncio.wait_for(event.wait(), timeout)
-            except TimeoutError:
-                raise WaitTimeoutError(f"Sandbox {sandbox_id} not ready within {timeout}s") from None
-            record = await self.get_sandbox(sandbox_id)
+        """Block until the sandbox is out of "pending"; `WaitTimeoutError` (408) after `timeout` seconds.
+
+        The create is waited for on whichever replica makes it (`_past_create`): this replica's own on its
+        event, another's by polling the store. A create whose replica's lease has ended is left to the reaper's
+        `settle_creates` (on any replica) and polled until `timeout` like a live one: a wait only reads, unlike
+        a delete, which takes such a record over. A pending record of this replica's with no create running
+        (nothing will end it before a restart's `reconcile`) is returned as it is, at once.
+
+        Raises:
+            NotFoundError: no such sandbox, or it was deleted during the wait (404).
+            WaitTimeoutError: still pending after `timeout` seconds (408).
+            ValueError: `timeout` is not a number >= 0.
+        """
+        if not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout must be a number >= 0, got {timeout!r}")
+        deadline = time.monotonic() + timeout
+        record = await self._past_create(sandbox_id, deadline, take_over_abandoned=False)
+        if record.status == "pending" and time.monotonic() >= deadline:  # else no create is running to wait for
+            raise WaitTimeoutError(f"Sandbox {sandbox_id} not ready within {timeout}s")
         return record
 
     async def _ready_sandbox(self, sandbox_id: str) -> SandboxRecord:
+        """The record of a ready sandbox, for an exec or a file call: a create in flight on any replica is
+        waited for up to 600 s first (`wait_sandbox`); then any status but "ready" is a `ConflictError` (409)."""
         record = await self.wait_sandbox(sandbox_id, 600.0)
         if record.status != "ready":
             raise ConflictError(f"Sandbox {sandbox_id} is {record.status}, not ready")
         return record
+
+    async def _past_create(self, sandbox_id: str, deadline: float, *, take_over_abandoned: bool) -> SandboxRecord:
+        """The sandbox's record once it is out of "pending", or as it stands at `deadline` (`time.monotonic()`).
+
+        A create this replica makes (or settles) is waited for on its event; a pending record of this replica's
+        with no create running is returned at once, since nothing here will end it. Another replica's create is
+        waited for by polling the store, from 20 ms up to every 0.5 s: only the store tells when it ends. When
+        that replica's lease has ended, the record is returned at once with `take_over_abandoned` (a delete,
+        which takes it over); without it, it is polled like a live one until `deadline`, since the reaper's
+        `settle_creates` (on any replica) settles it.
+
+        Raises:
+            NotFoundError: no such sandbox, or it was deleted meanwhile (404).
+        """
+        pause = 0.02
+        while True:
+            record = await self.get_sandbox(sandbox_id)
+            left = deadline - time.monotonic()
+            if record.status != "pending" or left <= 0:
+                return record
+            if record.replica == self.replica_id:
+                event = self._ready.get(sandbox_id)
+                if event is None:
+                    return record
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), left)
+                continue
+            if take_over_abandoned and not await self._creating_elsewhere(record):
+                return record
+            await asyncio.sleep(min(pause, left))
+            pause = min(2 * pause, 0.5)
 
     async def heartbeat(self, sandbox_id: str) -> SandboxRecord:
         if not await self.store.touch_sandbox(sandbox_id, self.clock()):
@@ -659,22 +702,12 @@ class Orchestrator:
         """
         if not isinstance(wait_s, (int, float)) or not wait_s >= 0:
             raise ValueError(f"wait_s must be a number >= 0, got {wait_s!r}")
-        deadline, pause = time.monotonic() + wait_s, 0.02
+        deadline = time.monotonic() + wait_s
         took_a_create = False
         while True:
-            record = await self.get_sandbox(sandbox_id)
+            record = await self._past_create(sandbox_id, deadline, take_over_abandoned=True)
             if record.status == "deleting":
                 break  # another delete's: ending the sandbox again does no harm
-            left = deadline - time.monotonic()
-            if record.status == "pending" and left > 0 and await self._create_in_flight(record):
-                event = self._ready.get(sandbox_id) if record.replica == self.replica_id else None
-                if event is not None:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(event.wait(), left)
-                else:
-                    await asyncio.sleep(min(pause, left))
-                    pause = min(2 * pause, 0.5)
-                continue
             read_status, read_replica = record.status, record.replica
             record.status = "deleting"
             if await self.store.put_sandbox_if(record, status=read_status, replica=read_replica):
@@ -683,12 +716,6 @@ class Orchestrator:
         await self._destroy(sandbox_id)
         if took_a_create:
             await self._settle_create_claims(lambda claim: claim.resource_id == sandbox_id)
-
-    async def _create_in_flight(self, record: SandboxRecord) -> bool:
-        """Whether a pending record's create (or settlement) is still being made by a live replica."""
-        if record.replica == self.replica_id:
-            return record.sandbox_id in self._ready
-        return await self._creating_elsewhere(record)
 
     async def _destroy(self, sandbox_id: str) -> None:
         with backend_errors(sandbox_id):

@@ -226,6 +226,23 @@ async def test_queued_exec_of_a_deleted_sandbox_never_runs_in_its_successor(orch
     assert [f.path for f in await orch.list_files("x", ".")] == []
 
 
+
+async def test_a_pending_record_of_this_replica_with_no_create_running_is_answered_at_once(orch):
+    # Left "pending" by a create of this replica's that no longer runs (a store write that failed): nothing on
+    # this replica will end it and no other replica settles it, so waiting would only run out the timeout. The
+    # wait answers it as it stands, an exec is refused (409), and a delete takes it over, all without waiting.
+    now = orch.test_clock()
+    await orch.store.insert_sandbox(SandboxRecord(sandbox_id="stuck", image="host", status="pending",
+                                                  created_at=now, last_heartbeat=now, replica=orch.replica_id))
+    assert (await asyncio.wait_for(orch.wait_sandbox("stuck", 600), 10)).status == "pending"
+    with pytest.raises(ConflictError, match="pending, not ready"):
+        await asyncio.wait_for(orch.submit_exec("stuck", ExecParams(command="true")), 10)
+    await asyncio.wait_for(orch.delete_sandbox("stuck"), 10)
+    with pytest.raises(NotFoundError):
+        await orch.get_sandbox("stuck")
+    with pytest.raises(ValueError, match="timeout"):
+        await orch.wait_sandbox("stuck", -1)
+
 class SlowCreateBackend(LocalBackend):
     """The real LocalBackend whose create takes a second, so that a sandbox is visibly "pending"."""
 

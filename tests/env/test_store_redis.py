@@ -18,7 +18,7 @@ import pytest
 
 from orchard.env.backends.local import LocalBackend
 from orchard.env.embedded import serve
-from orchard.env.errors import NotFoundError
+from orchard.env.errors import NotFoundError, WaitTimeoutError
 from orchard.env.orchestrator import CreateParams, CreateTakenOverError, ExecParams, Orchestrator
 from orchard.env.store import open_store
 from orchard.env.store.redis_store import RedisStore
@@ -450,6 +450,107 @@ async def test_the_reaper_leaves_a_create_in_flight_on_another_replica_to_its_cr
         assert (await creating).status == "ready"
         assert await b.reap_once() == ["s"]  # out of pending, and still idle: the next pass reaps it
         assert await b.store.get_sandbox("s") is None and not await backend.exists("s")
+    finally:
+        await b.close()
+        await a.store.close()
+
+
+class _ReadsPending(RedisStore):
+    """A store that calls `then` each time its replica reads a sandbox record that is still pending (a wait or
+    an exec that found a create in flight elsewhere), after the read."""
+
+    def __init__(self, url: str, *, prefix: str, then) -> None:
+        super().__init__(url, prefix=prefix)
+        self.then = then
+
+    async def get_sandbox(self, sandbox_id: str):
+        record = await super().get_sandbox(sandbox_id)
+        if record is not None and record.status == "pending":
+            self.then()
+        return record
+
+
+@pytest.mark.parametrize("call", ["wait", "exec"])
+async def test_a_wait_or_exec_on_another_replica_waits_for_the_create_in_flight(root, redis_url, call):
+    # A (alive) is creating "s", held before its backend makes it; the client's next call, behind a load
+    # balancer, reaches B. A is released only once B has read the record pending, so B must wait for it. Before
+    # the fix B waited only for creates of its own: the wait answered "pending" at once and the exec 409.
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=True)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
+    b = Orchestrator(backend, _ReadsPending(redis_url, prefix=prefix, then=held.release.set), replica_lease_s=30.0)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s")))
+        await held.entered.wait()
+        if call == "wait":
+            record = await b.wait_sandbox("s", 30)
+            assert (record.status, record.replica) == ("ready", a.replica_id)  # before: ("pending", A's)
+        else:
+            job = await b.submit_exec("s", ExecParams(command="echo made by A"))  # before: ConflictError (409)
+            assert (await b.wait_job(job.job_id, 30)).stdout == "made by A\n"
+        assert (await creating).status == "ready"
+        await b.delete_sandbox("s")
+    finally:
+        await b.close()
+        await a.store.close()
+
+
+async def test_a_wait_on_another_replica_over_a_create_that_does_not_end_times_out(root, redis_url):
+    # A's create of "s" stays held for the whole wait: B's wait gives up after its timeout with 408, as a wait
+    # on the creating replica does. Before the fix B answered "pending" at once; a wait that polled without its
+    # timeout would hang here, so the outer bound (30 s) only guards the suite.
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=True)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
+    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s")))
+        await held.entered.wait()
+        with pytest.raises(WaitTimeoutError, match=r"not ready within 0\.3s") as timed_out:
+            await asyncio.wait_for(b.wait_sandbox("s", 0.3), 30)
+        assert timed_out.value.status_code == 408
+        assert (await b.store.get_sandbox("s")).status == "pending"  # the wait only read: A's create goes on
+        held.release.set()
+        assert (await creating).status == "ready"
+        await b.delete_sandbox("s")
+    finally:
+        await b.close()
+        await a.store.close()
+
+
+async def test_a_wait_over_a_create_whose_creator_died_is_answered_by_the_settlement(root, redis_url):
+    # A stalls mid-create and its lease (1 s) ends. B's wait neither answers "pending" (as before the fix) nor
+    # takes the record over (as a delete does): it polls until a reaper pass settles the create, here B's own
+    # `settle_creates` running beside the wait, and answers with the adopted sandbox.
+    backend = LocalBackend(f"{root}/sandboxes", box=False)
+    held = _HeldCreates(backend, "s", before=False)  # the backend made "s" before A stalled: it is adopted
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=1.0)  # type: ignore[arg-type]
+    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s")))
+        await held.entered.wait()
+        a._beat.cancel()  # A renews nothing: its lease (1 s) ends
+        await asyncio.gather(a._beat, return_exceptions=True)
+        await asyncio.sleep(1.1)
+        waiting = asyncio.create_task(b.wait_sandbox("s", 30))
+        await asyncio.sleep(0.1)  # the wait has read the record pending and polls
+        assert not waiting.done()  # before: done, answering "pending"
+        assert await b.settle_creates() == {"s": "ready"}
+        record = await waiting
+        assert (record.status, record.replica) == ("ready", b.replica_id)
+        held.release.set()
+        with pytest.raises(CreateTakenOverError):
+            await creating
+        await b.delete_sandbox("s")
     finally:
         await b.close()
         await a.store.close()
