@@ -42,6 +42,9 @@ then writes "deleting" conditionally on the record it read; it takes the record 
 its creator's lease has ended, or once its wait is up (`delete_sandbox`). Once "deleting", no create writes the
 record, and a creator (or settler) whose write a delete refused deletes what it made: the delete wins and
 leaves nothing behind. The reaper leaves pending records alone: it reaps them, if still due, once created.
+A wait (`wait_sandbox`) and the readiness check of an exec or a file call wait for a create the same way,
+through the same helper (`_past_create`), bounded by their timeout; one whose creator's lease has ended they
+poll until `settle_creates` settles it, rather than take it over as a delete does.
 """
 
 from __future__ import annotations
