@@ -350,6 +350,14 @@ class Orchestrator:
         return (record.replica is not None and record.replica != self.replica_id
                 and await self.store.replica_alive(record.replica))
 
+    async def _create_in_flight(self, record: SandboxRecord) -> bool:
+        """Whether a pending record's create (or settlement) is still running: this replica's own while its
+        event is there (until its outcome is written, or its write failed), another's while that replica's
+        lease holds. One that is not will not end by itself: a delete may take it over."""
+        if record.replica == self.replica_id:
+            return record.sandbox_id in self._ready
+        return await self._creating_elsewhere(record)
+
     async def _settle_create(self, record: SandboxRecord, live: set[str]) -> str:
         """Finish a create whose replica stopped half-way; what became of it: "ready", "failed" or "dropped"
         (or the status another writer gave the record meanwhile).
@@ -366,19 +374,20 @@ class Orchestrator:
             return await self._status_now(sandbox_id)  # its creator finished it after all
         if sandbox_id in live:
             # waited for on this replica as its own create is (`delete_sandbox`, `wait_sandbox`)
-            self._ready[sandbox_id] = asyncio.Event()
+            event = self._ready[sandbox_id] = asyncio.Event()
             try:
                 try:
                     await self.backend.create(sandbox_id, self._spec(record))
                     record.status = "ready"
                 except Exception as exc:
                     record.status, record.status_message = "failed", f"create failed: {exc}"
-                if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
+                if not (self._own_create(sandbox_id, event)
+                        and await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id)):
                     now = await self._unless_deleted(sandbox_id)  # deleted meanwhile
                     return now.status if now is not None else "dropped"
                 return record.status
             finally:
-                self._ready.pop(sandbox_id).set()
+                self._end_create(sandbox_id, event)
         # the record goes first: a stalled creator whose sandbox appears after this finds no record and deletes
         # the sandbox itself (`_taken_over`); the other way round, one appearing between the two steps found the
         # record still there, kept its sandbox, and then the record went: a sandbox nobody knew of
@@ -455,9 +464,11 @@ class Orchestrator:
             expired = record.expires_at is not None and now >= record.expires_at
             idle = (self._active_jobs.get(record.sandbox_id, 0) == 0
                     and now - record.last_heartbeat >= record.heartbeat_timeout)
-            # a pending record is its creator's (or, once that replica's lease has ended, `settle_creates`'s):
-            # a later pass reaps it once it is out of pending, rather than this one waiting for its create
-            if (expired or idle) and record.status not in ("pending", "deleting"):
+            # a create still running is left to its creator: a later pass reaps it once it is out of pending,
+            # rather than this one waiting for it. A pending record with none running (its creator's last
+            # write failed, or its creator died) is reaped as any other: nothing else would end it.
+            in_flight = record.status == "pending" and await self._create_in_flight(record)
+            if (expired or idle) and record.status != "deleting" and not in_flight:
                 try:
                     await self.delete_sandbox(record.sandbox_id)
                     reaped.append(record.sandbox_id)
@@ -567,14 +578,15 @@ class Orchestrator:
         if not await self.store.insert_sandbox(record):
             raise ConflictError(f"Sandbox {sandbox_id} already exists")
         # set once the outcome is written, not before: a waiter on this replica then reads it from the store
-        self._ready[sandbox_id] = asyncio.Event()
+        event = self._ready[sandbox_id] = asyncio.Event()
         try:
             try:
                 with backend_errors(sandbox_id):
                     await self.backend.create(sandbox_id, spec)
             except BaseException as exc:
                 # conditional, as the write below: a replica that settled this create meanwhile owns it now
-                mine = await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id)
+                mine = (self._own_create(sandbox_id, event)
+                        and await self.store.delete_sandbox_if(sandbox_id, status="pending", replica=self.replica_id))
                 if mine:
                     with contextlib.suppress(Exception):
                         await self.backend.delete(sandbox_id)
@@ -582,11 +594,24 @@ class Orchestrator:
                     raise
                 raise await self._taken_over(sandbox_id) from exc
             record.status = "ready"
-            if not await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id):
+            if not (self._own_create(sandbox_id, event)
+                    and await self.store.put_sandbox_if(record, status="pending", replica=self.replica_id)):
                 raise await self._taken_over(sandbox_id)
             return record
         finally:
-            self._ready.pop(sandbox_id).set()
+            self._end_create(sandbox_id, event)
+
+    def _own_create(self, sandbox_id: str, event: asyncio.Event) -> bool:
+        """Whether the create (or settlement) that set up `event` still owns the sandbox's pending record on
+        this replica. The store's fence (pending, this replica) cannot tell: a delete may have taken the record
+        over and a new create of the same id on this replica inserted a record that matches it again."""
+        return self._ready.get(sandbox_id) is event
+
+    def _end_create(self, sandbox_id: str, event: asyncio.Event) -> None:
+        """Wake the create's waiters; its entry goes only while it is its own, not a later create's."""
+        if self._own_create(sandbox_id, event):
+            del self._ready[sandbox_id]
+        event.set()
 
     async def _taken_over(self, sandbox_id: str) -> CreateTakenOverError:
         """The error of a create whose record another replica settled while this one stalled past its lease.
@@ -666,15 +691,13 @@ class Orchestrator:
             left = deadline - time.monotonic()
             if record.status != "pending" or left <= 0:
                 return record
-            if record.replica == self.replica_id:
-                event = self._ready.get(sandbox_id)
-                if event is None:
-                    return record
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), left)
-                continue
-            if take_over_abandoned and not await self._creating_elsewhere(record):
+            mine = record.replica == self.replica_id
+            if (mine or take_over_abandoned) and not await self._create_in_flight(record):
                 return record
+            if mine:  # in flight: `_create_in_flight` read the event without yielding, so it is still there
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._ready[sandbox_id].wait(), left)
+                continue
             await asyncio.sleep(min(pause, left))
             pause = min(2 * pause, 0.5)
 
@@ -716,9 +739,12 @@ class Orchestrator:
             if await self.store.put_sandbox_if(record, status=read_status, replica=read_replica):
                 took_a_create = read_status == "pending"
                 break
-        await self._destroy(sandbox_id)
-        if took_a_create:
-            await self._settle_create_claims(lambda claim: claim.resource_id == sandbox_id)
+        try:
+            await self._destroy(sandbox_id)
+        finally:
+            # also when the destroy failed: a retried delete reads "deleting", not the create it took over
+            if took_a_create:
+                await self._settle_create_claims(lambda claim: claim.resource_id == sandbox_id)
 
     async def _destroy(self, sandbox_id: str) -> None:
         with backend_errors(sandbox_id):

@@ -4,6 +4,7 @@ SQLite store, quantity parsing. The backend is the real LocalBackend."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,10 +17,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchard.env.backends.base import BackendError
 from orchard.env.backends.local import LocalBackend
-from orchard.env.errors import BadRequestError, ConflictError, IdempotencyKeyReuseError, NotFoundError
+from orchard.env.errors import (
+    BadRequestError,
+    ConflictError,
+    IdempotencyKeyReuseError,
+    NotFoundError,
+    ServerError,
+)
 from orchard.env.orchestrator import (
     CreateParams,
+    CreateTakenOverError,
     ExecParams,
     Orchestrator,
     parse_cpu,
@@ -242,6 +251,115 @@ async def test_a_pending_record_of_this_replica_with_no_create_running_is_answer
         await orch.get_sandbox("stuck")
     with pytest.raises(ValueError, match="timeout"):
         await orch.wait_sandbox("stuck", -1)
+
+class _HeldBackend(LocalBackend):
+    """The real LocalBackend whose first `held` creates each wait for their own `release` event (a create
+    stalled in the backend), and whose first `failing_deletes` deletes raise (the cluster API down a moment)."""
+
+    def __init__(self, root: str, *, held: int = 0, failing_deletes: int = 0) -> None:
+        super().__init__(root)
+        self.entered = [asyncio.Event() for _ in range(held)]
+        self.release = [asyncio.Event() for _ in range(held)]
+        self.creates, self.failing_deletes = 0, failing_deletes
+
+    async def create(self, sandbox_id, spec) -> None:
+        n, self.creates = self.creates, self.creates + 1
+        if n < len(self.release):
+            self.entered[n].set()
+            await self.release[n].wait()
+        await super().create(sandbox_id, spec)
+
+    async def delete(self, sandbox_id) -> None:
+        if self.failing_deletes:
+            self.failing_deletes -= 1
+            raise BackendError("the backend did not answer")
+        await super().delete(sandbox_id)
+
+
+class _ReadyWriteFailsOnce(SQLiteStore):
+    """A store whose first write of a "ready" sandbox record raises (a store blip after the backend made it)."""
+
+    failed = False
+
+    async def put_sandbox_if(self, record, *, status, replica) -> bool:
+        if record.status == "ready" and not self.failed:
+            self.failed = True
+            raise sqlite3.OperationalError("disk I/O error")
+        return await super().put_sandbox_if(record, status=status, replica=replica)
+
+
+@contextlib.asynccontextmanager
+async def _orchestrator(backend: LocalBackend, store: SQLiteStore, clock: Clock | None = None):
+    o = Orchestrator(backend, store, clock=clock or Clock())
+    await o.start(reaper=False)
+    try:
+        yield o
+    finally:
+        for sandbox_id in await backend.list_ids():
+            await LocalBackend.delete(backend, sandbox_id)
+        await o.close()
+
+
+async def test_a_pending_record_whose_create_no_longer_runs_is_reaped_with_its_sandbox(root):
+    # The backend made "s", then the write of "ready" failed: the create ended (500) with its record pending
+    # and this replica's, and no settler runs on a store of one replica. Before the fix the reaper skipped
+    # every pending record, so "s" lived on past its TTL: reap_once() == [] with the sandbox alive.
+    clock = Clock()  # 1000.0
+    async with _orchestrator(LocalBackend(f"{root}/sandboxes"), _ReadyWriteFailsOnce(f"{root}/state.sqlite3"),
+                             clock) as orch:
+        with pytest.raises(sqlite3.OperationalError):
+            await orch.create_sandbox(CreateParams(sandbox_id="s", ttl_seconds=10, heartbeat_timeout=100))
+        assert (await orch.get_sandbox("s")).status == "pending" and await orch.backend.exists("s")
+        clock.now += 9                                      # 1009 < 1000 + 10: not due yet
+        assert await orch.reap_once() == []
+        clock.now += 1                                      # 1010: the TTL is up (idle only at 1100)
+        assert await orch.reap_once() == ["s"]
+        assert await orch.store.list_sandboxes() == [] and await orch.backend.list_ids() == []
+
+
+async def test_a_delete_whose_destroy_fails_still_settles_the_create_it_took_over(root):
+    # The delete takes over a create still held in the backend (wait_s=0), then the backend delete fails.
+    # Before the fix the create's pending Idempotency-Key was settled only after a destroy that succeeded, and
+    # a retried DELETE reads "deleting", not a create: the key stayed pending for its 24 h.
+    backend = _HeldBackend(f"{root}/sandboxes", held=1, failing_deletes=1)
+    async with _orchestrator(backend, SQLiteStore(f"{root}/state.sqlite3")) as orch:
+        async def create() -> tuple[int, dict]:
+            return 200, {"status": (await orch.create_sandbox(CreateParams(sandbox_id="s"))).status}
+
+        creating = asyncio.create_task(orch.idempotent("key", "fingerprint", create, resource_id="s"))
+        await backend.entered[0].wait()
+        with pytest.raises(ServerError, match="did not answer"):
+            await orch.delete_sandbox("s", wait_s=0)
+        assert await orch.store.get_idempotency("key") is None  # forgotten: a retry creates anew
+        backend.release[0].set()
+        with pytest.raises(CreateTakenOverError, match="it is deleting"):
+            await creating  # and the creator deleted the sandbox it made after the delete
+        await orch.delete_sandbox("s")  # the client's retry
+        assert await orch.store.list_sandboxes() == [] and await backend.list_ids() == []
+
+
+async def test_a_create_taken_over_by_a_delete_leaves_a_new_create_of_its_id_alone(root):
+    # A delete takes over the first create of "s" (held in the backend, wait_s=0) and a second create of "s"
+    # starts on the same replica while the first is still held. The first ends first: its record is gone,
+    # and the pending record it finds is the second's, which the store's fence (pending, this replica) cannot
+    # tell from its own. Before the fix the first wrote "ready" over the second's record and took the second's
+    # entry in the replica's table of creates in flight, so the second's own end raised KeyError (a 500).
+    backend = _HeldBackend(f"{root}/sandboxes", held=2)
+    async with _orchestrator(backend, SQLiteStore(f"{root}/state.sqlite3")) as orch:
+        first = asyncio.create_task(orch.create_sandbox(CreateParams(sandbox_id="s")))
+        await backend.entered[0].wait()
+        await orch.delete_sandbox("s", wait_s=0)
+        second = asyncio.create_task(orch.create_sandbox(CreateParams(sandbox_id="s", env={"RUN": "2"})))
+        await backend.entered[1].wait()
+        backend.release[0].set()
+        with pytest.raises(CreateTakenOverError, match="it is pending"):
+            await first
+        assert (await orch.get_sandbox("s")).status == "pending"  # the second's, still being made
+        backend.release[1].set()
+        assert (await second).status == "ready"
+        record = await orch.get_sandbox("s")
+        assert record.status == "ready" and record.env == {"RUN": "2"} and await backend.exists("s")
+
 
 class SlowCreateBackend(LocalBackend):
     """The real LocalBackend whose create takes a second, so that a sandbox is visibly "pending"."""
