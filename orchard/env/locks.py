@@ -64,7 +64,7 @@ class StoreLock:
         # interrupts a request into its own error (a connection or timeout error), which the retry below would
         # swallow, renewing a released lock forever and hanging __aexit__.
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.lease_s / 3)
             if stop.is_set():
                 return

@@ -930,7 +930,7 @@ class Orchestrator:
         job = live or await self.get_job(job_id)
         event = self._job_done.get(job_id)
         if job.status not in JOB_DONE and event is not None:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, timeout))
             job = live or await self.get_job(job_id)
         elif job.status not in JOB_DONE and self.store.shared:
@@ -955,7 +955,7 @@ class Orchestrator:
             try:
                 with backend_errors(sandbox_id):
                     return await asyncio.wait_for(self.backend.apply_patch(sandbox_id, patch), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 return ExecResult(exit_code=124, stdout=b"", stderr=b"", timed_out=True, duration_s=timeout)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> int:

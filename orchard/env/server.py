@@ -560,7 +560,7 @@ async def _serve_pty(ws: WebSocket, sandbox_id: str, orchestrator: Orchestrator,
         command = _pty_command(first)
         session = await orchestrator.open_pty(sandbox_id, command, cols=int(first.get("cols") or 80),
                                               rows=int(first.get("rows") or 24))
-    except (TimeoutError, json.JSONDecodeError, WebSocketDisconnect, ValueError, TypeError) as exc:
+    except (asyncio.TimeoutError, json.JSONDecodeError, WebSocketDisconnect, ValueError, TypeError) as exc:
         await fail(4400, f"bad PTY handshake: {type(exc).__name__}: {exc}")
         return
     except SandboxError as exc:
@@ -597,7 +597,7 @@ async def _serve_pty(ws: WebSocket, sandbox_id: str, orchestrator: Orchestrator,
     try:
         await asyncio.wait({out, inp}, return_when=asyncio.FIRST_COMPLETED)
         if inp.done() and not out.done():  # the client is gone or asked to close: let the output drain briefly
-            with contextlib.suppress(TimeoutError, Exception):
+            with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(out), 2.0)
     finally:
         for task in (out, inp):

@@ -58,7 +58,7 @@ class BARRollout(Protocol):
     length: int
 
 
-class BARReason(str, Enum):  # noqa: UP042 -- StrEnum needs 3.11; setup.cfg allows 3.10
+class BARReason(str, Enum):  # not StrEnum: it needs 3.11, and setup.cfg allows 3.10
     """Why BAR selected what it selected."""
 
     BALANCED = "balanced"  # a set with positive ratio in [rho_min, rho_max] was found

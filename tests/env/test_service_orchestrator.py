@@ -25,6 +25,7 @@ from orchard.env.errors import (
     IdempotencyKeyReuseError,
     NotFoundError,
     ServerError,
+    WaitTimeoutError,
 )
 from orchard.env.orchestrator import (
     CreateParams,
@@ -359,6 +360,42 @@ async def test_a_create_taken_over_by_a_delete_leaves_a_new_create_of_its_id_alo
         assert (await second).status == "ready"
         record = await orch.get_sandbox("s")
         assert record.status == "ready" and record.env == {"RUN": "2"} and await backend.exists("s")
+
+
+class _Py310TimeoutError(Exception):
+    """`asyncio.TimeoutError` as Python 3.10 has it (setup.cfg allows 3.10): not the builtin `TimeoutError`,
+    which it is only from 3.11."""
+
+
+@pytest.fixture
+def python_310_timeouts(monkeypatch):
+    """`asyncio.wait_for` and `asyncio.TimeoutError` as on Python 3.10, on the 3.11+ that runs the tests."""
+    wait_for = asyncio.wait_for
+
+    async def wait_for_310(awaitable, timeout):
+        try:
+            return await wait_for(awaitable, timeout)
+        except TimeoutError:
+            raise _Py310TimeoutError from None
+
+    monkeypatch.setattr(asyncio, "TimeoutError", _Py310TimeoutError)
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_310)
+
+
+async def test_waits_end_at_their_timeout_on_python_310(root, python_310_timeouts):
+    # Before the fix both waits caught the builtin TimeoutError, which 3.10's wait_for does not raise: the
+    # wait for a create was a 500, not a 408, and a wait for a running job raised instead of showing it.
+    backend = _HeldBackend(f"{root}/sandboxes", held=1)
+    async with _orchestrator(backend, SQLiteStore(f"{root}/state.sqlite3")) as orch:
+        creating = asyncio.create_task(orch.create_sandbox(CreateParams(sandbox_id="s")))
+        await backend.entered[0].wait()
+        with pytest.raises(WaitTimeoutError, match=r"not ready within 0\.05s"):
+            await orch.wait_sandbox("s", 0.05)  # this replica's own create, waited for on its event
+        backend.release[0].set()
+        assert (await creating).status == "ready"
+        job = await orch.submit_exec("s", ExecParams(command="sleep 1"))
+        assert (await orch.wait_job(job.job_id, 0.05)).status in ("queued", "running")  # 0.05 s < 1 s
+        assert (await orch.wait_job(job.job_id, 30)).status == "succeeded"
 
 
 class SlowCreateBackend(LocalBackend):

@@ -201,7 +201,7 @@ class Box:
                 body = await asyncio.wait_for(_recv_exact(loop, sock, n_out + n_err), _WATCHDOG_SLACK_S)
                 if flags & _ENDS:
                     await self._stop()  # it could not clean up after the command: the next one starts afresh
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 await self._stop()
                 return ExecResult(exit_code=TIMEOUT_EXIT_CODE, stdout=b"", stderr=b"", timed_out=True,
                                   duration_s=time.monotonic() - start)  # fmt: skip
@@ -247,7 +247,7 @@ class Box:
             return
         try:
             own, commands = await asyncio.wait_for(_ask_times(asyncio.get_running_loop(), sock), 0.5)
-        except (TimeoutError, OSError, EOFError, struct.error):
+        except (asyncio.TimeoutError, OSError, EOFError, struct.error):
             return
         if all(0.0 <= x < 1e7 for x in (own, commands)):  # the box runs as the sandbox: trust it little
             BoxCpu.box_s += own
@@ -302,7 +302,7 @@ class Box:
                 raise EOFError
             if self.compiled and iso.box_binary is not None:
                 _STARTED_BINARIES.add(iso.box_binary)
-        except (TimeoutError, EOFError, OSError) as e:
+        except (asyncio.TimeoutError, EOFError, OSError) as e:
             err = b""
             if self._proc.stderr is not None:
                 os.set_blocking(self._proc.stderr.fileno(), False)

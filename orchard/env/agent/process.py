@@ -103,7 +103,7 @@ async def wait_pidfd(pidfd: int, timeout_s: float | None) -> bool:
     try:
         await asyncio.wait_for(done, timeout_s)
         return True
-    except TimeoutError:
+    except asyncio.TimeoutError:
         return False
     finally:
         loop.remove_reader(pidfd)
@@ -286,7 +286,7 @@ async def run_captured(
         await tree.settle(_PIPE_DRAIN_S)
         try:
             await asyncio.wait_for(asyncio.shield(capture.drained), _PIPE_DRAIN_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             pass  # a process we could not see holds a pipe; stop listening rather than wait for it
     except BaseException:
         # Cancelled (client gone, service stopping): never leave the tree running.

@@ -49,7 +49,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     with requires_extra("env"):
         import aiohttp
 
-    return (httpx.TransportError, aiohttp.ClientError, OSError, TimeoutError)
+    return (httpx.TransportError, aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
@@ -424,7 +424,7 @@ class AsyncPtyProcess:
         self._reader = asyncio.create_task(self._read_loop())
         try:
             await asyncio.wait_for(self._ready.wait(), connect_timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             self.error = "no ready frame"
         if self.error:
             await self.close()
@@ -461,7 +461,7 @@ class AsyncPtyProcess:
     async def read(self, timeout: float | None = None) -> bytes:
         try:
             chunk = await asyncio.wait_for(self._out.get(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise WaitTimeoutError(f"no PTY output within {timeout}s", status_code=0) from None
         if not chunk:
             self._out.put_nowait(b"")
@@ -486,7 +486,7 @@ class AsyncPtyProcess:
     async def wait(self, timeout: float | None = None) -> int:
         try:
             await asyncio.wait_for(self._exited.wait(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise WaitTimeoutError(f"PTY process still running after {timeout}s", status_code=0) from None
         return self.returncode if self.returncode is not None else -1
 

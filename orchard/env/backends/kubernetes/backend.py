@@ -259,7 +259,7 @@ class KubernetesBackend:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise BackendError(f"sandbox {sandbox_id}: pod {name} not ready after {timeout_s:g}s: {reason}")
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), left)
         finally:
             self._changed.pop(name, None)
