@@ -41,7 +41,9 @@ of a pending record waits for the create on whichever replica makes it (polling 
 then writes "deleting" conditionally on the record it read; it takes the record over without waiting only when
 its creator's lease has ended, or once its wait is up (`delete_sandbox`). Once "deleting", no create writes the
 record, and a creator (or settler) whose write a delete refused deletes what it made: the delete wins and
-leaves nothing behind. The reaper leaves pending records alone: it reaps them, if still due, once created.
+leaves nothing behind. The reaper leaves a pending record alone while its create runs (it reaps it, if still
+due, once created); one whose create no longer runs (its creator's last store write failed, or its creator
+died) it reaps like any other.
 A wait (`wait_sandbox`) and the readiness check of an exec or a file call wait for a create the same way,
 through the same helper (`_past_create`), bounded by their timeout; one whose creator's lease has ended they
 poll until `settle_creates` settles it, rather than take it over as a delete does.
@@ -720,7 +722,9 @@ class Orchestrator:
 
         The "deleting" write is fenced: it expects the status and replica the delete read, so it never lands
         between a creator's (or settler's) read and write; a record changed meanwhile is read again. Once
-        "deleting", no create writes it any more: the user's delete wins, whatever the create's outcome.
+        "deleting", no create writes it any more: the user's delete wins, whatever the create's outcome. The
+        taken-over create's key is settled even when the backend delete fails: a retried delete reads
+        "deleting", no longer the create.
 
         Raises:
             NotFoundError: no such sandbox (404).

@@ -153,6 +153,12 @@ def _job(url: str, key: str, job_id: str) -> dict:
     return httpx.get(f"{url}/jobs/{job_id}", headers={"X-API-Key": key}, timeout=30).json()
 
 
+def _count(url: str, key: str) -> bytes | None:
+    """The file "count" in sandbox "s", or None while it is not there."""
+    answer = httpx.get(f"{url}/sandboxes/s/files", params={"path": "count"}, headers={"X-API-Key": key}, timeout=30)
+    return base64.b64decode(answer.json()["content"]) if answer.status_code == 200 else None
+
+
 def _until(predicate, what: str, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
@@ -172,6 +178,8 @@ def test_a_killed_replicas_job_is_reported_lost_by_another_never_rerun(root, red
         command = "echo ran >> count; sleep 30"
         job = _exec(first.url, key, command, "exec-1")
         _until(lambda: _job(first.url, key, job["job_id"])["status"] == "running", "the job running")
+        # "running" is written before the command starts: killed before its echo, the file would not be there
+        _until(lambda: _count(first.url, key) == b"ran\n", "the command's echo")
         first.process.send_signal(signal.SIGKILL)
         assert first.process.wait(timeout=10) == -signal.SIGKILL
 
@@ -182,8 +190,7 @@ def test_a_killed_replicas_job_is_reported_lost_by_another_never_rerun(root, red
         assert lost["status"] == "failed" and lost["error"].startswith("lost:") and lost["exit_code"] is None
         retry = _exec(second.url, key, command, "exec-1")  # the client's retry of the same exec
         assert retry["job_id"] == job["job_id"] and retry["status"] == "failed"
-        count = httpx.get(f"{second.url}/sandboxes/s/files", params={"path": "count"}, headers=h, timeout=30)
-        assert base64.b64decode(count.json()["content"]) == b"ran\n"  # run once, by the replica that died
+        assert _count(second.url, key) == b"ran\n"  # run once, by the replica that died
         assert httpx.delete(f"{second.url}/sandboxes/s", headers=h, timeout=30).is_success
 
 
