@@ -2,7 +2,8 @@
 
 Stages (`orchard.stages`): held-out evaluation of the base model -> SFT on the scripted teacher's episodes through
 both harnesses (inputs masked) -> evaluation -> GRPO on the train split (+1 when every check of the task passed,
--1 otherwise; group-relative advantages; clipped policy loss 0.2 / 0.28; optionally Balanced Adaptive Rollout),
+-1 otherwise; group-relative advantages; clipped policy loss 0.2 / 0.28; optionally Balanced Adaptive Rollout, and
+the paper's task filter first, `rl.filter`: RL only on pool tasks the starting policy solves 0 < p̂ <= 0.5),
 new weights handed to the rollout engine after every step -> evaluation. Held-out success is the Claw-Eval pass
 rule (task score >= 0.75). Episodes whose sandbox failed are counted and left out of training and scoring. Writes
 ``metrics.jsonl``, ``results.json`` (with the resolved config) and ``learning_curve.png`` under ``output_dir``.
@@ -203,7 +204,8 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
 
                 pool = await rl_tasks(cfg, trained, engine, rl_pool, run.log)
                 if pool:
-                    # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing.
+                    # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing (the
+                    # whole pool, filter off, holds tasks_per_step by the config's own check).
                     rl_cfg = replace(cfg.rl, tasks_per_step=min(cfg.rl.tasks_per_step, len(pool)))
                     # The stage hands the engine new weights after every update: it holds the final policy here.
                     run.rl_history = await stages.rl_stage(model, engine, trained, pool, rl_cfg, rollout=cfg.rollout,

@@ -453,7 +453,8 @@ async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], sandboxe
     kept), each with its warm pool. Returns the RL history and every verified-or-not rollout generated on train
     tasks (the value pool)."""
     trained = {h: harnesses[h] for h in cfg.harnesses}
-    async with warm(sandboxes, cfg, len(train) * math.ceil(cfg.rl.filter.attempts / len(trained))):
+    rated = len(cfg.rl.filter.candidates_of(train, cfg.seed))
+    async with warm(sandboxes, cfg, rated * math.ceil(cfg.rl.filter.attempts / len(trained))):
         tasks, generated = await rl_task_pool(cfg, trained, engine, train, log)
     judges = judged(cfg, trained, tokenizer, train) if RL_VARIANTS[cfg.rl.variant].judge else None
     trained = judges or trained

@@ -10,6 +10,9 @@ little. The rule is `orchard.sampling.difficulty_filter`; this stage plays the r
 
 Spreading a task's attempts over the harnesses measures the policy the RL stage trains, which deals each task to
 any of them. Reading "8 initial rollouts" as 8 per task in all (not 8 per harness) is our interpretation.
+
+Under a launcher (several ranks) each rank plays its block of the tasks (`orchard.stages.ranks.shard_range`) and
+the per-task counts are gathered, so every rank keeps the same tasks, as the RL stage that follows requires.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from orchard.data import Trajectory
 from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import difficulty_filter
+from orchard.stages.ranks import all_gather_concat, all_reduce_sum, init_ranks, shard_range
 
 __all__ = ["TaskFilterResult", "filter_tasks", "split_attempts"]
 
@@ -39,7 +43,7 @@ class TaskFilterResult:
     """``filter/candidates``, ``filter/kept``, ``filter/too_hard`` (p̂ <= low), ``filter/too_easy`` (p̂ > high),
     ``filter/unscored``, ``filter/episodes``, ``filter/env_errors``, ``filter/success`` (over scored episodes)."""
     trajectories: list[Trajectory] = field(default_factory=list, repr=False)
-    """Every rollout played, task-major within each harness."""
+    """Every rollout this rank played, task-major within each harness (all of them on one process)."""
 
 
 def split_attempts(attempts: int, names: Sequence[str]) -> dict[str, int]:
@@ -80,20 +84,27 @@ async def filter_tasks(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Se
     per_harness = split_attempts(attempts, list(harnesses))
     difficulty_filter([[0.0]], low=low, high=high)  # checks the bounds before any rollout is spent
     tasks = list(tasks)
-    passed_P = np.zeros(len(tasks))
-    scored_P = np.zeros(len(tasks))
+    ranks = init_ranks()
+    mine = [tasks[i] for i in shard_range(len(tasks), ranks.rank, ranks.world_size)]
+    passed_L = np.zeros(len(mine))
+    scored_L = np.zeros(len(mine))
     played: list[Trajectory] = []
     for name, k in per_harness.items():
-        if k == 0 or not tasks:
+        if k == 0 or not mine:
             continue
-        trajs = await harnesses[name](engine, tasks, group_size=k, temperature=temperature)
-        if len(trajs) != k * len(tasks):
-            raise ValueError(f"harnesses[{name!r}] returned {len(trajs)} rollouts for {len(tasks)} tasks x {k}")
+        trajs = await harnesses[name](engine, mine, group_size=k, temperature=temperature)
+        if len(trajs) != k * len(mine):
+            raise ValueError(f"harnesses[{name!r}] returned {len(trajs)} rollouts for {len(mine)} tasks x {k}")
         played += trajs
-        for p in range(len(tasks)):
+        for p in range(len(mine)):
             group = [t for t in trajs[p * k:(p + 1) * k] if t.valid]
-            scored_P[p] += len(group)
-            passed_P[p] += sum(t.passed for t in group)
+            scored_L[p] += len(group)
+            passed_L[p] += sum(t.passed for t in group)
+    # the blocks in rank order are the tasks in order: the gathered counts line up with ``tasks``
+    counts = np.array(all_gather_concat(list(zip(passed_L.tolist(), scored_L.tolist(), strict=True))),
+                      dtype=np.float64).reshape(len(tasks), 2)
+    passed_P, scored_P = counts[:, 0], counts[:, 1]
+    totals = all_reduce_sum({"episodes": len(played), "env_errors": sum(t.is_env_error for t in played)})
     scored = scored_P > 0
     rate_P = np.full(len(tasks), np.nan)
     rate_P[scored] = passed_P[scored] / scored_P[scored]
@@ -103,15 +114,14 @@ async def filter_tasks(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Se
         verdict = difficulty_filter(rows, low=low, high=high)
         kept_idx = np.flatnonzero(scored)[verdict.kept_indices].tolist()
     rated = rate_P[scored]
-    episodes = len(played)
     stats = {
         "filter/candidates": float(len(tasks)),
         "filter/kept": float(len(kept_idx)),
         "filter/too_hard": float((rated <= low).sum()),
         "filter/too_easy": float((rated > high).sum()),
         "filter/unscored": float((~scored).sum()),
-        "filter/episodes": float(episodes),
-        "filter/env_errors": float(sum(t.is_env_error for t in played)),
+        "filter/episodes": totals["episodes"],
+        "filter/env_errors": totals["env_errors"],
         "filter/success": float(passed_P.sum() / scored_P.sum()) if scored_P.sum() else 0.0,
     }
     return TaskFilterResult([tasks[p] for p in kept_idx], rate_P, stats, played)

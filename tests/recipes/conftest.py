@@ -37,3 +37,10 @@ def recipe_main(capsys):
         return status, out, err
 
     return call
+
+
+@pytest.fixture
+def recipe_module():
+    """``recipe_module(name)``: `load_recipe` as a fixture (a test module's ``from conftest import`` breaks when
+    another folder's conftest is collected in the same run)."""
+    return load_recipe

@@ -4,8 +4,8 @@ Usage: ``python rl_worker.py OUT_DIR ENGINE [DIE_RANK] [--steps S] [--die-call C
 S (default 2) GRPO steps of ``rl_stage`` on the tiny model of ``tests/train/train_helpers`` with deterministic
 rollouts (`FixedRollouts`: every member's sample and reward are a function of its task and index, whatever rank
 plays it, and never of the engine's weights) and writes ``OUT_DIR/rank{r}.pt`` with the weights handed to the
-engine after the last step, the step stats, which tasks each rank played and the rows of an evaluation of tasks
-0-6 run after the RL stage. With DIE_RANK=r, rank r SIGKILLs itself in its C-th (default 2nd) rollout call of
+engine after the last step, the step stats, which tasks each rank played, the rows of an evaluation of tasks
+0-6 run after the RL stage and the task filter's verdict on tasks 0-6. With DIE_RANK=r, rank r SIGKILLs itself in its C-th (default 2nd) rollout call of
 harness "a" (while it plays its tasks of step C; asynchronous, during step C-1's training); the others are left
 waiting for it. The stage checkpoints after every step under ``OUT_DIR/train`` and, with ``--resume``, continues
 from the latest checkpoint there; ``--async`` sets ``async_rollouts``.
@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 from train_helpers import VOCAB, make_model  # noqa: E402
 
 from orchard.data import RenderedSample, RenderReport, Trajectory  # noqa: E402
-from orchard.stages import RLConfig, RolloutConfig, evaluate, rl_stage  # noqa: E402
+from orchard.stages import RLConfig, RolloutConfig, evaluate, filter_tasks, rl_stage  # noqa: E402
 from orchard.stages.ranks import init_ranks  # noqa: E402
 from orchard.train.objective import LossTerm  # noqa: E402
 from orchard.train.trainer import OptimConfig, TrainConfig  # noqa: E402
@@ -100,7 +100,9 @@ def main() -> None:
     history = asyncio.run(rl_stage(make_model(seed=1), engine, harnesses, list(range(12)), cfg,
                                    rollout=RolloutConfig(), pad_id=0, seed=5, output_dir=str(out / "train")))
     rows = asyncio.run(evaluate(harnesses, engine, list(range(7)), attempts=3, temperature=1.0))
+    kept = asyncio.run(filter_tasks(harnesses, engine, list(range(7)), attempts=6))
     torch.save({"weights": engine.last, "history": history, "eval": rows,
+                "filter": {"tasks": kept.tasks, "pass_rate": kept.pass_rate.tolist(), "stats": kept.stats},
                 "played": {name: h.played for name, h in harnesses.items()}}, out / f"rank{ranks.rank}.pt")
 
 

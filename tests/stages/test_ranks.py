@@ -128,6 +128,12 @@ def test_two_ranks_train_the_parameters_of_one_process(tmp_path, deepspeed_cpu_c
     assert ranks[0]["eval"] == ranks[1]["eval"] == one["eval"]
     assert one["eval"]["a"]["success"] == pytest.approx(2 / 7) and one["eval"]["a"]["tasks"] == 7
     assert one["history"][1]["rl/groups_with_signal"] == 4.0  # the flat group (task t mod 4 == 3) was dropped
+    # The task filter shards its 7 tasks too, and every rank keeps the same ones: 6 attempts = 3 per harness
+    # (members 0-2), so each task passes once per harness, p̂ = 2/6, except task 3 (t mod 4 == 3, never): 0.
+    assert ranks[0]["filter"] == ranks[1]["filter"] == one["filter"]
+    assert one["filter"]["tasks"] == [0, 1, 2, 4, 5, 6]
+    assert one["filter"]["pass_rate"] == pytest.approx([1 / 3] * 3 + [0.0] + [1 / 3] * 3)
+    assert one["filter"]["stats"]["filter/episodes"] == 42.0  # 7 tasks x 6, over both ranks
 
 
 @pytest.mark.slow
