@@ -2,9 +2,9 @@
 
 Meant for a sandbox that is a pod or machine of its own (the Kubernetes backend runs its standard-library twin,
 `orchard.env.backends.kubernetes.pod_agent`, instead: same routes and answers, except that only the pod agent
-answers a repeated `request_id` with its first answer, since only the Kubernetes backend retries). There the pod is the isolation
-boundary, so `--isolation process-group` is the usual choice; on a machine with
-bubblewrap, `auto` isolates each command as the local backend does. The bearer token is read from an
+answers a repeated `request_id` with its first answer, since only the Kubernetes backend retries). There the pod
+is the isolation boundary, so `--isolation process-group` is the usual choice; on a machine with bubblewrap, `auto`
+isolates each command as the local backend does. The bearer token is read from an
 environment variable (never from the command line, where other users could read it in /proc).
 """
 
