@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import functools
 import os
 import shutil
 import signal
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
 
+from orchard.env.backends.base import Backend
 from orchard.env.backends.local import LocalBackend
 from orchard.env.embedded import serve
 from orchard.env.errors import NotFoundError, WaitTimeoutError
@@ -51,6 +55,27 @@ async def replicas(root, redis_url):
 
 def _db(redis_url: str, db: int) -> str:
     return redis_url.rsplit("/", 1)[0] + f"/{db}"  # a database of its own: child services use the default prefix
+
+
+@contextlib.asynccontextmanager
+async def _two_replicas(
+        redis_url: str, *, a_backend: Backend, b_backend: Backend, leases_s: tuple[float, float],
+        b_store: Callable[..., RedisStore] = RedisStore, b_clock: Callable[[], float] = time.time,
+) -> AsyncIterator[tuple[Orchestrator, Orchestrator]]:
+    """Replicas A and B, started without a reaper, over one Redis state (a fresh key prefix): A on `a_backend`
+    with a plain RedisStore, B on `b_backend` with `b_store(redis_url, prefix=...)`; `leases_s` are A's and B's
+    replica leases. The backends are one LocalBackend or wrappers of it, as replicas share a cluster. On exit
+    B closes, and with it that backend, and A's store closes: A itself may have been made to stall or die."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a = Orchestrator(a_backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=leases_s[0])
+    b = Orchestrator(b_backend, b_store(redis_url, prefix=prefix), replica_lease_s=leases_s[1], clock=b_clock)
+    for orch in (a, b):
+        await orch.start(reaper=False)
+    try:
+        yield a, b
+    finally:
+        await b.close()
+        await a.store.close()
 
 
 def test_open_store_names_the_store(tmp_path, redis_url):
@@ -104,12 +129,7 @@ async def test_a_job_whose_lock_lease_lapsed_on_a_live_replica_still_gets_its_re
 
 async def test_a_live_replicas_reaper_reports_a_dead_replicas_job_lost_after_its_lease(root, redis_url):
     backend = LocalBackend(f"{root}/sandboxes", box=False)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    a, b = (Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=lease)
-            for lease in (1.5, 30.0))
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=backend, b_backend=backend, leases_s=(1.5, 30.0)) as (a, b):
         await a.create_sandbox(CreateParams(sandbox_id="s"))
         params = ExecParams(command="echo ran >> count; sleep 30")
         job = await a.submit_exec("s", params, key="k", fingerprint="f")
@@ -137,9 +157,6 @@ async def test_a_live_replicas_reaper_reports_a_dead_replicas_job_lost_after_its
         assert retry.job_id == job.job_id and retry.status == "failed"
         assert await b.read_file("s", "count") == b"ran\n"  # ran once, on A; never again
         await b.delete_sandbox("s")
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 def _exec(url: str, key: str, command: str, idempotency_key: str) -> dict:
@@ -251,12 +268,7 @@ class _HeldCreates:
 async def test_a_creator_paused_past_its_lease_cannot_overwrite_the_settlement(root, redis_url, made):
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=not made)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=1.0)  # type: ignore[arg-type]
-    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held, b_backend=backend, leases_s=(1.0, 30.0)) as (a, b):
         async def create() -> tuple[int, dict]:
             record = await a.create_sandbox(CreateParams(sandbox_id="s"))
             return 200, {"status": record.status}
@@ -283,9 +295,6 @@ async def test_a_creator_paused_past_its_lease_cannot_overwrite_the_settlement(r
             assert settled is None
             assert not await backend.exists("s")  # what A made after the drop is deleted, not leaked
         assert await b.store.get_idempotency("key") is None  # B forgot the pending key, A did not answer it
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 class _DeleteThen:
@@ -311,19 +320,15 @@ async def test_a_creator_whose_sandbox_appears_during_the_settlers_drop_deletes_
     # finds none and deletes what it made.
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=True)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=1.0)  # type: ignore[arg-type]
     creating: list[asyncio.Task] = []
 
     async def resume_the_creator() -> None:
         held.release.set()
         await asyncio.wait(creating)  # A's create, to its end, inside B's drop
 
-    b = Orchestrator(_DeleteThen(backend, "s", resume_the_creator),  # type: ignore[arg-type]
-                     RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held,
+                             b_backend=_DeleteThen(backend, "s", resume_the_creator),
+                             leases_s=(1.0, 30.0)) as (a, b):
         creating.append(asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s"))))
         await held.entered.wait()
         a._beat.cancel()  # A renews nothing: its lease (1 s) ends
@@ -334,9 +339,6 @@ async def test_a_creator_whose_sandbox_appears_during_the_settlers_drop_deletes_
         assert not await backend.exists("s")  # made by A after B's backend delete, deleted by A
         with pytest.raises(CreateTakenOverError, match="it is gone"):
             creating[0].result()
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 class _AskedAbout(RedisStore):
@@ -361,19 +363,16 @@ async def test_a_delete_on_another_replica_waits_for_the_create_in_flight_and_le
     # create is written (A is released as soon as B checks A's lease), then deletes the ready sandbox.
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=True)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
     creating: list[asyncio.Task] = []
 
     async def resume_the_creator() -> None:  # before the fix: inside B's backend delete, before its record delete
         held.release.set()
         await asyncio.wait(creating)
 
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
-    b = Orchestrator(_DeleteThen(backend, "s", resume_the_creator),  # type: ignore[arg-type]
-                     _AskedAbout(redis_url, prefix=prefix, then=held.release.set), replica_lease_s=30.0)
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held,
+                             b_backend=_DeleteThen(backend, "s", resume_the_creator),
+                             b_store=functools.partial(_AskedAbout, then=held.release.set),
+                             leases_s=(30.0, 30.0)) as (a, b):
         async def create() -> tuple[int, dict]:
             record = await a.create_sandbox(CreateParams(sandbox_id="s"))
             return 200, {"status": record.status}
@@ -386,9 +385,6 @@ async def test_a_delete_on_another_replica_waits_for_the_create_in_flight_and_le
         assert await b.store.get_sandbox("s") is None
         assert creating[0].result() == (200, {"status": "ready"})  # the create ended as it would alone...
         assert (await b.store.get_idempotency("key")).status_code == 200  # ...and its key was answered
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 @pytest.mark.parametrize("creator", ["lease-ended", "alive-past-wait"])
@@ -401,7 +397,6 @@ async def test_a_delete_takes_over_a_create_it_does_not_wait_for_and_the_creator
     # Idempotency-Key stayed pending for its 24 h (a retry waited 600 s, then got 409).
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=True)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
     creating: list[asyncio.Task] = []
 
     async def resume_the_creator() -> None:
@@ -409,12 +404,9 @@ async def test_a_delete_takes_over_a_create_it_does_not_wait_for_and_the_creator
         await asyncio.wait(creating)
 
     lease = 1.0 if creator == "lease-ended" else 30.0
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=lease)  # type: ignore[arg-type]
-    b = Orchestrator(_DeleteThen(backend, "s", resume_the_creator),  # type: ignore[arg-type]
-                     RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held,
+                             b_backend=_DeleteThen(backend, "s", resume_the_creator),
+                             leases_s=(lease, 30.0)) as (a, b):
         async def create() -> tuple[int, dict]:
             record = await a.create_sandbox(CreateParams(sandbox_id="s"))
             return 200, {"status": record.status}
@@ -433,9 +425,6 @@ async def test_a_delete_takes_over_a_create_it_does_not_wait_for_and_the_creator
         with pytest.raises(CreateTakenOverError, match="it is deleting"):
             creating[0].result()
         assert await b.store.get_idempotency("key") is None  # forgotten by B: a retry creates anew
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 async def test_the_reaper_leaves_a_create_in_flight_on_another_replica_to_its_creator(root, redis_url):
@@ -443,13 +432,9 @@ async def test_the_reaper_leaves_a_create_in_flight_on_another_replica_to_its_cr
     # A's create (and, on A itself, its pass waited up to 600 s for the create); now it is left to A.
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=True)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
-    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0,
-                     clock=lambda: time.time() + 60)  # B's clock: a minute on, past the 1 s heartbeat timeout
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held, b_backend=backend,
+                             # B's clock: a minute on, past the 1 s heartbeat timeout
+                             leases_s=(30.0, 30.0), b_clock=lambda: time.time() + 60) as (a, b):
         creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s", heartbeat_timeout=1)))
         await held.entered.wait()
         assert await b.reap_once() == []
@@ -457,9 +442,6 @@ async def test_the_reaper_leaves_a_create_in_flight_on_another_replica_to_its_cr
         assert (await creating).status == "ready"
         assert await b.reap_once() == ["s"]  # out of pending, and still idle: the next pass reaps it
         assert await b.store.get_sandbox("s") is None and not await backend.exists("s")
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 class _ReadsPending(RedisStore):
@@ -484,12 +466,9 @@ async def test_a_wait_or_exec_on_another_replica_waits_for_the_create_in_flight(
     # the fix B waited only for creates of its own: the wait answered "pending" at once and the exec 409.
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=True)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
-    b = Orchestrator(backend, _ReadsPending(redis_url, prefix=prefix, then=held.release.set), replica_lease_s=30.0)
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held, b_backend=backend,
+                             b_store=functools.partial(_ReadsPending, then=held.release.set),
+                             leases_s=(30.0, 30.0)) as (a, b):
         creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s")))
         await held.entered.wait()
         if call == "wait":
@@ -500,9 +479,6 @@ async def test_a_wait_or_exec_on_another_replica_waits_for_the_create_in_flight(
             assert (await b.wait_job(job.job_id, 30)).stdout == "made by A\n"
         assert (await creating).status == "ready"
         await b.delete_sandbox("s")
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 async def test_a_wait_on_another_replica_over_a_create_that_does_not_end_times_out(root, redis_url):
@@ -511,12 +487,7 @@ async def test_a_wait_on_another_replica_over_a_create_that_does_not_end_times_o
     # timeout would hang here, so the outer bound (30 s) only guards the suite.
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=True)
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)  # type: ignore[arg-type]
-    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held, b_backend=backend, leases_s=(30.0, 30.0)) as (a, b):
         creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s")))
         await held.entered.wait()
         with pytest.raises(WaitTimeoutError, match=r"not ready within 0\.3s") as timed_out:
@@ -526,9 +497,6 @@ async def test_a_wait_on_another_replica_over_a_create_that_does_not_end_times_o
         held.release.set()
         assert (await creating).status == "ready"
         await b.delete_sandbox("s")
-    finally:
-        await b.close()
-        await a.store.close()
 
 
 async def test_a_wait_over_a_create_whose_creator_died_is_answered_by_the_settlement(root, redis_url):
@@ -537,12 +505,7 @@ async def test_a_wait_over_a_create_whose_creator_died_is_answered_by_the_settle
     # `settle_creates` running beside the wait, and answers with the adopted sandbox.
     backend = LocalBackend(f"{root}/sandboxes", box=False)
     held = _HeldCreates(backend, "s", before=False)  # the backend made "s" before A stalled: it is adopted
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    a = Orchestrator(held, RedisStore(redis_url, prefix=prefix), replica_lease_s=1.0)  # type: ignore[arg-type]
-    b = Orchestrator(backend, RedisStore(redis_url, prefix=prefix), replica_lease_s=30.0)
-    for orch in (a, b):
-        await orch.start(reaper=False)
-    try:
+    async with _two_replicas(redis_url, a_backend=held, b_backend=backend, leases_s=(1.0, 30.0)) as (a, b):
         creating = asyncio.create_task(a.create_sandbox(CreateParams(sandbox_id="s")))
         await held.entered.wait()
         a._beat.cancel()  # A renews nothing: its lease (1 s) ends
@@ -558,6 +521,3 @@ async def test_a_wait_over_a_create_whose_creator_died_is_answered_by_the_settle
         with pytest.raises(CreateTakenOverError):
             await creating
         await b.delete_sandbox("s")
-    finally:
-        await b.close()
-        await a.store.close()
