@@ -1,7 +1,8 @@
 """Set-up shared by test modules in different folders: the embedded sandbox service and the ids of the sandboxes it
 holds, the tiny vision-language model and the screenshots it looks at, DeepSpeed's CPU op built once per session,
-and a scripted `Rollouts` for the task filter's tests."""
+a scripted `Rollouts` for the task filter's tests, and asyncio's timeouts as Python 3.10 has them."""
 
+import asyncio
 import base64
 import io
 import os
@@ -101,3 +102,25 @@ class ScriptedRollouts:
 def scripted_rollouts() -> type:
     """`ScriptedRollouts`: a `Rollouts` whose outcomes per task are fixed in advance (the task filter's tests)."""
     return ScriptedRollouts
+
+
+class _Py310TimeoutError(Exception):
+    """`asyncio.TimeoutError` as Python 3.10 has it (setup.cfg allows 3.10): not the builtin `TimeoutError`,
+    which it is only from 3.11."""
+
+
+@pytest.fixture
+def python_310_timeouts(monkeypatch):
+    """`asyncio.wait_for` and `asyncio.TimeoutError` as on Python 3.10, on the 3.11+ that runs the tests. It reaches
+    an ``except asyncio.TimeoutError`` (looked up when it runs), not a tuple of exceptions built at import, which
+    keeps the class of the Python that imported it."""
+    wait_for = asyncio.wait_for
+
+    async def wait_for_310(awaitable, timeout):
+        try:
+            return await wait_for(awaitable, timeout)
+        except TimeoutError:
+            raise _Py310TimeoutError from None
+
+    monkeypatch.setattr(asyncio, "TimeoutError", _Py310TimeoutError)
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_310)

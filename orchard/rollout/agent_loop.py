@@ -52,7 +52,7 @@ ENV_ERRORS: tuple[type[BaseException], ...] = (
     SandboxError,
     EnvironmentFailure,
     ConnectionError,
-    TimeoutError,
+    asyncio.TimeoutError,  # on Python 3.10 not the builtin TimeoutError, which OSError covers
     OSError,
     httpx.HTTPError,
 )
@@ -262,7 +262,7 @@ class AgentLoop:
             budget_binds = left is not None and left < self.env_timeout_s
             try:
                 return await asyncio.wait_for(make(), self.env_timeout_s if not budget_binds else left)
-            except TimeoutError as exc:
+            except asyncio.TimeoutError as exc:
                 if budget_binds:
                     raise _OutOfTime(what) from exc
                 error: BaseException = exc
@@ -284,7 +284,7 @@ class AgentLoop:
                     await asyncio.wait_for(self.engine.generate([request]), min(left, self.model_timeout_s))
                 )[0]
                 return result.completions[0], result.weight_version
-            except TimeoutError as exc:
+            except asyncio.TimeoutError as exc:
                 if budget_binds:
                     raise _OutOfTime("model") from exc
                 error: BaseException = exc

@@ -101,7 +101,7 @@ async def run_program(module: str, argv: list[str], env: Mapping[str, str], time
     try:
         _, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
         return proc.returncode, stderr.decode(errors="replace")[-2000:]
-    except TimeoutError:
+    except asyncio.TimeoutError:
         return None, f"the harness program ran past {timeout_s:.0f} s and was killed"
     finally:
         if proc.returncode is None:

@@ -362,26 +362,6 @@ async def test_a_create_taken_over_by_a_delete_leaves_a_new_create_of_its_id_alo
         assert record.status == "ready" and record.env == {"RUN": "2"} and await backend.exists("s")
 
 
-class _Py310TimeoutError(Exception):
-    """`asyncio.TimeoutError` as Python 3.10 has it (setup.cfg allows 3.10): not the builtin `TimeoutError`,
-    which it is only from 3.11."""
-
-
-@pytest.fixture
-def python_310_timeouts(monkeypatch):
-    """`asyncio.wait_for` and `asyncio.TimeoutError` as on Python 3.10, on the 3.11+ that runs the tests."""
-    wait_for = asyncio.wait_for
-
-    async def wait_for_310(awaitable, timeout):
-        try:
-            return await wait_for(awaitable, timeout)
-        except TimeoutError:
-            raise _Py310TimeoutError from None
-
-    monkeypatch.setattr(asyncio, "TimeoutError", _Py310TimeoutError)
-    monkeypatch.setattr(asyncio, "wait_for", wait_for_310)
-
-
 async def test_waits_end_at_their_timeout_on_python_310(root, python_310_timeouts):
     # Before the fix both waits caught the builtin TimeoutError, which 3.10's wait_for does not raise: the
     # wait for a create was a 500, not a 408, and a wait for a running job raised instead of showing it.

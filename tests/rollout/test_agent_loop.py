@@ -297,3 +297,22 @@ def test_tiny_model_rollouts_run_concurrently(service, tokenizer, tiny_model):
         for start in starts:
             assert ids[:start] in engine.prompts
     assert torch.tensor([len(p) for p in engine.prompts]).min() > 0
+
+
+def test_timeouts_end_the_rollout_on_python_310(service, tokenizer, python_310_timeouts):
+    # Before the fix both waits caught the builtin TimeoutError, which 3.10's wait_for does not raise.
+    # 1. the model call outlives the episode's 3 s (30 s delay; 3 s left < model_timeout_s 300, so the budget
+    #    binds): time_budget; before, the 3.10 error fell to the engine-failure branch and, with no retry, gave
+    #    env_error
+    slow = RecordingEngine(ScriptedEngine(tokenizer, ["Done."], delay_s=30.0))
+    (traj,) = run_loop(service, slow, ShellHarness(), tokenizer, [{"prompt": "go"}], max_time_s=3.0,
+                       model_retries=0)
+    assert len(slow.prompts) == 1  # the model was asked (the sandbox was ready within the 3 s)
+    assert traj.termination_reason == "time_budget" and traj.metadata["model_calls"] == 0
+    # 2. a tool call outlives env_timeout_s 3 s (sleep 30 < exec_timeout_s 60, and the 600 s budget is free): the
+    #    environment failed, env_error and unscored; before, the 3.10 error escaped the rollout
+    engine = ScriptedEngine(tokenizer, [exec_call("sleep 30"), "Done."])
+    (traj,) = run_loop(service, engine, ShellHarness(exec_timeout_s=60), tokenizer,
+                       [{"prompt": "go", "check": "true"}], env_timeout_s=3.0)
+    assert traj.termination_reason == "env_error" and traj.reward is None
+    assert traj.metadata["error"].startswith("tool exec: _Py310TimeoutError")

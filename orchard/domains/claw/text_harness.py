@@ -56,7 +56,7 @@ from orchard.rollout.program import (
 """The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
 
 ENV_FAILURES: tuple[type[BaseException], ...] = (
-    SandboxError, ToolProgramError, ConnectionError, TimeoutError, OSError, httpx.HTTPError)
+    SandboxError, ToolProgramError, ConnectionError, asyncio.TimeoutError, OSError, httpx.HTTPError)
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ async def run_episode(http: httpx.AsyncClient, env: AsyncSandboxClient, settings
                 observation = await asyncio.wait_for(
                     run_tool(sandbox, action.name, action.arguments or {}, timeout=settings.exec_timeout_s),
                     min(left, settings.exec_timeout_s + 30))
-            except TimeoutError as exc:
+            except asyncio.TimeoutError as exc:
                 if time.monotonic() >= deadline:
                     raise _OutOfTime from exc
                 raise

@@ -71,7 +71,8 @@ from orchard.rollout.program import (
 
 """The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
 
-ENV_FAILURES: tuple[type[BaseException], ...] = (SandboxError, ConnectionError, TimeoutError, OSError, httpx.HTTPError)
+ENV_FAILURES: tuple[type[BaseException], ...] = (
+    SandboxError, ConnectionError, asyncio.TimeoutError, OSError, httpx.HTTPError)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ async def _bounded(coro: Any, settings: Settings, deadline: float) -> Any:
         raise _OutOfTime
     try:
         return await asyncio.wait_for(coro, min(left, settings.exec_timeout_s + 30))
-    except TimeoutError as exc:
+    except asyncio.TimeoutError as exc:
         if time.monotonic() >= deadline:
             raise _OutOfTime from exc
         raise

@@ -1,14 +1,17 @@
 """The SWE harness program (tool and bash conventions) behind the recording proxy, against the real embedded sandbox
 service: the scripted teacher resolves one instance per level in each convention, malformed replies get error
-observations and end in format_error, and the proxy's samples equal rendering the recorded conversation."""
+observations and end in format_error, and the proxy's samples equal rendering the recorded conversation; with a
+sandbox that hangs (a fake), a command past the episode's deadline ends it in time_budget."""
 
 import asyncio
 
+import httpx
 import pytest
 import torch
 
 from orchard.data import Message, Trajectory, merge_prefix_samples, render_turns, sequence_length
 from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.swe import tool_harness
 from orchard.domains.swe.convention import unparseable_actions
 from orchard.domains.swe.generator import make_instance
 from orchard.domains.swe.teacher import SWETeacherEngine
@@ -165,3 +168,33 @@ def test_curation_keeps_the_teachers_episodes_and_drops_the_malformed_one(batche
     longest = max(sequence_length(t) for t in kept)
     assert curate_sft(kept, max_len=longest)[0] == kept  # the limit is inclusive
     assert curate_sft(kept, max_len=longest - 1)[1]["sft/dropped_over_length"] >= 1
+
+
+class _HangingSandbox:
+    """A sandbox whose commands never end: only the harness's own wait can end the call."""
+
+    async def exec(self, command, *, timeout):
+        await asyncio.sleep(3600)
+
+
+class _HangingEnv:
+    async def sandbox(self, sandbox_id):
+        return _HangingSandbox()
+
+
+def test_a_sandbox_call_past_the_episode_deadline_is_time_budget_on_python_310(python_310_timeouts):
+    # Before the fix the sandbox wait caught the builtin TimeoutError, which 3.10's wait_for does not raise: the
+    # 3.10 error escaped the episode instead of ending it in time_budget.
+    call = {"id": "c1", "type": "function", "function": {"name": "execute_bash", "arguments": '{"command": "ls"}'}}
+    reply = {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+    # the episode has 1 s; the command's wait is min(1 s left, exec_timeout_s 60 + 30) = the time left
+    settings = tool_harness.Settings(model_url="http://model", max_time_s=1.0, exec_timeout_s=60.0)
+    episode = {"session_id": "e", "sandbox_id": "s", "prompt": "Fix the bug."}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, json=reply))
+                                     ) as http:
+            return await tool_harness.run_episode(http, _HangingEnv(), settings, episode)
+
+    out = asyncio.run(main())
+    assert (out["termination_reason"], out["steps"], out["error"]) == ("time_budget", 1, None)
