@@ -24,7 +24,7 @@ from orchard.env.agent import BUBBLEWRAP, PROCESS_GROUP, Isolation, Limits, Sand
 from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.isolation import probe_bubblewrap
 from orchard.env.agent.process import _Capture
-from orchard.env.backends.base import ExecRequest, PathEscapeError
+from orchard.env.backends.base import BackendError, ExecRequest, PathEscapeError
 
 IS_ROOT = os.geteuid() == 0
 TEST_UID = 201_357
@@ -265,6 +265,31 @@ async def test_main_exit_returns_promptly_and_ends_background_children(workspace
     assert (r.exit_code, r.stdout, r.timed_out) == (0, b"done\n", False)
     assert time.monotonic() - t0 < SLACK_S + 1.0
     await assert_no_leftovers(m)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8])
+async def test_kill_all_during_the_launch_ends_the_command(workspace_dir, mode, yields):
+    """A sandbox deleted while its command is being launched: the box still starting (yields 1-3 land in its
+    handshake), the process just registered, or the exec not begun at all (0). The command never runs on."""
+    agent = make_agent(workspace_dir, mode)
+    m = marker()  # `sleep <m>` sleeps ~10 days: only the kill can end it
+    running = asyncio.ensure_future(agent.exec(ExecRequest(f"sleep {m}", timeout_s=3600)))
+    for _ in range(yields):
+        await asyncio.sleep(0)
+    await agent.kill_all()
+    try:
+        r = await asyncio.wait_for(running, 10)
+    except BackendError as e:  # refused: kill_all came before the launch
+        assert "being deleted" in str(e)
+    else:
+        # killed: 137 from a box (with its note), SIGKILL from a bubblewrap or process group per command
+        assert not r.timed_out and r.exit_code in (137, -9), r
+    await assert_no_leftovers(m)
+    with pytest.raises(BackendError, match="being deleted"):
+        await agent.exec(ExecRequest("true"))
+    with pytest.raises(BackendError, match="being deleted"):
+        await agent.open_pty()
 
 
 @needs_root

@@ -224,9 +224,13 @@ async def test_sqlite_store_survives_reopen_and_claims_atomically(root):
 
 async def test_queued_exec_of_a_deleted_sandbox_never_runs_in_its_successor(orch):
     await orch.create_sandbox(CreateParams(sandbox_id="x"))
-    first = await orch.submit_exec("x", ExecParams(command="sleep 0.5"))
+    # The first runs until the delete ends it (a short sleep could finish first on a loaded machine).
+    first = await orch.submit_exec("x", ExecParams(command="sleep 30"))
     second = await orch.submit_exec("x", ExecParams(command="touch ran"))  # queued behind the first
-    await asyncio.sleep(0.1)
+    for _ in range(1000):  # bounded: until the first has started
+        if (await orch.get_job(first.job_id)).status == "running":
+            break
+        await asyncio.sleep(0.01)
     await orch.delete_sandbox("x")
     orch.test_clock.now += 1
     await orch.create_sandbox(CreateParams(sandbox_id="x"))  # a new sandbox under the same id
@@ -234,7 +238,6 @@ async def test_queued_exec_of_a_deleted_sandbox_never_runs_in_its_successor(orch
     job = await orch.wait_job(second.job_id, 30)
     assert job.status == "failed" and job.error == "sandbox deleted"
     assert [f.path for f in await orch.list_files("x", ".")] == []
-
 
 
 async def test_a_pending_record_of_this_replica_with_no_create_running_is_answered_at_once(orch):
@@ -252,6 +255,7 @@ async def test_a_pending_record_of_this_replica_with_no_create_running_is_answer
         await orch.get_sandbox("stuck")
     with pytest.raises(ValueError, match="timeout"):
         await orch.wait_sandbox("stuck", -1)
+
 
 class _HeldBackend(LocalBackend):
     """The real LocalBackend whose first `held` creates each wait for their own `release` event (a create

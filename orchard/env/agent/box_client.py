@@ -185,7 +185,18 @@ class Box:
             start = time.monotonic()
             if not self._alive():
                 await self._stop()
-                await self._start()
+                if not self._closed:
+                    try:
+                        await self._start()
+                    except BoxUnavailableError:
+                        if not self._closed:
+                            raise
+                if self._closed:
+                    # closed while the box was stopped or starting (`kill` ended it half-way): the command
+                    # must not start, and a box that failed for that is no reason to fall back
+                    await self._stop()
+                    return ExecResult(exit_code=137, stdout=b"", stderr=_CLOSED_NOTE,
+                                      duration_s=time.monotonic() - start)  # fmt: skip
             sock = self._sock
             assert sock is not None
             loop = asyncio.get_running_loop()
@@ -227,7 +238,8 @@ class Box:
         )
 
     async def close(self) -> None:
-        """Kill the box and everything in its namespace; later `run`s raise BackendError."""
+        """Kill the box and everything in its namespace; later `run`s raise BackendError. A `run` in flight,
+        also one whose box is still starting, returns exit code 137 with a note on stderr."""
         self._closed = True
         await self.kill()
 

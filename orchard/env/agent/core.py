@@ -17,7 +17,7 @@ from orchard.env.agent.files import Workspace
 from orchard.env.agent.isolation import BUBBLEWRAP, Isolation
 from orchard.env.agent.process import ProcessTree, run_captured
 from orchard.env.agent.pty import LocalPty
-from orchard.env.backends.base import ExecRequest, ExecResult, FileInfo, Resources
+from orchard.env.backends.base import BackendError, ExecRequest, ExecResult, FileInfo, Resources
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ class SandboxAgent:
         self._live: set[ProcessTree] = set()
         self._ptys: set[LocalPty] = set()
         self._box: Box | None = None
+        self._closed = False
+        """Set first thing by `kill_all`: from then on nothing of the sandbox starts."""
         if box and isolation.mode == BUBBLEWRAP:
             try:
                 self._box = Box(isolation)
@@ -143,7 +145,19 @@ class SandboxAgent:
         logger.warning("%s; each command gets a bubblewrap of its own from now on", error)
         return None
 
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise BackendError("the sandbox is being deleted")
+
+    def _started(self, tree: ProcessTree) -> None:
+        """`run_captured`'s on_start: the tree joins the live ones that `kill_all` ends, or dies at once if
+        `kill_all` came first (`_run` checks before it launches; this holds wherever a launch may yield)."""
+        self._live.add(tree)
+        if self._closed:
+            tree.kill()
+
     async def _run(self, isolation: Isolation, argv: list[str], request: ExecRequest) -> ExecResult:
+        self._refuse_if_closed()
         cwd = isolation.resolve_cwd(request.cwd)
         env = {**isolation.base_env(), **self.env, **request.env}
         box = self._box
@@ -166,7 +180,7 @@ class SandboxAgent:
                 stdin=bytes(request.stdin) if request.stdin is not None else None,
                 timeout_s=request.timeout_s,
                 max_output_bytes=request.max_output_bytes,
-                on_start=self._live.add,
+                on_start=self._started,
                 on_end=self._live.discard,
                 **launch.popen,
             )
@@ -190,6 +204,7 @@ class SandboxAgent:
         """An interactive terminal running `command` under `bash -lc` (default: an interactive bash)."""
         if command is not None and (not isinstance(command, str) or not command.strip() or "\x00" in command):
             raise ValueError(f"command must be a non-empty string or None, got {command!r}")
+        self._refuse_if_closed()
         argv = ["bash", "-i"] if command is None else ["bash", "-lc", command]
         env = {**self.isolation.base_env(), "TERM": "xterm-256color", **self.env}
         launch = self.isolation.launch(
@@ -204,7 +219,13 @@ class SandboxAgent:
 
     async def kill_all(self) -> None:
         """End every running command and terminal of the sandbox (used before it is deleted); a box is
-        killed and not restarted."""
+        killed and not restarted.
+
+        A command still being launched ends too (its box killed while it starts, or its process the moment
+        it is registered), reported as killed: exit code 137 from a box, -9 from a bubblewrap per command.
+        Every later `exec`, `apply_patch` and `open_pty` raises BackendError.
+        """
+        self._closed = True
         for tree in list(self._live):
             tree.kill()
         if self._box is not None:

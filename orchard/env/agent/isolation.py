@@ -44,6 +44,7 @@ logs a warning when it falls back and reports `isolation = "process-group"`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import math
@@ -194,8 +195,18 @@ def rootfs_tools(rootfs: str) -> tuple[str, str] | None:
     return found[0], found[1]
 
 
+def _children(pid: int) -> list[int]:
+    """The child pids of the single-threaded process `pid` (none where the kernel lacks
+    CONFIG_PROC_CHILDREN, which the common distributions' kernels have)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
 class BubblewrapTree(PidfdProcess):
-    """Killing the outer bubblewrap kills the namespace's init, and with it every process in the sandbox.
+    """Killing the outer bubblewrap and its child, the namespace's init, kills every process in the sandbox.
 
     bubblewrap exits when the command does, and its init dies with it (--die-with-parent); the kernel then
     kills the rest of the namespace. `settle` waits for the init to be gone, which only happens once every
@@ -211,6 +222,16 @@ class BubblewrapTree(PidfdProcess):
         self._init_reaped = False
 
     def kill(self) -> None:
+        # Killed in its first milliseconds (a sandbox deleted while the command starts), the outer bubblewrap
+        # may have cloned the init, which sets --die-with-parent only a moment later: killed alone, it would
+        # leave the init, and the command, running. So it is stopped first (it clones no more; its children's
+        # pids stay theirs), its children are killed, then it.
+        if self._pidfd is not None and self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGSTOP)
+            for child in _children(self.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signal.SIGKILL)
         self.kill_main()
 
     def cleanup(self) -> None:

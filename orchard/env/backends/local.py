@@ -612,8 +612,10 @@ class LocalBackend:
     async def delete(self, sandbox_id: str) -> None:
         """End every process of the sandbox and remove its directory. Idempotent."""
         _check_id(sandbox_id)
-        agent = self._agents.pop(sandbox_id, None)
+        agent = self._agents.get(sandbox_id)
         if agent is not None:
+            # The agent stays registered, closed, until the directory is gone: a command arriving meanwhile
+            # is refused by it rather than run by a fresh agent that nothing would end.
             await agent.kill_all()
         d = self._dir(sandbox_id)
         trash = os.path.join(self.root_dir, f".trash-{sandbox_id}-{secrets.token_hex(4)}")
@@ -623,6 +625,8 @@ class LocalBackend:
         except FileNotFoundError:
             return
         finally:
+            if agent is not None and self._agents.get(sandbox_id) is agent:
+                del self._agents[sandbox_id]
             # only now, with its processes ended, may another sandbox (of any service) get the uid
             self._release_uid(sandbox_id, uid)
         await asyncio.to_thread(shutil.rmtree, trash, True)
