@@ -24,7 +24,7 @@ from _box import IS_ROOT, box_binary, lacking, needs_compiled_box, requires
 from orchard.env.agent import BUBBLEWRAP, Isolation, Limits, SandboxAgent, Workspace, box_build, box_client
 from orchard.env.agent.box_build import BOX_MOUNT
 from orchard.env.agent.isolation import probe_bubblewrap
-from orchard.env.backends.base import ExecRequest, SandboxSpec
+from orchard.env.backends.base import BackendError, ExecRequest, SandboxNotFoundError, SandboxSpec
 from orchard.env.backends.local import LocalBackend
 
 TEST_UID = 201_359
@@ -374,6 +374,24 @@ async def test_delete_and_close_leave_no_process(base_dir):
 
 
 @needs_bwrap
+async def test_an_exec_that_arrives_while_the_sandbox_is_deleted_is_refused(base_dir):
+    b = LocalBackend(os.path.join(base_dir, "sb"))
+    await b.create("d", SandboxSpec())
+    assert (await b.exec("d", ExecRequest("echo ok"))).stdout == b"ok\n"  # its box runs: the delete waits for it
+    box = descendants(b._agents["d"].box.pid)
+    deleting = asyncio.ensure_future(b.delete("d"))
+    await asyncio.sleep(0)  # the delete is ending the box; the sandbox's directory is still there
+    assert not deleting.done()
+    with pytest.raises(BackendError, match="being deleted"):
+        await asyncio.wait_for(b.exec("d", ExecRequest("sleep 1000")), 10)
+    await deleting
+    assert await gone(box)
+    with pytest.raises(SandboxNotFoundError):
+        await b.exec("d", ExecRequest("true"))
+    await b.close()
+
+
+@needs_bwrap
 async def test_sandboxes_run_concurrently_in_boxes_of_their_own(base_dir):
     b = LocalBackend(os.path.join(base_dir, "sb"), limits=Limits(pids=32))
     n = 6
@@ -397,7 +415,7 @@ async def test_boxes_of_a_killed_service_die_with_it(base_dir):
     script = (
         "import asyncio, os\n"
         "from orchard.env.backends.local import LocalBackend\n"
-        "from orchard.env.backends.base import ExecRequest, SandboxSpec\n"
+        "from orchard.env.backends.base import BackendError, ExecRequest, SandboxNotFoundError, SandboxSpec\n"
         "async def main():\n"
         f"    b = LocalBackend({root!r})\n"
         "    for i in range(2):\n"
