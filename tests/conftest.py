@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,3 +125,33 @@ def python_310_timeouts(monkeypatch):
 
     monkeypatch.setattr(asyncio, "TimeoutError", _Py310TimeoutError)
     monkeypatch.setattr(asyncio, "wait_for", wait_for_310)
+
+
+class _HangingSandbox:
+    """A sandbox whose commands never end: only the harness's own wait can end the call."""
+
+    async def exec(self, command, *, timeout):
+        await asyncio.sleep(3600)
+
+
+class _HangingEnv:
+    async def sandbox(self, sandbox_id):
+        return _HangingSandbox()
+
+
+@pytest.fixture
+def episode_against_a_hanging_sandbox() -> Callable:
+    """``run(harness_module, settings, episode, reply)``: the harness program's ``run_episode`` against a sandbox
+    whose commands never end, the model answering every turn with ``reply`` (an OpenAI chat completion)."""
+
+    def run(harness: Any, settings: Any, episode: dict, reply: dict) -> dict:
+        import httpx
+
+        async def main() -> dict:
+            transport = httpx.MockTransport(lambda request: httpx.Response(200, json=reply))
+            async with httpx.AsyncClient(transport=transport) as http:
+                return await harness.run_episode(http, _HangingEnv(), settings, episode)
+
+        return asyncio.run(main())
+
+    return run

@@ -344,19 +344,7 @@ def test_program_refuses_unusable_input(tmp_path, monkeypatch, capsys):
         text_harness.chat_url("h:1")
 
 
-class _HangingSandbox:
-    """A sandbox whose commands never end: only the harness's own wait can end the call."""
-
-    async def exec(self, command, *, timeout):
-        await asyncio.sleep(3600)
-
-
-class _HangingEnv:
-    async def sandbox(self, sandbox_id):
-        return _HangingSandbox()
-
-
-def test_a_tool_call_past_the_episode_deadline_is_time_budget_on_python_310(python_310_timeouts):
+def test_a_tool_call_past_the_episode_deadline_is_time_budget_on_python_310(python_310_timeouts, episode_against_a_hanging_sandbox):
     # Before the fix the tool's wait caught the builtin TimeoutError, which 3.10's wait_for does not raise: the 3.10
     # error escaped the episode instead of ending it in time_budget.
     reply = {"choices": [{"message": {"role": "assistant", "content": "Action: list_mail {}"}}]}
@@ -364,10 +352,5 @@ def test_a_tool_call_past_the_episode_deadline_is_time_budget_on_python_310(pyth
     settings = text_harness.Settings(model_url="http://model", max_time_s=1.0)
     episode = {"session_id": "e", "sandbox_id": "s", "prompt": "Read my mail."}
 
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, json=reply))
-                                     ) as http:
-            return await text_harness.run_episode(http, _HangingEnv(), settings, episode)
-
-    out = asyncio.run(main())
+    out = episode_against_a_hanging_sandbox(text_harness, settings, episode, reply)
     assert (out["termination_reason"], out["steps"], out["tool_calls"], out["error"]) == ("time_budget", 1, 0, None)

@@ -5,7 +5,6 @@ sandbox that hangs (a fake), a command past the episode's deadline ends it in ti
 
 import asyncio
 
-import httpx
 import pytest
 import torch
 
@@ -170,19 +169,7 @@ def test_curation_keeps_the_teachers_episodes_and_drops_the_malformed_one(batche
     assert curate_sft(kept, max_len=longest - 1)[1]["sft/dropped_over_length"] >= 1
 
 
-class _HangingSandbox:
-    """A sandbox whose commands never end: only the harness's own wait can end the call."""
-
-    async def exec(self, command, *, timeout):
-        await asyncio.sleep(3600)
-
-
-class _HangingEnv:
-    async def sandbox(self, sandbox_id):
-        return _HangingSandbox()
-
-
-def test_a_sandbox_call_past_the_episode_deadline_is_time_budget_on_python_310(python_310_timeouts):
+def test_a_sandbox_call_past_the_episode_deadline_is_time_budget_on_python_310(python_310_timeouts, episode_against_a_hanging_sandbox):
     # Before the fix the sandbox wait caught the builtin TimeoutError, which 3.10's wait_for does not raise: the
     # 3.10 error escaped the episode instead of ending it in time_budget.
     call = {"id": "c1", "type": "function", "function": {"name": "execute_bash", "arguments": '{"command": "ls"}'}}
@@ -191,10 +178,5 @@ def test_a_sandbox_call_past_the_episode_deadline_is_time_budget_on_python_310(p
     settings = tool_harness.Settings(model_url="http://model", max_time_s=1.0, exec_timeout_s=60.0)
     episode = {"session_id": "e", "sandbox_id": "s", "prompt": "Fix the bug."}
 
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, json=reply))
-                                     ) as http:
-            return await tool_harness.run_episode(http, _HangingEnv(), settings, episode)
-
-    out = asyncio.run(main())
+    out = episode_against_a_hanging_sandbox(tool_harness, settings, episode, reply)
     assert (out["termination_reason"], out["steps"], out["error"]) == ("time_budget", 1, None)
