@@ -1,6 +1,7 @@
 """Set-up shared by test modules in different folders: the embedded sandbox service and the ids of the sandboxes it
 holds, the tiny vision-language model and the screenshots it looks at, DeepSpeed's CPU op built once per session,
-a scripted `Rollouts` for the task filter's tests, and asyncio's timeouts as Python 3.10 has them."""
+a scripted `Rollouts` for the task filter's tests, asyncio's timeouts as Python 3.10 has them, and a harness
+program's episode against a sandbox that never answers."""
 
 import asyncio
 import base64
