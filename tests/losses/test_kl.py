@@ -126,3 +126,24 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="agg must be one of"):
         kl_penalty(x, x, m, agg="mean")
     assert KL_ESTIMATORS.names()[:4] == ["k1", "k2", "k3", "k3+"]
+
+
+def test_delta_min_names_the_token_that_drives_k3():
+    # Issue 16's pattern: 99 counted tokens where π = π_ref (δ = 0) and one 17 nats below the reference.
+    # k3 = e^17 − 1 − 17 = 24154934.5 on that token, 0 elsewhere: mean 241549.3; k1's mean is only −17 / 100.
+    lp = torch.zeros(2, 51, dtype=torch.float64)
+    lp[1, 7] = -17.0
+    ref = torch.zeros(2, 51, dtype=torch.float64)
+    mask = torch.ones(2, 51, dtype=torch.bool)
+    mask[:, 0] = False  # 2 · 50 = 100 counted tokens
+    lp[0, 0] = -1e9  # masked: changes no metric
+    _, metrics = kl_penalty(lp, ref, mask)
+    assert metrics["kl/k3_mean"].item() == pytest.approx((math.exp(17) - 18) / 100)
+    assert metrics["kl/k1_mean"].item() == pytest.approx(-0.17)
+    assert metrics["kl/delta_min"].item() == -17.0
+
+
+def test_delta_min_is_zero_without_a_counted_token():
+    lp = torch.full((1, 3), -5.0)
+    _, metrics = kl_penalty(lp, torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool))
+    assert metrics["kl/delta_min"].item() == 0.0
