@@ -39,6 +39,7 @@ from orchard.rollout.engine import (
     validate_requests,
     validate_score_requests,
 )
+from orchard.rollout.fast_decode import DecodeForward, unsupported_reason
 from orchard.rollout.kv_cache import BatchCache, PrefixStore, check_cache_layers, prefill_inputs
 
 _UNIFORMS_PER_DRAW = 64
@@ -203,6 +204,12 @@ class HFEngine:
         prefix_cache_tokens: most tokens whose KV cache is kept after their row finishes, for a later prompt that
             starts with them (an episode's next turn prefills only its new tokens). Memory per token: 2 x layers x
             KV heads x head dim x dtype bytes (Qwen3-8B in bf16: 144 KiB). 0 disables. Default 65536.
+        fast_decode: decode steps on `orchard.rollout.fast_decode.DecodeForward` (the engine's own one-token
+            forward over the same parameters, 2-3x less time per step on CPU) instead of the model's forward.
+            ``"auto"``: when the model is supported (Qwen3, Qwen2, Llama, Mistral with the default rope and full
+            attention), else the model's forward; ``True``: required, ``ValueError`` naming the reason otherwise;
+            ``False``: always the model's forward. Prefill and `score` always use the model's forward. Default
+            ``"auto"``.
     """
 
     def __init__(
@@ -214,6 +221,7 @@ class HFEngine:
         batch_wait_s: float = 0.005,
         seed: int = 0,
         prefix_cache_tokens: int = 65536,
+        fast_decode: bool | str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module causal LM, got {type(model).__name__}")
@@ -223,6 +231,8 @@ class HFEngine:
             raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s!r}")
         if not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
+        if not (isinstance(fast_decode, bool) or fast_decode == "auto"):
+            raise ValueError(f"fast_decode must be 'auto', True or False, got {fast_decode!r}")
         self.model = model.eval()
         self._config = getattr(model, "config", None)
         check_cache_layers(self._config)
@@ -237,6 +247,10 @@ class HFEngine:
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._prefixes = PrefixStore(prefix_cache_tokens)
+        reason = unsupported_reason(model) if fast_decode is not False else None
+        if fast_decode is True and reason is not None:
+            raise ValueError(f"fast_decode=True but the model is not supported: {reason}")
+        self._decoder = DecodeForward(model) if fast_decode is not False and reason is None else None
         self._running: _Running | None = None
         # The scheduler thread and its inbox are replaced together under this lock, so a row is never put into
         # the inbox of a thread that is stopping.
@@ -504,16 +518,19 @@ class HFEngine:
     # ---- prefill, decode, sample ------------------------------------------------------------------------------
 
     def _forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: BatchCache
     ) -> torch.Tensor:
+        """The model's own forward over ``[B, S]`` new tokens; their keys and values go into ``cache``'s buffers
+        (room reserved, mask set), which then advances ``S`` columns. Returns the last position's logits."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1,
-            **{self._cache_kwarg: cache},
+            **{self._cache_kwarg: cache.hf_cache(self._config)},
         )
+        cache.advance(input_ids.shape[1])
         return out.logits[:, -1, :]  # [B, V]
 
     def _admit(self, rows: list[_Row]) -> None:
@@ -540,7 +557,7 @@ class HFEngine:
         temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
         new = _Running(
             rows=rows,
-            cache=BatchCache(inputs.cache, inputs.attention_mask),
+            cache=inputs.cache,
             next_B=torch.zeros(len(rows), dtype=torch.long, device=device),
             positions_B=torch.tensor([len(r.prompt_ids) for r in rows], device=device),
             temperature_B=temperature_B,
@@ -559,11 +576,16 @@ class HFEngine:
         running = self._running
         assert running is not None
         cache = running.cache
-        attention_mask = torch.cat([cache.mask, cache.mask.new_ones((cache.rows, 1))], dim=1)
-        logits = self._forward(
-            running.next_B[:, None], attention_mask, running.positions_B[:, None], cache.cache
-        )
-        cache.mask = attention_mask
+        cache.reserve(1)
+        cache.mask[:, cache.length] = 1
+        if self._decoder is not None:
+            logits = self._decoder(running.next_B, running.positions_B, cache)
+            cache.advance(1)
+        else:
+            attention_mask = cache.mask[:, : cache.length + 1]
+            logits = self._forward(
+                running.next_B[:, None], attention_mask, running.positions_B[:, None], cache
+            )
         running.positions_B = running.positions_B + 1
         self._sample_and_record(running, logits)
         if not running.rows:
