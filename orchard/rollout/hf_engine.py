@@ -41,6 +41,7 @@ from orchard.rollout.engine import (
 )
 from orchard.rollout.fast_decode import DecodeForward, unsupported_reason
 from orchard.rollout.kv_cache import BatchCache, PrefixStore, check_cache_layers, prefill_inputs
+from orchard.rollout.token_sampling import inverse_cdf_sample, nucleus_logprobs
 
 _UNIFORMS_PER_DRAW = 64
 """A row's generator fills its uniforms this many at a time (one call, not one per token)."""
@@ -126,37 +127,6 @@ def _resolve(
         loop.call_soon_threadsafe(settle)
     except RuntimeError:
         pass
-
-
-def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the distribution a row samples from: tempered softmax restricted to its top-p nucleus.
-
-    Args:
-        logits: ``[B, V]`` raw next-token logits.
-        temperature: ``[B]`` temperatures; a row with 0 is greedy and gets the untempered ``log_softmax(logits)``.
-        top_p: ``[B]`` nucleus masses in (0, 1]. The nucleus is the smallest set of most likely tokens whose
-            tempered probability reaches ``top_p`` (always at least the top token); outside it the result is -inf.
-
-    Returns:
-        ``[B, V]`` float32 log-probs, ``log softmax(logits / T)`` renormalised over the nucleus.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
-    batch = logits.shape[0]
-    if temperature.shape != (batch,) or top_p.shape != (batch,):
-        raise ValueError(
-            f"temperature and top_p must be [B]={batch}, got {tuple(temperature.shape)} and {tuple(top_p.shape)}"
-        )
-    temp_B = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
-    logp_BV = torch.log_softmax(logits.float() / temp_B[:, None], dim=-1)  # [B, V]
-    if bool((top_p < 1).any()):
-        sorted_BV, order_BV = logp_BV.sort(dim=-1, descending=True)
-        mass_before_BV = sorted_BV.exp().cumsum(dim=-1) - sorted_BV.exp()  # probability mass strictly above
-        drop_sorted_BV = mass_before_BV >= top_p.float()[:, None]
-        drop_sorted_BV[:, 0] = False
-        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
-        logp_BV = torch.log_softmax(logp_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
-    return logp_BV
 
 
 @dataclass
@@ -624,10 +594,7 @@ class HFEngine:
                 dtype=torch.float64,
                 device=logits.device,
             )
-            # float64 so that a token's slice of [0, 1) keeps its width however far down the vocabulary it lies
-            cdf_BV = logp_BV.double().exp().cumsum(dim=-1)
-            drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
-            pick_B = torch.where(running.greedy_B, pick_B, drawn_B.clamp_(max=logp_BV.shape[1] - 1))
+            pick_B = torch.where(running.greedy_B, pick_B, inverse_cdf_sample(logp_BV, u_B))
         picked_B = logp_BV.gather(1, pick_B[:, None])[:, 0]
         host = torch.stack([pick_B.double(), picked_B.double()]).cpu()
         return [int(t) for t in host[0].tolist()], host[1].tolist(), pick_B
