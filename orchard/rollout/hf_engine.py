@@ -585,18 +585,38 @@ class HFEngine:
     def _sample(self, logits: torch.Tensor, running: _Running) -> tuple[list[int], list[float], torch.Tensor]:
         """Next token per row (argmax for greedy rows, else inverse-CDF sampling with the row's own uniform) and
         its log-prob; one batched draw and one device-to-host copy for the whole batch."""
-        logp_BV = nucleus_logprobs(logits, running.temperature_B, running.top_p_B)
-        pick_B = logp_BV.argmax(dim=-1)
-        samplers = [row.params.temperature > 0 for row in running.rows]
+        rows = running.rows
+        samplers = [row.params.temperature > 0 for row in rows]
+        if any(row.params.top_p < 1 for row in rows):
+            logp_BV = nucleus_logprobs(logits, running.temperature_B, running.top_p_B)
+            weights_BV = logp_BV.exp()
+
+            def logprob(pick_B: torch.Tensor) -> torch.Tensor:
+                return logp_BV.gather(1, pick_B[:, None])[:, 0]
+
+        else:
+            # No nucleus: the draw needs only the tempered softmax's numerators, and the log-prob of the picked
+            # token is z - max - log(sum); one exp over [B, V] per step instead of log_softmax's and the draw's.
+            temp_B = torch.where(running.greedy_B, torch.ones_like(running.temperature_B), running.temperature_B)
+            z_BV = logits.float() / temp_B.float()[:, None]
+            top_B1 = z_BV.amax(dim=-1, keepdim=True)
+            weights_BV = (z_BV - top_B1).exp_()
+            log_total_B1 = weights_BV.sum(dim=-1, keepdim=True).log_()
+
+            def logprob(pick_B: torch.Tensor) -> torch.Tensor:
+                return (z_BV.gather(1, pick_B[:, None]) - top_B1 - log_total_B1)[:, 0]
+
+        pick_B = weights_BV.argmax(dim=-1) if not all(samplers) else None
         if any(samplers):
             u_B = torch.tensor(
-                [row.next_uniform() if s else 0.0 for row, s in zip(running.rows, samplers, strict=True)],
+                [row.next_uniform() if s else 0.0 for row, s in zip(rows, samplers, strict=True)],
                 dtype=torch.float64,
                 device=logits.device,
             )
-            pick_B = torch.where(running.greedy_B, pick_B, inverse_cdf_sample(logp_BV, u_B))
-        picked_B = logp_BV.gather(1, pick_B[:, None])[:, 0]
-        host = torch.stack([pick_B.double(), picked_B.double()]).cpu()
+            drawn_B = inverse_cdf_sample(weights_BV, u_B)
+            pick_B = drawn_B if pick_B is None else torch.where(running.greedy_B, pick_B, drawn_B)
+        assert pick_B is not None
+        host = torch.stack([pick_B.double(), logprob(pick_B).double()]).cpu()
         return [int(t) for t in host[0].tolist()], host[1].tolist(), pick_B
 
     def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

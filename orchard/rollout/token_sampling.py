@@ -42,39 +42,41 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: tor
     return logp_BV
 
 
-def inverse_cdf_sample(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: per row, the first token whose cumulative probability exceeds ``u`` times the row's
-    total mass (so a row's token depends on its own uniform only, never on its batch mates).
+def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the first token whose cumulative weight exceeds ``u`` times the row's total
+    weight (so a row's token depends on its own uniform only, never on its batch mates).
 
     Two levels, so that no ``[B, V]`` cumulative sum is taken: the row's block of ``128`` tokens is found on the
-    cumulative sums of the block masses, then the token within that block. Cumulative sums are in float64, so
-    that a token's slice of ``[0, 1)`` keeps its width however far down the vocabulary it lies; the per-token
-    probabilities are ``exp`` in float32 (relative error ~6e-8, a token boundary moves by that much). A token of
-    probability 0 (outside a top-p nucleus) is never drawn.
+    cumulative sums of the block weights, then the token within that block. The cumulative sums within a block
+    are in float64, so that a token's slice of ``[0, 1)`` keeps its width however far down the vocabulary it lies
+    (the block sums are float32: a block boundary moves by ~1e-7 of its block's weight). A token of weight 0
+    (outside a top-p nucleus) is never drawn.
 
     Args:
-        logp: ``[B, V]`` log-probs (``-inf`` allowed; each row has a finite entry).
+        weights: ``[B, V]`` unnormalised probabilities (e.g. ``exp(logits - max)``), each row with a positive one.
         u: ``[B]`` uniforms in ``[0, 1)``.
 
     Returns:
         ``[B]`` long token ids.
     """
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [B, V], got shape {tuple(logp.shape)}")
-    batch, vocab = logp.shape
+    if weights.dim() != 2:
+        raise ValueError(f"weights must be [B, V], got shape {tuple(weights.shape)}")
+    batch, vocab = weights.shape
     if u.shape != (batch,):
         raise ValueError(f"u must be [B]={batch}, got shape {tuple(u.shape)}")
     blocks = -(-vocab // _BLOCK)
-    p_BNK = torch.nn.functional.pad(logp.float().exp(), (0, blocks * _BLOCK - vocab)).view(batch, blocks, _BLOCK)
-    mass_BN = p_BNK.sum(dim=-1, dtype=torch.float64)  # [B, blocks]
-    cdf_BN = mass_BN.cumsum(dim=-1)
+    w_BV = weights.float()
+    if vocab % _BLOCK:
+        w_BV = torch.nn.functional.pad(w_BV, (0, blocks * _BLOCK - vocab))
+    w_BNK = w_BV.view(batch, blocks, _BLOCK)
+    cdf_BN = w_BNK.sum(dim=-1).double().cumsum(dim=-1)  # [B, blocks]
     target_B1 = u.double()[:, None] * cdf_BN[:, -1:]
     block_B1 = torch.searchsorted(cdf_BN, target_B1, right=True).clamp_(max=blocks - 1)
-    # mass before the block, read off the same cumulative sums, so the target within it is >= 0
+    # weight before the block, read off the same cumulative sums, so the target within it is >= 0
     before_B1 = torch.where(block_B1 > 0, cdf_BN.gather(1, (block_B1 - 1).clamp(min=0)), 0.0)
-    p_BK = p_BNK.gather(1, block_B1[:, :, None].expand(batch, 1, _BLOCK))[:, 0]  # [B, K]
-    cdf_BK = p_BK.double().cumsum(dim=-1)
+    w_BK = w_BNK.gather(1, block_B1[:, :, None].expand(batch, 1, _BLOCK))[:, 0]  # [B, K]
+    cdf_BK = w_BK.double().cumsum(dim=-1)
     within_B = torch.searchsorted(cdf_BK, target_B1 - before_B1, right=True)[:, 0]
-    # rounding may put the target past the block's own sum: then its last token of nonzero probability
+    # rounding may put the target past the block's own sum: then its last token of nonzero weight
     last_B = (cdf_BK >= cdf_BK[:, -1:]).int().argmax(dim=-1)
     return block_B1[:, 0] * _BLOCK + torch.minimum(within_B, last_B)
