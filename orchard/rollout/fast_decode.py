@@ -16,8 +16,9 @@ Choices: prefill stays on the HF forward (multi-token, once per row; it writes i
 ``DynamicCache`` view). Rotary angles are computed per step from the model's own ``inv_freq`` buffer exactly as
 the HF rotary module does (``position * inv_freq``, cos and sin in float32), so there is no table to size or
 grow. Attention is two batched matmuls per layer with the query heads of a KV head grouped ``[B, Hkv, G, D]``.
-The lm head runs as ``W @ x^T`` (on one CPU thread about 1.2-1.8x faster than ``x @ W^T`` for ``[16..64, 256] x
-[256, 8192]``; the same on GPU). Supported: ``model_type`` qwen3, qwen2, llama, mistral with the default rope, full
+The lm head is a plain ``F.linear``: ``W @ x^T`` was faster alone on one CPU thread, but its ``[V, B]`` result
+must be transposed for the sampler, and in the engine neither form won beyond noise (measured at batch 16 and
+64). Supported: ``model_type`` qwen3, qwen2, llama, mistral with the default rope, full
 attention in every layer, SiLU MLP, and the modules of those HF classes; anything else is refused by
 `unsupported_reason` and runs on the HF forward. Checked against the HF forward on CPU in float32; the ops are
 plain torch, device-agnostic, but this forward has not been run on CUDA here.
@@ -144,9 +145,5 @@ class DecodeForward:
             gate = F.linear(h_BH, mlp.gate_proj.weight, mlp.gate_proj.bias)
             up = F.linear(h_BH, mlp.up_proj.weight, mlp.up_proj.bias)
             x_BH = x_BH + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        h_BH = _rms_norm(x_BH, base.norm)
         head = self.model.lm_head
-        logits_VB = torch.mm(head.weight, h_BH.T)  # [V, B]
-        if head.bias is not None:
-            logits_VB = logits_VB + head.bias[:, None]
-        return logits_VB.T.contiguous()  # [B, V]: the sampler's row-wise passes run faster on rows
+        return F.linear(_rms_norm(x_BH, base.norm), head.weight, head.bias)  # [B, V], the last token only
