@@ -175,7 +175,8 @@ class HFEngine:
             starts with them (an episode's next turn prefills only its new tokens). Memory per token: 2 x layers x
             KV heads x head dim x dtype bytes (Qwen3-8B in bf16: 144 KiB). 0 disables. Default 65536.
         fast_decode: decode steps on `orchard.rollout.fast_decode.DecodeForward` (the engine's own one-token
-            forward over the same parameters, 2-3x less time per step on CPU) instead of the model's forward.
+            forward over the same parameters, without the model forward's per-step mask, rotary and dispatch
+            work; speed in ``benchmarks/README.md``) instead of the model's forward.
             ``"auto"``: when the model is supported (Qwen3, Qwen2, Llama, Mistral with the default rope and full
             attention), else the model's forward; ``True``: required, ``ValueError`` naming the reason otherwise;
             ``False``: always the model's forward. Prefill and `score` always use the model's forward. Default
