@@ -3,8 +3,10 @@
 1. Generation: tokens per second of `HFEngine` (continuous batching over the KV cache, log-probs included)
    against plain ``model.generate(do_sample=True, output_scores=True)`` with the log-probs of the sampled tokens
    (``compute_transition_scores(normalize_logits=True)``) on the same batch, same model, same number of new tokens
-   (no stop token, so every row generates exactly ``--new-tokens``). Model: a random Qwen3 from a config
-   (hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192), float32 on CPU or bf16 on GPU. Baseline: HF.
+   (no stop token, so every row generates exactly ``--new-tokens``); the engine also with ``fast_decode=False``
+   (its decode steps on the model's own forward). Model: a random Qwen3 from a config (``--shape bench``: hidden
+   256, 4 layers, 8 heads / 4 KV heads, vocab 8192; ``--shape claw``: the Claw recipe's policy, hidden 128, 4
+   layers, vocab 1024), float32 on CPU or bf16 on GPU. Baseline: HF.
 2. Episodes: ``--episodes`` concurrent multi-turn episodes of ``--turns`` turns. Each turn samples up to
    ``--new-tokens`` tokens, cut at a per-episode, per-turn length (uniform in [4, --new-tokens], as stop tokens
    would) and appends ``--obs-tokens`` observation tokens; the next turn's prompt is the whole history. Baseline:
@@ -23,6 +25,7 @@
     python benchmarks/rollout.py                           # CPU, 1 thread, batch 1 and 16, 64 new tokens
     python benchmarks/rollout.py --device cuda --batch 1 16 64 --new-tokens 128
     python benchmarks/rollout.py --skip-rollouts           # no agent loop (no bwrap needed)
+    python benchmarks/rollout.py --batch 16 64 --new-tokens 32 --shape claw --skip-rollouts --skip-streaming
 """
 
 from __future__ import annotations
@@ -50,11 +53,21 @@ BENCH_SIZE = dict(
 )
 """The benchmark's Qwen3 shape (overrides of ``orchard.train.tiny.tiny_qwen3_config``)."""
 
+SHAPES = {
+    "bench": (8192, BENCH_SIZE),
+    "claw": (1024, dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32)),
+}
+"""``--shape``: vocabulary size and Qwen3 shape. ``claw`` is the Claw recipe's policy
+(``recipes/configs/claw_tiny.yaml``: vocab 1024, hidden 128, 4 layers; the rest as ``orchard.stages.policy``
+builds it: MLP 3 x hidden, 4 heads / 2 KV heads, head dim hidden / 4)."""
 
-def bench_model(device: str, dtype: torch.dtype):
+
+def bench_model(device: str, dtype: torch.dtype, shape: str = "bench"):
     from orchard.train.tiny import tiny_qwen3
 
-    model = tiny_qwen3(8192, seed=0, eos_token_id=2, pad_token_id=0, bos_token_id=None, **BENCH_SIZE)
+    vocab, size = SHAPES[shape]
+    model = tiny_qwen3(vocab, seed=0, eos_token_id=2, pad_token_id=0, bos_token_id=None, **size)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -64,14 +77,17 @@ def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats
 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(3, 8192, (batch, prompt_len), generator=gen)
-    engine = HFEngine(model, max_batch_size=batch, batch_wait_s=0.0)
+    prompts = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=gen)
+    engines = {
+        "hf_engine": HFEngine(model, max_batch_size=batch, batch_wait_s=0.0),
+        "hf_engine_hf_forward": HFEngine(model, max_batch_size=batch, batch_wait_s=0.0, fast_decode=False),
+    }
     requests = [
         GenerateRequest(p.tolist(), SamplingParams(temperature=1.0, max_tokens=new_tokens)) for p in prompts
     ]
 
-    def ours() -> int:
-        results = asyncio.run(engine.generate(requests))
+    def ours(name: str) -> int:
+        results = asyncio.run(engines[name].generate(requests))
         return sum(len(r.completions[0].token_ids) for r in results)
 
     def plain() -> int:
@@ -98,17 +114,19 @@ def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    times: dict[str, list[float]] = {"hf_generate": [], "hf_engine": []}
+    runs = {"hf_generate": plain, **{name: lambda name=name: ours(name) for name in engines}}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     tokens = {}
-    plain(), ours()  # warm-up
+    for fn in runs.values():  # warm-up
+        fn()
     for _ in range(repeats):
-        for name, fn in (("hf_generate", plain), ("hf_engine", ours)):
+        for name, fn in runs.items():
             sync()
             t0 = time.perf_counter()
             tokens[name] = fn()
             sync()
             times[name].append(time.perf_counter() - t0)
-    assert tokens["hf_generate"] == tokens["hf_engine"] == batch * new_tokens, tokens
+    assert all(n == batch * new_tokens for n in tokens.values()), tokens
     return {name: tokens[name] / statistics.median(ts) for name, ts in times.items()}
 
 
@@ -120,9 +138,10 @@ def time_episodes(
 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(1000 + episodes)
-    prompts = torch.randint(3, 8192, (episodes, prompt_len), generator=gen).tolist()
+    vocab = model.config.vocab_size
+    prompts = torch.randint(3, vocab, (episodes, prompt_len), generator=gen).tolist()
     cuts = torch.randint(4, new_tokens + 1, (episodes, turns), generator=gen).tolist()
-    observations = torch.randint(3, 8192, (episodes, turns, obs_tokens), generator=gen).tolist()
+    observations = torch.randint(3, vocab, (episodes, turns, obs_tokens), generator=gen).tolist()
     useful = sum(sum(row) for row in cuts)
 
     def static() -> int:
@@ -365,6 +384,8 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                        help="model of the generation and episodes tables (see SHAPES)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -393,20 +414,21 @@ def main() -> int:
         f"machine: {json.dumps(info)}  torch {torch.__version__}  threads {args.threads}  device {args.device}"
     )
 
-    model = bench_model(args.device, dtype)
+    model = bench_model(args.device, dtype, args.shape)
     print(
-        f"\n## generation: new tokens/s, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-        f"{str(dtype).removeprefix('torch.')}, median of {args.repeats}"
+        f"\n## generation: new tokens/s, model {args.shape}, {args.prompt_len}-token prompts, {args.new_tokens} new "
+        f"tokens, {str(dtype).removeprefix('torch.')}, median of {args.repeats}"
     )
-    print("| batch | hf_generate tok/s | hf_engine tok/s | engine / generate |")
-    print("|---:|---:|---:|---:|")
+    print("| batch | hf_generate tok/s | engine, HF forward tok/s | hf_engine tok/s | engine / generate |")
+    print("|---:|---:|---:|---:|---:|")
     for batch in args.batch:
         r = time_generation(model, batch, args.prompt_len, args.new_tokens, args.repeats)
         print(
-            f"| {batch} | {r['hf_generate']:.0f} | {r['hf_engine']:.0f} | {r['hf_engine'] / r['hf_generate']:.2f} |"
+            f"| {batch} | {r['hf_generate']:.0f} | {r['hf_engine_hf_forward']:.0f} | {r['hf_engine']:.0f} | "
+            f"{r['hf_engine'] / r['hf_generate']:.2f} |"
         )
     print(
-        f"\n## episodes: useful new tokens/s, {args.turns} turns, {args.prompt_len}-token prompts, cuts uniform in "
+        f"\n## episodes: useful new tokens/s, model {args.shape}, {args.turns} turns, {args.prompt_len}-token prompts, cuts uniform in "
         f"[4, {args.new_tokens}], {args.obs_tokens} observation tokens per turn, median of {args.repeats}"
     )
     print(

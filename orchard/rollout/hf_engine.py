@@ -39,7 +39,9 @@ from orchard.rollout.engine import (
     validate_requests,
     validate_score_requests,
 )
+from orchard.rollout.fast_decode import DecodeForward, unsupported_reason
 from orchard.rollout.kv_cache import BatchCache, PrefixStore, check_cache_layers, prefill_inputs
+from orchard.rollout.token_sampling import inverse_cdf_sample, nucleus_logprobs
 
 _UNIFORMS_PER_DRAW = 64
 """A row's generator fills its uniforms this many at a time (one call, not one per token)."""
@@ -127,37 +129,6 @@ def _resolve(
         pass
 
 
-def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the distribution a row samples from: tempered softmax restricted to its top-p nucleus.
-
-    Args:
-        logits: ``[B, V]`` raw next-token logits.
-        temperature: ``[B]`` temperatures; a row with 0 is greedy and gets the untempered ``log_softmax(logits)``.
-        top_p: ``[B]`` nucleus masses in (0, 1]. The nucleus is the smallest set of most likely tokens whose
-            tempered probability reaches ``top_p`` (always at least the top token); outside it the result is -inf.
-
-    Returns:
-        ``[B, V]`` float32 log-probs, ``log softmax(logits / T)`` renormalised over the nucleus.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
-    batch = logits.shape[0]
-    if temperature.shape != (batch,) or top_p.shape != (batch,):
-        raise ValueError(
-            f"temperature and top_p must be [B]={batch}, got {tuple(temperature.shape)} and {tuple(top_p.shape)}"
-        )
-    temp_B = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
-    logp_BV = torch.log_softmax(logits.float() / temp_B[:, None], dim=-1)  # [B, V]
-    if bool((top_p < 1).any()):
-        sorted_BV, order_BV = logp_BV.sort(dim=-1, descending=True)
-        mass_before_BV = sorted_BV.exp().cumsum(dim=-1) - sorted_BV.exp()  # probability mass strictly above
-        drop_sorted_BV = mass_before_BV >= top_p.float()[:, None]
-        drop_sorted_BV[:, 0] = False
-        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
-        logp_BV = torch.log_softmax(logp_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
-    return logp_BV
-
-
 @dataclass
 class _Running:
     """The rows decoding together and their per-row tensors, batch axis in ``rows`` order."""
@@ -203,6 +174,13 @@ class HFEngine:
         prefix_cache_tokens: most tokens whose KV cache is kept after their row finishes, for a later prompt that
             starts with them (an episode's next turn prefills only its new tokens). Memory per token: 2 x layers x
             KV heads x head dim x dtype bytes (Qwen3-8B in bf16: 144 KiB). 0 disables. Default 65536.
+        fast_decode: decode steps on `orchard.rollout.fast_decode.DecodeForward` (the engine's own one-token
+            forward over the same parameters, without the model forward's per-step mask, rotary and dispatch
+            work; speed in ``benchmarks/README.md``) instead of the model's forward.
+            ``"auto"``: when the model is supported (Qwen3, Qwen2, Llama, Mistral with the default rope and full
+            attention), else the model's forward; ``True``: required, ``ValueError`` naming the reason otherwise;
+            ``False``: always the model's forward. Prefill and `score` always use the model's forward. Default
+            ``"auto"``.
     """
 
     def __init__(
@@ -214,6 +192,7 @@ class HFEngine:
         batch_wait_s: float = 0.005,
         seed: int = 0,
         prefix_cache_tokens: int = 65536,
+        fast_decode: bool | str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module causal LM, got {type(model).__name__}")
@@ -223,6 +202,8 @@ class HFEngine:
             raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s!r}")
         if not isinstance(prefix_cache_tokens, int) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
+        if not (isinstance(fast_decode, bool) or fast_decode == "auto"):
+            raise ValueError(f"fast_decode must be 'auto', True or False, got {fast_decode!r}")
         self.model = model.eval()
         self._config = getattr(model, "config", None)
         check_cache_layers(self._config)
@@ -237,6 +218,10 @@ class HFEngine:
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._prefixes = PrefixStore(prefix_cache_tokens)
+        reason = unsupported_reason(model) if fast_decode is not False else None
+        if fast_decode is True and reason is not None:
+            raise ValueError(f"fast_decode=True but the model is not supported: {reason}")
+        self._decoder = DecodeForward(model) if fast_decode is not False and reason is None else None
         self._running: _Running | None = None
         # The scheduler thread and its inbox are replaced together under this lock, so a row is never put into
         # the inbox of a thread that is stopping.
@@ -504,16 +489,19 @@ class HFEngine:
     # ---- prefill, decode, sample ------------------------------------------------------------------------------
 
     def _forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: BatchCache
     ) -> torch.Tensor:
+        """The model's own forward over ``[B, S]`` new tokens; their keys and values go into ``cache``'s buffers
+        (room reserved, mask set), which then advances ``S`` columns. Returns the last position's logits."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1,
-            **{self._cache_kwarg: cache},
+            **{self._cache_kwarg: cache.hf_cache(self._config)},
         )
+        cache.advance(input_ids.shape[1])
         return out.logits[:, -1, :]  # [B, V]
 
     def _admit(self, rows: list[_Row]) -> None:
@@ -540,7 +528,7 @@ class HFEngine:
         temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
         new = _Running(
             rows=rows,
-            cache=BatchCache(inputs.cache, inputs.attention_mask),
+            cache=inputs.cache,
             next_B=torch.zeros(len(rows), dtype=torch.long, device=device),
             positions_B=torch.tensor([len(r.prompt_ids) for r in rows], device=device),
             temperature_B=temperature_B,
@@ -559,11 +547,16 @@ class HFEngine:
         running = self._running
         assert running is not None
         cache = running.cache
-        attention_mask = torch.cat([cache.mask, cache.mask.new_ones((cache.rows, 1))], dim=1)
-        logits = self._forward(
-            running.next_B[:, None], attention_mask, running.positions_B[:, None], cache.cache
-        )
-        cache.mask = attention_mask
+        cache.reserve(1)
+        cache.mask[:, cache.length] = 1
+        if self._decoder is not None:
+            logits = self._decoder(running.next_B, running.positions_B, cache)
+            cache.advance(1)
+        else:
+            attention_mask = cache.mask[:, : cache.length + 1]
+            logits = self._forward(
+                running.next_B[:, None], attention_mask, running.positions_B[:, None], cache
+            )
         running.positions_B = running.positions_B + 1
         self._sample_and_record(running, logits)
         if not running.rows:
@@ -593,21 +586,38 @@ class HFEngine:
     def _sample(self, logits: torch.Tensor, running: _Running) -> tuple[list[int], list[float], torch.Tensor]:
         """Next token per row (argmax for greedy rows, else inverse-CDF sampling with the row's own uniform) and
         its log-prob; one batched draw and one device-to-host copy for the whole batch."""
-        logp_BV = nucleus_logprobs(logits, running.temperature_B, running.top_p_B)
-        pick_B = logp_BV.argmax(dim=-1)
-        samplers = [row.params.temperature > 0 for row in running.rows]
+        rows = running.rows
+        samplers = [row.params.temperature > 0 for row in rows]
+        if any(row.params.top_p < 1 for row in rows):
+            logp_BV = nucleus_logprobs(logits, running.temperature_B, running.top_p_B)
+            weights_BV = logp_BV.exp()
+
+            def logprob(pick_B: torch.Tensor) -> torch.Tensor:
+                return logp_BV.gather(1, pick_B[:, None])[:, 0]
+
+        else:
+            # No nucleus: the draw needs only the tempered softmax's numerators, and the log-prob of the picked
+            # token is z - max - log(sum); one exp over [B, V] per step instead of log_softmax's and the draw's.
+            temp_B = torch.where(running.greedy_B, torch.ones_like(running.temperature_B), running.temperature_B)
+            z_BV = logits.float() / temp_B.float()[:, None]
+            top_B1 = z_BV.amax(dim=-1, keepdim=True)
+            weights_BV = (z_BV - top_B1).exp_()
+            log_total_B1 = weights_BV.sum(dim=-1, keepdim=True).log_()
+
+            def logprob(pick_B: torch.Tensor) -> torch.Tensor:
+                return (z_BV.gather(1, pick_B[:, None]) - top_B1 - log_total_B1)[:, 0]
+
+        pick_B = weights_BV.argmax(dim=-1) if not all(samplers) else None
         if any(samplers):
             u_B = torch.tensor(
-                [row.next_uniform() if s else 0.0 for row, s in zip(running.rows, samplers, strict=True)],
+                [row.next_uniform() if s else 0.0 for row, s in zip(rows, samplers, strict=True)],
                 dtype=torch.float64,
                 device=logits.device,
             )
-            # float64 so that a token's slice of [0, 1) keeps its width however far down the vocabulary it lies
-            cdf_BV = logp_BV.double().exp().cumsum(dim=-1)
-            drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
-            pick_B = torch.where(running.greedy_B, pick_B, drawn_B.clamp_(max=logp_BV.shape[1] - 1))
-        picked_B = logp_BV.gather(1, pick_B[:, None])[:, 0]
-        host = torch.stack([pick_B.double(), picked_B.double()]).cpu()
+            drawn_B = inverse_cdf_sample(weights_BV, u_B)
+            pick_B = drawn_B if pick_B is None else torch.where(running.greedy_B, pick_B, drawn_B)
+        assert pick_B is not None
+        host = torch.stack([pick_B.double(), logprob(pick_B).double()]).cpu()
         return [int(t) for t in host[0].tolist()], host[1].tolist(), pick_B
 
     def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -111,12 +111,16 @@ def test_seeds_reproduce_and_n_samples_differ(tiny_model):
     assert len({tuple(c.token_ids) for c in one.completions}) > 1
 
 
+def _on_every_forward(model, hook):
+    """Call ``hook(input_ids)`` at every forward of ``model``, the HF one and the engine's fast decode forward
+    alike (both embed through ``model.model.embed_tokens``); returns the hook handle."""
+    return model.model.embed_tokens.register_forward_pre_hook(lambda module, args: hook(args[0]))
+
+
 def _count_forwards(model):
     """Record the ``input_ids`` shape of every forward of ``model``; returns the list and the hook handle."""
     shapes = []
-    handle = model.register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
-    )
+    handle = _on_every_forward(model, lambda ids: shapes.append(tuple(ids.shape)))
     return shapes, handle
 
 
@@ -150,12 +154,12 @@ def test_request_joins_running_batch_and_gets_its_solo_result(tiny_model):
     release = threading.Event()
     shapes = []
 
-    def hold(module, args, kwargs):
-        shapes.append(tuple(kwargs["input_ids"].shape))
+    def hold(ids):
+        shapes.append(tuple(ids.shape))
         if len(shapes) == 3:  # the long row's 2nd decode step waits until the late request is queued
             release.wait(timeout=30)
 
-    handle = tiny_model.register_forward_pre_hook(hold, with_kwargs=True)
+    handle = _on_every_forward(tiny_model, hold)
 
     async def main():
         first = asyncio.create_task(engine.generate([long_req]))
@@ -189,15 +193,15 @@ def test_failed_prefill_fails_its_request_and_spares_the_running_rows(tiny_model
     engine = HFEngine(tiny_model, batch_wait_s=0.0)
     calls = []
 
-    def fail_on_marker(module, args, kwargs):
-        calls.append(tuple(kwargs["input_ids"].shape))
-        if 3 in kwargs["input_ids"][:, 0].tolist() and kwargs["input_ids"].shape[1] > 1:
+    def fail_on_marker(ids):
+        calls.append(tuple(ids.shape))
+        if 3 in ids[:, 0].tolist() and ids.shape[1] > 1:
             raise RuntimeError("injected prefill failure")
 
     good = GenerateRequest([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=10))
     bad = GenerateRequest([3, 9, 9], SamplingParams(temperature=0, max_tokens=4))
     alone = asyncio.run(HFEngine(tiny_model).generate([good]))[0].completions[0]
-    handle = tiny_model.register_forward_pre_hook(fail_on_marker, with_kwargs=True)
+    handle = _on_every_forward(tiny_model, fail_on_marker)
 
     async def main():
         first = asyncio.create_task(engine.generate([good]))

@@ -1,0 +1,227 @@
+import asyncio
+import inspect
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from orchard.rollout.engine import GenerateRequest, SamplingParams
+from orchard.rollout.fast_decode import DecodeForward, unsupported_reason
+from orchard.rollout.hf_engine import HFEngine
+from orchard.rollout.kv_cache import BatchCache, prefill_inputs
+from orchard.train.tiny import tiny_qwen3
+
+VOCAB = 300
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _randomized(model, seed):
+    """Weights far from the HF init (std 0.02, unit norms, zero biases), so that attention, rotary, norm scales
+    and biases all move the logits: a term left out shows up well above the tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    return model.float().eval()
+
+
+def _model(kind, seed=0):
+    if kind == "qwen3":
+        return _randomized(tiny_qwen3(VOCAB, seed=seed, head_dim=16, **SHAPE), seed)
+    if kind == "qwen2":  # q, k, v projections with bias
+        return _randomized(Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, **SHAPE)), seed)
+    if kind == "llama":  # biases everywhere, untied lm head
+        config = LlamaConfig(vocab_size=VOCAB, attention_bias=True, mlp_bias=True, head_dim=16, **SHAPE)
+        return _randomized(LlamaForCausalLM(config), seed)
+    config = MistralConfig(vocab_size=VOCAB, sliding_window=None, head_dim=16, **SHAPE)
+    return _randomized(MistralForCausalLM(config), seed)
+
+
+def _prefill(model, prompts):
+    """Prefill ``prompts`` (left-padded together) on the model's own forward into a `BatchCache`."""
+    inputs = prefill_inputs(model.config, [None] * len(prompts), prompts, 0, torch.device("cpu"))
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        model(
+            input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
+            use_cache=True, **{kwarg: inputs.cache.hf_cache(model.config)},
+        )
+    inputs.cache.advance(inputs.input_ids.shape[1])
+    return inputs.cache
+
+
+def _step(decode, cache, seqs, tokens):
+    """Feed ``tokens`` (one per row) through the fast forward; append them to ``seqs``; return the logits."""
+    cache.reserve(1)
+    cache.mask[:, cache.length] = 1
+    positions = torch.tensor([len(s) for s in seqs])
+    with torch.no_grad():
+        logits = decode(torch.tensor(tokens), positions, cache)
+    cache.advance(1)
+    for seq, token in zip(seqs, tokens, strict=True):
+        seq.append(token)
+    return logits
+
+
+def _reference(model, seqs):
+    """Plain reference: the next-token logits of each sequence alone, one forward, no cache, no padding."""
+    with torch.no_grad():
+        return torch.stack([model(input_ids=torch.tensor([s])).logits[0, -1] for s in seqs])
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "mistral"])
+def test_fast_forward_equals_the_hf_forward_as_rows_join_and_leave(kind):
+    torch.manual_seed(0)
+    model = _model(kind)
+    assert unsupported_reason(model) is None
+    decode = DecodeForward(model)
+    gen = torch.Generator().manual_seed(1)
+
+    def tokens(n):
+        return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+    # odd, different prompt lengths: rows are left-padded by 12, 8 and 0 columns
+    seqs = [tokens(1), tokens(5), tokens(13)]
+    cache = _prefill(model, seqs)
+    for _ in range(3):
+        logits = _step(decode, cache, seqs, tokens(len(seqs)))
+        ref = _reference(model, seqs)
+        assert ref.abs().max() > 1  # the logits are not all near 0: the tolerance below means something
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    # the longest row leaves (the columns only it used go), two rows join (one longer than every row in the batch)
+    cache.select([1, 0])
+    seqs = [seqs[1], seqs[0]]
+    joining = [tokens(2), tokens(30)]
+    cache.extend(_prefill(model, joining))
+    seqs += joining
+    for _ in range(3):
+        logits = _step(decode, cache, seqs, tokens(len(seqs)))
+        torch.testing.assert_close(logits, _reference(model, seqs), atol=1e-5, rtol=1e-5)
+    # a row's cache copied out (for the prefix store) is the cache of its 2 + 3 tokens prefilled alone
+    alone = _prefill(model, [seqs[2]])
+    for (k, v), (k_ref, v_ref) in zip(cache.row_kv(2), alone.row_kv(0), strict=True):
+        assert k.shape == (2, 5, 16)  # [Hkv, T, D]
+        torch.testing.assert_close((k, v), (k_ref, v_ref), atol=1e-5, rtol=1e-5)
+
+
+def test_buffers_grow_past_their_first_capacity():
+    model = _model("qwen3")
+    decode = DecodeForward(model)
+    seqs = [[5, 6, 7], [9]]
+    cache = _prefill(model, seqs)
+    first = cache.capacity  # 3 prompt columns + 64 spare = 67
+    assert first == 67
+    for t in range(70):  # 3 + 70 = 73 columns: the buffers grow once, at the 65th step
+        logits = _step(decode, cache, seqs, [t % 50 + 1, t % 7 + 1])
+        if t % 23 == 0 or t == 69:
+            torch.testing.assert_close(logits, _reference(model, seqs), atol=1e-5, rtol=1e-5)
+    assert cache.length == 73 and cache.capacity > first
+
+
+def test_batch_cache_keeps_its_columns_when_it_grows_and_rows_move():
+    # one layer, one head, head dim 1; the key of column c of row b is 10 * b + c (values: its negative)
+    def written(rows, columns):
+        cache = BatchCache(torch.zeros(rows, columns, dtype=torch.long), 0, [None], [None])
+        for c in range(columns):
+            k = torch.tensor([[[[10.0 * b + c]]] for b in range(rows)])  # [B, 1, 1, 1]
+            cache.write(0, k, -k)
+            cache.advance(1)
+        cache.mask[:] = 1
+        return cache
+
+    cache = written(rows=2, columns=3)  # capacity 3, full
+    cache.reserve(1)  # grows to 3 + 1 + 64 spare = 68 columns; the 3 written ones stay
+    assert cache.capacity == 68 and cache.length == 3
+    assert cache.row_kv(1)[0][0].flatten().tolist() == [10.0, 11.0, 12.0]
+    other = written(rows=1, columns=1)
+    cache.extend(other)  # its 1 column is padded on the left to 3
+    assert cache.mask.tolist()[2][:3] == [0, 0, 1] and cache.row_kv(2)[0][1].flatten().tolist() == [-0.0]
+    cache.select([2])  # only the joined row stays: its 2 padding columns go
+    assert cache.length == 1 and cache.row_kv(0)[0][0].flatten().tolist() == [0.0]
+    with pytest.raises(ValueError, match="reserved"):
+        cache.write(0, torch.zeros(1, 1, 70, 1), torch.zeros(1, 1, 70, 1))
+
+
+def _generate(engine, requests):
+    async def main():
+        out = await engine.generate(requests)
+        await engine.close()
+        return [c for r in out for c in r.completions]
+
+    return asyncio.run(main())
+
+
+_REQUESTS = [
+    GenerateRequest([3, 1, 4], SamplingParams(temperature=1.0, max_tokens=12, seed=1)),
+    GenerateRequest([2, 7, 1, 8, 2, 8, 1], SamplingParams(temperature=0.7, max_tokens=9, seed=2, n=2)),
+    GenerateRequest([9], SamplingParams(temperature=0.0, max_tokens=11)),
+]
+
+
+def test_engine_samples_the_same_with_and_without_fast_decode(tiny_model):
+    fast = _generate(HFEngine(tiny_model, fast_decode=True), _REQUESTS)
+    plain = _generate(HFEngine(tiny_model, fast_decode=False), _REQUESTS)
+    for a, b in zip(fast, plain, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_update_weights_changes_what_the_fast_forward_computes():
+    model, other = _model("qwen3", seed=0), _model("qwen3", seed=1)
+    engine = HFEngine(model, fast_decode=True)
+
+    async def main():
+        before = await engine.generate(_REQUESTS)
+        await engine.update_weights(other)
+        after = await engine.generate(_REQUESTS)
+        await engine.close()
+        return [[c for r in out for c in r.completions] for out in (before, after)]
+
+    before, after = asyncio.run(main())
+    want = _generate(HFEngine(other, fast_decode=False), _REQUESTS)
+    assert [c.token_ids for c in before] != [c.token_ids for c in want]
+    for a, b in zip(after, want, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
+def test_unsupported_models_decode_on_the_hf_forward(overrides, reason):
+    model = _randomized(tiny_qwen3(VOCAB, seed=0, head_dim=16, **SHAPE, **overrides), 0)
+    assert reason in unsupported_reason(model)
+    with pytest.raises(ValueError, match=f"fast_decode.*{reason}"):
+        HFEngine(model, fast_decode=True)
+    shapes = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        auto = _generate(HFEngine(model), _REQUESTS[:1])
+    finally:
+        handle.remove()
+    # the prefill [1, 3] and 11 decode steps [1, 1] all ran the model's own forward
+    assert shapes == [(1, 3)] + [(1, 1)] * 11
+    assert [c.token_ids for c in auto] == [c.token_ids for c in _generate(HFEngine(model, fast_decode=False),
+                                                                         _REQUESTS[:1])]
+
+
+def test_fast_decode_argument_is_validated(tiny_model):
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="fast_decode"):
+            HFEngine(tiny_model, fast_decode=bad)
+    with pytest.raises(ValueError, match="not supported"):
+        DecodeForward(torch.nn.Linear(2, 2))
