@@ -69,11 +69,22 @@ def test_log_rows_hold_each_temperature_and_the_choice():
         {"temperature/chosen": 0.3}]
 
 
-def test_best_temperature():
-    assert best_temperature({0.3: 0.2, 0.6: 0.4, 0.9: 0.1}, reference=1.0) == 0.6
-    assert best_temperature({0.3: 0.4, 0.6: 0.4, 0.9: 0.4}, reference=1.0) == 0.9  # nearest 1.0
-    assert best_temperature({0.5: 0.0, 1.5: 0.0}, reference=1.0) == 0.5  # equally near: the lower
-    assert best_temperature({0.7: 0.0}, reference=0) == 0.7
+def test_the_highest_validation_success_wins():
+    # 0.35 at T=0.6 beats 0.30 at T=1.0 (the reference) and 0.20 at T=0.3.
+    assert best_temperature({0.3: 0.20, 0.6: 0.35, 1.0: 0.30}, reference=1.0) == 0.6
+
+
+def test_best_temperature_ties_go_to_the_temperature_nearest_the_reference():
+    # All three at 0.30: |0.9 - 1.0| = 0.1 < |0.6 - 1.0| = 0.4 and |1.2 - 1.0| = 0.2.
+    assert best_temperature({0.6: 0.3, 0.9: 0.3, 1.2: 0.3}, reference=1.0) == 0.9
+    # Equally near (|0.5 - 1.0| = |1.5 - 1.0| = 0.5): the cooler one, so the answer never depends on dict order.
+    assert best_temperature({1.5: 0.3, 0.5: 0.3}, reference=1.0) == 0.5
+    assert best_temperature({0.5: 0.3, 1.5: 0.3}, reference=1.0) == 0.5
+    # A policy that never succeeds (all 0.0) keeps the reference temperature.
+    assert best_temperature({0.3: 0.0, 1.0: 0.0, 1.2: 0.0}, reference=1.0) == 1.0
+
+
+def test_best_temperature_refuses_an_empty_grid_and_a_negative_reference():
     with pytest.raises(ValueError, match=r"^success_by_temperature must hold at least one temperature, got none$"):
         best_temperature({}, reference=1.0)
     with pytest.raises(ValueError, match=r"^reference must be a number >= 0, got -1\.0$"):
