@@ -2,10 +2,11 @@
 
 Stages (`orchard.stages`): held-out evaluation of the base model -> SFT on the scripted teacher's episodes through
 both harnesses (inputs masked) -> evaluation -> optionally (``rl.start_temperature.search``) the policy's best
-sampling temperature on a validation split folded into its weights, evaluated as "sft_best_t" -> GRPO on the train split (+1 when every check of the task passed,
--1 otherwise; group-relative advantages; clipped policy loss 0.2 / 0.28; optionally Balanced Adaptive Rollout, and
-the paper's task filter first, `rl.filter`: RL only on pool tasks the starting policy solves 0 < p̂ <= 0.5),
-new weights handed to the rollout engine after every step -> evaluation. Held-out success is the Claw-Eval pass
+sampling temperature on a validation split folded into its weights, evaluated as "sft_best_t" -> GRPO on the train
+split (+1 when every check of the task passed, -1 otherwise; group-relative advantages; clipped policy loss
+0.2 / 0.28; optionally Balanced Adaptive Rollout, and the paper's task filter first, `rl.filter`: RL only on pool
+tasks the starting policy solves 0 < p̂ <= 0.5), new weights handed to the rollout engine after every step ->
+evaluation. Held-out success is the Claw-Eval pass
 rule (task score >= 0.75). Episodes whose sandbox failed are counted and left out of training and scoring. Writes
 ``metrics.jsonl``, ``results.json`` (with the resolved config) and ``learning_curve.png`` under ``output_dir``.
 
@@ -219,9 +220,10 @@ async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, mode
     into ``model`` (final norm / (T / rollout.temperature), so RL's rollouts are the policy at T), the engine given
     the folded weights, the model saved as ``sft_best_t_model``, and the held-out evaluation "sft_best_t".
 
-    The brief's "SFT at its best temperature" is read as the policy RL samples: folded against
-    ``rollout.temperature``; the "sft_best_t" row, evaluated like every stage at ``eval.temperature``, is the policy
-    at T when the two temperatures are equal (both shipped configs) and otherwise what RL's row is compared with.
+    "RL starts from the policy at its best temperature" is ambiguous when ``rollout.temperature`` is not 1.0; it is
+    read here as RL's rollouts being the policy at T, hence the fold against ``rollout.temperature``. The
+    "sft_best_t" row, evaluated like every stage at ``eval.temperature``, is the policy at T when the two
+    temperatures are equal (both shipped configs), and in any case the folded start RL's row is compared with.
     """
     st, kept_out = cfg.rl.start_temperature, tuple(cfg.tasks.heldout_templates)
     validation = split_tasks("train", st.validation_per_template, seed=VALIDATION_BLOCK, heldout_templates=kept_out)

@@ -27,9 +27,9 @@ SMOKE = [
     # The optional RL pieces ride along: partial-credit reward, a larger task pool, a KL term to the SFT policy.
     "rl.reward=score", "tasks.rl_pool_per_template=4",
     "rl.train.objective=[{name: policy, weight: 1.0}, {name: kl, weight: 0.05}]",
-    # RL starts from the SFT policy at its best of two temperatures, on one validation task per template.
+    # RL starts from the SFT policy at its best of two temperatures, one episode of one validation task per template.
     "rl.start_temperature.search=true", "rl.start_temperature.temperatures=[0.5, 2.0]",
-    "rl.start_temperature.validation_per_template=1",
+    "rl.start_temperature.validation_per_template=1", "rl.start_temperature.attempts=1",
 ]
 
 
@@ -47,7 +47,7 @@ def test_claw_recipe_smoke(tmp_path):
     assert list(results) == ["base", "sft", "sft_best_t", "rl"]
     # The resolved config is saved with the results: the YAML's values with the overrides applied.
     assert saved["config"]["rl"]["steps"] == 2 and saved["config"]["rollout"]["max_steps"] == 5
-    table = proc.stdout[proc.stdout.index("stage  harness"):].splitlines()
+    table = proc.stdout[proc.stdout.index("\nstage ") + 1:].splitlines()
     for stage in results.values():
         assert set(stage) == {"react", "text"}
         for row in stage.values():
@@ -64,7 +64,7 @@ def test_claw_recipe_smoke(tmp_path):
             if key.startswith("eval/"):
                 _, stage, harness, metric = key.split("/")
                 assert results[stage][harness][metric] == value
-    # The start temperature: each grid temperature's validation rows (11 tasks, 2 attempts each, both harnesses),
+    # The start temperature: each grid temperature's validation rows (11 tasks, 1 attempt each, both harnesses),
     # then the choice; the saved folded model is the SFT model with its final norm / T (rollout.temperature 1.0).
     searched = [r for r in rows if "start_temperature/value" in r]
     assert [r["start_temperature/value"] for r in searched] == [0.5, 2.0]
