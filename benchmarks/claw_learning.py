@@ -31,7 +31,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +40,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _seeds import Launch, add_run_arguments, gain_and_spread, machine, mean_std, publish, run_launches
 
+from orchard.domains.claw.tasks import VALIDATION_BLOCK
+from orchard.stages.temperature import TEMPERATURE_GRID, best_temperature
+
 ROOT = Path(__file__).resolve().parents[1]
-TEMPERATURES = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
-VALIDATION_BLOCK = 1
-"""``split_tasks`` seed block of the validation split: task seeds 10,000 on, which no training pool reaches."""
-
-
-def best_temperature(success_by_temperature: Mapping[float, float], *, reference: float) -> float:
-    """The temperature of highest validation success; ties go to the one nearest ``reference`` (the evaluation's
-    temperature: of equally good choices, the smallest change to how the model is sampled)."""
-    if not success_by_temperature:
-        raise ValueError("success_by_temperature must hold at least one temperature, got none")
-    best = max(success_by_temperature.values())
-    return min((t for t, v in success_by_temperature.items() if v == best), key=lambda t: (abs(t - reference), t))
 
 
 def recipe_command(config: str, args: list[str]) -> list[str]:
@@ -177,8 +168,8 @@ def main() -> int:
     parser.add_argument("--temperature-control", action="store_true",
                         help="also evaluate each SFT model at the temperature its RL model's final norm implies")
     parser.add_argument("--temperatures", type=lambda text: [float(t) for t in text.split(",")],
-                        default=list(TEMPERATURES), help="the comma-separated grid the SFT model's best temperature "
-                        f"is searched on (default {','.join(map(str, TEMPERATURES))})")
+                        default=list(TEMPERATURE_GRID), help="the comma-separated grid the SFT model's best "
+                        f"temperature is searched on (default {','.join(map(str, TEMPERATURE_GRID))})")
     parser.add_argument("--no-best-temperature", action="store_true",
                         help="skip the SFT-at-its-best-temperature baseline")
     parser.add_argument("--search-seed", type=int, help=argparse.SUPPRESS)  # one seed's search, in its own process

@@ -1,10 +1,12 @@
 """Orchard-Claw: train a personal-assistant agent (mail, calendar, inventory, files) with SFT, then GRPO.
 
 Stages (`orchard.stages`): held-out evaluation of the base model -> SFT on the scripted teacher's episodes through
-both harnesses (inputs masked) -> evaluation -> GRPO on the train split (+1 when every check of the task passed,
--1 otherwise; group-relative advantages; clipped policy loss 0.2 / 0.28; optionally Balanced Adaptive Rollout, and
-the paper's task filter first, `rl.filter`: RL only on pool tasks the starting policy solves 0 < p̂ <= 0.5),
-new weights handed to the rollout engine after every step -> evaluation. Held-out success is the Claw-Eval pass
+both harnesses (inputs masked) -> evaluation -> optionally (``rl.start_temperature.search``) the policy's best
+sampling temperature on a validation split folded into its weights, evaluated as "sft_best_t" -> GRPO on the train
+split (+1 when every check of the task passed, -1 otherwise; group-relative advantages; clipped policy loss
+0.2 / 0.28; optionally Balanced Adaptive Rollout, and the paper's task filter first, `rl.filter`: RL only on pool
+tasks the starting policy solves 0 < p̂ <= 0.5), new weights handed to the rollout engine after every step ->
+evaluation. Held-out success is the Claw-Eval pass
 rule (task score >= 0.75). Episodes whose sandbox failed are counted and left out of training and scoring. Writes
 ``metrics.jsonl``, ``results.json`` (with the resolved config) and ``learning_curve.png`` under ``output_dir``.
 
@@ -49,14 +51,15 @@ from orchard import stages
 from orchard._cli import run_main
 from orchard.domains.claw.corpus import tokenizer_corpus
 from orchard.domains.claw.harness import ClawReactHarness
-from orchard.domains.claw.tasks import TEMPLATES, ClawTask, split_tasks
+from orchard.domains.claw.tasks import TEMPLATES, VALIDATION_BLOCK, ClawTask, split_tasks
 from orchard.domains.claw.teacher import TeacherEngine
 from orchard.domains.claw.text_rollout import ClawTextRollouts
 from orchard.env import AsyncSandboxClient
+from orchard.models import fold_temperature
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig, TaskFilterConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
-from orchard.stages.ranks import Ranks, init_ranks
+from orchard.stages.ranks import Ranks, barrier, init_ranks
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
 
@@ -78,10 +81,35 @@ class TasksConfig:
 
 
 @dataclass
+class StartTemperatureConfig:
+    search: bool = False
+    """Before RL (and its task filter), choose the policy's best sampling temperature T on the validation split and
+    fold it into the weights (`orchard.models.fold_temperature`): RL starts from the policy at T, and the held-out
+    row "sft_best_t" is the baseline RL has to beat (issue 16). Off: RL starts from the policy as it is."""
+    temperatures: list[float] = field(default_factory=lambda: list(stages.TEMPERATURE_GRID))
+    """The grid searched (distinct, > 0; default 0.3 to 1.2 by 0.15)."""
+    validation_per_template: int = 6
+    """Validation tasks per trained template: ``split_tasks("train", n, seed=VALIDATION_BLOCK)``, disjoint from
+    the SFT tasks, the RL pool and the held-out set."""
+    attempts: int = 0
+    """Episodes per validation task and temperature (0: eval.attempts)."""
+
+    def __post_init__(self) -> None:
+        stages.check_temperatures(self.temperatures)
+        if isinstance(self.validation_per_template, bool) or not isinstance(self.validation_per_template, int) \
+                or self.validation_per_template < 1:
+            raise ValueError(f"validation_per_template must be an int >= 1, got {self.validation_per_template!r}")
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 0:
+            raise ValueError(f"attempts must be an int >= 0, got {self.attempts!r}")
+
+
+@dataclass
 class ClawRLConfig(RLConfig):
     filter: TaskFilterConfig = field(default_factory=lambda: TaskFilterConfig(enabled=False))
     """The paper's task filter before RL (off by default here: the Claw recipe trains on its whole pool): the
     starting policy's rollouts on ``candidates`` pool tasks, RL on those with ``low < p̂ <= high``."""
+    start_temperature: StartTemperatureConfig = field(default_factory=StartTemperatureConfig)
+    """RL's start: the policy as it is, or (``search``) folded to its best validation temperature."""
 
 
 @dataclass
@@ -126,6 +154,15 @@ class ClawConfig:
         if self.rl.enabled and self.rl.tasks_per_step > pool:
             raise ValueError(f"rl.tasks_per_step must be <= the RL task pool ({pool} tasks), "
                              f"got {self.rl.tasks_per_step}")
+        if self.rl.enabled and self.rl.start_temperature.search:
+            if not self.rollout.temperature > 0:
+                raise ValueError("rollout.temperature must be > 0 with rl.start_temperature.search (the fold is the "
+                                 f"chosen temperature / rollout.temperature), got {self.rollout.temperature}")
+            largest = max(self.tasks.train_per_template, self.tasks.rl_pool_per_template)
+            if largest > VALIDATION_BLOCK * 10_000:
+                raise ValueError(f"tasks.train_per_template and tasks.rl_pool_per_template must be <= "
+                                 f"{VALIDATION_BLOCK * 10_000} with rl.start_temperature.search (more would reach the "
+                                 f"validation split's task seeds), got {largest}")
 
 
 def rollout_engine(cfg: ClawConfig, model: Any, tokenizer: Any, ranks: Ranks) -> Any:
@@ -176,6 +213,39 @@ async def rl_tasks(cfg: ClawConfig, trained: dict[str, Rollouts], engine: Any, p
     return kept.tasks
 
 
+async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, model: Any, tokenizer: Any, engine: Any,
+                                    harnesses: dict[str, Rollouts], heldout: list[ClawTask]) -> None:
+    """``rl.start_temperature``: the policy's validation success at each temperature of the grid through the trained
+    harnesses (each temperature's rows and the choice logged), the temperature T of the best mean over them folded
+    into ``model`` (final norm / (T / rollout.temperature), so RL's rollouts are the policy at T), the engine given
+    the folded weights, the model saved as ``sft_best_t_model``, and the held-out evaluation "sft_best_t".
+
+    "RL starts from the policy at its best temperature" is ambiguous when ``rollout.temperature`` is not 1.0; it is
+    read here as RL's rollouts being the policy at T, hence the fold against ``rollout.temperature``. The
+    "sft_best_t" row, evaluated like every stage at ``eval.temperature``, is the policy at T when the two
+    temperatures are equal (both shipped configs), and in any case the folded start RL's row is compared with.
+    """
+    st, kept_out = cfg.rl.start_temperature, tuple(cfg.tasks.heldout_templates)
+    validation = split_tasks("train", st.validation_per_template, seed=VALIDATION_BLOCK, heldout_templates=kept_out)
+    step = len(run.sft_history)
+    found = await stages.search_temperature({h: harnesses[h] for h in cfg.harnesses}, engine, validation,
+                                            temperatures=st.temperatures, attempts=st.attempts or cfg.eval.attempts,
+                                            reference=cfg.rollout.temperature)
+    for row in found.log_rows("start_temperature"):
+        run.log.log(row, step)
+    for t, by_harness in found.rows.items():
+        run.log.print(f"start temperature T={t}: " + " ".join(f"{h} {r['success']:.3f}" for h, r in by_harness.items())
+                      + f" mean {found.mean_success[t]:.3f} ({len(validation)} validation tasks)")
+    fold = found.temperature / cfg.rollout.temperature
+    run.log.print(f"start temperature: T={found.temperature} (mean validation success "
+                  f"{found.mean_success[found.temperature]:.3f}); final norm divided by {fold:g}")
+    fold_temperature(model, fold)
+    await engine.update_weights(model.state_dict())
+    barrier()  # every rank waits for rank 0's push, so no served replica samples the unfolded policy
+    run.save_policy(model, tokenizer, "sft_best_t_model")
+    await run.evaluate("sft_best_t", step, harnesses, engine, heldout)
+
+
 async def run(cfg: ClawConfig) -> dict[str, Any]:
     ranks = init_ranks()
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval, ranks=ranks)
@@ -202,6 +272,8 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                                   f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
                                   f"env_errors {stats['rl/env_errors']:.0f}")
 
+                if cfg.rl.start_temperature.search:
+                    await start_at_best_temperature(cfg, run, model, tokenizer, engine, harnesses, heldout)
                 pool = await rl_tasks(cfg, trained, engine, rl_pool, run.log)
                 if pool:
                     # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing (the

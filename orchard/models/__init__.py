@@ -1,9 +1,11 @@
 """orchard.models: model builders shared by rollout and training (layer 2: may import transformers).
 
 - `tiny_qwen3_config`, `tiny_qwen3`, `tiny_chat_model`: a tiny random Qwen3 (nothing downloaded)
+- `fold_temperature`: a sampling temperature folded into the final norm's weight (`FOLDABLE_MODELS`)
 - `tiny_qwen_vl`, `tiny_image_processor`, `tiny_vl_chat_model`: a tiny random Qwen3-VL and its image processor
 """
 
+from orchard.models.temperature import FOLDABLE_MODELS, fold_temperature
 from orchard.models.tiny import (
     tiny_chat_model,
     tiny_image_processor,
@@ -14,6 +16,8 @@ from orchard.models.tiny import (
 )
 
 __all__ = [
+    "FOLDABLE_MODELS",
+    "fold_temperature",
     "tiny_chat_model",
     "tiny_image_processor",
     "tiny_qwen3",

@@ -15,6 +15,9 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   hindsight step values), `sft_stage`
 - task filter: `filter_tasks` (initial rollouts per candidate task, keep 0 < p̂ <= 0.5), `split_attempts`,
   `TaskFilterResult`
+- a policy's best sampling temperature (`orchard.stages.temperature`): `search_temperature` (validation success
+  per temperature of a grid, the best mean over the harnesses), `best_temperature` (ties nearest a reference),
+  `TemperatureSearch`, `TEMPERATURE_GRID`, `check_temperatures`; with `orchard.models.fold_temperature`, RL's start
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `bar_candidate` (what BAR may choose: not removed, not
   a dropped timeout), `group_batch` (a group into samples and advantages), `trajectory_reward`
 - on-policy distillation (`orchard.stages.distill`): `teacher_logprobs` (a teacher engine's log-probs on the
@@ -47,6 +50,13 @@ from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_grou
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
+from orchard.stages.temperature import (
+    TEMPERATURE_GRID,
+    TemperatureSearch,
+    best_temperature,
+    check_temperatures,
+    search_temperature,
+)
 from orchard.stages.value_rerank import (
     RecordedRollouts,
     ValueRerankResult,
@@ -57,6 +67,7 @@ from orchard.stages.value_rerank import (
 __all__ = [
     "OPD_TERMS",
     "SFT_MODES",
+    "TEMPERATURE_GRID",
     "EvalConfig",
     "PooledSandboxes",
     "RLConfig",
@@ -67,8 +78,11 @@ __all__ = [
     "SFTConfig",
     "TaskFilterConfig",
     "TaskFilterResult",
+    "TemperatureSearch",
     "ValueRerankResult",
     "bar_candidate",
+    "best_temperature",
+    "check_temperatures",
     "curate_sft",
     "demonstrations",
     "derived_keys",
@@ -83,6 +97,7 @@ __all__ = [
     "rl_stage",
     "rollout_groups",
     "sandbox_service",
+    "search_temperature",
     "sft_samples",
     "sft_stage",
     "split_attempts",

@@ -73,7 +73,7 @@ def plot_learning_curve(sft_history: Sequence[Mapping[str, float]], rl_history: 
         line = ax_rl.plot(steps, values, alpha=0.3, label=label)[0]
         smooth = np.convolve(values, np.ones(window) / window, mode="valid")
         ax_rl.plot(steps[window - 1:], smooth, color=line.get_color(), label=f"{label}, {window}-step mean")
-    for stage, style in (("base", ":"), ("sft", "--"), ("rl", "-")):
+    for stage, style in (("base", ":"), ("sft", "--"), ("sft_best_t", "-."), ("rl", "-")):
         for i, (harness, row) in enumerate(results.get(stage, {}).items()):
             ax_rl.axhline(row["success"], linestyle=style, color=f"C{i + 2}", label=f"held-out {stage} ({harness})")
     ax_rl.set(title="RL success", xlabel="RL step", ylabel="success rate", ylim=(-0.02, 1.02))

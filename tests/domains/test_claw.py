@@ -12,7 +12,7 @@ from orchard.domains.claw import tasks as claw_tasks
 from orchard.domains.claw import world
 from orchard.domains.claw.convention import format_text_action, parse_text_action
 from orchard.domains.claw.harness import ClawReactHarness, parse_verdict
-from orchard.domains.claw.tasks import TEMPLATES, make_task, split_tasks
+from orchard.domains.claw.tasks import TEMPLATES, VALIDATION_BLOCK, make_task, split_tasks
 from orchard.domains.claw.teacher import TeacherEngine
 from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.env.embedded import serve
@@ -173,6 +173,17 @@ def test_tasks_are_deterministic_and_splits_disjoint():
         split_tasks("test", 1)
     with pytest.raises(ValueError, match="template"):
         make_task("nope", 1)
+
+
+def test_the_validation_split_shares_no_task_with_training_or_the_held_out_set():
+    validation = split_tasks("train", 6, seed=VALIDATION_BLOCK)
+    # The largest RL pool a config has used (200 per template) and the held-out set of the tiny config.
+    used = split_tasks("train", 200) + split_tasks("heldout", 6)
+    # Disjoint task seeds (a request's wording alone can repeat across seeds, as it does between train and held-out).
+    assert {t.seed for t in validation}.isdisjoint({t.seed for t in used})
+    # Still the training distribution: the same templates as the train split, 6 tasks each.
+    assert sorted({t.template for t in validation}) == sorted({t.template for t in split_tasks("train", 1)})
+    assert len(validation) == 6 * len({t.template for t in validation})
 
 
 def test_text_actions_round_trip_and_malformed_output_is_an_error():

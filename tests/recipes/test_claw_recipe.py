@@ -1,5 +1,6 @@
 """A short smoke run of the whole Claw recipe: embedded service started and stopped by the recipe, base eval,
-SFT on teacher episodes through both harnesses, two GRPO steps, evaluation, table, metrics and plot."""
+SFT on teacher episodes through both harnesses, the best start temperature folded in and evaluated, two GRPO
+steps, evaluation, table, metrics and plot."""
 
 import asyncio
 import json
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from orchard.domains.claw.tasks import TEMPLATES
 from orchard.stages import RunLog
@@ -24,6 +27,9 @@ SMOKE = [
     # The optional RL pieces ride along: partial-credit reward, a larger task pool, a KL term to the SFT policy.
     "rl.reward=score", "tasks.rl_pool_per_template=4",
     "rl.train.objective=[{name: policy, weight: 1.0}, {name: kl, weight: 0.05}]",
+    # RL starts from the SFT policy at its best of two temperatures, one episode of one validation task per template.
+    "rl.start_temperature.search=true", "rl.start_temperature.temperatures=[0.5, 2.0]",
+    "rl.start_temperature.validation_per_template=1", "rl.start_temperature.attempts=1",
 ]
 
 
@@ -38,10 +44,10 @@ def test_claw_recipe_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = json.loads((out / "results.json").read_text())
     results = saved["results"]
-    assert set(results) == {"base", "sft", "rl"}
+    assert list(results) == ["base", "sft", "sft_best_t", "rl"]
     # The resolved config is saved with the results: the YAML's values with the overrides applied.
     assert saved["config"]["rl"]["steps"] == 2 and saved["config"]["rollout"]["max_steps"] == 5
-    table = proc.stdout[proc.stdout.index("stage  harness"):].splitlines()
+    table = proc.stdout[proc.stdout.index("\nstage ") + 1:].splitlines()
     for stage in results.values():
         assert set(stage) == {"react", "text"}
         for row in stage.values():
@@ -49,14 +55,32 @@ def test_claw_recipe_smoke(tmp_path):
             assert row["tasks"] == len(TEMPLATES) and row["env_errors"] == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # The printed table is the saved results (counts as integers), in stage order.
-    assert [line.split()[:2] for line in table[1:7]] == [[s, h] for s in ("base", "sft", "rl") for h in ("react", "text")]
-    assert table[6].split()[2:] == [f"{results['rl']['text'][k]:.3f}" for k in ("success", "pass@2", "pass^2")] + [
+    assert [line.split()[:2] for line in table[1:9]] == [
+        [s, h] for s in ("base", "sft", "sft_best_t", "rl") for h in ("react", "text")]
+    assert table[8].split()[2:] == [f"{results['rl']['text'][k]:.3f}" for k in ("success", "pass@2", "pass^2")] + [
         str(len(TEMPLATES)), "0"]
     for r in rows:
         for key, value in r.items():
             if key.startswith("eval/"):
                 _, stage, harness, metric = key.split("/")
                 assert results[stage][harness][metric] == value
+    # The start temperature: each grid temperature's validation rows (11 tasks, 1 attempt each, both harnesses),
+    # then the choice; the saved folded model is the SFT model with its final norm / T (rollout.temperature 1.0).
+    searched = [r for r in rows if "start_temperature/value" in r]
+    assert [r["start_temperature/value"] for r in searched] == [0.5, 2.0]
+    for r in searched:
+        assert r["start_temperature/react/tasks"] == r["start_temperature/text/tasks"] == len(TEMPLATES)
+        assert r["start_temperature/mean_success"] == pytest.approx(
+            (r["start_temperature/react/success"] + r["start_temperature/text/success"]) / 2)
+    (chosen,) = [r["start_temperature/chosen"] for r in rows if "start_temperature/chosen" in r]
+    best = max(r["start_temperature/mean_success"] for r in searched)
+    # the best mean; on a tie the one nearer rollout.temperature 1.0: 0.5 (|0.5| < |1.0|)
+    assert chosen == min((r["start_temperature/value"] for r in searched if r["start_temperature/mean_success"] == best),
+                         key=lambda t: abs(t - 1.0))
+    assert f"start temperature: T={chosen} " in proc.stdout
+    sft_norm, folded_norm = (load_file(out / name / "model.safetensors")["model.norm.weight"]
+                             for name in ("sft_model", "sft_best_t_model"))
+    torch.testing.assert_close(folded_norm, sft_norm / chosen)
     rl_rows = [r for r in rows if "rl/episodes" in r]
     assert [r["step"] for r in rl_rows] == [1, 2]
     assert all(r["rl/episodes"] == 4 for r in rl_rows)
@@ -98,11 +122,38 @@ CONFIG = ("--config", str(ROOT / "recipes/configs/claw_tiny.yaml"))
     ("sft.train.output_dir=x", "sft.train.output_dir is derived from output_dir; set that instead"),
     ("model.path=/no/such/dir", "model.path must be a local checkpoint directory, got '/no/such/dir' "
                                 "(no such directory)"),
+    ("rl.start_temperature.temperatures=[]", "rl.start_temperature.temperatures must be a non-empty list of "
+                                             "numbers > 0, got []"),
+    ("rl.start_temperature.temperatures=[0.5, 0]", "rl.start_temperature.temperatures must hold finite numbers > 0, "
+                                                   "got 0.0 in [0.5, 0.0]"),
+    ("rl.start_temperature.temperatures=[0.5, -1.0]", "rl.start_temperature.temperatures must hold finite numbers "
+                                                      "> 0, got -1.0 in [0.5, -1.0]"),
+    ("rl.start_temperature.temperatures=[0.5, 0.5]", "rl.start_temperature.temperatures must not repeat a "
+                                                     "temperature, got [0.5, 0.5]"),
+    ("rl.start_temperature.validation_per_template=0", "rl.start_temperature.validation_per_template must be an "
+                                                       "int >= 1, got 0"),
+    ("rl.start_temperature.attempts=-1", "rl.start_temperature.attempts must be an int >= 0, got -1"),
 ])
 def test_config_mistakes_are_one_line_before_any_work(override, message, recipe_main):
     # in process (the recipe's main under run_main, as its __main__ calls it): a subprocess per case costs a torch
     # import each; test_a_config_mistake_from_the_command_line runs one case as a user does
     assert recipe_main("claw", *CONFIG, override) == (2, "", f"error: {message}\n")  # nothing ran, no config print
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    # greedy rollouts: there is no temperature to fold the chosen one against
+    (("rollout.temperature=0",), "rollout.temperature must be > 0 with rl.start_temperature.search (the fold is the "
+                                 "chosen temperature / rollout.temperature), got 0.0"),
+    # 10,001 pool tasks per template reach seed 10,000, the validation split's first
+    (("tasks.rl_pool_per_template=10001",), "tasks.train_per_template and tasks.rl_pool_per_template must be <= "
+                                            "10000 with rl.start_temperature.search (more would reach the validation "
+                                            "split's task seeds), got 10001"),
+])
+def test_the_start_temperature_search_refuses_what_it_cannot_do(overrides, message, recipe_main):
+    assert recipe_main("claw", *CONFIG, "rl.start_temperature.search=true", *overrides) == (2, "", f"error: {message}\n")
+    # without the search (the default) the same settings run
+    status, out, _ = recipe_main("claw", *CONFIG, "--show-config", *overrides)
+    assert status == 0 and "rl.start_temperature.search: false" in out
 
 
 def test_a_config_mistake_from_the_command_line():

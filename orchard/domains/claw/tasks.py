@@ -47,6 +47,11 @@ TEMPLATES = {
 HELDOUT_SEED_OFFSET = 1_000_000
 """Held-out tasks use seeds from here on; train tasks use seeds below it."""
 
+VALIDATION_BLOCK = 1
+"""``split_tasks("train", n, seed=VALIDATION_BLOCK)`` is the validation split: train-distribution tasks from seed
+10,000 on, which no training pool of fewer than 10,000 tasks per template reaches (they draw block 0) and which is
+not the held-out set (a policy's sampling temperature is chosen on it)."""
+
 
 @dataclass
 class ClawTask:
