@@ -37,6 +37,8 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: tor
         mass_before_BV = sorted_BV.exp().cumsum(dim=-1) - sorted_BV.exp()  # probability mass strictly above
         drop_sorted_BV = mass_before_BV >= top_p.float()[:, None]
         drop_sorted_BV[:, 0] = False
+        # a row with top_p = 1 keeps every token: its float32 cumulative sum may reach 1.0 before its tail does
+        drop_sorted_BV &= (top_p < 1)[:, None]
         drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
         logp_BV = torch.log_softmax(logp_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
     return logp_BV
@@ -68,7 +70,7 @@ def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     w_BV = weights.float()
     if vocab % _BLOCK:
         w_BV = torch.nn.functional.pad(w_BV, (0, blocks * _BLOCK - vocab))
-    w_BNK = w_BV.view(batch, blocks, _BLOCK)
+    w_BNK = w_BV.reshape(batch, blocks, _BLOCK)
     cdf_BN = w_BNK.sum(dim=-1).double().cumsum(dim=-1)  # [B, blocks]
     target_B1 = u.double()[:, None] * cdf_BN[:, -1:]
     block_B1 = torch.searchsorted(cdf_BN, target_B1, right=True).clamp_(max=blocks - 1)

@@ -36,6 +36,9 @@ def _randomized(model, seed):
 def _model(kind, seed=0):
     if kind == "qwen3":
         return _randomized(tiny_qwen3(VOCAB, seed=seed, head_dim=16, **SHAPE), seed)
+    if kind == "qwen3_gqa3":  # head_dim 24 != hidden / heads, 3 query heads per KV head, non-default rope theta
+        shape = {**SHAPE, "num_attention_heads": 6, "head_dim": 24, "rope_theta": 12345.0}
+        return _randomized(tiny_qwen3(VOCAB, seed=seed, **shape), seed)
     if kind == "qwen2":  # q, k, v projections with bias
         return _randomized(Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, **SHAPE)), seed)
     if kind == "llama":  # biases everywhere, untied lm head
@@ -77,7 +80,7 @@ def _reference(model, seqs):
         return torch.stack([model(input_ids=torch.tensor([s])).logits[0, -1] for s in seqs])
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_gqa3", "qwen2", "llama", "mistral"])
 def test_fast_forward_equals_the_hf_forward_as_rows_join_and_leave(kind):
     torch.manual_seed(0)
     model = _model(kind)
@@ -108,7 +111,7 @@ def test_fast_forward_equals_the_hf_forward_as_rows_join_and_leave(kind):
     # a row's cache copied out (for the prefix store) is the cache of its 2 + 3 tokens prefilled alone
     alone = _prefill(model, [seqs[2]])
     for (k, v), (k_ref, v_ref) in zip(cache.row_kv(2), alone.row_kv(0), strict=True):
-        assert k.shape == (2, 5, 16)  # [Hkv, T, D]
+        assert k.shape == (2, 5, 24 if kind == "qwen3_gqa3" else 16)  # [Hkv, T, D]
         torch.testing.assert_close((k, v), (k_ref, v_ref), atol=1e-5, rtol=1e-5)
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from orchard.rollout.token_sampling import inverse_cdf_sample
+from orchard.rollout.token_sampling import inverse_cdf_sample, nucleus_logprobs
 
 
 def test_inverse_cdf_sample_hand_computed():
@@ -39,3 +39,17 @@ def test_inverse_cdf_sample_bad_inputs_raise_value_error():
         inverse_cdf_sample(torch.zeros(3), torch.zeros(3))
     with pytest.raises(ValueError, match="u must"):
         inverse_cdf_sample(torch.zeros(2, 3), torch.zeros(3))
+
+
+def test_a_top_p_1_row_keeps_its_tail_beside_a_top_p_mate():
+    # Token 0 holds all but ~1e-10 of the mass (logit 30, 999 tokens at 0: each e^-30 / (1 + 999 e^-30) ~ 9e-14).
+    # In float32 the cumulative sum is 1.0 from token 0 on, so "mass before >= top_p" holds for every later token
+    # of a top_p = 1 row too; the row beside it with top_p 0.5 makes the nucleus code run for the whole batch.
+    # A top_p = 1 row keeps all 1000 tokens, with their log_softmax log-probs (~ -30); its mate keeps token 0 only.
+    logits = torch.zeros(2, 1000)
+    logits[:, 0] = 30.0
+    logp = nucleus_logprobs(logits, torch.ones(2), torch.tensor([1.0, 0.5]))
+    assert torch.isfinite(logp[0]).all()
+    torch.testing.assert_close(logp[0], torch.log_softmax(logits[0], dim=-1))
+    assert logp[1, 0] == 0.0 and torch.isinf(logp[1, 1:]).all()
+
