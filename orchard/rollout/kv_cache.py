@@ -28,14 +28,12 @@ LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 """One tensor pair per layer: keys and values ``[H, T, D]`` of one sequence (no batch axis, no padding)."""
 
 
-def new_cache(config: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
-    """A transformers ``DynamicCache`` for ``config``, empty or holding ``layers`` (keys, values ``[B, H, L, D]``)."""
+def new_cache(config: Any) -> Any:
+    """An empty transformers ``DynamicCache`` for ``config``."""
     with requires_extra("rollout"):
         from transformers import DynamicCache
 
-    if layers is None:
-        return DynamicCache(config=config)
-    return DynamicCache(ddp_cache_data=list(layers), config=config)
+    return DynamicCache(config=config)
 
 
 def check_cache_layers(config: Any) -> None:

@@ -66,8 +66,8 @@ from orchard.rollout.engine import (
     ScoreRequest,
     choice_seed,
 )
-from orchard.rollout.hf_engine import nucleus_logprobs
 from orchard.rollout.streaming import ChoiceStreams, ChoiceText
+from orchard.rollout.token_sampling import nucleus_logprobs
 from orchard.rollout.tool_calls import parse_tool_calls
 
 
