@@ -146,6 +146,10 @@ class RLConfig:
     reward: str = "outcome"
     """Trajectory reward: "outcome" (the verifier's +1 / -1, the paper's) or "score" (2 x the verifier's score
     component - 1: partial credit; success is still judged by the evaluation's pass rule)."""
+    normalize_std: bool = True
+    """Divide each group's advantages by its reward std (GRPO, the paper's), or not (False: Dr.GRPO, Liu et al.
+    2025: the reward minus the group mean, so a group whose rewards differ a little, as partial-credit "score"
+    rewards do, moves the policy a little rather than as much as a win against a loss)."""
     group_filter: str = "all_equal"
     """Dynamic sampling: a rule of orchard.sampling.GROUP_FILTER_RULES ("all_equal" drops groups whose trained
     rewards are all equal, no GRPO signal; "all_zero_or_all_positive" is the paper's GUI rule), or "none" (keep every
@@ -173,6 +177,8 @@ class RLConfig:
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
                 or self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+        if not isinstance(self.normalize_std, bool):
+            raise ValueError(f"normalize_std must be a bool, got {self.normalize_std!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {list(REWARDS)}, got {self.reward!r}")
         if self.group_filter != "none" and self.group_filter not in GROUP_FILTER_RULES:

@@ -64,8 +64,9 @@ def trajectory_reward(traj: Trajectory, kind: str = "outcome") -> float:
 
 
 def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", group_filter: str = "all_equal",
-                ) -> tuple[list[RenderedSample], list[float], dict[str, float]]:
-    """Samples of the groups' trained members, each with its rollout's group-relative advantage.
+                normalize_std: bool = True) -> tuple[list[RenderedSample], list[float], dict[str, float]]:
+    """Samples of the groups' trained members, each with its rollout's group-relative advantage (GRPO's, divided
+    by the group's std; with ``normalize_std=False`` Dr.GRPO's, the reward minus the group's mean).
 
     A group keeps at least two trained members, and passes the dynamic-sampling rule ``group_filter`` (a name in
     `orchard.sampling.GROUP_FILTER_RULES`, over its trained members' rewards: ``all_equal`` drops groups without
@@ -74,6 +75,8 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
     """
     if group_filter != "none" and group_filter not in GROUP_FILTER_RULES:
         raise ValueError(f"group_filter must be one of {[*GROUP_FILTER_RULES.names(), 'none']}, got {group_filter!r}")
+    if not isinstance(normalize_std, bool):
+        raise ValueError(f"normalize_std must be a bool, got {normalize_std!r}")
     samples: list[RenderedSample] = []
     advantages: list[float] = []
     kept = 0
@@ -85,7 +88,7 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
         if trained.size < 2 or (group_filter != "none" and not filter_groups([trained], rule=group_filter).keep[0]):
             continue
         kept += 1
-        adv_N = group_advantages(rewards_N[None], mask_GN=mask_N[None])[0]  # [N], 0 where masked
+        adv_N = group_advantages(rewards_N[None], mask_GN=mask_N[None], normalize_std=normalize_std)[0]  # [N]
         for traj, adv, m in zip(group.trajectories, adv_N.tolist(), mask_N, strict=True):
             if m:
                 samples += traj.samples
@@ -204,7 +207,8 @@ async def _play(harnesses: Mapping[str, Rollouts], engine: Any, step_tasks: Sequ
     mine = shard_range(len(step_tasks), ranks.rank, ranks.world_size)
     groups, generated = await rollout_groups(harnesses, engine, [step_tasks[i] for i in mine],
                                              [harness_of[i] for i in mine], cfg, rollout)
-    samples, advantages, batch_stats = group_batch(groups, reward=cfg.reward, group_filter=cfg.group_filter)
+    samples, advantages, batch_stats = group_batch(groups, reward=cfg.reward, group_filter=cfg.group_filter,
+                                                   normalize_std=cfg.normalize_std)
     samples = [replace(s, policy_version=version) for s in samples]
     return samples, advantages, {**_rollout_counts(groups, generated), **batch_stats}
 

@@ -9,7 +9,7 @@ import torch
 
 from orchard.data import RenderedSample, RenderReport, RolloutGroup, Trajectory, stack_groups, trainable
 from orchard.sampling import BARConfig, abar_select
-from orchard.stages import group_batch, trajectory_reward
+from orchard.stages import RLConfig, group_batch, trajectory_reward
 
 
 def sample(tag: int) -> RenderedSample:
@@ -64,6 +64,20 @@ def test_group_batch_advantages_by_hand():
     assert group_batch([flat], group_filter="all_zero_or_all_positive")[2]["rl/groups_with_signal"] == 1.0
     with pytest.raises(ValueError, match="group_filter"):
         group_batch([flat], group_filter="some")
+
+
+def test_dr_grpo_advantages_keep_the_reward_scale():
+    # Score rewards 2 x 0.6 - 1 = 0.2 and 2 x 0.9 - 1 = 0.8: mean 0.5, so Dr.GRPO's advantages are -0.3 and +0.3,
+    # where GRPO divides by the sample std 0.4243 and gives -0.7071 / +0.7071, as large as a win against a loss.
+    near = RolloutGroup("a", (traj(-1.0, score=0.6), traj(-1.0, score=0.9)))
+    assert group_batch([near], reward="score", normalize_std=False)[1] == pytest.approx([-0.3, 0.3])
+    # A win against a loss: rewards 1 and -1, mean 0, advantages +1 / -1 unscaled.
+    far = RolloutGroup("b", (traj(1.0), traj(-1.0)))
+    assert group_batch([far], normalize_std=False)[1] == pytest.approx([1.0, -1.0])
+    with pytest.raises(ValueError, match="normalize_std"):
+        group_batch([far], normalize_std=0)
+    with pytest.raises(ValueError, match="normalize_std"):
+        RLConfig(normalize_std="no")
 
 
 def test_score_reward_is_partial_credit():
