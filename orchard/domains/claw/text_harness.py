@@ -53,8 +53,6 @@ from orchard.rollout.program import (
     read_episodes,
 )
 
-"""The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
-
 ENV_FAILURES: tuple[type[BaseException], ...] = (
     SandboxError, ToolProgramError, ConnectionError, asyncio.TimeoutError, OSError, httpx.HTTPError)
 

@@ -69,8 +69,6 @@ from orchard.rollout.program import (
     read_episodes,
 )
 
-"""The header `orchard.rollout.proxy.RecordingProxy` files a call under (a plain server ignores it)."""
-
 ENV_FAILURES: tuple[type[BaseException], ...] = (
     SandboxError, ConnectionError, asyncio.TimeoutError, OSError, httpx.HTTPError)
 
