@@ -26,6 +26,7 @@ import gc
 import importlib
 import ipaddress
 import os
+import queue
 import secrets
 import shlex
 import socket
@@ -167,7 +168,7 @@ def serve(
     in_process: bool = True,
     backend: str = "local",
     log_level: str = "warning",
-    startup_timeout_s: float = 30.0,
+    startup_timeout_s: float = 120.0,
     allow_weak_isolation: bool = False,
     store: str = "sqlite",
     shared: dict[str, str | os.PathLike[str]] | None = None,
@@ -183,6 +184,8 @@ def serve(
         in_process: True = uvicorn on a background thread of this process; False = a child process
             (`python -m orchard.env.embedded`), stopped with SIGTERM (SIGKILL after 10 s) on exit.
         backend: "local", "local-per-command", "local-process-group" or "module:factory" (see `make_backend`).
+        startup_timeout_s: how long to wait for the service to serve; 120 s by default (a child process took over
+            30 s to import and start at nice 15 on a 2-core machine at load average 15).
         allow_weak_isolation: where the local backend has no bubblewrap, still create sandboxes with
             `block_network: true` (their network is not blocked; they report `isolation: "process-group"` and
             `block_network: false`). Default False: such a create is refused with 501.
@@ -249,19 +252,7 @@ def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, l
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     service = EmbeddedService(url="", api_key=api_key, root_dir=root, process=process)
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        assert process.stdout is not None
-        while not service.url:
-            line = process.stdout.readline()
-            if not line:
-                raise RuntimeError("the embedded service exited before it was ready:\n" + "".join(service.output))
-            service.output.append(line)
-            if line.startswith(READY_PREFIX):
-                service.url = parse_printed(line, READY_PREFIX)
-            if time.monotonic() > deadline:
-                raise RuntimeError("the embedded service did not start in time:\n" + "".join(service.output))
-        # Keep draining its output so the child never blocks on a full pipe.
-        threading.Thread(target=lambda: service.output.extend(process.stdout), daemon=True).start()  # type: ignore[arg-type]
+        service.url = _wait_ready(process, service.output, startup_timeout_s)
         yield service
     finally:
         if process.poll() is None:
@@ -271,6 +262,36 @@ def _serve_child(root: Path, host: str, port: int, api_key: str, backend: str, l
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _wait_ready(process: subprocess.Popen, output: list[str], timeout_s: float) -> str:
+    """The URL the child prints once it serves, waiting at most ``timeout_s`` for it. Every line of the child's
+    output is kept in ``output``, before and after (a thread drains the pipe for the child's whole life, so it never
+    blocks on a full pipe, and a child that prints nothing cannot block the wait past its deadline)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            output.append(line)
+            if not ready.is_set():
+                lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise RuntimeError(f"the embedded service did not start within {timeout_s:g} s:\n"
+                               + "".join(output)) from None
+        if line is None:
+            raise RuntimeError("the embedded service exited before it was ready:\n" + "".join(output))
+        if line.startswith(READY_PREFIX):
+            ready.set()
+            return parse_printed(line, READY_PREFIX)
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
