@@ -96,54 +96,125 @@ class DecodeForward:
 
     Args:
         model: the HF causal LM; its modules are read at each call, never copied.
+        compiled: run the step's arithmetic through ``torch.compile`` (see the module docstring: a one-time
+            compile of tens of seconds, then fewer, fused kernels per step). Default False.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, compiled: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"model is not supported by the fast decode forward: {reason}")
+        if not isinstance(compiled, bool):
+            raise ValueError(f"compiled must be True or False, got {compiled!r}")
         self.model = model
         config = model.config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = model.model.layers[0].self_attn.head_dim
+        self._compiled = torch.compile(self._step_apart_from_cache) if compiled else None
 
     def __call__(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
         """Logits ``[B, V]`` of the token after ``ids_B`` (at ``positions_B``), whose keys and values are written
         to column ``cache.length`` (reserved, its ``mask`` column set by the caller); the caller then advances
         the cache by one column."""
+        if self._compiled is None:
+            return self._step_in_cache(ids_B, positions_B, cache)
+        length = cache.length
+        cached = [
+            (k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.keys, cache.values, strict=True)
+        ]
+        mask_BL = cache.mask[:, :length]
+        # the batch and the cache length change from step to step: traced as symbols from the first compile on
+        # (a size of 1 is still specialized by dynamo: a batch of one row is a graph of its own)
+        for t in (ids_B, positions_B):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for t in (mask_BL, *(t for pair in cached for t in pair)):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2 if t.dim() == 4 else 1)
+        logits, new_kv = self._compiled(ids_B, positions_B, mask_BL, cached)
+        for i, (k, v) in enumerate(new_kv):
+            cache.write(i, k, v)
+        return logits
+
+    def _inputs(self, ids_B: torch.Tensor, positions_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The embedded tokens ``[B, hidden]`` and the rotary ``cos``, ``sin`` ``[B, 1, D]`` at their positions."""
         base = self.model.model
-        batch, heads, kv_heads, head_dim = ids_B.shape[0], self.heads, self.kv_heads, self.head_dim
-        groups = heads // kv_heads
         # through the module with the HF forward's [B, 1] ids, so that hooks on it see every forward alike
         x_BH = base.embed_tokens(ids_B[:, None])[:, 0]  # [B, hidden]
-        dtype = x_BH.dtype
         inv_freq = base.rotary_emb.inv_freq.to(device=x_BH.device, dtype=torch.float32)
         freqs = positions_B[:, None].float() * inv_freq  # [B, D / 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [B, 1, D], broadcast over heads
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        return x_BH, angles.cos().to(x_BH.dtype), angles.sin().to(x_BH.dtype)
+
+    def _qkv(
+        self, layer: nn.Module, x_BH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new token's query ``[B, Hkv, G, D]`` (query heads grouped by KV head), key and value
+        ``[B, Hkv, 1, D]``, after the q/k norms and the rotary."""
+        attn, batch = layer.self_attn, x_BH.shape[0]
+        h_BH = _rms_norm(x_BH, layer.input_layernorm)
+        q = F.linear(h_BH, attn.q_proj.weight, attn.q_proj.bias).view(batch, self.heads, self.head_dim)
+        k = F.linear(h_BH, attn.k_proj.weight, attn.k_proj.bias).view(batch, self.kv_heads, self.head_dim)
+        v = F.linear(h_BH, attn.v_proj.weight, attn.v_proj.bias).view(batch, self.kv_heads, 1, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        groups = self.heads // self.kv_heads
+        return q.view(batch, self.kv_heads, groups, self.head_dim), k[:, :, None, :], v
+
+    def _rest_of_layer(self, layer: nn.Module, x_BH: torch.Tensor, out_BKGD: torch.Tensor) -> torch.Tensor:
+        """The layer's output ``[B, hidden]`` from its input and its attention's output: o_proj, residual,
+        the MLP block, residual."""
+        attn, mlp = layer.self_attn, layer.mlp
+        out_BH = out_BKGD.reshape(x_BH.shape[0], self.heads * self.head_dim)  # [B, Hq * D]
+        x_BH = x_BH + F.linear(out_BH, attn.o_proj.weight, attn.o_proj.bias)
+        h_BH = _rms_norm(x_BH, layer.post_attention_layernorm)
+        gate = F.linear(h_BH, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        up = F.linear(h_BH, mlp.up_proj.weight, mlp.up_proj.bias)
+        return x_BH + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def _logits(self, x_BH: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        return F.linear(_rms_norm(x_BH, self.model.model.norm), head.weight, head.bias)  # [B, V], last token only
+
+    def _step_in_cache(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
+        """The eager step: each layer writes its new key and value into the cache, then attends over the
+        cache's columns up to them (two matmuls)."""
+        x_BH, cos, sin = self._inputs(ids_B, positions_B)
         end = cache.length + 1
         # additive mask over the row's columns: 0 where real, -inf on padding (the new column is always real)
-        bias_B11L = torch.zeros(cache.mask.shape[0], end, dtype=dtype, device=x_BH.device)
+        bias_B11L = torch.zeros(cache.mask.shape[0], end, dtype=x_BH.dtype, device=x_BH.device)
         bias_B11L = bias_B11L.masked_fill_(cache.mask[:, :end] == 0, float("-inf"))[:, None, None, :]
-        for i, layer in enumerate(base.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            h_BH = _rms_norm(x_BH, layer.input_layernorm)
-            q = F.linear(h_BH, attn.q_proj.weight, attn.q_proj.bias).view(batch, heads, head_dim)
-            k = F.linear(h_BH, attn.k_proj.weight, attn.k_proj.bias).view(batch, kv_heads, head_dim)
-            v = F.linear(h_BH, attn.v_proj.weight, attn.v_proj.bias).view(batch, kv_heads, 1, head_dim)
-            if hasattr(attn, "q_norm"):
-                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = cache.write(i, k[:, :, None, :], v)  # [B, Hkv, L + 1, D]
-            q_BKGD = q.view(batch, kv_heads, groups, head_dim)
-            scores = torch.matmul(q_BKGD, keys.transpose(2, 3)) * attn.scaling  # [B, Hkv, G, L + 1]
-            probs = torch.softmax((scores + bias_B11L).float(), dim=-1).to(dtype)
-            out_BH = torch.matmul(probs, values).reshape(batch, heads * head_dim)  # [B, Hq * D]
-            x_BH = x_BH + F.linear(out_BH, attn.o_proj.weight, attn.o_proj.bias)
-            h_BH = _rms_norm(x_BH, layer.post_attention_layernorm)
-            gate = F.linear(h_BH, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(h_BH, mlp.up_proj.weight, mlp.up_proj.bias)
-            x_BH = x_BH + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        head = self.model.lm_head
-        return F.linear(_rms_norm(x_BH, base.norm), head.weight, head.bias)  # [B, V], the last token only
+        for i, layer in enumerate(self.model.model.layers):
+            q_BKGD, k, v = self._qkv(layer, x_BH, cos, sin)
+            keys, values = cache.write(i, k, v)  # [B, Hkv, L + 1, D]
+            scores = torch.matmul(q_BKGD, keys.transpose(2, 3)) * layer.self_attn.scaling  # [B, Hkv, G, L + 1]
+            probs = torch.softmax((scores + bias_B11L).float(), dim=-1).to(x_BH.dtype)
+            x_BH = self._rest_of_layer(layer, x_BH, torch.matmul(probs, values))
+        return self._logits(x_BH)
+
+    def _step_apart_from_cache(
+        self,
+        ids_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        mask_BL: torch.Tensor,
+        cached: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The compiled step: the same arithmetic without writing the cache, so that the compiled graph mutates
+        nothing. Attention covers the ``L`` cached columns (``cached``: per layer keys and values
+        ``[B, Hkv, L, D]``, ``mask_BL``) and the new token apart: one softmax over both, then ``probs[:L] @
+        values + probs[L] * v``. Returns the logits ``[B, V]`` and each layer's new key and value
+        ``[B, Hkv, 1, D]``, which the caller writes."""
+        x_BH, cos, sin = self._inputs(ids_B, positions_B)
+        bias_B11L = torch.where(mask_BL != 0, 0.0, float("-inf")).to(x_BH.dtype)[:, None, None, :]
+        new_kv = []
+        for layer, (keys, values) in zip(self.model.model.layers, cached, strict=True):
+            q_BKGD, k, v = self._qkv(layer, x_BH, cos, sin)
+            scaling = layer.self_attn.scaling
+            scores = torch.matmul(q_BKGD, keys.transpose(2, 3)) * scaling + bias_B11L  # [B, Hkv, G, L]
+            score_new = torch.matmul(q_BKGD, k.transpose(2, 3)) * scaling  # [B, Hkv, G, 1]
+            probs = torch.softmax(torch.cat((scores, score_new), dim=-1).float(), dim=-1).to(x_BH.dtype)
+            out_BKGD = torch.matmul(probs[..., :-1], values) + probs[..., -1:] * v  # [B, Hkv, G, D]
+            x_BH = self._rest_of_layer(layer, x_BH, out_BKGD)
+            new_kv.append((k, v))
+        return self._logits(x_BH), new_kv
