@@ -228,3 +228,84 @@ def test_fast_decode_argument_is_validated(tiny_model):
             HFEngine(tiny_model, fast_decode=bad)
     with pytest.raises(ValueError, match="not supported"):
         DecodeForward(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="compiled"):
+        DecodeForward(tiny_model, compiled=1)
+    with pytest.raises(ValueError, match="compile_decode"):
+        HFEngine(tiny_model, compile_decode="yes")
+    with pytest.raises(ValueError, match="compile_decode=True needs the fast decode forward: fast_decode is False"):
+        HFEngine(tiny_model, fast_decode=False, compile_decode=True)
+    gelu = _randomized(tiny_qwen3(VOCAB, seed=0, head_dim=16, **SHAPE, hidden_act="gelu"), 0)
+    with pytest.raises(ValueError, match="compile_decode=True needs the fast decode forward: hidden_act"):
+        HFEngine(gelu, compile_decode=True)
+
+
+def _graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_step_equals_the_eager_step_without_a_compile_per_step():
+    # the compiled graph of this model's structure may exist already (another test compiled it): at most one more
+    model, other = _model("qwen3"), _model("qwen3", seed=1)
+    eager, compiled = DecodeForward(model), DecodeForward(model, compiled=True)
+    graphs = _graphs()
+    gen = torch.Generator().manual_seed(1)
+
+    def tokens(n):
+        return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+    seqs = [tokens(1), tokens(5), tokens(13)]
+    caches = [_prefill(model, seqs), _prefill(model, seqs)]
+
+    def both_steps(new):
+        eager_logits = _step(eager, caches[0], [list(s) for s in seqs], new)
+        return eager_logits, _step(compiled, caches[1], seqs, new)
+
+    # The batch shrinks to 2 rows (select), grows to 4 (extend) and the buffers grow, all without a new graph:
+    # 13 prompt columns + 20 steps = 33; select keeps all 33 (row 2 has no padding) in 33 + 64 = 97; extend lays
+    # out 43 + 64 = 107 columns at step 30; 100 steps end at 13 + 100 = 113 columns, so `reserve` grew them once.
+    for t in range(100):
+        if t == 20:
+            for cache in caches:
+                cache.select([2, 0])
+            seqs = [seqs[2], seqs[0]]
+        if t == 30:
+            joining = [tokens(2), tokens(30)]
+            for cache in caches:
+                cache.extend(_prefill(model, joining))
+            seqs += joining
+        eager_logits, compiled_logits = both_steps(tokens(len(seqs)))
+        assert eager_logits.abs().max() > 1
+        torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    assert caches[1].length == 113 and caches[1].capacity > 107
+    # every key and value the compiled step wrote (it writes them after its graph) is the eager step's
+    for layer in range(2):
+        for mine, theirs in ((caches[1].keys, caches[0].keys), (caches[1].values, caches[0].values)):
+            torch.testing.assert_close(mine[layer], theirs[layer], atol=1e-5, rtol=1e-5)
+    # new weights copied into the model's parameters (as `update_weights` does) reach the compiled step
+    model.load_state_dict(other.state_dict())
+    cache = _prefill(model, seqs)
+    logits = _step(compiled, cache, seqs, tokens(len(seqs)))
+    torch.testing.assert_close(logits, _reference(other, seqs), atol=1e-4, rtol=1e-4)
+    assert _graphs() - graphs <= 1
+
+
+def test_engine_with_compile_decode_samples_as_the_eager_engine_and_follows_weight_updates():
+    model, other = _model("qwen3", seed=0), _model("qwen3", seed=1)
+    # greedy rows of equal length, so the batch never shrinks to the one row that dynamo compiles apart
+    greedy = [GenerateRequest(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in ([3, 1, 4], [2, 7, 1, 8])]
+    engine = HFEngine(model, compile_decode=True)
+
+    async def main():
+        before = await engine.generate(greedy)
+        await engine.update_weights(other)
+        after = await engine.generate(greedy)
+        await engine.close()
+        return [[c for r in out for c in r.completions] for out in (before, after)]
+
+    before, after = asyncio.run(main())
+    for got, weights in ((before, _model("qwen3", seed=0)), (after, other)):
+        want = _generate(HFEngine(weights), greedy)
+        for a, b in zip(got, want, strict=True):
+            assert len(a.token_ids) == 40 and a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    assert [c.token_ids for c in before] != [c.token_ids for c in after]
