@@ -111,6 +111,7 @@ class DecodeForward:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.compiled = compiled
         self._compiled = torch.compile(self._step_apart_from_cache) if compiled else None
 
     def __call__(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
