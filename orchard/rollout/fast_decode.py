@@ -22,6 +22,29 @@ must be transposed for the sampler, and in the engine neither form won beyond no
 attention in every layer, SiLU MLP, and the modules of those HF classes; anything else is refused by
 `unsupported_reason` and runs on the HF forward. Checked against the HF forward on CPU in float32; the ops are
 plain torch, device-agnostic, but this forward has not been run on CUDA here.
+
+Compiled (``DecodeForward(model, compiled=True)``, ``HFEngine(compile_decode=True)``): the step's arithmetic
+runs through ``torch.compile`` (inductor), which fuses the element-wise ops between the matmuls (norms, rotary,
+SiLU, residuals, mask, softmax) into a few generated kernels; the matmuls stay library calls.
+
+- The cache write stays outside the graph, so that the graph mutates nothing: the compiled step attends over the
+  ``L`` cached columns and the new token apart (one softmax over both scores, then ``probs[:L] @ values +
+  probs[L] * v``) and returns every layer's new key and value with the logits; the caller then writes them into
+  the buffers (two slice copies a layer). Same arithmetic as the eager step up to the order of a sum: logits
+  within 3e-6 of it on a randomized tiny Qwen3 over 100 steps (the tests assert 1e-4 and equal greedy tokens).
+- Shapes: the batch (rows join and leave) and the cache length (a column a step; buffers regrown by 64 columns,
+  relaid when rows move) change, so both are marked dynamic before each call. One graph then serves every
+  batch of two rows or more at any length; a batch of exactly one row gets a second graph (dynamo specializes a
+  size of 1). Measured: a 200-token generation compiles once (twice if its batch shrinks to one row), not per step.
+- Weights: the model's parameters are inputs of the graph, read in place at each call (inductor's freezing,
+  which would bake them in as constants, is off by default), so ``load_state_dict`` / `HFEngine.update_weights`
+  reach the compiled step; the graph depends on the model's structure, not its instance, so a second engine over
+  a model of the same shape reuses it. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` graphs per
+  function (8): more model structures than that in one process fall back to eager steps (with a warning).
+- Cost: the first call compiles, on the engine's scheduler thread (nothing else is served meanwhile). On the
+  2-core CPU of this repository's CI, under load, that took ~75 s (bench and claw shapes of
+  ``benchmarks/decode_step.py``) and ~10 s for a graph already in inductor's on-disk cache (a later process,
+  same structure). It pays for a run that decodes many thousands of tokens (an RL run), not for a short script.
 """
 
 from __future__ import annotations
