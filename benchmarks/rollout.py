@@ -16,8 +16,8 @@
 
    ``--compile-decode``: both tables get a column for the engine with ``compile_decode=True`` (its fast decode
    step through ``torch.compile``). Its one-time compile is left out of the timed runs (generation: the warm-up
-   run, as for every column; episodes: one untimed run of the compiled engine first, which also compiles the
-   graph of a one-row batch) and printed apart: the warm-up run's seconds and the graphs dynamo built.
+   run, as for every column; episodes: one untimed run of the compiled engine first) and printed apart: the
+   warm-up run's seconds and the graphs dynamo built.
 3. Streaming: time to first token and tokens/s of streamed ``/v1/completions`` (``--stream-requests`` requests
    of ``--new-tokens`` tokens, one at a time) straight to the model server (`build_app` over `HFEngine`, the
    benchmark's shape over the offline chat tokenizer) and through the recording proxy, which forwards each chunk
@@ -484,7 +484,7 @@ def main() -> int:
     if compiled:
         from torch._dynamo.utils import counters
 
-        print(f"\ngraphs compiled: {counters['stats']['unique_graphs']} (a batch of one row is a graph of its own)")
+        print(f"\ngraphs compiled: {counters['stats']['unique_graphs']}")
     if not args.skip_streaming:
         r = time_streaming(args.device, dtype, args.stream_requests, args.prompt_len, args.new_tokens,
                            processes=args.stream_processes)

@@ -31,20 +31,23 @@ SiLU, residuals, mask, softmax) into a few generated kernels; the matmuls stay l
   ``L`` cached columns and the new token apart (one softmax over both scores, then ``probs[:L] @ values +
   probs[L] * v``) and returns every layer's new key and value with the logits; the caller then writes them into
   the buffers (two slice copies a layer). Same arithmetic as the eager step up to the order of a sum: logits
-  within 3e-6 of it on a randomized tiny Qwen3 over 100 steps (the tests assert 1e-4 and equal greedy tokens).
+  within 4e-6 of it on a randomized tiny Qwen3 over 100 steps (the tests assert 1e-4 and equal greedy tokens).
 - Shapes: the batch (rows join and leave) and the cache length (a column a step; buffers regrown by 64 columns,
-  relaid when rows move) change, so both are marked dynamic before each call. One graph then serves every
-  batch of two rows or more at any length; a batch of exactly one row gets a second graph (dynamo specializes a
-  size of 1). Measured: a 200-token generation compiles once (twice if its batch shrinks to one row), not per step.
+  relaid when rows move) change, so both are marked as unbacked symbols before each call (plain dynamic sizes
+  would still be specialized at 1: a one-row batch or a one-token prompt would compile a graph of its own). One
+  graph then serves every batch and length. Measured (``TORCH_LOGS=recompiles`` and dynamo's graph counter): one
+  compile in all for two one-token prompts, then 4 rows of 200 tokens (the cache grows from 5 to 205 columns,
+  regrown 3 times), then rows of 50 to 200 tokens (the batch shrinks from 4 rows to 1).
 - Weights: the model's parameters are inputs of the graph, read in place at each call (inductor's freezing,
   which would bake them in as constants, is off by default), so ``load_state_dict`` / `HFEngine.update_weights`
   reach the compiled step; the graph depends on the model's structure, not its instance, so a second engine over
   a model of the same shape reuses it. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` graphs per
   function (8): more model structures than that in one process fall back to eager steps (with a warning).
 - Cost: the first call compiles, on the engine's scheduler thread (nothing else is served meanwhile). On the
-  2-core CPU of this repository's CI, under load, that took ~75 s (bench and claw shapes of
-  ``benchmarks/decode_step.py``) and ~10 s for a graph already in inductor's on-disk cache (a later process,
-  same structure). It pays for a run that decodes many thousands of tokens (an RL run), not for a short script.
+  2-core CPU of this repository's CI, at load average 8-16, that took 30-80 s (the tiny test model and the bench
+  and claw shapes of ``benchmarks/decode_step.py``), and 10-15 s for a graph already in inductor's on-disk
+  cache (a later process, same structure). It pays for a run that decodes many thousands of tokens (an RL run),
+  not for a short script.
 """
 
 from __future__ import annotations
@@ -148,13 +151,14 @@ class DecodeForward:
             (k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.keys, cache.values, strict=True)
         ]
         mask_BL = cache.mask[:, :length]
-        # the batch and the cache length change from step to step: traced as symbols from the first compile on
-        # (a size of 1 is still specialized by dynamo: a batch of one row is a graph of its own)
+        # The batch and the cache length change from step to step: traced as symbols from the first compile on.
+        # Unbacked ones, for which dynamo assumes no value: a plain dynamic size is still specialized when it is
+        # 1 (a batch of one row, a one-token prompt), which would compile a graph of its own.
         for t in (ids_B, positions_B):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.decorators.mark_unbacked(t, 0)
         for t in (mask_BL, *(t for pair in cached for t in pair)):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2 if t.dim() == 4 else 1)
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+            torch._dynamo.decorators.mark_unbacked(t, t.dim() - 2 if t.dim() == 4 else 1)
         logits, new_kv = self._compiled(ids_B, positions_B, mask_BL, cached)
         for i, (k, v) in enumerate(new_kv):
             cache.write(i, k, v)

@@ -183,10 +183,10 @@ class HFEngine:
             ``"auto"``.
         compile_decode: run the fast decode step through ``torch.compile`` (inductor): its element-wise ops
             (norms, rotary, SiLU, residuals, mask, softmax) fuse into a few kernels. The first decode step
-            compiles (tens of seconds on CPU, once per process; a batch of one row compiles once more), then
-            every step is cheaper: worth it for a run that samples many thousands of tokens. Needs the fast
-            decode forward (``ValueError`` naming the reason otherwise); weight updates reach it as they reach
-            the eager step. Default False.
+            compiles (tens of seconds on CPU, once per process: one graph serves every batch size and cache
+            length), then every step is cheaper: worth it for a run that samples many thousands of tokens.
+            Needs the fast decode forward (``ValueError`` naming the reason otherwise); weight updates reach it
+            as they reach the eager step. Default False.
     """
 
     def __init__(

@@ -281,18 +281,20 @@ def test_compiled_step_equals_the_eager_step_without_a_compile_per_step():
     for layer in range(2):
         for mine, theirs in ((caches[1].keys, caches[0].keys), (caches[1].values, caches[0].values)):
             torch.testing.assert_close(mine[layer], theirs[layer], atol=1e-5, rtol=1e-5)
-    # new weights copied into the model's parameters (as `update_weights` does) reach the compiled step
+    # new weights copied into the model's parameters (as `update_weights` does) reach the compiled step; also with
+    # one row of one cached token (sizes of 1, which dynamo would specialize unless told not to)
     model.load_state_dict(other.state_dict())
-    cache = _prefill(model, seqs)
-    logits = _step(compiled, cache, seqs, tokens(len(seqs)))
-    torch.testing.assert_close(logits, _reference(other, seqs), atol=1e-4, rtol=1e-4)
+    for rows in (seqs, [tokens(1)]):
+        logits = _step(compiled, _prefill(model, rows), rows, tokens(len(rows)))
+        torch.testing.assert_close(logits, _reference(other, rows), atol=1e-4, rtol=1e-4)
     assert _graphs() - graphs <= 1
 
 
 def test_engine_with_compile_decode_samples_as_the_eager_engine_and_follows_weight_updates():
     model, other = _model("qwen3", seed=0), _model("qwen3", seed=1)
-    # greedy rows of equal length, so the batch never shrinks to the one row that dynamo compiles apart
-    greedy = [GenerateRequest(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in ([3, 1, 4], [2, 7, 1, 8])]
+    # greedy rows of 40 and 25 tokens: the batch shrinks to one row after 25 steps
+    greedy = [GenerateRequest([3, 1, 4], SamplingParams(temperature=0.0, max_tokens=40)),
+              GenerateRequest([2, 7, 1, 8], SamplingParams(temperature=0.0, max_tokens=25))]
     engine = HFEngine(model, compile_decode=True)
 
     async def main():
@@ -306,6 +308,7 @@ def test_engine_with_compile_decode_samples_as_the_eager_engine_and_follows_weig
     for got, weights in ((before, _model("qwen3", seed=0)), (after, other)):
         want = _generate(HFEngine(weights), greedy)
         for a, b in zip(got, want, strict=True):
-            assert len(a.token_ids) == 40 and a.token_ids == b.token_ids
+            assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    assert [len(c.token_ids) for c in after] == [40, 25]
     assert [c.token_ids for c in before] != [c.token_ids for c in after]
