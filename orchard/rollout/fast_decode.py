@@ -1,5 +1,5 @@
-"""`DecodeForward`: `HFEngine`'s own one-token forward for the Llama family, without the per-step overhead of the
-Hugging Face forward.
+"""`DecodeForward`: `HFEngine`'s own one-token forward (and prefill) for the Llama family, without the per-step
+overhead of the Hugging Face forward.
 
 A decode step feeds one token per row. The HF forward spends most of such a step outside its matmuls: building a
 4-D mask, the rotary module, per-module dispatch, and the ``DynamicCache`` concatenating every layer's keys and
@@ -12,10 +12,13 @@ in place:
     each row's position, attention of the new token over the row's cached columns (GQA; padding masked),
     o_proj, residual, RMSNorm, SiLU-gated MLP, residual -> final RMSNorm -> lm head (the last token only)
 
-Choices: prefill stays on the HF forward (multi-token, once per row; it writes into the same buffers through a
-``DynamicCache`` view). Rotary angles are computed per step from the model's own ``inv_freq`` buffer exactly as
-the HF rotary module does (``position * inv_freq``, cos and sin in float32), so there is no table to size or
-grow. Attention is two batched matmuls per layer with the query heads of a KV head grouped ``[B, Hkv, G, D]``.
+Prefill (`DecodeForward.prefill`: a group of new rows' prompt tokens, once per row, after any reused prefix)
+does the same per token, with causal attention through ``F.scaled_dot_product_attention``; it replaces the HF
+forward's per-call work (its 4-D mask, rotary module, cache wrappers), which dominates a short prefill such as
+an agent turn's observation (on the HF forward, prefill was ~28 % of an episode's time, `benchmarks/README.md`).
+
+Choices: rotary angles are computed per step from the model's own ``inv_freq`` buffer exactly as the HF rotary
+module does (``position * inv_freq``, cos and sin in float32), so there is no table to size or grow. Attention is two batched matmuls per layer with the query heads of a KV head grouped ``[B, Hkv, G, D]``.
 The lm head is a plain ``F.linear``: ``W @ x^T`` was faster alone on one CPU thread, but its ``[V, B]`` result
 must be transposed for the sampler, and in the engine neither form won beyond noise (measured at batch 16 and
 64). Supported: ``model_type`` qwen3, qwen2, llama, mistral with the default rope, full
@@ -191,10 +194,10 @@ class DecodeForward:
         return q.view(batch, self.kv_heads, groups, self.head_dim), k[:, :, None, :], v
 
     def _rest_of_layer(self, layer: nn.Module, x_BH: torch.Tensor, out_BKGD: torch.Tensor) -> torch.Tensor:
-        """The layer's output ``[B, hidden]`` from its input and its attention's output: o_proj, residual,
-        the MLP block, residual."""
+        """The layer's output ``[B, hidden]`` (``[B, S, hidden]`` in prefill) from its input and its attention's
+        output: o_proj, residual, the MLP block, residual."""
         attn, mlp = layer.self_attn, layer.mlp
-        out_BH = out_BKGD.reshape(x_BH.shape[0], self.heads * self.head_dim)  # [B, Hq * D]
+        out_BH = out_BKGD.reshape(*x_BH.shape[:-1], self.heads * self.head_dim)  # [B, Hq * D]
         x_BH = x_BH + F.linear(out_BH, attn.o_proj.weight, attn.o_proj.bias)
         h_BH = _rms_norm(x_BH, layer.post_attention_layernorm)
         gate = F.linear(h_BH, mlp.gate_proj.weight, mlp.gate_proj.bias)
@@ -204,6 +207,53 @@ class DecodeForward:
     def _logits(self, x_BH: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head
         return F.linear(_rms_norm(x_BH, self.model.model.norm), head.weight, head.bias)  # [B, V], last token only
+
+    def prefill(
+        self, ids_BS: torch.Tensor, mask_BC: torch.Tensor, positions_BS: torch.Tensor, cache: BatchCache
+    ) -> torch.Tensor:
+        """Logits ``[B, V]`` after the last of ``S`` new tokens per row, the HF forward's prefill on the fast path.
+
+        Args:
+            ids_BS: ``[B, S]`` new tokens, left-padded (`orchard.rollout.kv_cache.prefill_inputs`).
+            mask_BC: ``[B, P + S]``, 1 on the columns of real tokens: ``P = cache.length`` cached ones (a reused
+                prefix), then the new ones.
+            positions_BS: ``[B, S]`` each new token's position.
+            cache: room reserved for the ``S`` columns the new keys and values are written to; the caller
+                advances it by ``S``.
+
+        A new token attends causally over its row's real columns; a padding token only to itself (so that its
+        keys and values, masked later, stay finite). Attention through ``F.scaled_dot_product_attention``, as
+        the HF forward's default, which does not hold a ``[S, P + S]`` score matrix per head where a fused kernel
+        exists. Eager, never compiled.
+        """
+        base = self.model.model
+        batch, new = ids_BS.shape
+        x = base.embed_tokens(ids_BS)  # [B, S, hidden]
+        inv_freq = base.rotary_emb.inv_freq.to(device=x.device, dtype=torch.float32)
+        freqs = positions_BS[..., None].float() * inv_freq  # [B, S, D / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D], broadcast over heads
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        end = cache.length + new
+        column = torch.arange(end, device=x.device)
+        query_column = column[cache.length :, None]  # [S, 1]
+        allowed_BSC = (mask_BC[:, None, :end] != 0) & (column <= query_column)
+        allowed_B1SC = (allowed_BSC | (column == query_column))[:, None]
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm)
+            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, new, self.heads, self.head_dim)
+            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, new, self.kv_heads, self.head_dim)
+            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, new, self.kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, S, D]
+            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, D]
+            keys, values = cache.write(i, k, v.transpose(1, 2))  # [B, Hkv, P + S, D]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=allowed_B1SC, scale=attn.scaling, enable_gqa=True
+            )  # [B, Hq, S, D]
+            x = self._rest_of_layer(layer, x, out.transpose(1, 2))
+        return self._logits(x[:, -1])
 
     def _step_in_cache(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
         """The eager step: each layer writes its new key and value into the cache, then attends over the

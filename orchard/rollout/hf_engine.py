@@ -174,13 +174,12 @@ class HFEngine:
         prefix_cache_tokens: most tokens whose KV cache is kept after their row finishes, for a later prompt that
             starts with them (an episode's next turn prefills only its new tokens). Memory per token: 2 x layers x
             KV heads x head dim x dtype bytes (Qwen3-8B in bf16: 144 KiB). 0 disables. Default 65536.
-        fast_decode: decode steps on `orchard.rollout.fast_decode.DecodeForward` (the engine's own one-token
-            forward over the same parameters, without the model forward's per-step mask, rotary and dispatch
+        fast_decode: decode steps and prefill on `orchard.rollout.fast_decode.DecodeForward` (the engine's own
+            forward over the same parameters, without the model forward's per-call mask, rotary and dispatch
             work; speed in ``benchmarks/README.md``) instead of the model's forward.
             ``"auto"``: when the model is supported (Qwen3, Qwen2, Llama, Mistral with the default rope and full
             attention), else the model's forward; ``True``: required, ``ValueError`` naming the reason otherwise;
-            ``False``: always the model's forward. Prefill and `score` always use the model's forward. Default
-            ``"auto"``.
+            ``False``: always the model's forward. `score` always uses the model's forward. Default ``"auto"``.
         compile_decode: run the fast decode step through ``torch.compile`` (inductor): its element-wise ops
             (norms, rotary, SiLU, residuals, mask, softmax) fuse into a few kernels. The first decode step
             compiles (tens of seconds on CPU, once per process: one graph serves every batch size and cache
@@ -535,7 +534,13 @@ class HFEngine:
             self.pad_token_id,
             device,
         )
-        logits = self._forward(inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.cache)
+        if self._decoder is not None:
+            logits = self._decoder.prefill(
+                inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.cache
+            )
+            inputs.cache.advance(inputs.input_ids.shape[1])
+        else:
+            logits = self._forward(inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.cache)
         temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
         new = _Running(
             rows=rows,

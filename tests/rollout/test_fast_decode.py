@@ -115,6 +115,43 @@ def test_fast_forward_equals_the_hf_forward_as_rows_join_and_leave(kind):
         torch.testing.assert_close((k, v), (k_ref, v_ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_gqa3", "qwen2", "llama", "mistral"])
+def test_fast_prefill_equals_the_hf_prefill_with_and_without_a_reused_prefix(kind):
+    model = _model(kind)
+    decode = DecodeForward(model)
+    gen = torch.Generator().manual_seed(2)
+
+    def tokens(n):
+        return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+    # two stored sequences of 4 and 9 tokens; rows: 4 reused + 3 new, 6 new, 9 reused + 1 new, 1 new. The layout is
+    # 9 prefix columns then 6 new ones, so row 0 has 5 padding columns between its prefix and its new tokens
+    firsts = [tokens(4), tokens(9)]
+    stored = [_prefill(model, [seq]).row_kv(0) for seq in firsts]
+    prefixes, suffixes = [stored[0], None, stored[1], None], [tokens(3), tokens(6), tokens(1), tokens(1)]
+    seqs = [firsts[0] + suffixes[0], suffixes[1], firsts[1] + suffixes[2], suffixes[3]]
+    both = [prefill_inputs(model.config, prefixes, suffixes, 0, torch.device("cpu")) for _ in range(2)]
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        hf = both[0]
+        hf_logits = model(
+            input_ids=hf.input_ids, attention_mask=hf.attention_mask, position_ids=hf.position_ids,
+            use_cache=True, **{kwarg: hf.cache.hf_cache(model.config)},
+        ).logits[:, -1]
+        fast = both[1]
+        logits = decode.prefill(fast.input_ids, fast.attention_mask, fast.position_ids, fast.cache)
+    for inputs in both:
+        inputs.cache.advance(6)
+    torch.testing.assert_close(logits, hf_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, _reference(model, seqs), atol=1e-5, rtol=1e-5)
+    for b in range(4):  # every real column holds the HF prefill's keys and values
+        torch.testing.assert_close(fast.cache.row_kv(b), hf.cache.row_kv(b), atol=1e-5, rtol=1e-5)
+    # the padding columns hold finite keys and values, which the next decode step masks
+    assert all(t.isfinite().all() for t in (*fast.cache.keys, *fast.cache.values))
+    logits = _step(decode, fast.cache, seqs, tokens(4))
+    torch.testing.assert_close(logits, _reference(model, seqs), atol=1e-5, rtol=1e-5)
+
+
 def test_buffers_grow_past_their_first_capacity():
     model = _model("qwen3")
     decode = DecodeForward(model)
@@ -175,6 +212,17 @@ def test_engine_samples_the_same_with_and_without_fast_decode(tiny_model):
     for a, b in zip(fast, plain, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_engine_prefills_and_decodes_without_the_model_forward(tiny_model):
+    calls = []
+    handle = tiny_model.register_forward_pre_hook(lambda module, args: calls.append(module))
+    try:
+        completions = _generate(HFEngine(tiny_model), _REQUESTS)
+    finally:
+        handle.remove()
+    # 4 rows prefilled, 12 + 9 + 9 + 11 tokens sampled, and not one call of the HF forward
+    assert [len(c.token_ids) for c in completions] == [12, 9, 9, 11] and calls == []
 
 
 def test_update_weights_changes_what_the_fast_forward_computes():
