@@ -4,9 +4,9 @@
    against plain ``model.generate(do_sample=True, output_scores=True)`` with the log-probs of the sampled tokens
    (``compute_transition_scores(normalize_logits=True)``) on the same batch, same model, same number of new tokens
    (no stop token, so every row generates exactly ``--new-tokens``); the engine also with ``fast_decode=False``
-   (its prefill and decode steps on the model's own forward). Model: a random Qwen3 from a config (``--shape bench``: hidden
-   256, 4 layers, 8 heads / 4 KV heads, vocab 8192; ``--shape claw``: the Claw recipe's policy, hidden 128, 4
-   layers, vocab 1024), float32 on CPU or bf16 on GPU. Baseline: HF.
+   (its prefill and decode steps on the model's own forward). Model: a random Qwen3 from a config (``--shape
+   bench``: hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192; ``--shape claw``: the Claw recipe's policy,
+   hidden 128, 4 layers, vocab 1024), float32 on CPU or bf16 on GPU. Baseline: HF.
 2. Episodes: ``--episodes`` concurrent multi-turn episodes of ``--turns`` turns. Each turn samples up to
    ``--new-tokens`` tokens, cut at a per-episode, per-turn length (uniform in [4, --new-tokens], as stop tokens
    would) and appends ``--obs-tokens`` observation tokens; the next turn's prompt is the whole history. Baseline:
