@@ -18,12 +18,13 @@ forward's per-call work (its 4-D mask, rotary module, cache wrappers), which dom
 an agent turn's observation (on the HF forward, prefill was ~28 % of an episode's time, `benchmarks/README.md`).
 
 Choices: rotary angles are computed per step from the model's own ``inv_freq`` buffer exactly as the HF rotary
-module does (``position * inv_freq``, cos and sin in float32), so there is no table to size or grow. Attention is two batched matmuls per layer with the query heads of a KV head grouped ``[B, Hkv, G, D]``.
+module does (``position * inv_freq``, cos and sin in float32), so there is no table to size or grow. A decode
+step's attention is two batched matmuls per layer with the query heads of a KV head grouped ``[B, Hkv, G, D]``.
 The lm head is a plain ``F.linear``: ``W @ x^T`` was faster alone on one CPU thread, but its ``[V, B]`` result
 must be transposed for the sampler, and in the engine neither form won beyond noise (measured at batch 16 and
-64). Supported: ``model_type`` qwen3, qwen2, llama, mistral with the default rope, full
-attention in every layer, SiLU MLP, and the modules of those HF classes; anything else is refused by
-`unsupported_reason` and runs on the HF forward. Checked against the HF forward on CPU in float32; the ops are
+64). Supported: ``model_type`` qwen3, qwen2, llama, mistral with the default rope, full attention in every layer,
+SiLU MLP, and the modules of those HF classes; anything else is refused by `unsupported_reason` and runs on the
+HF forward. Checked against the HF forward on CPU in float32; the ops are
 plain torch, device-agnostic, but this forward has not been run on CUDA here.
 
 Compiled (``DecodeForward(model, compiled=True)``, ``HFEngine(compile_decode=True)``): the step's arithmetic
