@@ -238,7 +238,11 @@ class DecodeForward:
         column = torch.arange(end, device=x.device)
         query_column = column[cache.length :, None]  # [S, 1]
         allowed_BSC = (mask_BC[:, None, :end] != 0) & (column <= query_column)
-        allowed_B1SC = (allowed_BSC | (column == query_column))[:, None]
+        allowed_BSC = allowed_BSC | (column == query_column)
+        # the G query heads of a KV head go along the query axis, [B, Hkv, G * S, D], so that the attention
+        # reads each KV head once without SDPA's enable_gqa (torch >= 2.5)
+        groups = self.heads // self.kv_heads
+        allowed_B1QC = allowed_BSC[:, None].expand(batch, groups, new, end).reshape(batch, 1, groups * new, end)
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
@@ -250,10 +254,10 @@ class DecodeForward:
             q = _rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, S, D]
             k = _rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, D]
             keys, values = cache.write(i, k, v.transpose(1, 2))  # [B, Hkv, P + S, D]
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=allowed_B1SC, scale=attn.scaling, enable_gqa=True
-            )  # [B, Hq, S, D]
-            x = self._rest_of_layer(layer, x, out.transpose(1, 2))
+            q_BKQD = q.reshape(batch, self.kv_heads, groups * new, self.head_dim)
+            out = F.scaled_dot_product_attention(q_BKQD, keys, values, attn_mask=allowed_B1QC, scale=attn.scaling)
+            out_BSHD = out.view(batch, self.heads, new, self.head_dim).transpose(1, 2)  # [B, S, Hq, D]
+            x = self._rest_of_layer(layer, x, out_BSHD)
         return self._logits(x[:, -1])
 
     def _step_in_cache(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
