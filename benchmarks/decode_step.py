@@ -7,7 +7,12 @@ model's own weights, which a step reads once each (float32 weights larger than t
 memory, so no engine does a step in less). Baseline: the HF forward. Same model as `benchmarks/rollout.py`
 (``--shape bench`` or ``claw``); medians of ``--repeats`` timings of ``--steps`` steps each.
 
+``--compile``: also the fast forward through ``torch.compile`` (``DecodeForward(model, compiled=True)``, what
+``HFEngine(compile_decode=True)`` runs), timed after its first call, whose time (the compile, once per process:
+later batch sizes reuse the graph) is a column of its own; the graphs dynamo built are counted at the end.
+
     python benchmarks/decode_step.py --batch 16 64
+    python benchmarks/decode_step.py --batch 16 64 --compile
 """
 
 from __future__ import annotations
@@ -39,13 +44,12 @@ def _timed(step, steps: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
-def time_steps(model, batch: int, prompt_len: int, steps: int, repeats: int) -> dict[str, float]:
+def time_steps(model, batch: int, prompt_len: int, steps: int, repeats: int, compiled: bool) -> dict[str, float]:
     from orchard.rollout.fast_decode import DecodeForward
     from orchard.rollout.kv_cache import prefill_inputs
 
     vocab = model.config.vocab_size
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).tolist()
-    decode = DecodeForward(model)
     ids_B = torch.randint(3, vocab, (batch,), generator=torch.Generator().manual_seed(0))
 
     def fresh_cache():
@@ -56,7 +60,8 @@ def time_steps(model, batch: int, prompt_len: int, steps: int, repeats: int) -> 
         inputs.cache.advance(prompt_len)
         return inputs.cache
 
-    def stepper(fast: bool):
+    def stepper(decode):
+        """One step of ``decode`` (None: the HF forward)."""
         cache = fresh_cache()
 
         def step() -> None:
@@ -65,7 +70,7 @@ def time_steps(model, batch: int, prompt_len: int, steps: int, repeats: int) -> 
             cache.mask[:, cache.length] = 1
             positions_B = torch.full((batch,), cache.length)
             with torch.no_grad():
-                if fast:
+                if decode is not None:
                     decode(ids_B, positions_B, cache)
                 else:
                     model(input_ids=ids_B[:, None], attention_mask=cache.mask[:, : cache.length + 1],
@@ -82,9 +87,15 @@ def time_steps(model, batch: int, prompt_len: int, steps: int, repeats: int) -> 
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    with torch.no_grad():
-        return {"hf": _timed(stepper(False), steps, repeats), "fast": _timed(stepper(True), steps, repeats),
-                "floor": _timed(matmuls, steps, repeats)}
+    out = {"hf": _timed(stepper(None), steps, repeats), "fast": _timed(stepper(DecodeForward(model)), steps, repeats),
+           "floor": _timed(matmuls, steps, repeats)}
+    if compiled:
+        step = stepper(DecodeForward(model, compiled=True))
+        start = time.perf_counter()
+        step()
+        out["first_call"] = time.perf_counter() - start
+        out["compiled"] = _timed(step, steps, repeats)
+    return out
 
 
 def main() -> int:
@@ -95,6 +106,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="also time the compiled fast forward")
     args = parser.parse_args()
     if any(b < 1 for b in args.batch) or args.prompt_len < 1 or args.steps < 1 or args.repeats < 1:
         raise SystemExit("--batch, --prompt-len, --steps and --repeats must be >= 1")
@@ -104,12 +116,21 @@ def main() -> int:
     print(f"machine: {machine()}  torch {torch.__version__}  threads {args.threads}  model {args.shape} "
           f"(matmul weights {mib:.1f} MiB)\n")
     print(f"## one decode step, {args.prompt_len} cached tokens per row, float32, ms (median of {args.repeats})")
-    print("| batch | HF forward | fast forward | matmuls alone (floor) | HF / fast | fast / floor |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    columns = " compiled ms | first call s (compile) | fast / compiled | compiled / floor |" if args.compile else ""
+    print(f"| batch | HF forward | fast forward | matmuls alone (floor) | HF / fast | fast / floor |{columns}")
+    print("|---:" * (10 if args.compile else 6) + "|")
     for batch in args.batch:
-        t = time_steps(model, batch, args.prompt_len, args.steps, args.repeats)
-        print(f"| {batch} | {t['hf'] * 1e3:.1f} | {t['fast'] * 1e3:.1f} | {t['floor'] * 1e3:.1f} | "
-              f"{t['hf'] / t['fast']:.2f} | {t['fast'] / t['floor']:.2f} |")
+        t = time_steps(model, batch, args.prompt_len, args.steps, args.repeats, args.compile)
+        row = (f"| {batch} | {t['hf'] * 1e3:.1f} | {t['fast'] * 1e3:.1f} | {t['floor'] * 1e3:.1f} | "
+               f"{t['hf'] / t['fast']:.2f} | {t['fast'] / t['floor']:.2f} |")
+        if args.compile:
+            row += (f" {t['compiled'] * 1e3:.1f} | {t['first_call']:.1f} | {t['fast'] / t['compiled']:.2f} | "
+                    f"{t['compiled'] / t['floor']:.2f} |")
+        print(row, flush=True)
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        print(f"\ngraphs compiled: {counters['stats']['unique_graphs']} (batch sizes {args.batch})")
     return 0
 
 

@@ -4,15 +4,20 @@
    against plain ``model.generate(do_sample=True, output_scores=True)`` with the log-probs of the sampled tokens
    (``compute_transition_scores(normalize_logits=True)``) on the same batch, same model, same number of new tokens
    (no stop token, so every row generates exactly ``--new-tokens``); the engine also with ``fast_decode=False``
-   (its decode steps on the model's own forward). Model: a random Qwen3 from a config (``--shape bench``: hidden
-   256, 4 layers, 8 heads / 4 KV heads, vocab 8192; ``--shape claw``: the Claw recipe's policy, hidden 128, 4
-   layers, vocab 1024), float32 on CPU or bf16 on GPU. Baseline: HF.
+   (its prefill and decode steps on the model's own forward). Model: a random Qwen3 from a config (``--shape
+   bench``: hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192; ``--shape claw``: the Claw recipe's policy,
+   hidden 128, 4 layers, vocab 1024), float32 on CPU or bf16 on GPU. Baseline: HF.
 2. Episodes: ``--episodes`` concurrent multi-turn episodes of ``--turns`` turns. Each turn samples up to
    ``--new-tokens`` tokens, cut at a per-episode, per-turn length (uniform in [4, --new-tokens], as stop tokens
    would) and appends ``--obs-tokens`` observation tokens; the next turn's prompt is the whole history. Baseline:
    a static-batch loop over plain ``generate`` (all episodes' histories left-padded into one call per turn,
    ``max_new_tokens`` = the longest cut, log-probs as above). `HFEngine` runs the episodes as concurrent tasks,
    with and without its prefix store. Useful tokens (up to each cut) per second.
+
+   ``--compile-decode``: both tables get a column for the engine with ``compile_decode=True`` (its fast decode
+   step through ``torch.compile``). Its one-time compile is left out of the timed runs (generation: the warm-up
+   run, as for every column; episodes: one untimed run of the compiled engine first) and printed apart: the
+   warm-up run's seconds and the graphs dynamo built.
 3. Streaming: time to first token and tokens/s of streamed ``/v1/completions`` (``--stream-requests`` requests
    of ``--new-tokens`` tokens, one at a time) straight to the model server (`build_app` over `HFEngine`, the
    benchmark's shape over the offline chat tokenizer) and through the recording proxy, which forwards each chunk
@@ -26,6 +31,7 @@
     python benchmarks/rollout.py --device cuda --batch 1 16 64 --new-tokens 128
     python benchmarks/rollout.py --skip-rollouts           # no agent loop (no bwrap needed)
     python benchmarks/rollout.py --batch 16 64 --new-tokens 32 --shape claw --skip-rollouts --skip-streaming
+    python benchmarks/rollout.py --batch 16 64 --new-tokens 32 --skip-rollouts --skip-streaming --compile-decode
 """
 
 from __future__ import annotations
@@ -71,7 +77,9 @@ def bench_model(device: str, dtype: torch.dtype, shape: str = "bench"):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, float]:
+def time_generation(
+    model, batch: int, prompt_len: int, new_tokens: int, repeats: int, compile_decode: bool = False
+) -> dict[str, float]:
     from orchard.rollout.engine import GenerateRequest, SamplingParams
     from orchard.rollout.hf_engine import HFEngine
 
@@ -82,6 +90,8 @@ def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats
         "hf_engine": HFEngine(model, max_batch_size=batch, batch_wait_s=0.0),
         "hf_engine_hf_forward": HFEngine(model, max_batch_size=batch, batch_wait_s=0.0, fast_decode=False),
     }
+    if compile_decode:
+        engines["hf_engine_compiled"] = HFEngine(model, max_batch_size=batch, batch_wait_s=0.0, compile_decode=True)
     requests = [
         GenerateRequest(p.tolist(), SamplingParams(temperature=1.0, max_tokens=new_tokens)) for p in prompts
     ]
@@ -117,8 +127,11 @@ def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats
     runs = {"hf_generate": plain, **{name: lambda name=name: ours(name) for name in engines}}
     times: dict[str, list[float]] = {name: [] for name in runs}
     tokens = {}
-    for fn in runs.values():  # warm-up
+    warm_up_s = {}
+    for name, fn in runs.items():  # warm-up (the compiled engine's compiles here)
+        t0 = time.perf_counter()
         fn()
+        warm_up_s[name] = time.perf_counter() - t0
     for _ in range(repeats):
         for name, fn in runs.items():
             sync()
@@ -127,11 +140,15 @@ def time_generation(model, batch: int, prompt_len: int, new_tokens: int, repeats
             sync()
             times[name].append(time.perf_counter() - t0)
     assert all(n == batch * new_tokens for n in tokens.values()), tokens
-    return {name: tokens[name] / statistics.median(ts) for name, ts in times.items()}
+    out = {name: tokens[name] / statistics.median(ts) for name, ts in times.items()}
+    if compile_decode:
+        out["compiled_warm_up_s"] = warm_up_s["hf_engine_compiled"]
+    return out
 
 
 def time_episodes(
-    model, episodes: int, turns: int, prompt_len: int, new_tokens: int, obs_tokens: int, repeats: int
+    model, episodes: int, turns: int, prompt_len: int, new_tokens: int, obs_tokens: int, repeats: int,
+    compile_decode: bool = False,
 ) -> dict[str, float]:
     from orchard.rollout.engine import GenerateRequest, SamplingParams
     from orchard.rollout.hf_engine import HFEngine
@@ -175,8 +192,10 @@ def time_episodes(
                 histories[e] += sampled[e][: cuts[e][turn]] + observations[e][turn]
         return useful
 
-    def ours(prefix_cache_tokens: int) -> int:
-        engine = HFEngine(model, max_batch_size=episodes, prefix_cache_tokens=prefix_cache_tokens)
+    def ours(prefix_cache_tokens: int, compiled: bool = False) -> int:
+        engine = HFEngine(
+            model, max_batch_size=episodes, prefix_cache_tokens=prefix_cache_tokens, compile_decode=compiled
+        )
         sampled = 0
 
         async def episode(e: int) -> None:
@@ -200,6 +219,12 @@ def time_episodes(
         "engine_no_prefix": lambda: ours(0),
         "engine": lambda: ours(65536),
     }
+    out = {}
+    if compile_decode:
+        runs["engine_compiled"] = lambda: ours(65536, compiled=True)
+        t0 = time.perf_counter()
+        ours(65536, compiled=True)
+        out["compiled_warm_up_s"] = time.perf_counter() - t0
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, fn in runs.items():
@@ -211,7 +236,7 @@ def time_episodes(
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - t0)
             assert tokens == useful, (name, tokens, useful)
-    return {name: useful / statistics.median(ts) for name, ts in times.items()}
+    return {**out, **{name: useful / statistics.median(ts) for name, ts in times.items()}}
 
 
 def time_streaming(device: str, dtype: torch.dtype, requests: int, prompt_len: int, new_tokens: int,
@@ -406,6 +431,8 @@ def main() -> int:
     parser.add_argument("--stream-processes", action="store_true",
                         help="run the model server and the proxy as their own processes (as deployed)")
     parser.add_argument("--skip-rollouts", action="store_true")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="add the engine with compile_decode=True to the generation and episodes tables")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -419,30 +446,45 @@ def main() -> int:
         f"\n## generation: new tokens/s, model {args.shape}, {args.prompt_len}-token prompts, {args.new_tokens} new "
         f"tokens, {str(dtype).removeprefix('torch.')}, median of {args.repeats}"
     )
-    print("| batch | hf_generate tok/s | engine, HF forward tok/s | hf_engine tok/s | engine / generate |")
-    print("|---:|---:|---:|---:|---:|")
+    compiled = args.compile_decode
+    columns = " engine, compiled tok/s | compiled / generate | compiled warm-up s |" if compiled else ""
+    print(f"| batch | hf_generate tok/s | engine, HF forward tok/s | hf_engine tok/s | engine / generate |{columns}")
+    print("|---:" * (8 if compiled else 5) + "|")
     for batch in args.batch:
-        r = time_generation(model, batch, args.prompt_len, args.new_tokens, args.repeats)
-        print(
+        r = time_generation(model, batch, args.prompt_len, args.new_tokens, args.repeats, compiled)
+        row = (
             f"| {batch} | {r['hf_generate']:.0f} | {r['hf_engine_hf_forward']:.0f} | {r['hf_engine']:.0f} | "
             f"{r['hf_engine'] / r['hf_generate']:.2f} |"
         )
+        if compiled:
+            row += (f" {r['hf_engine_compiled']:.0f} | {r['hf_engine_compiled'] / r['hf_generate']:.2f} | "
+                    f"{r['compiled_warm_up_s']:.1f} |")
+        print(row, flush=True)
     print(
         f"\n## episodes: useful new tokens/s, model {args.shape}, {args.turns} turns, {args.prompt_len}-token prompts, cuts uniform in "
         f"[4, {args.new_tokens}], {args.obs_tokens} observation tokens per turn, median of {args.repeats}"
     )
     print(
         "| episodes | static generate tok/s | engine, no prefix store tok/s | engine tok/s | engine / generate |"
+        f"{columns}"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:" * (8 if compiled else 5) + "|")
     for episodes in args.episodes:
         r = time_episodes(
-            model, episodes, args.turns, args.prompt_len, args.new_tokens, args.obs_tokens, args.repeats
+            model, episodes, args.turns, args.prompt_len, args.new_tokens, args.obs_tokens, args.repeats, compiled
         )
-        print(
+        row = (
             f"| {episodes} | {r['static_generate']:.0f} | {r['engine_no_prefix']:.0f} | {r['engine']:.0f} | "
             f"{r['engine'] / r['static_generate']:.2f} |"
         )
+        if compiled:
+            row += (f" {r['engine_compiled']:.0f} | {r['engine_compiled'] / r['static_generate']:.2f} | "
+                    f"{r['compiled_warm_up_s']:.1f} |")
+        print(row, flush=True)
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        print(f"\ngraphs compiled: {counters['stats']['unique_graphs']}")
     if not args.skip_streaming:
         r = time_streaming(args.device, dtype, args.stream_requests, args.prompt_len, args.new_tokens,
                            processes=args.stream_processes)

@@ -1,5 +1,5 @@
-"""`DecodeForward`: `HFEngine`'s own one-token forward for the Llama family, without the per-step overhead of the
-Hugging Face forward.
+"""`DecodeForward`: `HFEngine`'s own one-token forward (and prefill) for the Llama family, without the per-step
+overhead of the Hugging Face forward.
 
 A decode step feeds one token per row. The HF forward spends most of such a step outside its matmuls: building a
 4-D mask, the rotary module, per-module dispatch, and the ``DynamicCache`` concatenating every layer's keys and
@@ -12,16 +12,46 @@ in place:
     each row's position, attention of the new token over the row's cached columns (GQA; padding masked),
     o_proj, residual, RMSNorm, SiLU-gated MLP, residual -> final RMSNorm -> lm head (the last token only)
 
-Choices: prefill stays on the HF forward (multi-token, once per row; it writes into the same buffers through a
-``DynamicCache`` view). Rotary angles are computed per step from the model's own ``inv_freq`` buffer exactly as
-the HF rotary module does (``position * inv_freq``, cos and sin in float32), so there is no table to size or
-grow. Attention is two batched matmuls per layer with the query heads of a KV head grouped ``[B, Hkv, G, D]``.
+Prefill (`DecodeForward.prefill`: a group of new rows' prompt tokens, once per row, after any reused prefix)
+does the same per token, with causal attention through ``F.scaled_dot_product_attention``; it replaces the HF
+forward's per-call work (its 4-D mask, rotary module, cache wrappers), which dominates a short prefill such as
+an agent turn's observation (on the HF forward, prefill was ~28 % of an episode's time, `benchmarks/README.md`).
+
+Choices: rotary angles are computed per step from the model's own ``inv_freq`` buffer exactly as the HF rotary
+module does (``position * inv_freq``, cos and sin in float32), so there is no table to size or grow. A decode
+step's attention is two batched matmuls per layer with the query heads of a KV head grouped ``[B, Hkv, G, D]``.
 The lm head is a plain ``F.linear``: ``W @ x^T`` was faster alone on one CPU thread, but its ``[V, B]`` result
 must be transposed for the sampler, and in the engine neither form won beyond noise (measured at batch 16 and
-64). Supported: ``model_type`` qwen3, qwen2, llama, mistral with the default rope, full
-attention in every layer, SiLU MLP, and the modules of those HF classes; anything else is refused by
-`unsupported_reason` and runs on the HF forward. Checked against the HF forward on CPU in float32; the ops are
+64). Supported: ``model_type`` qwen3, qwen2, llama, mistral with the default rope, full attention in every layer,
+SiLU MLP, and the modules of those HF classes; anything else is refused by `unsupported_reason` and runs on the
+HF forward. Checked against the HF forward on CPU in float32; the ops are
 plain torch, device-agnostic, but this forward has not been run on CUDA here.
+
+Compiled (``DecodeForward(model, compiled=True)``, ``HFEngine(compile_decode=True)``): the step's arithmetic
+runs through ``torch.compile`` (inductor), which fuses the element-wise ops between the matmuls (norms, rotary,
+SiLU, residuals, mask, softmax) into a few generated kernels; the matmuls stay library calls.
+
+- The cache write stays outside the graph, so that the graph mutates nothing: the compiled step attends over the
+  ``L`` cached columns and the new token apart (one softmax over both scores, then ``probs[:L] @ values +
+  probs[L] * v``) and returns every layer's new key and value with the logits; the caller then writes them into
+  the buffers (two slice copies a layer). Same arithmetic as the eager step up to the order of a sum: logits
+  within 4e-6 of it on a randomized tiny Qwen3 over 100 steps (the tests assert 1e-4 and equal greedy tokens).
+- Shapes: the batch (rows join and leave) and the cache length (a column a step; buffers regrown by 64 columns,
+  relaid when rows move) change, so both are marked as unbacked symbols before each call (plain dynamic sizes
+  would still be specialized at 1: a one-row batch or a one-token prompt would compile a graph of its own). One
+  graph then serves every batch and length. Measured (``TORCH_LOGS=recompiles`` and dynamo's graph counter): one
+  compile in all for two one-token prompts, then 4 rows of 200 tokens (the cache grows from 5 to 205 columns,
+  regrown 3 times), then rows of 50 to 200 tokens (the batch shrinks from 4 rows to 1).
+- Weights: the model's parameters are inputs of the graph, read in place at each call (inductor's freezing,
+  which would bake them in as constants, is off by default), so ``load_state_dict`` / `HFEngine.update_weights`
+  reach the compiled step; the graph depends on the model's structure, not its instance, so a second engine over
+  a model of the same shape reuses it. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` graphs per
+  function (8): more model structures than that in one process fall back to eager steps (with a warning).
+- Cost: the first call compiles, on the engine's scheduler thread (nothing else is served meanwhile). On the
+  2-core CPU of this repository's CI, at load average 8-16, that took 30-80 s (the tiny test model and the bench
+  and claw shapes of ``benchmarks/decode_step.py``), and 10-15 s for a graph already in inductor's on-disk
+  cache (a later process, same structure). It pays for a run that decodes many thousands of tokens (an RL run),
+  not for a short script.
 """
 
 from __future__ import annotations
@@ -96,54 +126,178 @@ class DecodeForward:
 
     Args:
         model: the HF causal LM; its modules are read at each call, never copied.
+        compiled: run the step's arithmetic through ``torch.compile`` (see the module docstring: a one-time
+            compile of tens of seconds, then fewer, fused kernels per step). Default False.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, compiled: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"model is not supported by the fast decode forward: {reason}")
+        if not isinstance(compiled, bool):
+            raise ValueError(f"compiled must be True or False, got {compiled!r}")
         self.model = model
         config = model.config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.compiled = compiled
+        self._compiled = torch.compile(self._step_apart_from_cache) if compiled else None
 
     def __call__(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
         """Logits ``[B, V]`` of the token after ``ids_B`` (at ``positions_B``), whose keys and values are written
         to column ``cache.length`` (reserved, its ``mask`` column set by the caller); the caller then advances
         the cache by one column."""
+        if self._compiled is None:
+            return self._step_in_cache(ids_B, positions_B, cache)
+        length = cache.length
+        cached = [
+            (k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.keys, cache.values, strict=True)
+        ]
+        mask_BL = cache.mask[:, :length]
+        # The batch and the cache length change from step to step: traced as symbols from the first compile on.
+        # Unbacked ones, for which dynamo assumes no value: a plain dynamic size is still specialized when it is
+        # 1 (a batch of one row, a one-token prompt), which would compile a graph of its own.
+        for t in (ids_B, positions_B):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        for t in (mask_BL, *(t for pair in cached for t in pair)):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+            torch._dynamo.decorators.mark_unbacked(t, t.dim() - 2 if t.dim() == 4 else 1)
+        logits, new_kv = self._compiled(ids_B, positions_B, mask_BL, cached)
+        for i, (k, v) in enumerate(new_kv):
+            cache.write(i, k, v)
+        return logits
+
+    def _inputs(self, ids_B: torch.Tensor, positions_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The embedded tokens ``[B, hidden]`` and the rotary ``cos``, ``sin`` ``[B, 1, D]`` at their positions."""
         base = self.model.model
-        batch, heads, kv_heads, head_dim = ids_B.shape[0], self.heads, self.kv_heads, self.head_dim
-        groups = heads // kv_heads
         # through the module with the HF forward's [B, 1] ids, so that hooks on it see every forward alike
         x_BH = base.embed_tokens(ids_B[:, None])[:, 0]  # [B, hidden]
-        dtype = x_BH.dtype
         inv_freq = base.rotary_emb.inv_freq.to(device=x_BH.device, dtype=torch.float32)
         freqs = positions_B[:, None].float() * inv_freq  # [B, D / 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [B, 1, D], broadcast over heads
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        end = cache.length + 1
-        # additive mask over the row's columns: 0 where real, -inf on padding (the new column is always real)
-        bias_B11L = torch.zeros(cache.mask.shape[0], end, dtype=dtype, device=x_BH.device)
-        bias_B11L = bias_B11L.masked_fill_(cache.mask[:, :end] == 0, float("-inf"))[:, None, None, :]
+        return x_BH, angles.cos().to(x_BH.dtype), angles.sin().to(x_BH.dtype)
+
+    def _qkv(
+        self, layer: nn.Module, x_BH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new token's query ``[B, Hkv, G, D]`` (query heads grouped by KV head), key and value
+        ``[B, Hkv, 1, D]``, after the q/k norms and the rotary."""
+        attn, batch = layer.self_attn, x_BH.shape[0]
+        h_BH = _rms_norm(x_BH, layer.input_layernorm)
+        q = F.linear(h_BH, attn.q_proj.weight, attn.q_proj.bias).view(batch, self.heads, self.head_dim)
+        k = F.linear(h_BH, attn.k_proj.weight, attn.k_proj.bias).view(batch, self.kv_heads, self.head_dim)
+        v = F.linear(h_BH, attn.v_proj.weight, attn.v_proj.bias).view(batch, self.kv_heads, 1, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        groups = self.heads // self.kv_heads
+        return q.view(batch, self.kv_heads, groups, self.head_dim), k[:, :, None, :], v
+
+    def _rest_of_layer(self, layer: nn.Module, x_BH: torch.Tensor, out_BKGD: torch.Tensor) -> torch.Tensor:
+        """The layer's output ``[B, hidden]`` (``[B, S, hidden]`` in prefill) from its input and its attention's
+        output: o_proj, residual, the MLP block, residual."""
+        attn, mlp = layer.self_attn, layer.mlp
+        out_BH = out_BKGD.reshape(*x_BH.shape[:-1], self.heads * self.head_dim)  # [B, Hq * D]
+        x_BH = x_BH + F.linear(out_BH, attn.o_proj.weight, attn.o_proj.bias)
+        h_BH = _rms_norm(x_BH, layer.post_attention_layernorm)
+        gate = F.linear(h_BH, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        up = F.linear(h_BH, mlp.up_proj.weight, mlp.up_proj.bias)
+        return x_BH + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def _logits(self, x_BH: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        return F.linear(_rms_norm(x_BH, self.model.model.norm), head.weight, head.bias)  # [B, V], last token only
+
+    def prefill(
+        self, ids_BS: torch.Tensor, mask_BC: torch.Tensor, positions_BS: torch.Tensor, cache: BatchCache
+    ) -> torch.Tensor:
+        """Logits ``[B, V]`` after the last of ``S`` new tokens per row, the HF forward's prefill on the fast path.
+
+        Args:
+            ids_BS: ``[B, S]`` new tokens, left-padded (`orchard.rollout.kv_cache.prefill_inputs`).
+            mask_BC: ``[B, P + S]``, 1 on the columns of real tokens: ``P = cache.length`` cached ones (a reused
+                prefix), then the new ones.
+            positions_BS: ``[B, S]`` each new token's position.
+            cache: room reserved for the ``S`` columns the new keys and values are written to; the caller
+                advances it by ``S``.
+
+        A new token attends causally over its row's real columns; a padding token only to itself (so that its
+        keys and values, masked later, stay finite). Attention through ``F.scaled_dot_product_attention``, as
+        the HF forward's default, which does not hold a ``[S, P + S]`` score matrix per head where a fused kernel
+        exists. Eager, never compiled.
+        """
+        base = self.model.model
+        batch, new = ids_BS.shape
+        x = base.embed_tokens(ids_BS)  # [B, S, hidden]
+        inv_freq = base.rotary_emb.inv_freq.to(device=x.device, dtype=torch.float32)
+        freqs = positions_BS[..., None].float() * inv_freq  # [B, S, D / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D], broadcast over heads
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        end = cache.length + new
+        column = torch.arange(end, device=x.device)
+        query_column = column[cache.length :, None]  # [S, 1]
+        allowed_BSC = (mask_BC[:, None, :end] != 0) & (column <= query_column)
+        allowed_BSC = allowed_BSC | (column == query_column)
+        # the G query heads of a KV head go along the query axis, [B, Hkv, G * S, D], so that the attention
+        # reads each KV head once without SDPA's enable_gqa (torch >= 2.5)
+        groups = self.heads // self.kv_heads
+        allowed_B1QC = allowed_BSC[:, None].expand(batch, groups, new, end).reshape(batch, 1, groups * new, end)
         for i, layer in enumerate(base.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            h_BH = _rms_norm(x_BH, layer.input_layernorm)
-            q = F.linear(h_BH, attn.q_proj.weight, attn.q_proj.bias).view(batch, heads, head_dim)
-            k = F.linear(h_BH, attn.k_proj.weight, attn.k_proj.bias).view(batch, kv_heads, head_dim)
-            v = F.linear(h_BH, attn.v_proj.weight, attn.v_proj.bias).view(batch, kv_heads, 1, head_dim)
+            attn = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm)
+            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, new, self.heads, self.head_dim)
+            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, new, self.kv_heads, self.head_dim)
+            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, new, self.kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):
                 q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = cache.write(i, k[:, :, None, :], v)  # [B, Hkv, L + 1, D]
-            q_BKGD = q.view(batch, kv_heads, groups, head_dim)
-            scores = torch.matmul(q_BKGD, keys.transpose(2, 3)) * attn.scaling  # [B, Hkv, G, L + 1]
-            probs = torch.softmax((scores + bias_B11L).float(), dim=-1).to(dtype)
-            out_BH = torch.matmul(probs, values).reshape(batch, heads * head_dim)  # [B, Hq * D]
-            x_BH = x_BH + F.linear(out_BH, attn.o_proj.weight, attn.o_proj.bias)
-            h_BH = _rms_norm(x_BH, layer.post_attention_layernorm)
-            gate = F.linear(h_BH, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(h_BH, mlp.up_proj.weight, mlp.up_proj.bias)
-            x_BH = x_BH + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        head = self.model.lm_head
-        return F.linear(_rms_norm(x_BH, base.norm), head.weight, head.bias)  # [B, V], the last token only
+            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, S, D]
+            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, D]
+            keys, values = cache.write(i, k, v.transpose(1, 2))  # [B, Hkv, P + S, D]
+            q_BKQD = q.reshape(batch, self.kv_heads, groups * new, self.head_dim)
+            out = F.scaled_dot_product_attention(q_BKQD, keys, values, attn_mask=allowed_B1QC, scale=attn.scaling)
+            out_BSHD = out.view(batch, self.heads, new, self.head_dim).transpose(1, 2)  # [B, S, Hq, D]
+            x = self._rest_of_layer(layer, x, out_BSHD)
+        return self._logits(x[:, -1])
+
+    def _step_in_cache(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
+        """The eager step: each layer writes its new key and value into the cache, then attends over the
+        cache's columns up to them (two matmuls)."""
+        x_BH, cos, sin = self._inputs(ids_B, positions_B)
+        end = cache.length + 1
+        # additive mask over the row's columns: 0 where real, -inf on padding (the new column is always real)
+        bias_B11L = torch.zeros(cache.mask.shape[0], end, dtype=x_BH.dtype, device=x_BH.device)
+        bias_B11L = bias_B11L.masked_fill_(cache.mask[:, :end] == 0, float("-inf"))[:, None, None, :]
+        for i, layer in enumerate(self.model.model.layers):
+            q_BKGD, k, v = self._qkv(layer, x_BH, cos, sin)
+            keys, values = cache.write(i, k, v)  # [B, Hkv, L + 1, D]
+            scores = torch.matmul(q_BKGD, keys.transpose(2, 3)) * layer.self_attn.scaling  # [B, Hkv, G, L + 1]
+            probs = torch.softmax((scores + bias_B11L).float(), dim=-1).to(x_BH.dtype)
+            x_BH = self._rest_of_layer(layer, x_BH, torch.matmul(probs, values))
+        return self._logits(x_BH)
+
+    def _step_apart_from_cache(
+        self,
+        ids_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        mask_BL: torch.Tensor,
+        cached: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The compiled step: the same arithmetic without writing the cache, so that the compiled graph mutates
+        nothing. Attention covers the ``L`` cached columns (``cached``: per layer keys and values
+        ``[B, Hkv, L, D]``, ``mask_BL``) and the new token apart: one softmax over both, then ``probs[:L] @
+        values + probs[L] * v``. Returns the logits ``[B, V]`` and each layer's new key and value
+        ``[B, Hkv, 1, D]``, which the caller writes."""
+        x_BH, cos, sin = self._inputs(ids_B, positions_B)
+        bias_B11L = torch.where(mask_BL != 0, 0.0, float("-inf")).to(x_BH.dtype)[:, None, None, :]
+        new_kv = []
+        for layer, (keys, values) in zip(self.model.model.layers, cached, strict=True):
+            q_BKGD, k, v = self._qkv(layer, x_BH, cos, sin)
+            scaling = layer.self_attn.scaling
+            scores = torch.matmul(q_BKGD, keys.transpose(2, 3)) * scaling + bias_B11L  # [B, Hkv, G, L]
+            score_new = torch.matmul(q_BKGD, k.transpose(2, 3)) * scaling  # [B, Hkv, G, 1]
+            probs = torch.softmax(torch.cat((scores, score_new), dim=-1).float(), dim=-1).to(x_BH.dtype)
+            out_BKGD = torch.matmul(probs[..., :-1], values) + probs[..., -1:] * v  # [B, Hkv, G, D]
+            x_BH = self._rest_of_layer(layer, x_BH, out_BKGD)
+            new_kv.append((k, v))
+        return self._logits(x_BH), new_kv

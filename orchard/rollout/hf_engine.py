@@ -174,13 +174,18 @@ class HFEngine:
         prefix_cache_tokens: most tokens whose KV cache is kept after their row finishes, for a later prompt that
             starts with them (an episode's next turn prefills only its new tokens). Memory per token: 2 x layers x
             KV heads x head dim x dtype bytes (Qwen3-8B in bf16: 144 KiB). 0 disables. Default 65536.
-        fast_decode: decode steps on `orchard.rollout.fast_decode.DecodeForward` (the engine's own one-token
-            forward over the same parameters, without the model forward's per-step mask, rotary and dispatch
+        fast_decode: decode steps and prefill on `orchard.rollout.fast_decode.DecodeForward` (the engine's own
+            forward over the same parameters, without the model forward's per-call mask, rotary and dispatch
             work; speed in ``benchmarks/README.md``) instead of the model's forward.
             ``"auto"``: when the model is supported (Qwen3, Qwen2, Llama, Mistral with the default rope and full
             attention), else the model's forward; ``True``: required, ``ValueError`` naming the reason otherwise;
-            ``False``: always the model's forward. Prefill and `score` always use the model's forward. Default
-            ``"auto"``.
+            ``False``: always the model's forward. `score` always uses the model's forward. Default ``"auto"``.
+        compile_decode: run the fast decode step through ``torch.compile`` (inductor): its element-wise ops
+            (norms, rotary, SiLU, residuals, mask, softmax) fuse into a few kernels. The first decode step
+            compiles (tens of seconds on CPU, once per process: one graph serves every batch size and cache
+            length), then every step is cheaper: worth it for a run that samples many thousands of tokens.
+            Needs the fast decode forward (``ValueError`` naming the reason otherwise); weight updates reach it
+            as they reach the eager step. Default False.
     """
 
     def __init__(
@@ -193,6 +198,7 @@ class HFEngine:
         seed: int = 0,
         prefix_cache_tokens: int = 65536,
         fast_decode: bool | str = "auto",
+        compile_decode: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module causal LM, got {type(model).__name__}")
@@ -204,6 +210,8 @@ class HFEngine:
             raise ValueError(f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
         if not (isinstance(fast_decode, bool) or fast_decode == "auto"):
             raise ValueError(f"fast_decode must be 'auto', True or False, got {fast_decode!r}")
+        if not isinstance(compile_decode, bool):
+            raise ValueError(f"compile_decode must be True or False, got {compile_decode!r}")
         self.model = model.eval()
         self._config = getattr(model, "config", None)
         check_cache_layers(self._config)
@@ -218,10 +226,12 @@ class HFEngine:
         # transformers renamed `past_key_values` to `cache` in 5.2x; accept both.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._prefixes = PrefixStore(prefix_cache_tokens)
-        reason = unsupported_reason(model) if fast_decode is not False else None
+        reason = unsupported_reason(model) if fast_decode is not False else "fast_decode is False"
         if fast_decode is True and reason is not None:
             raise ValueError(f"fast_decode=True but the model is not supported: {reason}")
-        self._decoder = DecodeForward(model) if fast_decode is not False and reason is None else None
+        if compile_decode and reason is not None:
+            raise ValueError(f"compile_decode=True needs the fast decode forward: {reason}")
+        self._decoder = DecodeForward(model, compiled=compile_decode) if reason is None else None
         self._running: _Running | None = None
         # The scheduler thread and its inbox are replaced together under this lock, so a row is never put into
         # the inbox of a thread that is stopping.
@@ -524,7 +534,13 @@ class HFEngine:
             self.pad_token_id,
             device,
         )
-        logits = self._forward(inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.cache)
+        if self._decoder is not None:
+            logits = self._decoder.prefill(
+                inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.cache
+            )
+            inputs.cache.advance(inputs.input_ids.shape[1])
+        else:
+            logits = self._forward(inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.cache)
         temperature_B = torch.tensor([r.params.temperature for r in rows], device=device)
         new = _Running(
             rows=rows,

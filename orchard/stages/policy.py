@@ -32,6 +32,9 @@ class ModelConfig:
     """Rollout engine: hf (this process, CPU or GPU) or vllm (GPU extra)."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of vllm.LLM (tensor_parallel_size, gpu_memory_utilization, ...)."""
+    compile_decode: bool = False
+    """HF engine: run its fast decode step through torch.compile (`HFEngine`'s ``compile_decode``: a one-time
+    compile of tens of seconds on CPU, then cheaper decode steps)."""
 
     def __post_init__(self) -> None:
         if self.path is not None and not Path(self.path).is_dir():
@@ -44,6 +47,10 @@ class ModelConfig:
             raise ValueError(f"hidden_size must be a multiple of 4 (4 attention heads), got {self.hidden_size}")
         if self.engine == "vllm" and self.path is None:
             raise ValueError("engine=vllm needs path (vLLM loads a checkpoint)")
+        if not isinstance(self.compile_decode, bool):
+            raise ValueError(f"compile_decode must be true or false, got {self.compile_decode!r}")
+        if self.engine == "vllm" and self.compile_decode:
+            raise ValueError("compile_decode applies to engine=hf only (vLLM compiles its own forward)")
 
 
 def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[Any, Any]:
@@ -76,7 +83,10 @@ def make_engine(cfg: ModelConfig, model: Any, tokenizer: Any, *, seed: int) -> A
         return VLLMEngine(cfg.path, **cfg.vllm_kwargs)
     from orchard.rollout.hf_engine import HFEngine
 
-    return HFEngine(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64, seed=seed)
+    return HFEngine(
+        copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64, seed=seed,
+        compile_decode=cfg.compile_decode,
+    )
 
 
 def save_policy(model: Any, tokenizer: Any, path: str | Path) -> None:

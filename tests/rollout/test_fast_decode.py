@@ -115,6 +115,43 @@ def test_fast_forward_equals_the_hf_forward_as_rows_join_and_leave(kind):
         torch.testing.assert_close((k, v), (k_ref, v_ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_gqa3", "qwen2", "llama", "mistral"])
+def test_fast_prefill_equals_the_hf_prefill_with_and_without_a_reused_prefix(kind):
+    model = _model(kind)
+    decode = DecodeForward(model)
+    gen = torch.Generator().manual_seed(2)
+
+    def tokens(n):
+        return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+    # two stored sequences of 4 and 9 tokens; rows: 4 reused + 3 new, 6 new, 9 reused + 1 new, 1 new. The layout is
+    # 9 prefix columns then 6 new ones, so row 0 has 5 padding columns between its prefix and its new tokens
+    firsts = [tokens(4), tokens(9)]
+    stored = [_prefill(model, [seq]).row_kv(0) for seq in firsts]
+    prefixes, suffixes = [stored[0], None, stored[1], None], [tokens(3), tokens(6), tokens(1), tokens(1)]
+    seqs = [firsts[0] + suffixes[0], suffixes[1], firsts[1] + suffixes[2], suffixes[3]]
+    both = [prefill_inputs(model.config, prefixes, suffixes, 0, torch.device("cpu")) for _ in range(2)]
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        hf = both[0]
+        hf_logits = model(
+            input_ids=hf.input_ids, attention_mask=hf.attention_mask, position_ids=hf.position_ids,
+            use_cache=True, **{kwarg: hf.cache.hf_cache(model.config)},
+        ).logits[:, -1]
+        fast = both[1]
+        logits = decode.prefill(fast.input_ids, fast.attention_mask, fast.position_ids, fast.cache)
+    for inputs in both:
+        inputs.cache.advance(6)
+    torch.testing.assert_close(logits, hf_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, _reference(model, seqs), atol=1e-5, rtol=1e-5)
+    for b in range(4):  # every real column holds the HF prefill's keys and values
+        torch.testing.assert_close(fast.cache.row_kv(b), hf.cache.row_kv(b), atol=1e-5, rtol=1e-5)
+    # the padding columns hold finite keys and values, which the next decode step masks
+    assert all(t.isfinite().all() for t in (*fast.cache.keys, *fast.cache.values))
+    logits = _step(decode, fast.cache, seqs, tokens(4))
+    torch.testing.assert_close(logits, _reference(model, seqs), atol=1e-5, rtol=1e-5)
+
+
 def test_buffers_grow_past_their_first_capacity():
     model = _model("qwen3")
     decode = DecodeForward(model)
@@ -177,6 +214,17 @@ def test_engine_samples_the_same_with_and_without_fast_decode(tiny_model):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+def test_engine_prefills_and_decodes_without_the_model_forward(tiny_model):
+    calls = []
+    handle = tiny_model.register_forward_pre_hook(lambda module, args: calls.append(module))
+    try:
+        completions = _generate(HFEngine(tiny_model), _REQUESTS)
+    finally:
+        handle.remove()
+    # 4 rows prefilled, 12 + 9 + 9 + 11 tokens sampled, and not one call of the HF forward
+    assert [len(c.token_ids) for c in completions] == [12, 9, 9, 11] and calls == []
+
+
 def test_update_weights_changes_what_the_fast_forward_computes():
     model, other = _model("qwen3", seed=0), _model("qwen3", seed=1)
     engine = HFEngine(model, fast_decode=True)
@@ -228,3 +276,87 @@ def test_fast_decode_argument_is_validated(tiny_model):
             HFEngine(tiny_model, fast_decode=bad)
     with pytest.raises(ValueError, match="not supported"):
         DecodeForward(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="compiled"):
+        DecodeForward(tiny_model, compiled=1)
+    with pytest.raises(ValueError, match="compile_decode"):
+        HFEngine(tiny_model, compile_decode="yes")
+    with pytest.raises(ValueError, match="compile_decode=True needs the fast decode forward: fast_decode is False"):
+        HFEngine(tiny_model, fast_decode=False, compile_decode=True)
+    gelu = _randomized(tiny_qwen3(VOCAB, seed=0, head_dim=16, **SHAPE, hidden_act="gelu"), 0)
+    with pytest.raises(ValueError, match="compile_decode=True needs the fast decode forward: hidden_act"):
+        HFEngine(gelu, compile_decode=True)
+
+
+def _graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_step_equals_the_eager_step_without_a_compile_per_step():
+    # the compiled graph of this model's structure may exist already (another test compiled it): at most one more
+    model, other = _model("qwen3"), _model("qwen3", seed=1)
+    eager, compiled = DecodeForward(model), DecodeForward(model, compiled=True)
+    graphs = _graphs()
+    gen = torch.Generator().manual_seed(1)
+
+    def tokens(n):
+        return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+    seqs = [tokens(1), tokens(5), tokens(13)]
+    caches = [_prefill(model, seqs), _prefill(model, seqs)]
+
+    def both_steps(new):
+        eager_logits = _step(eager, caches[0], [list(s) for s in seqs], new)
+        return eager_logits, _step(compiled, caches[1], seqs, new)
+
+    # The batch shrinks to 2 rows (select), grows to 4 (extend) and the buffers grow, all without a new graph:
+    # 13 prompt columns + 20 steps = 33; select keeps all 33 (row 2 has no padding) in 33 + 64 = 97; extend lays
+    # out 43 + 64 = 107 columns at step 30; 100 steps end at 13 + 100 = 113 columns, so `reserve` grew them once.
+    for t in range(100):
+        if t == 20:
+            for cache in caches:
+                cache.select([2, 0])
+            seqs = [seqs[2], seqs[0]]
+        if t == 30:
+            joining = [tokens(2), tokens(30)]
+            for cache in caches:
+                cache.extend(_prefill(model, joining))
+            seqs += joining
+        eager_logits, compiled_logits = both_steps(tokens(len(seqs)))
+        assert eager_logits.abs().max() > 1
+        torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    assert caches[1].length == 113 and caches[1].capacity > 107
+    # every key and value the compiled step wrote (it writes them after its graph) is the eager step's
+    for layer in range(2):
+        for mine, theirs in ((caches[1].keys, caches[0].keys), (caches[1].values, caches[0].values)):
+            torch.testing.assert_close(mine[layer], theirs[layer], atol=1e-5, rtol=1e-5)
+    # new weights copied into the model's parameters (as `update_weights` does) reach the compiled step; also with
+    # one row of one cached token (sizes of 1, which dynamo would specialize unless told not to)
+    model.load_state_dict(other.state_dict())
+    for rows in (seqs, [tokens(1)]):
+        logits = _step(compiled, _prefill(model, rows), rows, tokens(len(rows)))
+        torch.testing.assert_close(logits, _reference(other, rows), atol=1e-4, rtol=1e-4)
+    assert _graphs() - graphs <= 1
+
+
+def test_engine_with_compile_decode_samples_as_the_eager_engine_and_follows_weight_updates():
+    model, other = _model("qwen3", seed=0), _model("qwen3", seed=1)
+    # greedy rows of 40 and 25 tokens: the batch shrinks to one row after 25 steps
+    greedy = [GenerateRequest([3, 1, 4], SamplingParams(temperature=0.0, max_tokens=40)),
+              GenerateRequest([2, 7, 1, 8], SamplingParams(temperature=0.0, max_tokens=25))]
+    engine = HFEngine(model, compile_decode=True)
+
+    async def main():
+        before = await engine.generate(greedy)
+        await engine.update_weights(other)
+        after = await engine.generate(greedy)
+        await engine.close()
+        return [[c for r in out for c in r.completions] for out in (before, after)]
+
+    before, after = asyncio.run(main())
+    for got, weights in ((before, _model("qwen3", seed=0)), (after, other)):
+        want = _generate(HFEngine(weights), greedy)
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    assert [len(c.token_ids) for c in after] == [40, 25]
+    assert [c.token_ids for c in before] != [c.token_ids for c in after]
