@@ -66,6 +66,10 @@ from orchard.rollout.kv_cache import BatchCache
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+"""Whether ``F.scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5): prefill then passes one mask per
+row rather than one per query head of a KV head."""
+
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why `DecodeForward` cannot run ``model``, or None when it can."""
@@ -239,10 +243,13 @@ class DecodeForward:
         query_column = column[cache.length :, None]  # [S, 1]
         allowed_BSC = (mask_BC[:, None, :end] != 0) & (column <= query_column)
         allowed_BSC = allowed_BSC | (column == query_column)
-        # the G query heads of a KV head go along the query axis, [B, Hkv, G * S, D], so that the attention
-        # reads each KV head once without SDPA's enable_gqa (torch >= 2.5)
         groups = self.heads // self.kv_heads
-        allowed_B1QC = allowed_BSC[:, None].expand(batch, groups, new, end).reshape(batch, 1, groups * new, end)
+        if _SDPA_GQA:  # one [S, P + S] mask per row, whatever the number of query heads per KV head
+            allowed_B1QC = allowed_BSC[:, None]
+        else:
+            # before torch 2.5 (no enable_gqa): the G query heads of a KV head go along the query axis,
+            # [B, Hkv, G * S, D], with the mask repeated G times along it
+            allowed_B1QC = allowed_BSC[:, None].expand(batch, groups, new, end).reshape(batch, 1, groups * new, end)
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
@@ -254,8 +261,13 @@ class DecodeForward:
             q = _rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, S, D]
             k = _rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, D]
             keys, values = cache.write(i, k, v.transpose(1, 2))  # [B, Hkv, P + S, D]
-            q_BKQD = q.reshape(batch, self.kv_heads, groups * new, self.head_dim)
-            out = F.scaled_dot_product_attention(q_BKQD, keys, values, attn_mask=allowed_B1QC, scale=attn.scaling)
+            if _SDPA_GQA:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed_B1QC, scale=attn.scaling,
+                                                     enable_gqa=True)
+            else:
+                q_BKQD = q.reshape(batch, self.kv_heads, groups * new, self.head_dim)
+                out = F.scaled_dot_product_attention(q_BKQD, keys, values, attn_mask=allowed_B1QC,
+                                                     scale=attn.scaling)
             out_BSHD = out.view(batch, self.heads, new, self.head_dim).transpose(1, 2)  # [B, S, Hq, D]
             x = self._rest_of_layer(layer, x, out_BSHD)
         return self._logits(x[:, -1])

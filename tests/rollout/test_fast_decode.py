@@ -12,6 +12,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from orchard.rollout import fast_decode
 from orchard.rollout.engine import GenerateRequest, SamplingParams
 from orchard.rollout.fast_decode import DecodeForward, unsupported_reason
 from orchard.rollout.hf_engine import HFEngine
@@ -115,8 +116,11 @@ def test_fast_forward_equals_the_hf_forward_as_rows_join_and_leave(kind):
         torch.testing.assert_close((k, v), (k_ref, v_ref), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_gqa3", "qwen2", "llama", "mistral"])
-def test_fast_prefill_equals_the_hf_prefill_with_and_without_a_reused_prefix(kind):
+@pytest.mark.parametrize("kind,sdpa_gqa", [("qwen3", True), ("qwen3_gqa3", True), ("qwen3_gqa3", False),
+                                           ("qwen2", True), ("llama", True), ("mistral", True)])
+def test_fast_prefill_equals_the_hf_prefill_with_and_without_a_reused_prefix(kind, sdpa_gqa, monkeypatch):
+    # sdpa_gqa=False: the path of torch < 2.5 (no enable_gqa), the query heads of a KV head along the query axis
+    monkeypatch.setattr(fast_decode, "_SDPA_GQA", sdpa_gqa)
     model = _model(kind)
     decode = DecodeForward(model)
     gen = torch.Generator().manual_seed(2)
