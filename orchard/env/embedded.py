@@ -283,7 +283,10 @@ def _wait_ready(process: subprocess.Popen, output: list[str], timeout_s: float) 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            left = deadline - time.monotonic()
+            if left <= 0:  # checked each line too: a child that keeps printing cannot hold the wait past it
+                raise queue.Empty
+            line = lines.get(timeout=left)
         except queue.Empty:
             raise RuntimeError(f"the embedded service did not start within {timeout_s:g} s:\n"
                                + "".join(output)) from None

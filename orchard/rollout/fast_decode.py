@@ -47,7 +47,8 @@ SiLU, residuals, mask, softmax) into a few generated kernels; the matmuls stay l
   reach the compiled step; the graph depends on the model's structure, not its instance, so a second engine over
   a model of the same shape reuses it. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` graphs per
   function (8): more model structures than that in one process fall back to eager steps (with a warning).
-- Cost: the first call compiles, on the engine's scheduler thread (nothing else is served meanwhile). On the
+- Cost: the first call compiles; `HFEngine` makes that call when built (`DecodeForward.warm_up`, a throw-away
+  one-token prompt), so no request waits on it and a compile that fails raises there. On the
   2-core CPU of this repository's CI, at load average 8-16, that took 30-80 s (the tiny test model and the bench
   and claw shapes of ``benchmarks/decode_step.py``), and 10-15 s for a graph already in inductor's on-disk
   cache (a later process, same structure). It pays for a run that decodes many thousands of tokens (an RL run),
@@ -62,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orchard.rollout.kv_cache import BatchCache
+from orchard.rollout.kv_cache import BatchCache, prefill_inputs
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
@@ -140,6 +141,9 @@ class DecodeForward:
             raise ValueError(f"model is not supported by the fast decode forward: {reason}")
         if not isinstance(compiled, bool):
             raise ValueError(f"compiled must be True or False, got {compiled!r}")
+        if compiled and not hasattr(torch._dynamo.decorators, "mark_unbacked"):
+            raise ValueError(f"compiled=True needs torch._dynamo.decorators.mark_unbacked, which torch "
+                             f"{torch.__version__} lacks (the compiled step was checked on torch 2.13)")
         self.model = model
         config = model.config
         self.heads = config.num_attention_heads
@@ -147,6 +151,23 @@ class DecodeForward:
         self.head_dim = model.model.layers[0].self_attn.head_dim
         self.compiled = compiled
         self._compiled = torch.compile(self._step_apart_from_cache) if compiled else None
+
+    def warm_up(self) -> None:
+        """Compile the step now, on a one-row, one-token prompt that is thrown away, rather than on a first request
+        (whose episode's time budget the compile would spend). A compile that fails raises here. No-op when not
+        ``compiled``."""
+        if self._compiled is None:
+            return
+        device = next(self.model.parameters()).device
+        inputs = prefill_inputs(self.model.config, [None], [[0]], 0, device)
+        cache = inputs.cache
+        with torch.no_grad():
+            self.prefill(inputs.input_ids, inputs.attention_mask, inputs.position_ids, cache)
+            cache.advance(1)
+            cache.reserve(1)
+            cache.mask[:, cache.length] = 1
+            self(torch.zeros(1, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long, device=device),
+                 cache)
 
     def __call__(self, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: BatchCache) -> torch.Tensor:
         """Logits ``[B, V]`` of the token after ``ids_B`` (at ``positions_B``), whose keys and values are written

@@ -181,9 +181,9 @@ class HFEngine:
             attention), else the model's forward; ``True``: required, ``ValueError`` naming the reason otherwise;
             ``False``: always the model's forward. `score` always uses the model's forward. Default ``"auto"``.
         compile_decode: run the fast decode step through ``torch.compile`` (inductor): its element-wise ops
-            (norms, rotary, SiLU, residuals, mask, softmax) fuse into a few kernels. The first decode step
-            compiles (tens of seconds on CPU, once per process: one graph serves every batch size and cache
-            length), then every step is cheaper: worth it for a run that samples many thousands of tokens.
+            (norms, rotary, SiLU, residuals, mask, softmax) fuse into a few kernels. The engine compiles it when
+            built (`DecodeForward.warm_up`: tens of seconds on CPU, once per process: one graph serves every batch
+            size and cache length; a compile that fails raises here), then every step is cheaper: worth it for a run that samples many thousands of tokens.
             Needs the fast decode forward (``ValueError`` naming the reason otherwise); weight updates reach it
             as they reach the eager step. Default False.
     """
@@ -232,6 +232,8 @@ class HFEngine:
         if compile_decode and reason is not None:
             raise ValueError(f"compile_decode=True needs the fast decode forward: {reason}")
         self._decoder = DecodeForward(model, compiled=compile_decode) if reason is None else None
+        if self._decoder is not None:
+            self._decoder.warm_up()  # the compile (tens of seconds) here, not in a first episode's time budget
         self._running: _Running | None = None
         # The scheduler thread and its inbox are replaced together under this lock, so a row is never put into
         # the inbox of a thread that is stopping.

@@ -62,3 +62,4 @@ def test_a_child_that_exits_before_ready_is_reported_with_its_output():
     with pytest.raises(RuntimeError, match="exited before it was ready:\nboom"):
         _wait_ready(process, [], 60)
     process.wait()
+

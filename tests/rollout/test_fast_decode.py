@@ -340,6 +340,7 @@ def test_compiled_step_equals_the_eager_step_without_a_compile_per_step():
         logits = _step(compiled, _prefill(model, rows), rows, tokens(len(rows)))
         torch.testing.assert_close(logits, _reference(other, rows), atol=1e-4, rtol=1e-4)
     assert _graphs() - graphs <= 1
+    assert _graphs() >= 1  # a graph exists: the compiled step did not silently run eager
 
 
 def test_engine_with_compile_decode_samples_as_the_eager_engine_and_follows_weight_updates():
@@ -348,6 +349,7 @@ def test_engine_with_compile_decode_samples_as_the_eager_engine_and_follows_weig
     greedy = [GenerateRequest([3, 1, 4], SamplingParams(temperature=0.0, max_tokens=40)),
               GenerateRequest([2, 7, 1, 8], SamplingParams(temperature=0.0, max_tokens=25))]
     engine = HFEngine(model, compile_decode=True)
+    assert _graphs() >= 1  # compiled when built (warm_up), before any request
 
     async def main():
         before = await engine.generate(greedy)
