@@ -2,7 +2,9 @@
 rollouts of one train-split task have rewards that differ, under the outcome reward (+1 all checks / -1) and under
 the score reward (partial credit), with the success rate and mean score of the rollouts.
 
-A group whose rewards are all equal gives GRPO nothing to learn from (dynamic sampling drops it). A policy that is
+A group whose trained rewards are all equal gives GRPO nothing to learn from (dynamic sampling drops it); the
+members counted are those the RL stage trains on (`orchard.data.RolloutGroup`: scored, no environment failure,
+timeouts dropped as ``rl.drop_timeouts`` says), rewards as `orchard.stages.trajectory_reward` gives them. A policy that is
 nearly deterministic per task (a low-temperature start) solves a task always or never, and its groups carry no
 outcome signal even where its success rate is mid-range; this script shows that per template.
 
@@ -10,8 +12,8 @@ outcome signal even where its success rate is mid-range; this script shows that 
 
 Tasks: ``--per-template`` of each template drawn (``--draw-seed``) from the RL pool the recipe would use
 (``tasks.rl_pool_per_template``, default 200: train-split task seeds, never the held-out set), played through both
-of the recipe's harnesses (react and text: one group per task and harness) at ``--temperature``, on the recipe's
-embedded sandbox service. Baseline: none; it counts, it does not time.
+of the recipe's harnesses (react and text: one group per task and harness) at ``--temperature`` (default: the
+config's ``rollout.temperature``), on the recipe's embedded sandbox service. Baseline: none; it counts, it does not time.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-template", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--pool-per-template", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=None, help="default: the config's rollout.temperature")
     parser.add_argument("--draw-seed", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0, help="the recipe's seed (sampling)")
     args = parser.parse_args(argv)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.per_template > args.pool_per_template:
         parser.error("--per-template must be <= --pool-per-template")
-    if not args.temperature > 0:
+    if args.temperature is not None and not args.temperature > 0:
         parser.error("--temperature must be > 0")
     asyncio.run(count(args))
     return 0
@@ -51,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
 
 async def count(args: argparse.Namespace) -> None:
     import claw as recipe
+    from _seeds import machine
 
+    from orchard.data import RolloutGroup
     from orchard.domains.claw.corpus import tokenizer_corpus
     from orchard.env import AsyncSandboxClient
+    from orchard.stages import trajectory_reward
     from orchard.train.config import load_config
 
     cfg = load_config(recipe.ClawConfig, args.config,
@@ -62,6 +67,7 @@ async def count(args: argparse.Namespace) -> None:
     train, pool, _ = recipe.task_pools(cfg)
     model, tokenizer = recipe.load_policy(cfg.model, tokenizer_corpus(train), seed=cfg.seed)
     engine = recipe.make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
+    temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
     by_template = defaultdict(list)
     for task in pool:
         by_template[task.template].append(task)
@@ -73,18 +79,22 @@ async def count(args: argparse.Namespace) -> None:
         async with AsyncSandboxClient(*env) as client:
             harnesses = recipe.claw_harnesses(cfg, tokenizer, client)
             for name in ("react", "text"):
-                trajs = await harnesses[name](engine, tasks, group_size=n, temperature=args.temperature)
+                trajs = await harnesses[name](engine, tasks, group_size=n, temperature=temperature)
                 for j, task in enumerate(tasks):
-                    scored = [t for t in trajs[j * n:(j + 1) * n] if t.reward is not None]
+                    group = RolloutGroup(task.id, tuple(trajs[j * n:(j + 1) * n]),
+                                         drop_timeouts=cfg.rl.drop_timeouts)
+                    trained = group.trained
                     row = rows[task.template]
                     row["groups"] += 1
-                    row["outcome_signal"] += len({t.reward for t in scored}) > 1
-                    row["score_signal"] += len({t.reward_components.get("score") for t in scored}) > 1
-                    row["episodes"] += len(scored)
-                    row["passed"] += sum(t.reward_components.get("passed", 0.0) for t in scored)
-                    row["score"] += sum(t.reward_components.get("score", 0.0) for t in scored)
+                    for kind in ("outcome", "score"):
+                        row[f"{kind}_signal"] += len({trajectory_reward(t, kind) for t in trained}) > 1
+                    row["episodes"] += len(trained)
+                    row["passed"] += sum(t.reward_components.get("passed", 0.0) for t in trained)
+                    row["score"] += sum(t.reward_components.get("score", 0.0) for t in trained)
+    await engine.close()
+    print(machine())
     print(f"model {args.model}, {args.per_template} tasks per template x 2 harnesses, groups of {n}, "
-          f"temperature {args.temperature}")
+          f"temperature {temperature}; success and mean score over the trained members")
     print("| template | groups | outcome signal | score signal | success | mean score |")
     print("|---|---:|---:|---:|---:|---:|")
     total: Counter = Counter()
