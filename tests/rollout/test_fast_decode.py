@@ -229,18 +229,22 @@ def test_engine_prefills_and_decodes_without_the_model_forward(tiny_model):
     assert [len(c.token_ids) for c in completions] == [12, 9, 9, 11] and calls == []
 
 
-def test_update_weights_changes_what_the_fast_forward_computes():
-    model, other = _model("qwen3", seed=0), _model("qwen3", seed=1)
-    engine = HFEngine(model, fast_decode=True)
+def _before_and_after_update(engine, requests, other):
+    """The engine's completions of ``requests``, then again after `update_weights` to ``other``'s weights."""
 
     async def main():
-        before = await engine.generate(_REQUESTS)
+        before = await engine.generate(requests)
         await engine.update_weights(other)
-        after = await engine.generate(_REQUESTS)
+        after = await engine.generate(requests)
         await engine.close()
         return [[c for r in out for c in r.completions] for out in (before, after)]
 
-    before, after = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_update_weights_changes_what_the_fast_forward_computes():
+    model, other = _model("qwen3", seed=0), _model("qwen3", seed=1)
+    before, after = _before_and_after_update(HFEngine(model, fast_decode=True), _REQUESTS, other)
     want = _generate(HFEngine(other, fast_decode=False), _REQUESTS)
     assert [c.token_ids for c in before] != [c.token_ids for c in want]
     for a, b in zip(after, want, strict=True):
@@ -350,15 +354,7 @@ def test_engine_with_compile_decode_samples_as_the_eager_engine_and_follows_weig
               GenerateRequest([2, 7, 1, 8], SamplingParams(temperature=0.0, max_tokens=25))]
     engine = HFEngine(model, compile_decode=True)
     assert _graphs() >= 1  # compiled when built (warm_up), before any request
-
-    async def main():
-        before = await engine.generate(greedy)
-        await engine.update_weights(other)
-        after = await engine.generate(greedy)
-        await engine.close()
-        return [[c for r in out for c in r.completions] for out in (before, after)]
-
-    before, after = asyncio.run(main())
+    before, after = _before_and_after_update(engine, greedy, other)
     for got, weights in ((before, _model("qwen3", seed=0)), (after, other)):
         want = _generate(HFEngine(weights), greedy)
         for a, b in zip(got, want, strict=True):
