@@ -198,10 +198,15 @@ class DecodeForward:
         base = self.model.model
         # through the module with the HF forward's [B, 1] ids, so that hooks on it see every forward alike
         x_BH = base.embed_tokens(ids_B[:, None])[:, 0]  # [B, hidden]
-        inv_freq = base.rotary_emb.inv_freq.to(device=x_BH.device, dtype=torch.float32)
-        freqs = positions_B[:, None].float() * inv_freq  # [B, D / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [B, 1, D], broadcast over heads
-        return x_BH, angles.cos().to(x_BH.dtype), angles.sin().to(x_BH.dtype)
+        return (x_BH, *self._rotary(positions_B, x_BH.dtype))
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[B, 1, *, D]`` at ``positions`` ``[B, *]``, broadcast over heads, as the HF rotary
+        module computes them (``position * inv_freq`` in float32)."""
+        inv_freq = self.model.model.rotary_emb.inv_freq.to(device=positions.device, dtype=torch.float32)
+        freqs = positions[..., None].float() * inv_freq  # [B, *, D / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, *, D]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def _qkv(
         self, layer: nn.Module, x_BH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -255,10 +260,7 @@ class DecodeForward:
         base = self.model.model
         batch, new = ids_BS.shape
         x = base.embed_tokens(ids_BS)  # [B, S, hidden]
-        inv_freq = base.rotary_emb.inv_freq.to(device=x.device, dtype=torch.float32)
-        freqs = positions_BS[..., None].float() * inv_freq  # [B, S, D / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D], broadcast over heads
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = self._rotary(positions_BS, x.dtype)  # [B, 1, S, D]
         end = cache.length + new
         column = torch.arange(end, device=x.device)
         query_column = column[cache.length :, None]  # [S, 1]

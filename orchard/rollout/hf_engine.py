@@ -183,8 +183,8 @@ class HFEngine:
         compile_decode: run the fast decode step through ``torch.compile`` (inductor): its element-wise ops
             (norms, rotary, SiLU, residuals, mask, softmax) fuse into a few kernels. The engine compiles it when
             built (`DecodeForward.warm_up`: tens of seconds on CPU, once per process: one graph serves every batch
-            size and cache length; a compile that fails raises here), then every step is cheaper: worth it for a run that samples many thousands of tokens.
-            Needs the fast decode forward (``ValueError`` naming the reason otherwise); weight updates reach it
+            size and cache length; a compile that fails raises here), then every step is cheaper: worth it for a
+            run that samples many thousands of tokens. Needs the fast decode forward (``ValueError`` naming the reason otherwise); weight updates reach it
             as they reach the eager step. Default False.
     """
 
