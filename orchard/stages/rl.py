@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -233,7 +234,7 @@ def _current_logprobs(trainer: Trainer, samples: Sequence[RenderedSample], pad_i
             part = samples[lo:lo + mb]
             batch = {k: v.to(device) for k, v in collate(part, pad_id).items()}
             batch["scored_mask"] = batch["logprob_mask"]
-            logp_BT = forward_logprobs(trainer.engine.forward_model(), batch).float().cpu()  # [b, T]
+            logp_BT = trainer.logprob_fn(trainer.engine.forward_model(), batch).float().cpu()  # [b, T]
             out += [torch.where(s.logprob_mask, logp_BT[i, :len(s)], 0.0) for i, s in enumerate(part)]
     return out
 
@@ -262,10 +263,10 @@ def _off_policy(trainer: Trainer, samples: list[RenderedSample], version: int, p
 
 def _train_batch(trainer: Trainer, reference: Any, samples: list[RenderedSample], advantages: list[float],
                  cfg: RLConfig, rng: random.Random, pad_id: int, version: int, teacher_BT: torch.Tensor | None,
-                 ) -> dict[str, float]:
+                 temperature: float = 1.0) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps on one gathered rollout batch (``teacher_BT``: the OPD
-    teacher's log-probs of its samples, row per sample); returns the last one's stats with the batch's staleness
-    stats."""
+    teacher's log-probs of its samples, row per sample; ``temperature``: the rollouts', at which the reference
+    scores them too); returns the last one's stats with the batch's staleness stats."""
     samples, sampled, stats = _off_policy(trainer, samples, version, pad_id)
     # PPO-style reuse of one rollout batch: ppo_epochs passes over shuffled mini-batches, the clipped ratio against
     # the sampling log-probs keeping each update near the rollout policy.
@@ -279,7 +280,7 @@ def _train_batch(trainer: Trainer, reference: Any, samples: list[RenderedSample]
                 with torch.no_grad():
                     batch["ref_logprobs"] = action_logprobs(
                         reference, batch["input_ids"], batch["action_mask"],
-                        attention_mask=batch["attention_mask"],
+                        attention_mask=batch["attention_mask"], temperature=temperature,
                         **{k: batch[k] for k in VISION_KEYS if k in batch})  # a VLM's reference sees the images
             if teacher_BT is not None:  # collate pads to the mini-batch's longest sample
                 width = batch["input_ids"].shape[1]
@@ -318,6 +319,10 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     waits for the others: an `EnginePool` over served replicas shared by the ranks pushes from rank 0 only
     (``push_weights=ranks.is_main``), and no rank generates before the push is done.
 
+    Log-probs: the trained policy's (the ratio, a stale sample's anchor) and the ``kl`` reference's are those of
+    ``softmax(logits / rollout.temperature)``, the distribution the engine sampled from and whose log-probs it
+    returned (temperature 0: untempered), so a rollout temperature other than 1 starts each batch at ratio 1.
+
     ``teacher``: a scoring engine (`orchard.rollout.engine.Scorer`, never ``engine`` itself) whose log-probs on
     each rollout batch fill ``batch["teacher_logprobs"]``; required exactly when ``cfg.train.objective`` has an
     OPD term (`orchard.stages.distill.check_teacher`). The paper's best SWE variant is ``policy`` + ``js_opd``.
@@ -351,8 +356,13 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     reference = None
     if any(term.name == "kl" for term in cfg.train.objective):
         reference = copy.deepcopy(model).eval().requires_grad_(False)  # before a resume loads trained weights
+    # The engines return log-probs of the tempered distribution they sample from; the trained policy and the
+    # reference score the same tokens at the same temperature, so the ratio starts at 1 whatever the rollouts'
+    # temperature (greedy rollouts, temperature 0, carry the untempered log-probs: scored at 1).
+    temperature = float(rollout.temperature) if rollout.temperature > 0 else 1.0
     trainer = Trainer(model, replace(cfg.train, total_steps=updates, seed=seed, output_dir=output_dir,
-                                     resume=cfg.resume, checkpoint_every=0))
+                                     resume=cfg.resume, checkpoint_every=0),
+                      logprob_fn=functools.partial(forward_logprobs, temperature=temperature))
     rng = random.Random(seed)
     names = list(harnesses)
     history: list[dict[str, float]] = []
@@ -385,7 +395,7 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
             if cfg.async_rollouts and step < cfg.steps:
                 following = asyncio.ensure_future(_play(harnesses, engine, *draw(), cfg, rollout, ranks, version))
             if samples:
-                train = (trainer, reference, samples, advantages, cfg, rng, pad_id, version, teacher_BT)
+                train = (trainer, reference, samples, advantages, cfg, rng, pad_id, version, teacher_BT, temperature)
                 stats.update(await asyncio.to_thread(_train_batch, *train) if following is not None
                              else _train_batch(*train))
             if following is not None:

@@ -202,9 +202,9 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
 class LogprobModel(nn.Module):
     """The module an engine trains: wraps a causal LM ``lm`` so that one forward returns action log-probs.
 
-    ``forward(input_ids, scored_mask, attention_mask, **images)`` runs ``action_logprobs`` (fused lm-head log-probs
-    at the scored positions, 0 elsewhere; ``[B, T]``); ``images`` are a vision-language batch's ``pixel_values``,
-    ``image_grid_thw`` and ``mm_token_type_ids``. Running it inside the engine's forward is what lets ZeRO-3
+    ``forward(input_ids, scored_mask, attention_mask, **images, temperature=1.0)`` runs ``action_logprobs`` (fused
+    lm-head log-probs of ``softmax(logits / temperature)`` at the scored positions, 0 elsewhere; ``[B, T]``);
+    ``images`` are a vision-language batch's ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``. Running it inside the engine's forward is what lets ZeRO-3
     gather the lm-head weight, which the fused path reads outside ``lm_head.forward`` (see ``action_logprobs``).
     Parameter names are the LM's with an ``lm.`` prefix; ``Trainer.full_state_dict`` strips it.
     """
@@ -221,25 +221,39 @@ class LogprobModel(nn.Module):
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
         mm_token_type_ids: Tensor | None = None,
+        temperature: float = 1.0,
     ) -> Tensor:
         from orchard.train.action_logprobs import action_logprobs
 
         out = action_logprobs(self.lm, input_ids, scored_mask, attention_mask=attention_mask,
                               pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-                              mm_token_type_ids=mm_token_type_ids)
+                              mm_token_type_ids=mm_token_type_ids, temperature=temperature)
         assert isinstance(out, Tensor)
         return out
 
 
-def forward_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+def forward_logprobs(model: nn.Module, batch: Mapping[str, Tensor], temperature: float = 1.0) -> Tensor:
     """The default log-prob function: ``model`` is the engine's ``LogprobModel`` (or the engine around it);
     scores every token that ``batch["scored_mask"]`` marks (the union of the objective's masks), with the batch's
-    images (``VISION_KEYS``) when it has any."""
+    images (``VISION_KEYS``) when it has any, under ``softmax(logits / temperature)``.
+
+    ``temperature`` (> 0) is the one the scored tokens were sampled at, so that the trained policy's log-probs
+    are on the scale of the sampler's (the engines return the tempered distribution's log-probs): an RL stage
+    whose rollouts run at T != 1 passes ``functools.partial(forward_logprobs, temperature=T)`` as the
+    trainer's ``logprob_fn``, as verl and TRL divide the logits by the rollout temperature."""
     from orchard.train.action_logprobs import VISION_KEYS
 
+    check_logprob_temperature(temperature)
     images = {k: batch[k] for k in VISION_KEYS if k in batch}
     return model(input_ids=batch["input_ids"], scored_mask=batch["scored_mask"],
-                 attention_mask=batch["attention_mask"], **images)
+                 attention_mask=batch["attention_mask"], **images, temperature=float(temperature))
+
+
+def check_logprob_temperature(temperature: object, name: str = "temperature") -> None:
+    """ValueError naming ``name`` unless ``temperature`` is a finite number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or not temperature > 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {temperature!r}")
 
 
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")

@@ -162,3 +162,61 @@ def test_two_ranks_killed_and_resumed_end_with_the_uninterrupted_parameters(tmp_
         torch.testing.assert_close(resumed["weights"][name], value, rtol=0, atol=1e-7, msg=name)
     assert [h["loss/policy"] for h in resumed["history"]] == \
         pytest.approx([h["loss/policy"] for h in full["history"]], rel=1e-6)
+
+
+class TemperedRollouts:
+    """Member j of task t: 10 random tokens (seed 1000 t + j), the last 5 actions with the log-probs that an engine
+    sampling at ``temperature`` returns: those of ``softmax(logits / temperature)`` under ``policy``; rewards
+    alternate so every group has signal."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.temperatures: list[float] = []
+
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+        self.temperatures.append(temperature)
+        out = []
+        for t in tasks:
+            for j in range(group_size):
+                ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(1000 * t + j))
+                action = torch.arange(10) >= 5
+                with torch.no_grad():
+                    old = action_logprobs(self.policy, ids[None], action[None], temperature=temperature)[0]
+                sample = RenderedSample(ids, action, torch.where(action, 0, -1), old, action.clone(), RenderReport())
+                out.append(Trajectory(reward=1.0 if j % 2 else -1.0, task_id=str(t), samples=[sample]))
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_rollouts_at_a_temperature_are_scored_at_it_so_the_first_ratio_is_one(monkeypatch, tmp_path, temperature):
+    # The engine's log-probs are the tempered distribution's; the trained policy and the kl reference must score
+    # the same tokens at the same temperature. Scored at 1 (the old stage), log pi_1 - log pi_T is far from 0.
+    monkeypatch.chdir(tmp_path)
+    model = make_model(seed=3)
+    rollouts = TemperedRollouts(make_model(seed=3).eval())
+    first: list[tuple[dict, dict]] = []
+    train_step = Trainer.train_step
+
+    def recording(self, batch):
+        stats = train_step(self, batch)
+        first.append((dict(batch), stats))
+        return stats
+
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    cfg = RLConfig(steps=1, tasks_per_step=2, group_size=4, mini_batches=2, ppo_epochs=1,
+                   train=TrainConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2, min_lr=1e-2),
+                                     objective=[LossTerm("policy", 1.0), LossTerm("kl", 0.1)]))
+    asyncio.run(rl_stage(model, CountingEngine(), {"a": rollouts}, [0, 1, 2], cfg,
+                         rollout=RolloutConfig(temperature=temperature), pad_id=0, seed=0, output_dir="out"))
+    assert rollouts.temperatures == [temperature]
+    batch, stats = first[0]  # the first optimizer step: nothing has moved yet
+    mask = batch["action_mask"]
+    torch.testing.assert_close(batch["ref_logprobs"][mask], batch["old_logprobs"][mask], rtol=0, atol=1e-5)
+    assert stats["ratio/min"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["ratio/max"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["kl/k1_mean"] == pytest.approx(0.0, abs=1e-5)
+    # The scale is what matters: at temperature 1 the same tokens' log-probs differ from the sampler's.
+    with torch.no_grad():
+        untempered = action_logprobs(rollouts.policy, batch["input_ids"], mask,
+                                     attention_mask=batch["attention_mask"])
+    assert (untempered[mask] - batch["old_logprobs"][mask]).abs().max() > 0.1

@@ -259,3 +259,27 @@ def test_lr_multipliers_errors_name_the_setting(multipliers: dict[str, float], m
     with pytest.raises(ValueError, match=match) as err:
         param_groups(make_model(), OptimConfig(lr_multipliers=multipliers))
     assert "lr_multipliers" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_forward_logprobs_names_a_bad_temperature(bad):
+    from orchard.train.trainer import LogprobModel, forward_logprobs
+
+    batch = make_batch(2, 8, seed=0)
+    batch["scored_mask"] = batch["action_mask"]
+    with pytest.raises(ValueError, match="temperature"):
+        forward_logprobs(LogprobModel(make_model()), batch, temperature=bad)
+
+
+def test_forward_logprobs_at_a_temperature_divides_the_logits():
+    from orchard.train.trainer import LogprobModel, forward_logprobs
+
+    model = make_model(seed=2).eval()
+    batch = make_batch(2, 8, seed=1)
+    batch["scored_mask"] = batch["action_mask"]
+    with torch.no_grad():
+        got = forward_logprobs(LogprobModel(model), batch, temperature=0.6)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        want = torch.log_softmax(logits[:, :-1] / 0.6, dim=-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    mask = batch["action_mask"][:, 1:]
+    torch.testing.assert_close(got[:, 1:][mask], want[mask], rtol=1e-4, atol=1e-4)
