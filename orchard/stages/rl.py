@@ -263,7 +263,7 @@ def _off_policy(trainer: Trainer, samples: list[RenderedSample], version: int, p
 
 def _train_batch(trainer: Trainer, reference: Any, samples: list[RenderedSample], advantages: list[float],
                  cfg: RLConfig, rng: random.Random, pad_id: int, version: int, teacher_BT: torch.Tensor | None,
-                 temperature: float = 1.0) -> dict[str, float]:
+                 temperature: float) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps on one gathered rollout batch (``teacher_BT``: the OPD
     teacher's log-probs of its samples, row per sample; ``temperature``: the rollouts', at which the reference
     scores them too); returns the last one's stats with the batch's staleness stats."""
@@ -319,9 +319,13 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     waits for the others: an `EnginePool` over served replicas shared by the ranks pushes from rank 0 only
     (``push_weights=ranks.is_main``), and no rank generates before the push is done.
 
-    Log-probs: the trained policy's (the ratio, a stale sample's anchor) and the ``kl`` reference's are those of
-    ``softmax(logits / rollout.temperature)``, the distribution the engine sampled from and whose log-probs it
-    returned (temperature 0: untempered), so a rollout temperature other than 1 starts each batch at ratio 1.
+    Log-probs: the trained policy's (the ratio, a stale sample's anchor, and any other objective term such as an
+    OPD term's student side) and the ``kl`` reference's are those of ``softmax(logits / rollout.temperature)``,
+    the distribution the engine sampled from (temperature 0: untempered), so a rollout temperature other than 1
+    starts each batch at ratio 1. That holds for engines that return the tempered distribution's log-probs with
+    top_p = 1: `HFEngine`, ``orchard serve-model``, `VLLMEngine`, and a ``vllm serve`` started with
+    ``--logprobs-mode processed_logprobs``; a vLLM server in its default mode returns the raw model's log-probs,
+    which are right only at temperature 1. An OPD teacher still scores at temperature 1.
 
     ``teacher``: a scoring engine (`orchard.rollout.engine.Scorer`, never ``engine`` itself) whose log-probs on
     each rollout batch fill ``batch["teacher_logprobs"]``; required exactly when ``cfg.train.objective`` has an

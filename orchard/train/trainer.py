@@ -204,8 +204,9 @@ class LogprobModel(nn.Module):
 
     ``forward(input_ids, scored_mask, attention_mask, **images, temperature=1.0)`` runs ``action_logprobs`` (fused
     lm-head log-probs of ``softmax(logits / temperature)`` at the scored positions, 0 elsewhere; ``[B, T]``);
-    ``images`` are a vision-language batch's ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``. Running it inside the engine's forward is what lets ZeRO-3
-    gather the lm-head weight, which the fused path reads outside ``lm_head.forward`` (see ``action_logprobs``).
+    ``images`` are a vision-language batch's ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``.
+    Running it inside the engine's forward is what lets ZeRO-3 gather the lm-head weight, which the fused path reads
+    outside ``lm_head.forward`` (see ``action_logprobs``).
     Parameter names are the LM's with an ``lm.`` prefix; ``Trainer.full_state_dict`` strips it.
     """
 

@@ -180,36 +180,48 @@ class TemperedRollouts:
             for j in range(group_size):
                 ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(1000 * t + j))
                 action = torch.arange(10) >= 5
-                with torch.no_grad():
-                    old = action_logprobs(self.policy, ids[None], action[None], temperature=temperature)[0]
+                with torch.no_grad():  # greedy (temperature 0) rows carry the untempered log-probs
+                    old = action_logprobs(self.policy, ids[None], action[None], temperature=temperature or 1.0)[0]
                 sample = RenderedSample(ids, action, torch.where(action, 0, -1), old, action.clone(), RenderReport())
                 out.append(Trajectory(reward=1.0 if j % 2 else -1.0, task_id=str(t), samples=[sample]))
         return out
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.7])
-def test_rollouts_at_a_temperature_are_scored_at_it_so_the_first_ratio_is_one(monkeypatch, tmp_path, temperature):
-    # The engine's log-probs are the tempered distribution's; the trained policy and the kl reference must score
-    # the same tokens at the same temperature. Scored at 1 (the old stage), log pi_1 - log pi_T is far from 0.
-    monkeypatch.chdir(tmp_path)
+def _run_tempered(monkeypatch, temperature: float, *, steps: int = 1, asynchronous: bool = False):
+    """``steps`` RL steps (2 tasks x 4 members, 2 mini-batches, policy + kl) on TemperedRollouts of the start;
+    returns the rollouts and, per optimizer step, (batch, stats, the trained policy's log-probs at ``temperature``
+    just before that step)."""
     model = make_model(seed=3)
     rollouts = TemperedRollouts(make_model(seed=3).eval())
-    first: list[tuple[dict, dict]] = []
+    calls: list[tuple[dict, dict, torch.Tensor]] = []
     train_step = Trainer.train_step
 
     def recording(self, batch):
+        with torch.no_grad():
+            current = action_logprobs(self.model, batch["input_ids"], batch["action_mask"],
+                                      attention_mask=batch["attention_mask"], temperature=temperature or 1.0)
         stats = train_step(self, batch)
-        first.append((dict(batch), stats))
+        calls.append((dict(batch), stats, current))
         return stats
 
     monkeypatch.setattr(Trainer, "train_step", recording)
-    cfg = RLConfig(steps=1, tasks_per_step=2, group_size=4, mini_batches=2, ppo_epochs=1,
+    cfg = RLConfig(steps=steps, tasks_per_step=2, group_size=4, mini_batches=2, ppo_epochs=1,
+                   async_rollouts=asynchronous,
                    train=TrainConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2, min_lr=1e-2),
                                      objective=[LossTerm("policy", 1.0), LossTerm("kl", 0.1)]))
     asyncio.run(rl_stage(model, CountingEngine(), {"a": rollouts}, [0, 1, 2], cfg,
                          rollout=RolloutConfig(temperature=temperature), pad_id=0, seed=0, output_dir="out"))
+    return rollouts, calls
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7, 0.0])
+def test_rollouts_at_a_temperature_are_scored_at_it_so_the_first_ratio_is_one(monkeypatch, tmp_path, temperature):
+    # The engine's log-probs are the tempered distribution's; the trained policy and the kl reference must score
+    # the same tokens at the same temperature. Scored at 1 (the old stage), log pi_1 - log pi_T is far from 0.
+    monkeypatch.chdir(tmp_path)
+    rollouts, calls = _run_tempered(monkeypatch, temperature)
     assert rollouts.temperatures == [temperature]
-    batch, stats = first[0]  # the first optimizer step: nothing has moved yet
+    batch, stats, _ = calls[0]  # the first optimizer step: nothing has moved yet
     mask = batch["action_mask"]
     torch.testing.assert_close(batch["ref_logprobs"][mask], batch["old_logprobs"][mask], rtol=0, atol=1e-5)
     assert stats["ratio/min"] == pytest.approx(1.0, abs=1e-4)
@@ -219,4 +231,16 @@ def test_rollouts_at_a_temperature_are_scored_at_it_so_the_first_ratio_is_one(mo
     with torch.no_grad():
         untempered = action_logprobs(rollouts.policy, batch["input_ids"], mask,
                                      attention_mask=batch["attention_mask"])
-    assert (untempered[mask] - batch["old_logprobs"][mask]).abs().max() > 0.1
+    if temperature:
+        assert (untempered[mask] - batch["old_logprobs"][mask]).abs().max() > 0.1
+
+
+def test_a_stale_samples_anchor_is_the_current_policy_at_the_rollout_temperature(monkeypatch, tmp_path):
+    # Asynchronous, step 2 trains on rollouts of version 0 after one update: its anchor (old_logprobs) is
+    # recomputed from the current policy, at the rollouts' temperature like the sampler's log-probs.
+    monkeypatch.chdir(tmp_path)
+    _, calls = _run_tempered(monkeypatch, 0.5, steps=2, asynchronous=True)
+    batch, _, current = calls[2]  # step 2's first mini-batch
+    mask = batch["action_mask"]
+    torch.testing.assert_close(batch["old_logprobs"][mask], current[mask], rtol=0, atol=1e-5)
+    assert (batch["rollout_logprobs"][mask] - current[mask]).abs().max() > 1e-4  # the policy did move
