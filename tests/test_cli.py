@@ -114,3 +114,24 @@ def test_an_unexpected_error_is_one_line_with_the_way_to_the_traceback(monkeypat
     assert err == "orchard serve-proxy: unexpected error: KeyError: 'bug' (rerun with --debug for the traceback)\n"
     with pytest.raises(KeyError):
         main(["--debug", "serve-proxy", "--upstream", "http://127.0.0.1:9"])
+
+
+@pytest.mark.parametrize(("flag", "compiled"), [([], False), (["--compile-decode"], True)])
+def test_serve_model_passes_compile_decode_to_the_engine(monkeypatch, flag, compiled):
+    # The engine and the server are replaced: what is checked is the flag's way from the command line to HFEngine.
+    from orchard.rollout import cli as rollout_cli
+    from orchard.rollout import hf_engine, server
+
+    built = {}
+
+    def engine(model, **kwargs):
+        built.update(kwargs)
+        return "engine"
+
+    monkeypatch.setattr(hf_engine, "HFEngine", engine)
+    monkeypatch.setattr(server, "build_app", lambda engine, tokenizer, **kwargs: "app")
+    monkeypatch.setattr(rollout_cli, "load_model_and_tokenizer",
+                        lambda name, **kwargs: ("model", argparse.Namespace(pad_token_id=0)))
+    monkeypatch.setattr(rollout_cli, "run_app", lambda app, host, port, log_level: None)
+    assert main(["serve-model", "--model", "tiny", *flag]) == 0
+    assert built["compile_decode"] is compiled

@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument("--max-batch-size", type=int, default=32, help="rows per forward batch")
     serve.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of chat requests")
     serve.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    serve.add_argument("--compile-decode", action="store_true",
+                       help="run the decode step through torch.compile (compiled at start-up: tens of seconds; "
+                       "then fewer kernels per token; see HFEngine's compile_decode)")
     serve.add_argument(
         "--allow-weight-updates",
         action="store_true",
@@ -133,7 +136,8 @@ def _serve_model(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
     engine = HFEngine(
-        model, pad_token_id=tokenizer.pad_token_id, max_batch_size=args.max_batch_size, seed=args.seed
+        model, pad_token_id=tokenizer.pad_token_id, max_batch_size=args.max_batch_size, seed=args.seed,
+        compile_decode=args.compile_decode,
     )
     app = build_app(
         engine,
