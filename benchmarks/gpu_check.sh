@@ -86,4 +86,17 @@ else
 fi
 # === end of section: RL with vLLM (issue 21) ================================================================
 
+# === section: the HF engine's fast decode on CUDA (issue 16) =================================================
+# Prepared without a GPU (none was lent when it was written). 1. Its tests on the device: prefill and decode step
+# against the HF forward in float32 and bfloat16, the engine's tokens and log-probs with and without the fast path,
+# eager and compiled (inductor); and the CPU tests of the same module. 2. The rollout benchmark on the device
+# (bfloat16): engine tokens/s against plain generate at batch 16 and 64, with the compiled step.
+"$PYTHON" -m pytest tests/rollout/test_fast_decode_cuda.py tests/rollout/test_fast_decode.py -q -p no:cacheprovider \
+    -rs 2>&1 | tee "$OUT/fast_decode_tests.txt"
+((PIPESTATUS[0] == 0)) || status=1
+"$PYTHON" benchmarks/rollout.py --device cuda --batch 16 64 --repeats 3 --new-tokens 64 --skip-rollouts \
+    --skip-streaming --compile-decode 2>&1 | tee "$OUT/rollout_cuda.txt"
+((PIPESTATUS[0] == 0)) || status=1
+# === end of section: fast decode on CUDA (issue 16) =========================================================
+
 exit "$status"
