@@ -8,7 +8,8 @@ import torch
 from orchard.rollout.fast_decode import DecodeForward
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.kv_cache import prefill_inputs
-from tests.rollout.test_fast_decode import _REQUESTS, VOCAB, _generate, _model
+
+from .test_fast_decode import _REQUESTS, VOCAB, _generate, _model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (run by benchmarks/gpu_check.sh)")
