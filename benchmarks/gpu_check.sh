@@ -94,6 +94,11 @@ fi
 "$PYTHON" -m pytest tests/rollout/test_fast_decode_cuda.py tests/rollout/test_fast_decode.py -q -p no:cacheprovider \
     -rs 2>&1 | tee "$OUT/fast_decode_tests.txt"
 ((PIPESTATUS[0] == 0)) || status=1
+# on the device a skipped CUDA test is a failure: the torch here does not see the GPU
+if grep -q "SKIPPED.*test_fast_decode_cuda" "$OUT/fast_decode_tests.txt"; then
+    echo "the CUDA tests of the fast decode path skipped: no CUDA device visible" | tee -a "$OUT/fast_decode_tests.txt"
+    status=1
+fi
 "$PYTHON" benchmarks/rollout.py --device cuda --batch 16 64 --repeats 3 --new-tokens 64 --skip-rollouts \
     --skip-streaming --compile-decode 2>&1 | tee "$OUT/rollout_cuda.txt"
 ((PIPESTATUS[0] == 0)) || status=1
