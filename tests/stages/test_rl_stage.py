@@ -39,6 +39,17 @@ class CountingEngine:
         self.version += 1
 
 
+def _tokens(t: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Member j of task t: 10 random tokens (seed 1000 t + j) and its action mask, the last 5."""
+    ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(1000 * t + j))
+    return ids, torch.arange(10) >= 5
+
+
+def _trajectory(t: int, ids: torch.Tensor, action: torch.Tensor, old: torch.Tensor, reward: float) -> Trajectory:
+    sample = RenderedSample(ids, action, torch.where(action, 0, -1), old, action.clone(), RenderReport())
+    return Trajectory(reward=reward, task_id=str(t), samples=[sample])
+
+
 class VersionRollouts:
     """Member j of task t: 10 random tokens from seed 1000 t + j, the last 5 actions with sampling log-probs
     -4.57 + 0.1 j (near the tiny model's log 1/97); reward +1 when (t + j) mod 3 == 0 else -1. Records the
@@ -55,12 +66,10 @@ class VersionRollouts:
         out = []
         for t in tasks:
             for j in range(group_size):
-                ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(1000 * t + j))
-                action = torch.arange(10) >= 5
+                ids, action = _tokens(t, j)
                 old = torch.where(action, -4.57 + 0.1 * j, 0.0)
                 self.sampling[tuple(ids.tolist())] = old
-                sample = RenderedSample(ids, action, torch.where(action, 0, -1), old, action.clone(), RenderReport())
-                out.append(Trajectory(reward=1.0 if (t + j) % 3 == 0 else -1.0, task_id=str(t), samples=[sample]))
+                out.append(_trajectory(t, ids, action, old, reward=1.0 if (t + j) % 3 == 0 else -1.0))
         engine.in_flight -= 1
         return out
 
@@ -178,12 +187,10 @@ class TemperedRollouts:
         out = []
         for t in tasks:
             for j in range(group_size):
-                ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(1000 * t + j))
-                action = torch.arange(10) >= 5
+                ids, action = _tokens(t, j)
                 with torch.no_grad():  # greedy (temperature 0) rows carry the untempered log-probs
                     old = action_logprobs(self.policy, ids[None], action[None], temperature=temperature or 1.0)[0]
-                sample = RenderedSample(ids, action, torch.where(action, 0, -1), old, action.clone(), RenderReport())
-                out.append(Trajectory(reward=1.0 if j % 2 else -1.0, task_id=str(t), samples=[sample]))
+                out.append(_trajectory(t, ids, action, old, reward=1.0 if j % 2 else -1.0))
         return out
 
 
