@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-EXTRAS = ("data", "env", "redis", "k8s", "rollout", "train", "plot", "tensorboard", "wandb", "gui", "swe", "gpu", "all")
+EXTRAS = ("data", "env", "redis", "k8s", "rollout", "train", "plot", "tensorboard", "wandb", "gui", "swe", "pretrained", "gpu", "all")
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from orchard import __version__
 SUBCOMMAND_MODULES = {
     "orchard.env.cli": ("env",),
     "orchard.rollout.cli": ("serve-model", "serve-proxy"),
+    "orchard.models.cli": ("models",),
 }
 
 # Exit statuses: argparse's 2 for usage and configuration errors; 1 for anything else that went wrong.

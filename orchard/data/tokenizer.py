@@ -22,7 +22,9 @@ rendered turn by turn and spliced with the sampled token ids. The end-of-turn to
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from typing import Any
 
 from orchard._extras import requires_extra
 
@@ -171,3 +173,86 @@ def build_chat_tokenizer(
         wrapped.add_tokens(list(VISION_TOKENS), special_tokens=True)
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
+
+
+TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>")
+"""The control tokens :data:`CHAT_TEMPLATE` writes: each must be one token of a tokenizer that takes the template,
+and ``<|im_end|>`` its eos (the token a policy samples to end its turn)."""
+
+_PROBE_TOOL = "orchard_template_probe"
+_PROBE_ARGUMENT = "zq7_probe_value"
+
+
+class ChatTemplateError(ValueError):
+    """A tokenizer whose chat template cannot render tools and whose special tokens do not fit the project's."""
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """True when ``tokenizer``'s chat template lists the ``tools`` it is given and renders an assistant turn's tool
+    calls (name and arguments); False when it has no template, drops either, or raises on them.
+
+    The check renders a probe conversation (a user turn, an assistant turn with one tool call and no text, the
+    tool's result) with one probe tool, as `orchard.data.render` renders every trajectory.
+    """
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ValueError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    tools = [{"type": "function", "function": {
+        "name": _PROBE_TOOL, "description": "probe",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": _PROBE_TOOL, "arguments": {"q": _PROBE_ARGUMENT}}}
+        ]},
+        {"role": "tool", "tool_call_id": "c0", "content": "ok"},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except Exception:  # a template that cannot take tool calls (jinja errors of every kind) does not render them
+        return False
+    # the tool listed once and called once, with its argument
+    return isinstance(text, str) and text.count(_PROBE_TOOL) >= 2 and _PROBE_ARGUMENT in text
+
+
+def ensure_tool_template(tokenizer: Any, *, source: str = "the tokenizer", warn: bool = True) -> bool:
+    """Give ``tokenizer`` the project's tool-calling :data:`CHAT_TEMPLATE` when its own cannot render tools.
+
+    A checkpoint whose template lists tools and renders tool calls (Qwen3, Qwen2.5, ...) keeps it. One whose template
+    renders neither (SmolLM2-Instruct's, which also raises on an assistant message without ``content``) gets the
+    project's ChatML template, which needs :data:`TEMPLATE_TOKENS` as single tokens and ``<|im_end|>`` as eos.
+
+    Args:
+        tokenizer: a transformers tokenizer; changed in place.
+        source: what the tokenizer was loaded from, for the warning and the error.
+        warn: print one ``warning:`` line to stderr when the template is replaced.
+
+    Returns:
+        True when the template was replaced, False when the tokenizer's own was kept.
+
+    Raises:
+        ChatTemplateError: the template cannot render tools and the special tokens do not fit the project's
+            template (naming the tokens that are missing or the eos it has).
+    """
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"source must be a non-empty string, got {source!r}")
+    if renders_tools(tokenizer):
+        return False
+    problems = []
+    for token in TEMPLATE_TOKENS:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            problems.append(f"{token} is not one token (it encodes to {len(ids)})")
+    if tokenizer.eos_token != "<|im_end|>":
+        problems.append(f"its eos token is {tokenizer.eos_token!r}, not '<|im_end|>'")
+    if problems:
+        raise ChatTemplateError(
+            f"{source}: its chat template cannot render tools, and the project's ChatML tool template does not fit "
+            f"its special tokens: {'; '.join(problems)}; give a checkpoint whose template renders tools"
+        )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if warn:
+        print(f"warning: {source}: its chat template cannot render tools; using orchard's ChatML tool template",
+              file=sys.stderr)
+    return True

@@ -64,21 +64,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def load_tokenizer(name: str) -> Any:
-    """``tiny`` (the offline chat tokenizer of ``orchard.models.tiny_chat_model``), or a local HF directory."""
+    """``tiny`` (the offline chat tokenizer of ``orchard.models.tiny_chat_model``), a local HF directory or a named
+    pretrained checkpoint (its template replaced when it cannot render tools)."""
     if name == "tiny":
         from orchard.data.tokenizer import build_chat_tokenizer
 
         return build_chat_tokenizer()
-    if not Path(name).is_dir():
-        raise ValueError(f"--tokenizer {name!r} is not a directory; give a local HF model directory or 'tiny'")
-    with requires_extra("rollout"):
-        from transformers import AutoTokenizer
+    # the command line resolves names through the models layer (a CLI is glue above every layer)
+    from orchard.models.pretrained import load_chat_tokenizer
 
-    return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    return load_chat_tokenizer(_checkpoint(name, "--tokenizer"))
+
+
+def _checkpoint(name: str, flag: str) -> str:
+    from orchard.models.pretrained import PRETRAINED
+
+    if name not in PRETRAINED and not Path(name).is_dir():
+        # Checked here: transformers would take the path for a hub repo id and fail with a page of traceback.
+        raise ValueError(f"{flag} {name!r} is not a directory; give a local HF model directory, a named checkpoint "
+                         f"({', '.join(sorted(PRETRAINED))}) or 'tiny'")
+    return name
 
 
 def load_model_and_tokenizer(name: str, *, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
-    """``tiny`` (``orchard.models.tiny_chat_model``), or a local HF model directory (nothing is downloaded)."""
+    """``tiny`` (``orchard.models.tiny_chat_model``), a local HF model directory or a named pretrained checkpoint
+    (nothing is downloaded)."""
     import torch
 
     if name == "tiny":
@@ -86,14 +96,14 @@ def load_model_and_tokenizer(name: str, *, device: str = "cpu", dtype: str = "fl
 
         model, tokenizer = tiny_chat_model()
         return model.to(device=device, dtype=getattr(torch, dtype)), tokenizer
-    if not Path(name).is_dir():
-        # Checked here: transformers would take the path for a hub repo id and fail with a page of traceback.
-        raise ValueError(f"--model {name!r} is not a directory; give a local HF model directory or 'tiny'")
     with requires_extra("rollout"):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), local_files_only=True)
+    from orchard.models.pretrained import load_chat_tokenizer, resolve_checkpoint
+
+    directory = resolve_checkpoint(_checkpoint(name, "--model"))
+    tokenizer = load_chat_tokenizer(name)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), local_files_only=True)
     return model.to(device).eval(), tokenizer
 
 

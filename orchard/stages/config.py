@@ -61,9 +61,14 @@ class EvalConfig:
     """Sampling temperature of evaluation episodes."""
     harnesses: list[str] = field(default_factory=lambda: ["react", "text"])
     """Harnesses evaluated."""
+    progress_interval_s: float = 60.0
+    """Seconds between the "still running" lines of a long evaluation."""
 
     def __post_init__(self) -> None:
         _positive_int("attempts", self.attempts)
+        if isinstance(self.progress_interval_s, bool) or not isinstance(self.progress_interval_s, (int, float)) \
+                or not self.progress_interval_s > 0:
+            raise ValueError(f"progress_interval_s must be a number > 0, got {self.progress_interval_s!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")

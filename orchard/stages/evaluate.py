@@ -7,6 +7,8 @@ pass@k), and ``tasks`` says how many did. Success is each trajectory's evaluatio
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,6 +21,7 @@ from orchard.sampling import avg_at_k, pass_at_k, pass_hat_k
 from orchard.stages.config import EvalConfig
 from orchard.stages.ranks import all_gather_concat, init_ranks, shard_range
 from orchard.stages.report import RunLog
+from orchard.train.progress import format_duration
 
 __all__ = ["evaluate", "evaluate_stage", "format_table", "success_row"]
 
@@ -79,8 +82,17 @@ async def evaluate_stage(stage: str, step: int, harnesses: Mapping[str, Rollouts
     missing = [h for h in cfg.harnesses if h not in harnesses]
     if missing:
         raise ValueError(f"cfg.harnesses names harnesses the recipe does not have: {missing}")
-    rows = await evaluate({h: harnesses[h] for h in cfg.harnesses}, engine, tasks, attempts=cfg.attempts,
-                          temperature=cfg.temperature)
+    episodes = len(tasks) * cfg.attempts * len(cfg.harnesses)
+    running = asyncio.ensure_future(evaluate({h: harnesses[h] for h in cfg.harnesses}, engine, tasks,
+                                             attempts=cfg.attempts, temperature=cfg.temperature))
+    started = time.monotonic()
+    while not running.done():
+        # a run that evaluates for many minutes says so once per interval, rather than nothing at all
+        await asyncio.wait([running], timeout=cfg.progress_interval_s)
+        if not running.done():
+            log.print(f"eval {stage}: {episodes} episodes through {', '.join(cfg.harnesses)}, running for "
+                      f"{format_duration(time.monotonic() - started)}")
+    rows = running.result()
     for harness, row in rows.items():
         log.log({f"eval/{stage}/{harness}/{k}": float(v) for k, v in row.items()}, step)
         log.print(f"eval {stage:4s} {harness:5s} " + " ".join(f"{k}={v:.3f}" for k, v in row.items()))

@@ -8,16 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from orchard._extras import requires_extra
-
 __all__ = ["ModelConfig", "load_policy", "make_engine", "save_policy"]
 
 
 @dataclass
 class ModelConfig:
     path: str | None = None
-    """Local HF checkpoint directory (weights and tokenizer); null builds a tiny random Qwen3 and an offline
-    tokenizer from the domain's text."""
+    """Local HF checkpoint directory (weights and tokenizer), or a named pretrained checkpoint
+    (`orchard models list`, e.g. smollm2-135m-instruct); null builds a tiny random Qwen3 and an offline tokenizer
+    from the domain's text."""
     vocab_size: int = 1024
     """Offline tokenizer's vocabulary size (tiny model only)."""
     split_words: bool = False
@@ -37,8 +36,13 @@ class ModelConfig:
     compile of tens of seconds on CPU, then cheaper decode steps)."""
 
     def __post_init__(self) -> None:
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ValueError(f"path must be a local checkpoint directory, got {self.path!r} (no such directory)")
+        if self.path is not None:
+            from orchard.models.pretrained import PRETRAINED, resolve_checkpoint
+
+            if self.path not in PRETRAINED and not Path(self.path).is_dir():
+                raise ValueError(f"path must be a local checkpoint directory or a named checkpoint "
+                                 f"({', '.join(sorted(PRETRAINED))}), got {self.path!r} (no such directory)")
+            resolve_checkpoint(self.path)  # a named one must be fetched: checked before any work
         for name in ("vocab_size", "hidden_size", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -57,13 +61,10 @@ def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[
     """``(model, tokenizer)``: from ``cfg.path``, or a tiny random Qwen3 with an offline tokenizer trained on
     ``corpus`` (the domain's text)."""
     if cfg.path is not None:
-        with requires_extra("train"):
-            from transformers import AutoTokenizer
-
+        from orchard.models.pretrained import load_chat_tokenizer
         from orchard.train.model import load_causal_lm
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
-        return load_causal_lm(cfg.path, dtype=cfg.dtype), tokenizer
+        return load_causal_lm(cfg.path, dtype=cfg.dtype), load_chat_tokenizer(cfg.path)
     from orchard.data.tokenizer import build_chat_tokenizer
     from orchard.models import tiny_qwen3
 
@@ -78,9 +79,10 @@ def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[
 def make_engine(cfg: ModelConfig, model: Any, tokenizer: Any, *, seed: int) -> Any:
     """The rollout engine: vLLM on ``cfg.path`` (GPU extra), or an `HFEngine` over a copy of ``model``."""
     if cfg.engine == "vllm":
+        from orchard.models.pretrained import resolve_checkpoint
         from orchard.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg.path, **cfg.vllm_kwargs)
+        return VLLMEngine(str(resolve_checkpoint(cfg.path)), **cfg.vllm_kwargs)
     from orchard.rollout.hf_engine import HFEngine
 
     return HFEngine(

@@ -47,6 +47,7 @@ from orchard.stages.ranks import (
 )
 from orchard.train import checkpoint as ckpt
 from orchard.train.action_logprobs import VISION_KEYS, action_logprobs
+from orchard.train.progress import StepProgress
 from orchard.train.trainer import Trainer, forward_logprobs
 
 __all__ = ["bar_candidate", "group_batch", "rl_stage", "rollout_groups", "trajectory_reward"]
@@ -389,6 +390,9 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         return step_tasks, [names[i % len(names)] for i in range(len(step_tasks))]
 
     following: asyncio.Future[Local] | None = None
+    # steps done / total, the last update's loss, trained tokens/s, ETA: redrawn on a terminal, a line per interval
+    progress = StepProgress("rl", cfg.steps, start=start - 1, interval_s=cfg.train.progress_interval_s,
+                            enabled=ranks.is_main)
     try:
         for step in range(start, cfg.steps + 1):
             if pending is None:
@@ -409,6 +413,7 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
                 version += 1
                 barrier()
             history.append(stats)
+            progress.update(step, stats)
             if log is not None and ranks.is_main:
                 log(stats, step)
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
@@ -420,5 +425,6 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     finally:
         if following is not None and not following.done():
             following.cancel()  # training failed: the next step's rollouts have no one to train on them
+        progress.close()
         trainer.close()
     return history

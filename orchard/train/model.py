@@ -63,7 +63,8 @@ def load_causal_lm(
     model, whose forward also takes ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids``.
 
     Args:
-        source: a local directory holding a checkpoint (nothing is downloaded) or a ``PretrainedConfig``.
+        source: a local directory holding a checkpoint (nothing is downloaded), a named pretrained checkpoint that
+            is fetched (`orchard.models.PRETRAINED`), or a ``PretrainedConfig``.
         dtype: parameter dtype, ``"float32"`` (CPU default) or ``"bfloat16"`` (GPU).
         attn_implementation: ``"auto"`` picks ``best_attn_implementation()`` (flash-attention 2 when importable,
             SDPA otherwise); any value transformers accepts (``"eager"``, ``"sdpa"``, ...) is passed through.
@@ -88,7 +89,9 @@ def load_causal_lm(
             torch.manual_seed(seed)
             model = auto.from_config(source, dtype=torch_dtype, attn_implementation=attn)
     elif isinstance(source, (str, Path)):
-        path = Path(source)
+        from orchard.models.pretrained import PRETRAINED, resolve_checkpoint
+
+        path = resolve_checkpoint(source) if isinstance(source, str) and source in PRETRAINED else Path(source)
         if not path.is_dir():
             raise CheckpointNotFoundError(
                 2, "source must be a local checkpoint directory or a config; no such directory", str(path)

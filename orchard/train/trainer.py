@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from orchard.train.objective import (
     term_mask_key,
     with_derived_masks,
 )
+from orchard.train.progress import StepProgress
 from orchard.train.schedule import cosine_schedule
 
 __all__ = ["DataCursor", "OptimConfig", "TrainConfig", "Trainer", "forward_logprobs", "split_batch"]
@@ -107,6 +107,8 @@ class TrainConfig:
     """Continue from output_dir's latest checkpoint when one exists."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
     """Metric sinks: jsonl (always on), tensorboard, wandb, progress."""
+    progress_interval_s: float = 30.0
+    """Seconds between progress lines (step, loss, tokens/s, ETA) when the output is not a terminal."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """W&B project, mode (online / offline / disabled) and run name, used when loggers has wandb."""
 
@@ -120,6 +122,9 @@ class TrainConfig:
         if self.zero_stage not in (2, 3):
             raise ValueError(f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
         check_objective(self.objective)
+        if isinstance(self.progress_interval_s, bool) or not isinstance(self.progress_interval_s, (int, float)) \
+                or not self.progress_interval_s > 0:
+            raise ValueError(f"progress_interval_s must be a number > 0, got {self.progress_interval_s!r}")
 
 
 class DataCursor:
@@ -452,31 +457,31 @@ class Trainer:
         """Train until ``cfg.total_steps`` on batches of ``global_batch_size`` samples drawn by a ``DataCursor``.
 
         ``collate(list_of_samples)`` must return the batch dict (``orchard.data.collate``). The cursor is part
-        of every checkpoint, so a resumed run continues with the next unseen batch. In an interactive terminal
-        (stderr is a TTY) a progress bar with the loss is drawn on stderr; otherwise nothing is.
+        of every checkpoint, so a resumed run continues with the next unseen batch. Progress (steps done / total,
+        loss, tokens/s, ETA) is redrawn on a terminal (stderr) and written as a line every
+        ``cfg.progress_interval_s`` seconds to stdout otherwise.
         """
         cursor = DataCursor(len(samples), seed=self.cfg.seed, shuffle=shuffle)
         if self.cursor is not None:
             cursor.load_state_dict(self.cursor.state_dict())
         self.cursor = cursor
         history = []
-        with self._progress_bar() as bar:
+        progress = self._progress()
+        try:
             while self.step < self.cfg.total_steps:
                 indices = cursor.next_indices(self.cfg.global_batch_size)
                 history.append(self.train_step(collate([samples[i] for i in indices])))
-                bar.set_postfix_str(f"loss {history[-1].get('loss/total', float('nan')):.4f}", refresh=False)
-                bar.update(1)
+                progress.update(self.step, history[-1])
+        finally:
+            progress.close()
         return history
 
-    def _progress_bar(self) -> Any:
-        """A tqdm bar over the run's steps, drawn on rank 0 when stderr is a terminal (a log file or a pipe stays
-        free of bar redraws) and the rich ``progress`` logger is not already drawing one."""
-        from tqdm.auto import tqdm
-
-        show = self.is_main and "progress" not in self.cfg.loggers and sys.stderr.isatty()
-        return tqdm(total=self.cfg.total_steps, initial=self.step, desc=Path(self.cfg.output_dir).name or "train",
-                    unit="step", disable=not show, leave=False, dynamic_ncols=True,
-                    mininterval=0)  # every step redraws: a step takes far longer than a redraw
+    def _progress(self) -> StepProgress:
+        """Steps done / total, loss, tokens/s and ETA on rank 0 (`orchard.train.progress.StepProgress`): redrawn on a
+        terminal, a line every ``progress_interval_s`` in a log; not while the rich ``progress`` logger draws."""
+        show = self.is_main and "progress" not in self.cfg.loggers
+        return StepProgress(Path(self.cfg.output_dir).name or "train", self.cfg.total_steps, start=self.step,
+                            interval_s=self.cfg.progress_interval_s, enabled=show)
 
     def save_checkpoint(self) -> Path:
         """Save engine, RNG, cursor and ``extra_state`` for the current step; returns the directory."""

@@ -88,9 +88,12 @@ def _check(cfg: ValueTrainConfig) -> None:
         value = getattr(cfg, name)
         if value is None:
             continue
-        path = Path(value)
-        if not (path.is_dir() if want_dir else path.is_file()):
-            raise ValueError(f"{name}={value} is not {'a directory' if want_dir else 'a file'}")
+        if want_dir:
+            from orchard.models.pretrained import resolve_checkpoint
+
+            resolve_checkpoint(value)  # a directory or a fetched named checkpoint
+        elif not Path(value).is_file():
+            raise ValueError(f"{name}={value} is not a file")
     for name in ("max_per_task", "steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
@@ -106,13 +109,15 @@ def _check(cfg: ValueTrainConfig) -> None:
 def _prepare(cfg: ValueTrainConfig) -> dict[str, Any]:
     """Check the settings, load the tokenizer and the pool, render; every failure here is a usage error."""
     with requires_extra("train"):
-        from transformers import AutoTokenizer
+        pass
 
     from orchard.data import read_jsonl, render_trajectory
     from orchard.value.pool import build_value_pool
 
     _check(cfg)
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
+    from orchard.models.pretrained import load_chat_tokenizer
+
+    tok = load_chat_tokenizer(cfg.tokenizer)
     if tok.pad_token_id is None:
         raise ValueError(f"tokenizer={cfg.tokenizer} has no pad token")
 

@@ -81,13 +81,16 @@ class ValueModel(nn.Module):
     def from_pretrained(
         cls, path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs: Any
     ) -> ValueModel:
-        """Load a saved ``ValueModel``, or start one from any causal-LM checkpoint directory (new head).
+        """Load a saved ``ValueModel``, or start one from any causal-LM checkpoint directory or named pretrained
+        checkpoint (new head).
 
         ``kwargs`` go to ``AutoModel.from_pretrained`` (e.g. ``attn_implementation``); nothing is downloaded.
         """
-        directory = Path(path)
+        from orchard.models.pretrained import PRETRAINED, resolve_checkpoint
+
+        directory = resolve_checkpoint(path) if isinstance(path, str) and path in PRETRAINED else Path(path)
         if not directory.is_dir():
-            raise ValueError(f"path must be a local checkpoint directory, got {str(directory)!r}")
+            raise ValueError(f"path must be a local checkpoint directory or a named checkpoint, got {str(directory)!r}")
         kwargs.setdefault("local_files_only", True)
         backbone = AutoModel.from_pretrained(directory, dtype=dtype, **kwargs)
         head_file = directory / _HEAD_FILE

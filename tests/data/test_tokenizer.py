@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.data.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
 from orchard.train.tiny import tiny_qwen3
 
 TOOLS = [
@@ -103,3 +103,55 @@ def test_tiny_qwen3_is_seeded_and_runs(tok):
     ids = torch.tensor([tok.encode("hello world")])
     logits = a(input_ids=ids).logits
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
+
+
+# SmolLM2-Instruct's own template, in substance: no tools listed, and message['content'] read on every message.
+NO_TOOLS_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_renders_tools_is_kept_without_a_word(capsys):
+    from orchard.data.tokenizer import ensure_tool_template, renders_tools
+
+    tok = build_chat_tokenizer()
+    tok.chat_template = tok.chat_template.replace("# Tools", "## Tools")  # someone else's, but it renders tools
+    assert renders_tools(tok)
+    assert ensure_tool_template(tok, source="ckpt") is False
+    assert "## Tools" in tok.chat_template and capsys.readouterr().err == ""
+
+
+def test_a_template_without_tools_gets_the_project_template_with_one_warning_line(capsys):
+    from orchard.data.tokenizer import ensure_tool_template, renders_tools
+
+    tok = build_chat_tokenizer()
+    tok.chat_template = NO_TOOLS_TEMPLATE
+    assert not renders_tools(tok)
+    assert ensure_tool_template(tok, source="some/checkpoint") is True
+    assert tok.chat_template == CHAT_TEMPLATE and renders_tools(tok)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: some/checkpoint:")
+    tok.chat_template = None  # no template at all: the same
+    assert ensure_tool_template(tok, warn=False) is True and tok.chat_template == CHAT_TEMPLATE
+
+
+def test_special_tokens_that_do_not_fit_the_project_template_are_refused():
+    from orchard.data.tokenizer import ChatTemplateError, ensure_tool_template
+
+    tok = build_chat_tokenizer()
+    tok.chat_template = NO_TOOLS_TEMPLATE
+    tok.eos_token = "<|endoftext|>"  # turns would end on a token the policy is never taught to sample
+    with pytest.raises(ChatTemplateError, match="its eos token is '<\\|endoftext\\|>'"):
+        ensure_tool_template(tok, source="ckpt")
+    assert tok.chat_template == NO_TOOLS_TEMPLATE  # left as it was
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    plain = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>")  # no <|im_start|> token
+    plain.chat_template = NO_TOOLS_TEMPLATE
+    with pytest.raises(ChatTemplateError, match="<\\|im_start\\|> is not one token"):
+        ensure_tool_template(plain, source="ckpt")

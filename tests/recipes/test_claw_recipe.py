@@ -120,8 +120,8 @@ CONFIG = ("--config", str(ROOT / "recipes/configs/claw_tiny.yaml"))
     ("rl.train.total_steps=5", "rl.train.total_steps is derived from rl.steps x rl.ppo_epochs x rl.mini_batches; "
                                "set that instead"),
     ("sft.train.output_dir=x", "sft.train.output_dir is derived from output_dir; set that instead"),
-    ("model.path=/no/such/dir", "model.path must be a local checkpoint directory, got '/no/such/dir' "
-                                "(no such directory)"),
+    ("model.path=/no/such/dir", "model.path must be a local checkpoint directory or a named checkpoint "
+                                "(smollm2-135m-instruct), got '/no/such/dir' (no such directory)"),
     ("rl.start_temperature.temperatures=[]", "rl.start_temperature.temperatures must be a non-empty list of "
                                              "numbers > 0, got []"),
     ("rl.start_temperature.temperatures=[0.5, 0]", "rl.start_temperature.temperatures must hold finite numbers > 0, "

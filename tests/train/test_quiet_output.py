@@ -1,4 +1,5 @@
-"""Output of the plain CPU engine: a progress bar only on a terminal; no DeepSpeed import, no transformers bars."""
+"""Output of the plain CPU engine: progress redrawn on a terminal, a line at the first and last step (then one per
+interval) in a log; no DeepSpeed import, no transformers bars."""
 
 from __future__ import annotations
 
@@ -68,9 +69,12 @@ def run_child(tmp_path: Path, *, tty: bool) -> tuple[str, str]:
     return stdout, b"".join(chunks).decode(errors="replace")
 
 
-def test_plain_engine_on_a_pipe_is_quiet_and_never_imports_deepspeed(tmp_path: Path) -> None:
+def test_plain_engine_on_a_pipe_writes_progress_lines_and_never_imports_deepspeed(tmp_path: Path) -> None:
     stdout, stderr = run_child(tmp_path, tty=False)
-    assert stdout.strip() == "deepspeed imported: False"
+    lines = stdout.strip().splitlines()
+    # the first step and the last (3 steps take well under the 30 s interval), then the child's own line
+    assert [line.split("  ")[0] for line in lines] == ["t: step 1/3", "t: step 3/3", "deepspeed imported: False"]
+    assert "loss " in lines[0] and "tok/s" in lines[0] and "ETA " in lines[0] and lines[1].endswith("done")
     for noise in ("Setting accelerator", "ds_accelerator", "Loading weights", "Writing model shards", "step/s",
                   "it/s"):
         assert noise not in stderr, (noise, stderr)
@@ -78,6 +82,6 @@ def test_plain_engine_on_a_pipe_is_quiet_and_never_imports_deepspeed(tmp_path: P
 
 def test_fit_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     stdout, stderr = run_child(tmp_path, tty=True)
-    assert stdout.strip() == "deepspeed imported: False"
-    assert "3/3" in stderr and "loss" in stderr  # the bar reached the last of the 3 steps, with the loss
+    assert stdout.strip() == "deepspeed imported: False"  # on a terminal, progress is redrawn on stderr only
+    assert "step 3/3" in stderr and "loss" in stderr and "\r" in stderr  # redrawn up to the last step
     assert "Loading weights" not in stderr and "Writing model shards" not in stderr
