@@ -1,12 +1,17 @@
 """Set-up shared by test modules in different folders: the embedded sandbox service and the ids of the sandboxes it
 holds, the tiny vision-language model and the screenshots it looks at, DeepSpeed's CPU op built once per session,
 a scripted `Rollouts` for the task filter's tests, asyncio's timeouts as Python 3.10 has them, and a harness
-program's episode against a sandbox that never answers."""
+program's episode against a sandbox that never answers.
+
+On CI (the `CI` environment variable set) a skipped test fails, unless it skipped because the machine has no CUDA
+device: a CI run that skipped, say, the isolation tests for want of bubblewrap would pass without testing what it
+promises. CPU CI lacks only CUDA; the GPU checks (benchmarks/gpu_check.sh) run those tests."""
 
 import asyncio
 import base64
 import io
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,6 +22,34 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The one reason a test may skip on CI: it needs a CUDA device ("needs a CUDA device", "CUDA is not available").
+_ALLOWED_ON_CI = re.compile(r"\bCUDA\b", re.IGNORECASE)
+
+
+def _fail_skip_on_ci(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Turns a skip (not an expected failure, whose report says skipped too) into a failure when `CI` is set."""
+    if not os.environ.get("CI") or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if _ALLOWED_ON_CI.search(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"{reason}\n(on CI only a test that needs a CUDA device may skip: see tests/conftest.py)"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    report = yield
+    _fail_skip_on_ci(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    """A module that skips as a whole (``pytest.importorskip`` at its top) fails on CI too."""
+    report = yield
+    _fail_skip_on_ci(report)
+    return report
 
 
 @pytest.fixture(scope="module")

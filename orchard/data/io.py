@@ -20,9 +20,9 @@ column                 arrow type           content
 =====================  ===================  =========================================================================
 
 A message struct has the fields ``role``, ``content`` (string), ``content_parts`` (json), ``tool_calls``
-(list<struct<id, type, function: struct<name, arguments: json, arguments_text: string>>>), ``tool_call_id``,
-``name``, ``token_ids`` (list<int64>) and ``logprobs`` (list<float64>). Arrow needs one type per field, where our
-schema allows several, so:
+(list<json>, one ``{"id", "type", "function": {"name", "arguments", "arguments_text"}}`` object per call, ``id``
+and ``arguments_text`` present only when set), ``tool_call_id``, ``name``, ``token_ids`` (list<int64>) and
+``logprobs`` (list<float64>). Arrow needs one type per field, where our schema allows several, so:
 
 - an absent optional field is null (``token_ids`` / ``logprobs`` of a turn without sampled tokens, ``tool_calls`` of
   a turn without calls): chat templates test them with ``is not none``;
@@ -31,7 +31,10 @@ schema allows several, so:
   chat templates ``| tojson``), and ``arguments_text`` holds the string when the call gave a string (the model's
   exact text, even malformed; a malformed one also stays a JSON string in ``arguments``). We read
   ``arguments_text`` first, so a string comes back byte for byte and a dict as a dict;
-- ``json`` is arrow's canonical JSON extension type (storage: string), which ``datasets`` shows as ``Json()``.
+- ``json`` is arrow's canonical JSON extension type (storage: string), which ``datasets`` shows as ``Json()``;
+- a tool call is one json value, not a struct with a json field: pyarrow cannot flatten a list column whose lists
+  are all null in a chunk (no message of the chunk calls a tool) when its items are structs that hold an extension
+  type, and ``datasets`` flattens them in ``save_to_disk`` and ``to_parquet``.
 
 Reading (:func:`table_to_trajectories`, :func:`read_parquet`, :func:`from_hf_dataset`) also takes the layouts of
 others: TRL datasets as they are (``messages`` only, or ``prompt`` + ``completion``; ``tools`` as structs or one
@@ -66,14 +69,13 @@ from orchard.data.schema import Message, ToolCall, Trajectory, trajectory_list
 
 def _nested_schema(json_type: pa.DataType) -> pa.Schema:
     """The table layout, with ``json_type`` where the module docstring says json."""
-    function = pa.struct([("name", pa.string()), ("arguments", json_type), ("arguments_text", pa.string())])
-    tool_call = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", function)])
     message = pa.struct(
         [
             ("role", pa.string()),
             ("content", pa.string()),
             ("content_parts", json_type),
-            ("tool_calls", pa.list_(tool_call)),
+            # Not list<struct<..., arguments: json>>, which datasets cannot save when no call is in a chunk.
+            ("tool_calls", pa.list_(json_type)),
             ("tool_call_id", pa.string()),
             ("name", pa.string()),
             ("token_ids", pa.list_(pa.int64())),
@@ -152,15 +154,13 @@ def _json(value: Any, what: str) -> str:
         raise ValueError(f"trajectory field {what!r} is not JSON-serialisable: {exc}") from exc
 
 
-def _tool_call_row(call: ToolCall) -> dict[str, Any]:
+def _tool_call_row(call: ToolCall) -> str:
     parsed, _ = call.parse_arguments()
-    text = call.arguments if isinstance(call.arguments, str) else None
-    arguments = _json(parsed if parsed is not None else call.arguments, "arguments")
-    return {
-        "id": call.id,
-        "type": call.type,
-        "function": {"name": call.name, "arguments": arguments, "arguments_text": text},
-    }
+    function: dict[str, Any] = {"name": call.name, "arguments": parsed if parsed is not None else call.arguments}
+    if isinstance(call.arguments, str):
+        function["arguments_text"] = call.arguments
+    row: dict[str, Any] = {"id": call.id} if call.id is not None else {}
+    return _json({**row, "type": call.type, "function": function}, "arguments")
 
 
 def _message_row(m: Message) -> dict[str, Any]:

@@ -106,6 +106,59 @@ def test_hf_datasets_round_trip(tmp_path):
     _same(from_hf_dataset(loaded), trajs)
 
 
+def _text_only() -> list[Trajectory]:
+    """Trajectories in which no message calls a tool: a text harness's episodes, plain chat."""
+    return [
+        Trajectory(messages=[{"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": "<answer>4</answer>", "token_ids": [9, 2],
+                              "logprobs": [-0.5, -0.125]}],
+                   reward=1.0, task_id="math-1", metadata={"harness": "text"}),
+        Trajectory(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                             {"role": "assistant", "content": "hello"}]),
+        Trajectory(),
+    ]
+
+
+_KINDS = {
+    "text_only": _text_only,
+    "tool_calls_only": lambda: _batch()[:2],
+    "mixed": lambda: [_batch()[0], *_text_only(), _batch()[1]],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+def test_datasets_save_and_load_round_trip(kind, tmp_path):
+    trajs = _KINDS[kind]()
+    cache = str(tmp_path / "cache")
+    ds = to_hf_dataset(trajs)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    _same(from_hf_dataset(datasets.load_from_disk(str(tmp_path / "saved"))), trajs)
+    ds.to_parquet(str(tmp_path / "exported.parquet"))
+    _same(read_parquet(tmp_path / "exported.parquet"), trajs)
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "exported.parquet"), split="train",
+                                   cache_dir=cache)
+    _same(from_hf_dataset(loaded), trajs)
+    # A file of ours, loaded by datasets, saves again both ways.
+    write_parquet(trajs, tmp_path / "ours.parquet")
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "ours.parquet"), split="train",
+                                   cache_dir=cache)
+    loaded.save_to_disk(str(tmp_path / "resaved"))
+    _same(from_hf_dataset(datasets.load_from_disk(str(tmp_path / "resaved"))), trajs)
+    loaded.to_parquet(str(tmp_path / "reexported.parquet"))
+    _same(read_parquet(tmp_path / "reexported.parquet"), trajs)
+
+
+def test_datasets_save_when_one_chunk_has_no_tool_calls(tmp_path):
+    # Concatenated datasets keep one arrow chunk each: the first holds no tool call at all, the second does.
+    text, calls = _text_only(), _batch()[:2]
+    ds = datasets.concatenate_datasets([to_hf_dataset(text), to_hf_dataset(calls)])
+    assert ds.data.column("messages").num_chunks == 2
+    ds.save_to_disk(str(tmp_path / "saved"))
+    _same(from_hf_dataset(datasets.load_from_disk(str(tmp_path / "saved"))), text + calls)
+    ds.to_parquet(str(tmp_path / "t.parquet"))
+    _same(read_parquet(tmp_path / "t.parquet"), text + calls)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(trajectories(), max_size=3))
 def test_round_trip_property_all_formats(tmp_path, trajs):
@@ -146,7 +199,8 @@ def test_layout_is_trls_conversational_format(tokenizer):
     row = ds[0]  # what TRL sees: datasets decodes the json fields
     call_dict, call_str = row["messages"][2]["tool_calls"]
     # Arguments are a dict wherever they are a JSON object, as chat templates want; a string keeps its exact text.
-    assert call_dict["function"] == {"name": "exec", "arguments": {"command": "ls"}, "arguments_text": None}
+    # A call given as a dict is exactly OpenAI's shape; arguments_text appears only where the call gave a string.
+    assert call_dict == {"id": "c1", "type": "function", "function": {"name": "exec", "arguments": {"command": "ls"}}}
     assert call_str["function"] == {
         "name": "exec", "arguments": {"command": "pwd"}, "arguments_text": '{"command": "pwd"}'
     }
@@ -247,6 +301,38 @@ def test_reads_orchard_0_1_json_text_layout(tmp_path):
     pq.write_table(_orchard_0_1_table(trajs), tmp_path / "old.parquet")
     _same(read_parquet(tmp_path / "old.parquet"), trajs)
     _same(from_hf_dataset(datasets.Dataset(_orchard_0_1_table(trajs))), trajs)
+
+
+def _struct_tool_calls_schema(json_type: pa.DataType) -> pa.Schema:
+    function = pa.struct([("name", pa.string()), ("arguments", json_type), ("arguments_text", pa.string())])
+    call = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", function)])
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("content_parts", json_type),
+                         ("tool_calls", pa.list_(call)), ("tool_call_id", pa.string()), ("name", pa.string()),
+                         ("token_ids", pa.list_(pa.int64())), ("logprobs", pa.list_(pa.float64()))])
+    return pa.schema([("messages", pa.list_(message)), ("tools", pa.list_(json_type)), ("task_id", pa.string()),
+                      ("group_id", pa.string()), ("reward", pa.float64()), ("termination_reason", pa.string()),
+                      ("num_steps", pa.int64()), ("reward_components", json_type), ("metadata", json_type)])
+
+
+def _struct_tool_calls_table(trajs: list[Trajectory]) -> pa.Table:
+    """What write_parquet / to_hf_dataset wrote before a tool call became one json value: tool_calls as
+    list<struct<id, type, function: struct<name, arguments: json, arguments_text: string>>>."""
+    rows = trajectories_to_table(trajs).to_pylist()  # json values as their text
+    for m in (m for row in rows for m in row["messages"] if m["tool_calls"] is not None):
+        m["tool_calls"] = [json.loads(c) for c in m["tool_calls"]]
+        for fn in (c["function"] for c in m["tool_calls"]):
+            fn["arguments"], fn["arguments_text"] = json.dumps(fn["arguments"]), fn.get("arguments_text")
+    table = pa.Table.from_pylist(rows, schema=_struct_tool_calls_schema(pa.string()))
+    return table.cast(_struct_tool_calls_schema(pa.json_()))
+
+
+def test_reads_struct_tool_calls_layout(tmp_path):
+    trajs = _batch()
+    old = _struct_tool_calls_table(trajs)
+    assert pa.types.is_struct(old.schema.field("messages").type.value_type.field("tool_calls").type.value_type)
+    pq.write_table(old, tmp_path / "old.parquet")
+    _same(read_parquet(tmp_path / "old.parquet"), trajs)
+    _same(from_hf_dataset(datasets.Dataset(old)), trajs)
 
 
 def _float_trajectories() -> list[Trajectory]:

@@ -1,8 +1,8 @@
 """Shared helpers of the env tests: what a test needs from the machine, and the compiled box.
 
-A test that needs bubblewrap, root or a C compiler is skipped where the machine lacks it, except on CI (the
-`CI` environment variable set, as CI runs): there it fails, since a CI run that skips the isolation tests would
-pass without having tested the isolation it promises. The failure is raised by `conftest.py`.
+A test that needs bubblewrap, root or a C compiler is skipped where the machine lacks it; on CI (the `CI`
+environment variable set) the root `tests/conftest.py` turns that skip into a failure, since a CI run that skips
+the isolation tests would pass without having tested the isolation it promises.
 
 The compiled box for tests is built once per session (cached per user like the service's), copied into a
 directory every sandbox uid can reach, removed at exit.
@@ -21,28 +21,16 @@ import pytest
 
 from orchard.env.agent.box_build import install_box
 
-ON_CI = bool(os.environ.get("CI"))
-MISSING_MARK = "missing_requirement"
-"""The mark `conftest.py` turns into a failure (registered there)."""
-
 
 def requires(problem: str | None, what: str) -> pytest.MarkDecorator:
     """A mark for a test that needs `what` ("bubblewrap", "root", ...); `problem` says why this machine lacks
-    it (None: it does not). Skips where it is lacking, fails on CI."""
-    if problem is None:
-        return pytest.mark.skipif(False, reason=what)
-    reason = f"needs {what}: {problem}"
-    if ON_CI:
-        return getattr(pytest.mark, MISSING_MARK)(reason=reason)
-    return pytest.mark.skip(reason=reason)
+    it (None: it does not). Skips where it is lacking (fails on CI)."""
+    return pytest.mark.skipif(problem is not None, reason=f"needs {what}: {problem}" if problem else what)
 
 
 def lacking(what: str, problem: str) -> NoReturn:
     """Inside a test: skip it (fail on CI) because the machine lacks `what`."""
-    reason = f"needs {what}: {problem}"
-    if ON_CI:
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(f"needs {what}: {problem}")
 
 
 @lru_cache(maxsize=1)

@@ -1,19 +1,9 @@
-"""Turns the mark of a requirement the machine lacks into a failure (on CI only; see `_box.requires`)."""
+"""Fixtures of the env tests. A test that needs what the machine lacks skips via `_box.requires`, and fails on CI
+(the root `tests/conftest.py`)."""
 
 from __future__ import annotations
 
 import pytest
-from _box import MISSING_MARK
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{MISSING_MARK}(reason): the machine lacks what the test needs (CI: fail)")
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    mark = item.get_closest_marker(MISSING_MARK)
-    if mark is not None:
-        pytest.fail(mark.kwargs["reason"], pytrace=False)
 
 
 @pytest.fixture(scope="session")

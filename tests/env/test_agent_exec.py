@@ -16,6 +16,7 @@ import tempfile
 import time
 
 import pytest
+import uvloop  # uvicorn[standard] (the env extra) installs it, and uvicorn then serves on it
 from _box import box_binary, needs_compiled_box, needs_root, requires
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -508,7 +509,6 @@ async def test_apply_patch_and_malicious_paths(workspace_dir, mode):
 @WRAPPERS
 def test_under_uvloop(workspace_dir, mode, wrappers):
     """uvicorn runs the service on uvloop when it is installed; its subprocess support differs."""
-    uvloop = pytest.importorskip("uvloop")
     m = marker()
 
     async def scenario() -> None:

@@ -2,13 +2,17 @@
 on three harnesses, the scripted teacher's trajectories (failures kept), hindsight values, credit-assigned SFT,
 evaluation; its config errors; and the paper's config, loaded without running."""
 
-import importlib.util
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from orchard.data import Trajectory
+from orchard.stages import RecordedRollouts, RolloutConfig, rollout_groups
+from orchard.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +33,12 @@ RL_SMOKE = [
     "rollout.max_tokens=32", "rollout.max_steps=3", "model.hidden_size=32", "model.num_layers=1",
     "model.vocab_size=1024",
 ]
+
+
+@pytest.fixture
+def swe(recipe_module):
+    """recipes/swe.py as a module, loaded once per session."""
+    return recipe_module("swe")
 
 
 def recipe(*args, timeout=540):
@@ -130,16 +140,12 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
     ("instances.path=x.jsonl", "instances.heldout_path must be set exactly when instances.path is"),
     ("env_pool=-1", "env_pool must be an int >= 0, got -1"),
 ])
-def test_config_mistakes_are_one_line(override, message, capsys):
+def test_config_mistakes_are_one_line(override, message, recipe_main):
     # in process (the recipe's own main under run_main, as its __main__ calls it): a subprocess per case costs a
     # torch import each; test_a_config_mistake_from_the_command_line runs one case as a user does
-    sys.path.insert(0, str(ROOT / "recipes"))
-    from swe import main
-
-    from orchard._cli import run_main
-
-    assert run_main(main, ["--config", str(ROOT / "recipes/configs/swe_tiny.yaml"), override]) == 2
-    assert capsys.readouterr().err == f"error: {message}\n"
+    status, _, err = recipe_main("swe", "--config", str(ROOT / "recipes/configs/swe_tiny.yaml"), override)
+    assert status == 2
+    assert err == f"error: {message}\n"
 
 
 def test_a_config_mistake_from_the_command_line():
@@ -147,17 +153,9 @@ def test_a_config_mistake_from_the_command_line():
     assert proc.returncode == 2 and proc.stderr.startswith("error: rl.variant must be one of ")
 
 
-def test_bar_groups_report_the_choice_bar_made_by_hand():
+def test_bar_groups_report_the_choice_bar_made_by_hand(swe):
     """bar_groups reads BAR's choice from rollout_groups (it chooses nothing itself): with strides smaller than
     the budget a group's pool spans several generation calls, and the report still matches the groups that train."""
-    sys.path.insert(0, str(ROOT / "recipes"))
-    import asyncio
-
-    from swe import SWERLConfig, bar_groups
-
-    from orchard.data import Trajectory
-    from orchard.stages import RecordedRollouts, RolloutConfig, rollout_groups
-
     # Per task, the outcomes of its successive strides of 4: +1 resolved, -1 not, None a dead sandbox.
     strides = {"a": [[1, 1, 1, 1], [-1, -1, 1, -1]], "b": [[1, -1, -1, 1]], "c": [[None, -1, -1, -1], [-1] * 4]}
     played = {task: 0 for task in strides}
@@ -169,11 +167,11 @@ def test_bar_groups_report_the_choice_bar_made_by_hand():
         return [Trajectory(task_id=task, reward=r, termination_reason="done" if r is not None else "env_error")
                 for r in outcomes[:group_size]]
 
-    cfg = SWERLConfig(group_size=4, bar_n_max=8, bar_stride=4, tasks_per_step=3)
+    cfg = swe.SWERLConfig(group_size=4, bar_n_max=8, bar_stride=4, tasks_per_step=3)
     calls = []
     groups, _ = asyncio.run(rollout_groups({"bash": RecordedRollouts(scripted, calls)}, None, ["a", "b", "c"],
                                            ["bash"] * 3, cfg, RolloutConfig()))
-    rows = {row["pool_positive_ratio"]: row for row in bar_groups([calls])}
+    rows = {row["pool_positive_ratio"]: row for row in swe.bar_groups([calls])}
     # a: 4 of 4 resolved has no balanced set (k+ in [ceil(0.375 x 4), floor(0.625 x 4)] = {2}), so BAR draws a
     #    second stride: 5 of 8 = 0.625 in the pool, 2 of 4 kept = 0.5. (Read call by call, as bar_groups did
     #    before, the first call alone would be a pool of 4 of 4 = 1.0.)
@@ -187,25 +185,17 @@ def test_bar_groups_report_the_choice_bar_made_by_hand():
     assert trained == sorted(r["kept_positive_ratio"] for r in rows.values() if r["kept_positive_ratio"] is not None)
     # a step with no candidate at all (every sandbox dead) still has its row
     dead = [Trajectory(task_id="d", reward=None, termination_reason="env_error")]
-    assert bar_groups([[dead]]) == [{"step": 1, "pool_positive_ratio": None, "kept_positive_ratio": None}]
+    assert swe.bar_groups([[dead]]) == [{"step": 1, "pool_positive_ratio": None, "kept_positive_ratio": None}]
 
 
-def test_rpr_trains_the_all_failed_groups_bar_would_drop():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    import asyncio
-
-    from swe import SWERLConfig
-
-    from orchard.data import Trajectory
-    from orchard.stages import RolloutConfig, rollout_groups
-
+def test_rpr_trains_the_all_failed_groups_bar_would_drop(swe):
     async def unresolved(engine, tasks, *, group_size, temperature, max_tokens=None):
         # None resolved; the judge graded their processes 0.8, 0.2, 0.6, 0.4 (reward = -1 + 0.5 x rubric).
         return [Trajectory(task_id=str(task), reward=-1.0 + 0.5 * r, reward_components={"outcome": 0.0})
                 for task in tasks for r in (0.8, 0.2, 0.6, 0.4, 0.8, 0.2, 0.6, 0.4)[:group_size]]
 
     def kept(variant):
-        cfg = SWERLConfig(variant=variant, group_size=4, bar_n_max=8, bar_stride=8, tasks_per_step=1)
+        cfg = swe.SWERLConfig(variant=variant, group_size=4, bar_n_max=8, bar_stride=8, tasks_per_step=1)
         groups, _ = asyncio.run(rollout_groups({"bash": unresolved}, None, ["a"], ["bash"], cfg, RolloutConfig()))
         return [len(g.trajectories) for g in groups if g.trajectories]
 
@@ -215,13 +205,7 @@ def test_rpr_trains_the_all_failed_groups_bar_would_drop():
     assert kept("rpr") == [4]
 
 
-def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("swe_recipe", ROOT / "recipes/swe.py")
-    swe = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "swe_recipe", swe)  # dataclasses resolve the recipe's annotations there
-    spec.loader.exec_module(swe)
-    from orchard.train.config import load_config
-
+def test_paper_config_loads_with_the_papers_setting(tmp_path, swe):
     checkpoint = tmp_path / "Qwen3-30B-A3B-Thinking"
     checkpoint.mkdir()
     cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe.yaml", [f"model.path={checkpoint}"],
@@ -242,19 +226,14 @@ def test_paper_config_loads_with_the_papers_setting(tmp_path, monkeypatch):
     assert (rl.filter.attempts, rl.filter.high, cfg.value_model.candidates) == (8, 0.5, 6)
 
 
-def test_judge_step_stats_by_hand():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    from swe import judge_step_stats
-
-    from orchard.data import Trajectory
-
+def test_judge_step_stats_by_hand(swe):
     graded = [Trajectory(reward=-1.0 + 0.5, reward_components={"outcome": -1.0, "rubric": 0.5}),
               Trajectory(reward=1.0 + 1.0, reward_components={"outcome": 1.0, "rubric": 1.0})]
     removed = Trajectory(reward=1.0, metadata={"removed": "judge_failure"})  # no rubric: the judge failed
     dead = Trajectory(reward=None, termination_reason="env_error")
     # Over the 2 graded: rubric (0.5 + 1.0) / 2 = 0.75, reward (-0.5 + 2.0) / 2 = 0.75.
-    assert judge_step_stats([*graded, removed, dead]) == {
+    assert swe.judge_step_stats([*graded, removed, dead]) == {
         "rl/judge_graded": 2.0, "rl/judge_rubric_mean": 0.75, "rl/judge_reward_mean": 0.75}
     # A step the judge graded nothing of: zeros, not NaN.
-    assert judge_step_stats([removed, dead]) == {
+    assert swe.judge_step_stats([removed, dead]) == {
         "rl/judge_graded": 0.0, "rl/judge_rubric_mean": 0.0, "rl/judge_reward_mean": 0.0}
