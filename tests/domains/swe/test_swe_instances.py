@@ -39,6 +39,8 @@ def test_row_becomes_an_instance_with_extras_and_a_snapshot_dir(tmp_path):
     ({"FAIL_TO_PASS": None}, "row 3 (octo__calc-1): field 'FAIL_TO_PASS' is missing"),
     ({"FAIL_TO_PASS": "[test_add"}, "row 3 (octo__calc-1): field 'FAIL_TO_PASS' is not a JSON list"),
     ({"PASS_TO_PASS": json.dumps([1])}, "row 3 (octo__calc-1): field 'PASS_TO_PASS' must be a list"),
+    ({"FAIL_TO_PASS": json.dumps(["test_calc.py::test_add", ""])},
+     "row 3 (octo__calc-1): field 'FAIL_TO_PASS' must be a list of non-empty test id strings"),
     ({"FAIL_TO_PASS": "[]"}, "row 3 (octo__calc-1): field 'FAIL_TO_PASS' is empty"),
     ({"problem_statement": "  "}, "row 3 (octo__calc-1): field 'problem_statement' must be a non-empty string"),
     ({"instance_id": 7}, "row 3: field 'instance_id' must be a non-empty string"),
