@@ -74,7 +74,7 @@ def direct_reward(instance: Any, base: Path, root: Path) -> bool:
     # Plugins off: the sandbox's pytest is a bare copy, while this environment's may load many by entry point.
     run = subprocess.run(pytest_argv(sys.executable, instance.tests), cwd=repo, capture_output=True, text=True,
                          env={**os.environ, **PYTEST_ENV, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    return all(parse_test_results(run.stdout, instance.tests).values())
+    return all(parse_test_results(run.stdout, instance.tests, exit_code=run.returncode).values())
 
 
 async def service_side(instances: list[Any], args: Any, url: str, key: str) -> dict[str, Any]:

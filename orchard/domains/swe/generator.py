@@ -189,7 +189,7 @@ def _run_pytest(files: dict[str, str], test_ids: Sequence[str]) -> dict[str, boo
             _write(Path(root), files)
             proc = subprocess.run(pytest_argv(sys.executable, test_ids), cwd=root, capture_output=True, text=True,
                                   timeout=PYTEST_TIMEOUT_S, env={**os.environ, **GENERATION_ENV})
-            _PYTEST[key] = parse_test_results(proc.stdout, test_ids)
+            _PYTEST[key] = parse_test_results(proc.stdout, test_ids, exit_code=proc.returncode)
     return dict(_PYTEST[key])
 
 

@@ -15,6 +15,7 @@ Where the repository's files come from (never the network):
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -221,8 +222,12 @@ def _read_rows(path: Path, split: str) -> list[dict[str, Any]]:
 
 
 def save_instances(instances: Sequence[SWEInstance], path: str | Path) -> None:
-    """Write instances as JSONL (one `SWEInstance.to_row` per line, ``files`` as a JSON string), readable by
-    `load_instances`."""
+    """Write instances as JSONL (one `SWEInstance.to_row` per line, ``files`` as a JSON string, dates and times
+    as ISO strings), readable by `load_instances`.
+
+    Raises:
+        ValueError: ``instances`` is not a sequence of `SWEInstance`, or one holds a value JSON cannot hold.
+    """
     if isinstance(instances, (str, bytes)) or not isinstance(instances, Sequence):
         raise ValueError(f"instances must be a sequence of SWEInstance, got {type(instances).__name__}")
     for i, inst in enumerate(instances):
@@ -231,8 +236,20 @@ def save_instances(instances: Sequence[SWEInstance], path: str | Path) -> None:
     # ``files`` travels as a JSON string: as a JSON object, `datasets` would merge the paths of all rows into
     # one struct column
     lines = []
-    for inst in instances:
+    for i, inst in enumerate(instances):
         row = inst.to_row()
         row["files"] = None if inst.files is None else json.dumps(inst.files)
-        lines.append(json.dumps(row) + "\n")
+        try:
+            lines.append(json.dumps(row, default=_iso_date) + "\n")
+        except TypeError as exc:
+            raise ValueError(f"instances[{i}] ({inst.instance_id}) has a field JSON cannot hold: {exc}") from None
     Path(path).write_text("".join(lines))
+
+
+def _iso_date(value: Any) -> str:
+    """``json.dumps``'s fallback: a date, time or datetime as its ISO string. `datasets` reads a JSONL's ISO
+    strings (SWE-bench's ``created_at``) into naive datetimes, and reads the string written here back into the
+    same value."""
+    if isinstance(value, (datetime.date, datetime.time)):  # a datetime is a date
+        return value.isoformat()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")

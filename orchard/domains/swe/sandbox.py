@@ -30,7 +30,9 @@ After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent
 4. ``FAIL_TO_PASS`` + ``PASS_TO_PASS`` run with one pytest under a timeout, with the user site directory off
    (pytest comes from the image, or from the service's read-only shared folder, or from a copy of the zip in the
    command's own ``/tmp`` whose SHA-256 matches this process's bundle, else from a fresh copy sent with the
-   command: never from where the agent could have written): resolved iff every one passes.
+   command: never from where the agent could have written): resolved iff every one passes, as
+   `orchard.domains.swe.testrun.parse_test_results` reads the run's summary and exit status (a failed subtest, a
+   teardown error, or a failed exit status that the summary does not explain is no pass).
 
 Step 1 is one command and step 4 another. A patch that does not apply, or may write more than
 `MAX_PATCH_WRITE_BYTES` (read from its headers before anything is unpacked here), a tree the archive upload
@@ -771,6 +773,8 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
         python: the sandbox's interpreter. Default "python3".
 
     Raises:
+        ValueError: ``instance`` has no ``FAIL_TO_PASS`` test (every verdict would be resolved) or an empty test id,
+            or a timeout is not a number > 0; checked before the sandbox is touched.
         EnvironmentFailure: a step before the tests that should succeed did not (emptying the workspace,
             unpacking, ``test_patch`` not applying to the base), or the image's pytest is gone. Once the tests
             started, any exit status is theirs: the probe found the python, so a 126 or 127 comes from the
@@ -779,6 +783,12 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     """
     if not isinstance(instance, SWEInstance):
         raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
+    # With no test to decide it every verdict would be vacuously resolved (and pytest, given no id, runs them all)
+    if not instance.FAIL_TO_PASS:
+        raise ValueError(f"instance.FAIL_TO_PASS must name at least one test, got {instance.FAIL_TO_PASS!r}")
+    for name, ids in (("FAIL_TO_PASS", instance.FAIL_TO_PASS), ("PASS_TO_PASS", instance.PASS_TO_PASS)):
+        if isinstance(ids, str) or not all(isinstance(t, str) and t.strip() for t in ids):
+            raise ValueError(f"instance.{name} must be a list of non-empty test ids, got {ids!r:.120}")
     for name, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
         if not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
@@ -839,7 +849,7 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
         _FACTS.pop(_facts_key(sandbox, python), None)
         if not (await _image_facts(sandbox, python, setup_timeout_s)).has_pytest:
             raise EnvironmentFailure(f"the image's {python} no longer has pytest: {run.stderr[-300:]}")
-    results = parse_test_results(output, tests)
+    results = parse_test_results(output, tests, exit_code=run.exit_code)
     fail_to_pass = {t: results[t] for t in instance.FAIL_TO_PASS}
     pass_to_pass = {t: results[t] for t in instance.PASS_TO_PASS}
     return SWEVerdict(all(results.values()), fail_to_pass, pass_to_pass, patch, True,

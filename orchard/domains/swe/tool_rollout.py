@@ -16,7 +16,9 @@ One batch (`run_swe_episodes`)::
     delete every sandbox (always)
 
 Environment failures (a sandbox that could not be created, prepared or scored; the program's own ``env_error``s;
-an episode the program never reported) give ``env_error`` with ``reward = None``, never a 0.
+an episode the program never reported, whatever its exit status) give ``env_error`` with ``reward = None``, never
+a 0 or a -1. Scoring that raises anything (not only the sandbox client's errors) counts so: the episode has no
+verdict, and the rest of the batch is kept.
 `SWEToolRollouts` and `SWEBashRollouts` wrap this as `orchard.rollout.Rollouts`, the interface the stages take.
 """
 
@@ -189,7 +191,9 @@ async def run_swe_episodes(
                 verdict = await asyncio.wait_for(
                     score_sandbox(sandboxes[episode.session_id], episode.instance, test_timeout_s,
                                   setup_timeout_s=exec_timeout_s), test_timeout_s + 6 * exec_timeout_s)
-            except ENV_ERRORS as exc:
+            except Exception as exc:
+                # Not only the environment's errors: whatever stops the verdict (a bug, a bad instance) leaves the
+                # episode unscored, never the policy's -1, and must not lose the batch's other episodes.
                 episode.termination_reason, episode.error = "env_error", f"score: {type(exc).__name__}: {exc}"
                 return
             episode.reward, episode.reward_components = verdict.reward, verdict.components

@@ -24,6 +24,7 @@ from orchard.domains.swe.prompts import process_reward_messages
 from orchard.rewards import RPR_WEIGHTS, rubric_reward
 from orchard.rollout.scripted import ScriptedEngine
 from orchard.rollout.server import build_app, serve_in_thread
+from orchard.sampling import BARConfig, bar_select
 
 ISSUE = """I ran into a problem with `inventory/items.py`. This snippet:
 
@@ -174,6 +175,19 @@ async def test_judge_trajectories_sets_the_rl_reward(tokenizer):
     # judging again reads the kept outcome: the rubric is not added twice
     await judge_trajectories(ScriptedJudge(tokenizer), trajs, rubric_weight=0.5)
     assert resolved.reward == pytest.approx(1 + 0.5 * 0.605)
+
+
+async def test_an_unresolved_rollout_with_full_marks_gets_reward_zero_and_stays_unresolved(tokenizer):
+    # The boundary of the default weight: -1 (not resolved) + 1 * 1.0 (10/10 on every dimension) = 0.0 exactly,
+    # which no reader may count as resolved (they test reward > 0).
+    unresolved, resolved = trajectory(DILIGENT, -1.0), trajectory(CHECKED_AFTER, 1.0)
+    await judge_trajectories(ScriptedJudge(tokenizer), [unresolved, resolved], rubric_weight=1.0)
+    assert unresolved.reward == 0.0 and unresolved.reward_components["rubric"] == 1.0
+    assert unresolved.reward_components["outcome"] == -1.0 and unresolved.reward_components["passed"] == 0.0
+    assert not unresolved.passed and resolved.passed
+    # BAR's default reads reward > 0: one positive and one negative, a balanced pair
+    pair = bar_select([unresolved, resolved], BARConfig(n=2, n_max=2, stride=2, rho_min=0.5, rho_max=0.5))
+    assert pair.pool_positive == [False, True] and sorted(pair.selected_indices) == [0, 1]
 
 
 async def test_unparseable_answer_removes_the_sample(tokenizer):

@@ -1,6 +1,8 @@
 """SWE instances: the loader reads JSONL, parquet and saved datasets in the SWE-bench schema (test lists as lists
 or JSON strings), keeps unknown fields, and rejects bad rows naming the row and the field."""
 
+import dataclasses
+import datetime
 import json
 
 import datasets
@@ -39,6 +41,8 @@ def test_row_becomes_an_instance_with_extras_and_a_snapshot_dir(tmp_path):
     ({"FAIL_TO_PASS": None}, "row 3 (octo__calc-1): field 'FAIL_TO_PASS' is missing"),
     ({"FAIL_TO_PASS": "[test_add"}, "row 3 (octo__calc-1): field 'FAIL_TO_PASS' is not a JSON list"),
     ({"PASS_TO_PASS": json.dumps([1])}, "row 3 (octo__calc-1): field 'PASS_TO_PASS' must be a list"),
+    ({"FAIL_TO_PASS": json.dumps(["test_calc.py::test_add", ""])},
+     "row 3 (octo__calc-1): field 'FAIL_TO_PASS' must be a list of non-empty test id strings"),
     ({"FAIL_TO_PASS": "[]"}, "row 3 (octo__calc-1): field 'FAIL_TO_PASS' is empty"),
     ({"problem_statement": "  "}, "row 3 (octo__calc-1): field 'problem_statement' must be a non-empty string"),
     ({"instance_id": 7}, "row 3: field 'instance_id' must be a non-empty string"),
@@ -91,6 +95,27 @@ def test_toy_files_round_trip_through_jsonl(tmp_path):
                     extras={"level": 2})
     save_instances([a, b], tmp_path / "toy.jsonl")
     assert load_instances(tmp_path / "toy.jsonl") == [a, b]
+
+
+def test_dates_that_datasets_reads_round_trip_through_save(tmp_path):
+    # SWE-bench's created_at is an ISO string; `datasets` hands it back as a naive datetime, which json.dumps
+    # refused ("Object of type datetime is not JSON serializable")
+    rows = [row(instance_id=f"octo__calc-{k}", created_at=f"2023-05-0{k}T12:34:56Z",
+                files=json.dumps({"calc.py": f"x = {k}\n"})) for k in (1, 2)]
+    (tmp_path / "swe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_instances(tmp_path / "swe.jsonl")
+    assert loaded[1].extras["created_at"] == datetime.datetime(2023, 5, 2, 12, 34, 56)
+    save_instances(loaded, tmp_path / "saved.jsonl")
+    saved = [json.loads(line) for line in (tmp_path / "saved.jsonl").read_text().splitlines()]
+    assert [r["created_at"] for r in saved] == ["2023-05-01T12:34:56", "2023-05-02T12:34:56"]
+    assert load_instances(tmp_path / "saved.jsonl") == loaded
+    # a date and a time in memory are written as ISO strings too; a value JSON cannot hold names its instance
+    dated = dataclasses.replace(loaded[0], extras={"day": datetime.date(2023, 5, 1), "at": datetime.time(12, 30)})
+    save_instances([dated], tmp_path / "dated.jsonl")
+    assert json.loads((tmp_path / "dated.jsonl").read_text())["day"] == "2023-05-01"
+    assert json.loads((tmp_path / "dated.jsonl").read_text())["at"] == "12:30:00"
+    with pytest.raises(ValueError, match=r"instances\[1\] \(octo__calc-2\) has a field JSON cannot hold"):
+        save_instances([dated, dataclasses.replace(loaded[1], extras={"blob": object()})], tmp_path / "bad.jsonl")
 
 
 def test_pytest_summary_is_read_per_test():

@@ -1,0 +1,117 @@
+"""`run_swe_episodes` never scores an episode its environment failed: against the real embedded sandbox service,
+with the harness program replaced by a fake that reports some episodes and exits, scoring that raises (a bug, a
+deleted sandbox) and an episode the program never reported come back ``env_error`` with no reward, while the
+others are scored as usual and the batch is kept."""
+
+import asyncio
+import json
+
+import pytest
+
+from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.swe import tool_rollout
+from orchard.domains.swe.generator import make_instance
+from orchard.domains.swe.tool_rollout import run_swe_episodes
+from orchard.env import AsyncSandboxClient, RetryPolicy
+from orchard.env.embedded import serve
+from orchard.rollout.program import read_episodes
+from orchard.rollout.proxy import RecordingProxy
+
+RUN_ID = "swe-env-errors"
+
+
+class NeverCalled:
+    """The policy: the fake program asks it nothing."""
+
+    async def generate(self, requests):
+        raise AssertionError("the model was called")
+
+
+def fake_program(reported, status=1):
+    """A stand-in for the harness program: reports the episodes whose index is in ``reported`` as finished after
+    one turn, writes nothing for the rest, and exits with ``status``. Returns it and the episodes it read."""
+    seen = {}
+
+    async def run(argv, env, timeout_s):
+        episodes = read_episodes(argv[argv.index("--episodes") + 1])  # as the real program reads them
+        with open(argv[argv.index("--out") + 1], "w") as out:
+            for episode in episodes:
+                seen[episode["session_id"]] = episode["sandbox_id"]
+                if int(episode["session_id"].rsplit("-", 1)[1]) in reported:
+                    out.write(json.dumps({
+                        "session_id": episode["session_id"], "sandbox_id": episode["sandbox_id"],
+                        "termination_reason": "done", "steps": 1, "format_errors": 0, "tool_calls": 0,
+                        "messages": [{"role": "user", "content": episode["prompt"]},
+                                     {"role": "assistant", "content": "I changed nothing."}],
+                        "wall_s": 0.1}) + "\n")
+        return status, "the program crashed" if status else ""
+
+    return run, seen
+
+
+def play(monkeypatch, program, score=None, group_size=4):
+    monkeypatch.setattr(tool_rollout, "_run_program", program)
+    if score is not None:
+        monkeypatch.setattr(tool_rollout, "score_sandbox", score)
+    instance = make_instance("graph", 2, level=1)
+    tokenizer = build_chat_tokenizer()
+
+    async def main(service):
+        retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
+        async with AsyncSandboxClient(service.url, service.api_key, retry=retry) as client:
+            proxy = RecordingProxy(NeverCalled(), tokenizer)
+            try:
+                trajectories = await run_swe_episodes([instance], client=client, proxy=proxy, group_size=group_size,
+                                                      run_id=RUN_ID, test_timeout_s=60.0)
+            finally:
+                await proxy.aclose()
+            left = [s["sandbox_id"] for s in await client.list_sandboxes()]
+            return trajectories, left
+
+    with serve() as service:
+        return asyncio.run(main(service))
+
+
+def test_scoring_that_fails_or_an_episode_never_reported_is_env_error(monkeypatch):
+    program, sandbox_of = fake_program(reported={0, 1, 2})
+    real_score = tool_rollout.score_sandbox
+    scored = []
+
+    async def score(sandbox, instance, *args, **kwargs):
+        scored.append(sandbox.sandbox_id)
+        if sandbox.sandbox_id == sandbox_of[f"{RUN_ID}-1"]:
+            raise RuntimeError("scoring broke")  # a bug while scoring: not an environment error class
+        if sandbox.sandbox_id == sandbox_of[f"{RUN_ID}-2"]:
+            await sandbox.delete()  # the sandbox is gone when scoring starts
+        return await real_score(sandbox, instance, *args, **kwargs)
+
+    trajectories, left = play(monkeypatch, program, score)
+    assert len(trajectories) == 4 and len(scored) == 3  # the unreported episode is not scored at all
+    played, broken, deleted, unreported = trajectories
+    # the episode that was played and scored: nothing changed, so not resolved
+    assert played.termination_reason == "done" and played.reward == -1.0 and played.metadata["error"] is None
+    assert played.reward_components["empty_patch"] == 1.0
+    for traj in (broken, deleted, unreported):
+        assert traj.termination_reason == "env_error" and traj.reward is None and not traj.valid
+        assert traj.is_env_error and not traj.passed and traj.reward_components == {}
+    assert broken.metadata["error"] == "score: RuntimeError: scoring broke"
+    assert deleted.metadata["error"].startswith("score: ")
+    assert unreported.metadata["error"].startswith("program: no report (exit 1): the program crashed")
+    assert not [s for s in left if s in sandbox_of.values()]  # every sandbox deleted
+
+
+@pytest.mark.parametrize("status", [0, 1, None])  # a clean exit, a crash, killed for time
+def test_a_program_that_reports_nothing_leaves_every_episode_env_error(monkeypatch, status):
+    program, sandbox_of = fake_program(reported=set(), status=status)
+    scored = []
+
+    async def score(sandbox, instance, *args, **kwargs):
+        scored.append(sandbox.sandbox_id)
+        raise AssertionError("an unreported episode was scored")
+
+    trajectories, left = play(monkeypatch, program, score, group_size=2)
+    assert scored == [] and len(sandbox_of) == 2
+    for traj in trajectories:
+        assert traj.termination_reason == "env_error" and traj.reward is None
+        assert traj.metadata["error"].startswith(f"program: no report (exit {status})")
+    assert not [s for s in left if s in sandbox_of.values()]
