@@ -60,7 +60,7 @@ def test_a_name_resolves_only_once_fetched_and_the_error_names_the_command(cache
 
 def test_a_directory_still_resolves_and_anything_else_is_refused_by_name(tmp_path):
     assert resolve_checkpoint(str(tmp_path)) == tmp_path
-    with pytest.raises(ValueError, match="path_or_name must be .*smollm2-135m-instruct"):
+    with pytest.raises(ValueError, match=r"path_or_name must be .*smollm2-135m-instruct"):
         resolve_checkpoint("smollm2-135m")  # a near miss: neither a name nor a directory
     with pytest.raises(ValueError, match="path_or_name"):
         resolve_checkpoint("")
@@ -70,15 +70,15 @@ def test_verify_refuses_a_changed_a_missing_and_an_unlisted_file(tmp_path):
     ckpt = fake_checkpoint(tmp_path / "ckpt", {"config.json": b'{"a": 1}', "model.safetensors": b"weights"})
     assert verify_checkpoint(ckpt) == ckpt
     (ckpt / "config.json").write_bytes(b'{"a": 2}')  # same size, other bytes: only the hash sees it
-    with pytest.raises(ChecksumError, match="config.json does not match its recorded sha256"):
+    with pytest.raises(ChecksumError, match=r"config\.json does not match its recorded sha256"):
         verify_checkpoint(ckpt)
     (ckpt / "config.json").write_bytes(b'{"a": 1}')
     (ckpt / "extra.safetensors").write_bytes(b"more")
-    with pytest.raises(ChecksumError, match="extra.safetensors"):
+    with pytest.raises(ChecksumError, match=r"extra\.safetensors"):
         verify_checkpoint(ckpt)
     (ckpt / "extra.safetensors").unlink()
     (ckpt / "model.safetensors").unlink()
-    with pytest.raises(ChecksumError, match="model.safetensors is missing"):
+    with pytest.raises(ChecksumError, match=r"model\.safetensors is missing"):
         verify_checkpoint(ckpt)
     with pytest.raises(ChecksumError, match=MANIFEST):
         verify_checkpoint(tmp_path)  # not a converted checkpoint
