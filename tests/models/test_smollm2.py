@@ -54,7 +54,7 @@ def test_the_cached_checkpoint_matches_its_manifest_and_a_corrupted_copy_is_refu
             shutil.copy(path, copy / path.name)
     config = (copy / "config.json").read_text()
     (copy / "config.json").write_text(config.replace('"num_hidden_layers": 30', '"num_hidden_layers": 29'))
-    with pytest.raises(ChecksumError, match="config.json does not match its recorded sha256"):
+    with pytest.raises(ChecksumError, match=r"config\.json does not match its recorded sha256"):
         verify_checkpoint(copy)
 
 
