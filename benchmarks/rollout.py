@@ -6,7 +6,8 @@
    (no stop token, so every row generates exactly ``--new-tokens``); the engine also with ``fast_decode=False``
    (its prefill and decode steps on the model's own forward). Model: a random Qwen3 from a config (``--shape
    bench``: hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192; ``--shape claw``: the Claw recipe's policy,
-   hidden 128, 4 layers, vocab 1024), float32 on CPU or bf16 on GPU. Baseline: HF.
+   hidden 128, 4 layers, vocab 1024; ``--shape smollm2``: the real SmolLM2-135M-Instruct, fetched by name), float32
+   on CPU or bf16 on GPU. Baseline: HF.
 2. Episodes: ``--episodes`` concurrent multi-turn episodes of ``--turns`` turns. Each turn samples up to
    ``--new-tokens`` tokens, cut at a per-episode, per-turn length (uniform in [4, --new-tokens], as stop tokens
    would) and appends ``--obs-tokens`` observation tokens; the next turn's prompt is the whole history. Baseline:
@@ -32,6 +33,8 @@
     python benchmarks/rollout.py --device cuda --batch 1 16 64 --new-tokens 128
     python benchmarks/rollout.py --skip-rollouts           # no agent loop (no bwrap needed)
     python benchmarks/rollout.py --batch 16 64 --new-tokens 32 --shape claw --skip-rollouts --skip-streaming
+    python benchmarks/rollout.py --shape smollm2 --threads 2 --batch 16 --episodes 16 --prompt-len 256 \
+        --new-tokens 64 --obs-tokens 48 --repeats 1 --skip-rollouts --skip-streaming
     python benchmarks/rollout.py --batch 16 64 --new-tokens 32 --skip-rollouts --skip-streaming --compile-decode
 """
 
@@ -70,9 +73,18 @@ SHAPES = {
 builds it: MLP 3 x hidden, 4 heads / 2 KV heads, head dim hidden / 4)."""
 
 
+PRETRAINED_SHAPES = {"smollm2": "smollm2-135m-instruct"}
+"""``--shape`` values that load a real pretrained checkpoint by name (`orchard models fetch NAME` first):
+``smollm2`` is SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49,152)."""
+
+
 def bench_model(device: str, dtype: torch.dtype, shape: str = "bench"):
     from orchard.train.tiny import tiny_qwen3
 
+    if shape in PRETRAINED_SHAPES:
+        from orchard.train.model import load_causal_lm
+
+        return load_causal_lm(PRETRAINED_SHAPES[shape]).to(device=device, dtype=dtype).eval()
     vocab, size = SHAPES[shape]
     model = tiny_qwen3(vocab, seed=0, eos_token_id=2, pad_token_id=0, bos_token_id=None, **size)
     return model.to(device=device, dtype=dtype).eval()
@@ -413,8 +425,8 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench",
-                        help="model of the generation and episodes tables (see SHAPES)")
+    parser.add_argument("--shape", choices=sorted([*SHAPES, *PRETRAINED_SHAPES]), default="bench",
+                        help="model of the generation and episodes tables (see SHAPES and PRETRAINED_SHAPES)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=32)
