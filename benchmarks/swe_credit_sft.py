@@ -69,7 +69,7 @@ async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    train, heldout = swe.instance_pools(cfg)
+    train, _, heldout = swe.instance_pools(cfg)  # SFT arms only: the RL pool unused
     log = stages.RunLog(out)
     _, tokenizer = load_policy(cfg.model, swe.corpus([*train, *heldout]), seed=cfg.seed)
     result: dict[str, Any] = {"seed": cfg.seed, "arms": {}, "counts": {}}

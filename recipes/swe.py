@@ -1,16 +1,18 @@
 """Orchard-SWE: repository-level issue resolution in sandboxes; credit-assigned SFT, then RL and a value reranker.
 
 Stages (`orchard.stages`): held-out evaluation of the base model on three harnesses (bash-only, tool calling, and a
-third convention held out of training) -> the scripted teacher's trajectories, 5 per task through each trained
-harness, failures kept (the paper's) -> curation (``sft.curate``: those over ``sft.max_len`` and those with
+third convention held out of training) -> the scripted teacher's trajectories (a script that replays each task's
+gold patch, with seeded mistakes; not a model), 5 per task through each trained harness, failures kept (the
+paper's) -> curation (``sft.curate``: those over ``sft.max_len`` and those with
 undefined, invalid or unparseable tool calls dropped) -> hindsight values of the failed ones from a value teacher behind the
 engine / OpenAI interface -> SFT in ``sft.mode``: resolved-only, all, or credit (resolved trajectories whole, failed
 ones only on the steps whose TD credit is >= 0.05) -> held-out evaluation (resolve rate, pass@k) on the three
-harnesses -> the task filter (8 rollouts of the SFT policy per train instance, keep 0 < p̂ <= 0.5) -> RL in
-``rl.variant`` (the RL_VARIANTS table; grpo_bar: GRPO with Balanced Adaptive Rollout on the outcome reward) on the
-kept instances through the trained harnesses -> held-out evaluation -> a value model trained on the run's
-rollouts, and best-of-6 by value over the final policy's held-out candidates beside random and oracle. Sandbox
-failures are counted, never scored. Each stage's episodes draw their sandboxes from a warm pool sized to what it
+harnesses -> the task filter (8 rollouts of the SFT policy per RL instance, keep 0 < p̂ <= 0.5; the RL instances
+are ``instances.rl_path``'s, apart from SFT's as in the paper, else the train ones) -> RL in ``rl.variant`` (the
+RL_VARIANTS table; grpo_bar: GRPO with Balanced Adaptive Rollout on the outcome reward) on the kept instances
+through the trained harnesses -> held-out evaluation -> a value model trained on the run's rollouts, and
+best-of-6 by value over the final policy's held-out candidates beside random and oracle. Sandbox failures are
+counted, never scored. Each stage's episodes draw their sandboxes from a warm pool sized to what it
 plays at once (``env_pool`` the most); the embedded service shares the pytest bundle with every sandbox. Writes ``metrics.jsonl``, ``results.json`` (with the resolved config),
 ``learning_curve.png``, ``rl_summary.json`` (BAR's positive ratio per group), ``rerank.json`` and
 ``value_curves.png`` under ``output_dir``.
@@ -20,12 +22,15 @@ Single machine (CPU, a tiny random Qwen3, an offline tokenizer, seeded toy insta
     python recipes/swe.py --config recipes/configs/swe_tiny.yaml [key=value ...]
 
 Multi-GPU, the paper's setting (Qwen3-30B-A3B-Thinking from a local path; vLLM over this node's GPUs; the trainer a
-single-process DeepSpeed ZeRO-3 engine; instances in the SWE-bench schema on disk; a sandbox service already running
-on Kubernetes; a value teacher served by URL) — this is the launch line as it stands:
+single-process DeepSpeed ZeRO-3 engine; instances in the SWE-bench schema on disk, SFT, RL and held-out files apart,
+each instance's repository a local clone or git worktree at its base_commit under ``instances.repo_root``
+(``<repo_root>/<instance_id>``, checked before the run); a sandbox service already running on Kubernetes; a value
+teacher served by URL) — this is the launch line as it stands:
 
     SANDBOX_API_KEY=... python recipes/swe.py --config recipes/configs/swe.yaml \\
-        model.path=/models/Qwen3-30B-A3B-Thinking instances.path=/data/swe-gym.jsonl \\
-        env_url=https://sandboxes.example values.url=http://value-teacher:8000/v1
+        model.path=/models/Qwen3-30B-A3B-Thinking instances.path=/data/swe-gym-sft.jsonl \\
+        instances.rl_path=/data/swe-gym-rl.jsonl instances.heldout_path=/data/swe-bench-verified.jsonl \\
+        instances.repo_root=/data/repos env_url=https://sandboxes.example values.url=http://value-teacher:8000/v1
 
 RL variants (``rl.variant``): ``grpo_bar``; on-policy distillation from ``rl.teacher`` (``opd_k2``, ``opd_k3``,
 ``opd_js``, and ``opd_js_grpo``, the paper's best: a teacher served by URL, a local checkpoint, or at CPU scale a
@@ -55,9 +60,9 @@ from orchard._cli import run_main
 from orchard.domains.swe.convention import unparseable_actions
 from orchard.domains.swe.generator import LEVELS, TEMPLATES, generate_instances
 from orchard.domains.swe.harness import SWEEvalHarness
-from orchard.domains.swe.instances import SWEInstance, load_instances
+from orchard.domains.swe.instances import SWEInstance, check_snapshots, load_instances
 from orchard.domains.swe.judge import JudgedRollouts, ScriptedJudge
-from orchard.domains.swe.sandbox import SHARED_PYTEST, sandbox_options, write_pytest_bundle
+from orchard.domains.swe.sandbox import SHARED_PYTEST, patched_paths, sandbox_options, write_pytest_bundle
 from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine, teacher_trajectories
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
 from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
@@ -77,7 +82,7 @@ from orchard.stages import (
 )
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
-from orchard.train.config import config_to_dict
+from orchard.train.config import ConfigError, config_to_dict
 from orchard.train.model import load_causal_lm
 from orchard.train.objective import LossTerm
 from orchard.value import ValueModel
@@ -124,9 +129,17 @@ DERIVED = {**stages.derived_keys("sft", "rl"), "rl.use_bar": "rl.variant", "rl.r
 @dataclass
 class InstancesConfig:
     path: str | None = None
-    """Instances in the SWE-bench schema (JSONL, parquet or a saved dataset); null generates seeded toy ones."""
+    """Instances in the SWE-bench schema (JSONL, parquet or a saved dataset): the teacher's tasks (SFT data), and
+    RL's unless rl_path is set; null generates seeded toy ones."""
     heldout_path: str | None = None
     """Held-out instances (same formats); with path set, required."""
+    rl_path: str | None = None
+    """RL instances (same formats; a saved DatasetDict's "rl" split), kept apart from path's as the paper keeps
+    its RL pool apart from SFT's; null: RL draws from path's. Needs path."""
+    repo_root: str | None = None
+    """Folder of repository snapshots, ``<repo_root>/<instance_id>`` each (a clone or ``git worktree`` checked out
+    at the row's base_commit), for rows with neither files nor repo_dir; every snapshot is checked with git to be
+    at its base_commit, unchanged, before the run starts. Needs path."""
     train_per_template: int = 2
     """Toy instances per repository template for training (6 templates)."""
     heldout_per_template: int = 1
@@ -294,6 +307,10 @@ class SWEConfig:
             raise ValueError(f"sft_mode must be one of {list(SFT_MODES)}, got {self.sft_mode!r}")
         if (self.instances.path is None) != (self.instances.heldout_path is None):
             raise ValueError("instances.heldout_path must be set exactly when instances.path is")
+        for name in ("rl_path", "repo_root"):
+            if getattr(self.instances, name) is not None and self.instances.path is None:
+                raise ValueError(f"instances.{name} needs instances.path (toy instances carry their files and draw "
+                                 f"RL from the train pool)")
         if any(level not in LEVELS for level in self.instances.levels) or not self.instances.levels:
             raise ValueError(f"instances.levels must be among {list(LEVELS)}, got {self.instances.levels!r}")
         if any(t not in TEMPLATES for t in self.instances.templates):
@@ -306,13 +323,26 @@ class SWEConfig:
             raise ValueError(f"env_pool must be an int >= 0, got {self.env_pool!r}")
 
 
-def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance]]:
-    """(train, held-out): from disk, or seeded toy instances whose held-out bugs never appear in training."""
-    if cfg.instances.path is not None:
-        return load_instances(cfg.instances.path), load_instances(cfg.instances.heldout_path, split="heldout")
-    kw = {"levels": tuple(cfg.instances.levels), "templates": tuple(cfg.instances.templates) or None}
-    return (generate_instances("train", cfg.instances.train_per_template, **kw),
-            generate_instances("heldout", cfg.instances.heldout_per_template, **kw))
+def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance], list[SWEInstance]]:
+    """(train, RL, held-out): from disk, each snapshot checked to be at its base commit (a bad row or snapshot is a
+    one-line `ConfigError` naming the file's key and the instance); or seeded toy instances whose held-out bugs
+    never appear in training (RL draws from train)."""
+    c = cfg.instances
+    if c.path is None:
+        kw = {"levels": tuple(c.levels), "templates": tuple(c.templates) or None}
+        train = generate_instances("train", c.train_per_template, **kw)
+        return train, train, generate_instances("heldout", c.heldout_per_template, **kw)
+    pools: dict[str, list[SWEInstance]] = {}
+    for key, path, split in (("path", c.path, "train"), ("rl_path", c.rl_path, "rl"),
+                             ("heldout_path", c.heldout_path, "heldout")):
+        if path is None:
+            continue
+        try:
+            pools[key] = load_instances(path, split=split, repo_root=c.repo_root)
+            check_snapshots(pools[key])
+        except ValueError as exc:
+            raise ConfigError(f"instances.{key}: {exc}") from exc
+    return pools["path"], pools.get("rl_path", pools["path"]), pools["heldout_path"]
 
 
 @contextlib.asynccontextmanager
@@ -344,8 +374,18 @@ def swe_harnesses(cfg: SWEConfig, tokenizer: Any, client: Any) -> dict[str, Roll
 
 
 def corpus(instances: list[SWEInstance]) -> list[str]:
-    """The toy repositories' code and the issues' text, for the tiny model's offline tokenizer."""
-    return [text for i in instances for text in (i.problem_statement, *i.files.values())]
+    """The issues' text and the code the tasks are about, for the tiny model's offline tokenizer: a toy
+    repository whole; of a snapshot on disk, the files its fix and its tests touch, and the fix."""
+    texts = []
+    for i in instances:
+        texts.append(i.problem_statement)
+        if i.files is not None:
+            texts += i.files.values()
+        else:
+            touched = dict.fromkeys([*patched_paths(i.patch), *patched_paths(i.test_patch)])
+            texts += [t for t in map(i.read, touched) if t is not None]
+            texts.append(i.patch)
+    return texts
 
 
 async def hindsight_values(cfg: SWEConfig, trajectories: list[Any], tokenizer: Any) -> dict[int, Any]:
@@ -357,14 +397,14 @@ async def hindsight_values(cfg: SWEConfig, trajectories: list[Any], tokenizer: A
     return {id(t): v for t, v in zip(failed, values, strict=True)}
 
 
-async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any, train: list[SWEInstance],
+async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any, instances: list[SWEInstance],
                        log: stages.RunLog) -> tuple[list[SWEInstance], list[Any]]:
-    """The RL stage's tasks (those of useful difficulty for the SFT policy, unless rl.filter.enabled is false) and
-    the filter's rollouts."""
+    """The RL stage's tasks among ``instances`` (those of useful difficulty for the SFT policy, unless
+    rl.filter.enabled is false) and the filter's rollouts."""
     f = cfg.rl.filter
     if not f.enabled:
-        return train, []
-    kept = await stages.filter_tasks(trained, engine, f.candidates_of(train, cfg.seed), attempts=f.attempts,
+        return instances, []
+    kept = await stages.filter_tasks(trained, engine, f.candidates_of(instances, cfg.seed), attempts=f.attempts,
                                      low=f.low, high=f.high, temperature=cfg.rollout.temperature)
     log.log(kept.stats, 0)
     log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= {f.high} "
@@ -430,13 +470,13 @@ def opd_teacher(cfg: SWEConfig, out: Path, tokenizer: Any, trajectories: list[An
     return HFEngine(teacher_model.eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64, seed=cfg.seed)
 
 
-def judged(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any, train: list[SWEInstance],
+def judged(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any, instances: list[SWEInstance],
            ) -> dict[str, Rollouts]:
     """The RPR variant's harnesses: every rollout graded by ``rl.judge`` (the reference block: the instance's
     hidden FAIL_TO_PASS tests and gold patch); judge failures leave the loss and are counted by the RL stage."""
     j = cfg.rl.judge
     judge: Any = j.url if j.url is not None else ScriptedJudge(tokenizer)
-    by_id = {inst.instance_id: inst for inst in train}
+    by_id = {inst.instance_id: inst for inst in instances}
 
     def reference(traj: Any) -> dict[str, Any]:
         inst = by_id[traj.task_id]
@@ -447,16 +487,16 @@ def judged(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any, train: 
 
 
 async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], sandboxes: PooledSandboxes, engine: Any,
-             model: Any, tokenizer: Any, train: list[SWEInstance], log: stages.RunLog, teacher: Any = None,
+             model: Any, tokenizer: Any, instances: list[SWEInstance], log: stages.RunLog, teacher: Any = None,
              ) -> tuple[list[dict[str, float]], list[Any]]:
-    """Task filter, then ``rl.variant`` through the trained harnesses on the kept tasks (skipped when none is
-    kept), each with its warm pool. Returns the RL history and every verified-or-not rollout generated on train
-    tasks (the value pool)."""
+    """Task filter over ``instances`` (the RL pool: instances.rl_path's, else the train instances), then
+    ``rl.variant`` through the trained harnesses on the kept tasks (skipped when none is kept), each with its warm
+    pool. Returns the RL history and every verified-or-not rollout generated on those tasks (the value pool)."""
     trained = {h: harnesses[h] for h in cfg.harnesses}
-    rated = len(cfg.rl.filter.candidates_of(train, cfg.seed))
+    rated = len(cfg.rl.filter.candidates_of(instances, cfg.seed))
     async with warm(sandboxes, cfg, rated * math.ceil(cfg.rl.filter.attempts / len(trained))):
-        tasks, generated = await rl_task_pool(cfg, trained, engine, train, log)
-    judges = judged(cfg, trained, tokenizer, train) if RL_VARIANTS[cfg.rl.variant].judge else None
+        tasks, generated = await rl_task_pool(cfg, trained, engine, instances, log)
+    judges = judged(cfg, trained, tokenizer, instances) if RL_VARIANTS[cfg.rl.variant].judge else None
     trained = judges or trained
     summary: dict[str, Any] = {"variant": cfg.rl.variant, "tasks": len(tasks), "steps": 0}
     history: list[dict[str, float]] = []
@@ -519,10 +559,11 @@ async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts]
 
 
 async def run(cfg: SWEConfig) -> dict[str, Any]:
+    train, rl_pool, heldout = instance_pools(cfg)  # a bad file or snapshot stops the run before it writes anything
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval)
     out, log = run.out, run.log
-    train, heldout = instance_pools(cfg)
-    model, tokenizer = load_policy(cfg.model, corpus([*train, *heldout]), seed=cfg.seed)
+    unique = {i.instance_id: i for i in [*train, *rl_pool, *heldout]}
+    model, tokenizer = load_policy(cfg.model, corpus(list(unique.values())), seed=cfg.seed)
     engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
     trajectories: list[Any] = []
     dropped: dict[str, float] = {}
@@ -556,7 +597,7 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
         if cfg.rl.enabled:
             teacher = opd_teacher(cfg, out, tokenizer, trajectories, log) if row.teacher else None
             # The stage hands the engine new weights after every update: it holds the final policy here.
-            run.rl_history, pool = await rl(cfg, out, harnesses, sandboxes, engine, model, tokenizer, train, log,
+            run.rl_history, pool = await rl(cfg, out, harnesses, sandboxes, engine, model, tokenizer, rl_pool, log,
                                             teacher)
             if teacher is not None:
                 await teacher.close()

@@ -1,7 +1,8 @@
 """Set-up shared by test modules in different folders: the embedded sandbox service and the ids of the sandboxes it
 holds, the tiny vision-language model and the screenshots it looks at, DeepSpeed's CPU op built once per session,
-a scripted `Rollouts` for the task filter's tests, asyncio's timeouts as Python 3.10 has them, and a harness
-program's episode against a sandbox that never answers.
+a scripted `Rollouts` for the task filter's tests, asyncio's timeouts as Python 3.10 has them, a harness
+program's episode against a sandbox that never answers, and a real SWE-bench-format instance (a public fix) built as
+a local git clone at its base commit.
 
 On CI (the `CI` environment variable set) a skipped test fails, unless it skipped because the machine has no CUDA
 device: a CI run that skipped, say, the isolation tests for want of bubblewrap would pass without testing what it
@@ -10,12 +11,14 @@ promises. CPU CI lacks only CUDA; the GPU checks (benchmarks/gpu_check.sh) run t
 import asyncio
 import base64
 import io
+import json
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -189,3 +192,54 @@ def episode_against_a_hanging_sandbox() -> Callable:
         return asyncio.run(main())
 
     return run
+
+
+REAL_SWE = ROOT / "tests/domains/swe/cachetools_130"
+"""A real fix in the SWE-bench format: its files, gold patch, hidden test and row (see its README)."""
+
+# A fixed identity and date: the base commit's hash depends on the files alone, the same on every machine.
+_FIXTURE_GIT_ENV = {"GIT_AUTHOR_NAME": "orchard fixture", "GIT_AUTHOR_EMAIL": "fixture@orchard.invalid",
+                    "GIT_AUTHOR_DATE": "2019-05-17T16:00:00+00:00", "GIT_COMMITTER_NAME": "orchard fixture",
+                    "GIT_COMMITTER_EMAIL": "fixture@orchard.invalid",
+                    "GIT_COMMITTER_DATE": "2019-05-17T16:00:00+00:00", "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def _fixture_git(repo: Path, *args: str) -> str:
+    """``git args`` in ``repo`` with the fixture's identity and date, nothing of this process's git settings."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(repo.parent), **_FIXTURE_GIT_ENV}
+    run = subprocess.run(["git", "-c", "commit.gpgsign=false", *args], cwd=repo, env=env, capture_output=True,
+                         text=True, check=True)
+    return run.stdout
+
+
+def _build_real_swe(root: Path) -> SimpleNamespace:
+    row = json.loads((REAL_SWE / "instance.json").read_text())
+    repo_root = root / "repos"
+    repo = repo_root / row["instance_id"]
+    for stored in sorted((REAL_SWE / "repo").rglob("*.txt")):
+        target = repo / stored.relative_to(REAL_SWE / "repo").with_suffix("")  # keys.py.txt -> keys.py
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(stored.read_bytes())
+    _fixture_git(repo, "init", "-q", "--template=", ".")
+    _fixture_git(repo, "add", "-A")
+    _fixture_git(repo, "commit", "-q", "--no-verify", "-m", "cachetools 3e5fe02: the files of the fixture")
+    base_commit = _fixture_git(repo, "rev-parse", "HEAD").strip()
+    row.update(base_commit=base_commit, patch=(REAL_SWE / "patch.diff").read_text(),
+               test_patch=(REAL_SWE / "test_patch.diff").read_text())
+    path = root / "instances.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    return SimpleNamespace(path=path, repo_root=repo_root, repo=repo, base_commit=base_commit, row=row)
+
+
+@pytest.fixture(scope="session")
+def build_real_swe() -> Callable[[Path], SimpleNamespace]:
+    """``build_real_swe(root)``: the real instance (cachetools issue #130) under ``root``: ``repos/<instance_id>``
+    a git repository of one commit holding the fix's base files, ``instances.jsonl`` its SWE-bench row with that
+    commit as ``base_commit``. Returns ``path`` (the JSONL), ``repo_root``, ``repo``, ``base_commit`` and ``row``."""
+    return _build_real_swe
+
+
+@pytest.fixture(scope="session")
+def fixture_git() -> Callable[..., str]:
+    """``fixture_git(repo, *args)``: ``git args`` in ``repo`` with the real fixture's fixed identity and date."""
+    return _fixture_git

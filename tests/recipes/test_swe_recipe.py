@@ -35,6 +35,26 @@ RL_SMOKE = [
 ]
 
 
+# The real fix (cachetools issue #130, tests/domains/swe/cachetools_130) as train, RL and held-out instance at once:
+# base evaluation, the scripted teacher (the gold patch replayed, 2 attempts, one may go wrong), SFT, evaluation, a
+# CPU OPD teacher trained on the resolved attempts, one step of pure JS distillation (every group trains: signal
+# without a resolved rollout), evaluation. Bash harness only, small budgets.
+REAL_SMOKE = [
+    "harnesses=[bash]", "eval.harnesses=[bash]", "teacher.attempts=2", "teacher.failure_rate=0.5",
+    "sft_mode=resolved", "sft.epochs=1", "sft.train.global_batch_size=4", "sft.train.micro_batch_size=2",
+    "rollout.max_tokens=48", "rollout.max_steps=10", "model.hidden_size=32", "model.num_layers=1",
+    "model.vocab_size=1024", "rl.variant=opd_js", "rl.teacher.hidden_size=48", "rl.teacher.num_layers=1",
+    "rl.teacher.epochs=1", "rl.filter.enabled=false", "rl.steps=1", "rl.tasks_per_step=1", "rl.group_size=2",
+    "rl.train.global_batch_size=4", "rl.train.micro_batch_size=2", "value_model.enabled=false",
+]
+
+
+def real_files(real):
+    """The overrides that read the real instance from disk: its JSONL as every pool, its clone under repo_root."""
+    return [f"instances.path={real.path}", f"instances.rl_path={real.path}", f"instances.heldout_path={real.path}",
+            f"instances.repo_root={real.repo_root}"]
+
+
 @pytest.fixture
 def swe(recipe_module):
     """recipes/swe.py as a module, loaded once per session."""
@@ -138,6 +158,10 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
     ("harnesses=[eval]", "harnesses must be a non-empty list among ['bash', 'tool'], got ['eval']"),
     ("sft.train.total_steps=3", "sft.train.total_steps is derived from sft.epochs; set that instead"),
     ("instances.path=x.jsonl", "instances.heldout_path must be set exactly when instances.path is"),
+    ("instances.rl_path=rl.jsonl", "instances.rl_path needs instances.path (toy instances carry their files and "
+                                   "draw RL from the train pool)"),
+    ("instances.repo_root=repos", "instances.repo_root needs instances.path (toy instances carry their files and "
+                                  "draw RL from the train pool)"),
     ("env_pool=-1", "env_pool must be an int >= 0, got -1"),
 ])
 def test_config_mistakes_are_one_line(override, message, recipe_main):
@@ -146,6 +170,55 @@ def test_config_mistakes_are_one_line(override, message, recipe_main):
     status, _, err = recipe_main("swe", "--config", str(ROOT / "recipes/configs/swe_tiny.yaml"), override)
     assert status == 2
     assert err == f"error: {message}\n"
+
+
+def test_the_recipe_reads_a_real_file_with_its_clones_and_refuses_a_clone_off_its_base_commit(
+        swe, build_real_swe, fixture_git, recipe_main, tmp_path):
+    real = build_real_swe(tmp_path / "real")
+    cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe_tiny.yaml", real_files(real), derived=swe.DERIVED)
+    train, rl_pool, heldout = swe.instance_pools(cfg)
+    assert [i.instance_id for i in (*train, *rl_pool, *heldout)] == ["tkem__cachetools-130"] * 3
+    assert train[0].repo_dir == str(real.repo) and train[0].files is None
+    # a real instance has no files: the tokenizer's corpus reads the code its fix and its tests touch
+    texts = swe.corpus(train)
+    assert texts[0] == train[0].problem_statement and train[0].patch in texts
+    assert (real.repo / "cachetools/keys.py").read_text() in texts
+    assert (real.repo / "tests/test_keys.py").read_text() in texts
+    # the clone moved on: the run stops before it writes anything, naming the file's key and the instance
+    fixture_git(real.repo, "commit", "-q", "--allow-empty", "-m", "later work")
+    head = fixture_git(real.repo, "rev-parse", "HEAD").strip()
+    out = tmp_path / "run"
+    status, _, err = recipe_main("swe", "--config", str(ROOT / "recipes/configs/swe_tiny.yaml"), *real_files(real),
+                                 f"output_dir={out}")
+    assert status == 2 and not out.exists()
+    message = err.strip().split("\n")[-1]  # after the progress bars of `datasets` reading the file
+    assert message.startswith(f"error: instances.path: tkem__cachetools-130: the snapshot '{real.repo}' is at commit "
+                          f"{head}, not at its base_commit {real.base_commit}"), err
+
+
+@pytest.mark.slow
+def test_swe_recipe_smoke_on_a_real_fix(tmp_path, build_real_swe):
+    real = build_real_swe(tmp_path / "real")
+    out = tmp_path / "run"
+    proc = recipe(f"output_dir={out}", *real_files(real), *REAL_SMOKE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert set(results) == {"base", "sft", "rl"}
+    assert all(stage["bash"]["tasks"] == 1 and stage["bash"]["env_errors"] == 0 for stage in results.values())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    [teacher] = [r for r in rows if "sft/resolved" in r]
+    # 2 attempts, both scored; the gold patch replayed resolves the real instance
+    assert teacher["sft/resolved"] + teacher["sft/failed"] == 2 and teacher["sft/resolved"] >= 1
+    sft_rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    # SFT stepped on the teacher's resolved trajectories: a positive loss and a gradient
+    assert sft_rows and all(r["loss/total"] > 0 and r["grad_norm"] > 0 for r in sft_rows)
+    [step] = [r for r in rows if "rl/episodes" in r]
+    # the RL step trained a group of the RL pool's instance with signal: the student's JS divergence from the CPU
+    # teacher (another model) on its own rollouts is positive, and the step had a gradient
+    assert step["rl/episodes"] == 2 and step["rl/env_errors"] == 0
+    assert step["rl/groups_with_signal"] == 1 and step["rl/sequences"] > 0
+    assert step["opd/js"] > 0 and step["grad_norm"] > 0
+    assert json.loads((out / "rl_summary.json").read_text())["steps"] == 1
 
 
 def test_a_config_mistake_from_the_command_line():
@@ -217,6 +290,7 @@ def test_paper_config_loads_with_the_papers_setting(tmp_path, swe):
     assert (train.global_batch_size, train.engine, train.zero_stage) == (128, "deepspeed", 3)
     assert (train.optim.lr, train.optim.min_lr) == (1e-5, 1e-6)  # the cosine's peak and floor
     assert cfg.instances.path and cfg.instances.heldout_path and cfg.env_url.startswith("https://")
+    assert cfg.instances.rl_path not in (None, cfg.instances.path) and cfg.instances.repo_root  # RL apart from SFT
     assert (cfg.teacher.attempts, cfg.values.eps, cfg.eval.harnesses) == (5, 0.05, ["bash", "tool", "eval"])
     rl = cfg.rl  # part 2: JS + GRPO with BAR from the task filter's instances, the teacher served by URL
     assert (rl.variant, rl.steps, rl.tasks_per_step * rl.group_size, rl.use_bar) == ("opd_js_grpo", 150, 128, True)

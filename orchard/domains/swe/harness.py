@@ -11,11 +11,14 @@ loop parses native tool calls, and a turn without one ends the episode as done),
 convention in the program, which reaches the model only through the recording proxy.
 
 Tasks are `SWEInstance`s. Set-up is `prepare_sandbox`, the reward `score_sandbox` after the episode: +1 resolved /
--1 not, the verdict's components in ``reward_components`` and the per-test results in ``metadata["tests"]``.
+-1 not, the verdict's components in ``reward_components`` and the per-test results in ``metadata["tests"]``. Either
+raising anything is an `EnvironmentFailure` (the episode ``env_error``, the batch kept).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from orchard.data import Message, ToolCall, Trajectory
@@ -33,7 +36,20 @@ from orchard.domains.swe.convention import (
 )
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options, score_sandbox
-from orchard.rollout.harness import InvalidToolCall, Observation
+from orchard.rollout.agent_loop import ENV_ERRORS
+from orchard.rollout.harness import EnvironmentFailure, InvalidToolCall, Observation
+
+
+@contextlib.asynccontextmanager
+async def _environment(step: str) -> AsyncIterator[None]:
+    """Whatever stops set-up or scoring (the sandbox, a snapshot that cannot be read, a bug) is the environment's
+    failure: the agent loop marks the episode ``env_error`` and keeps its batch, instead of losing every episode."""
+    try:
+        yield
+    except ENV_ERRORS:
+        raise
+    except Exception as exc:
+        raise EnvironmentFailure(f"{step}: {type(exc).__name__}: {exc}") from exc
 
 
 def _instance(task: Any) -> SWEInstance:
@@ -77,7 +93,8 @@ class SWEEvalHarness:
 
     async def setup(self, sandbox: Any, task: Any) -> list[Message]:
         instance = _instance(task)
-        await prepare_sandbox(sandbox, instance, timeout=self.exec_timeout_s)
+        async with _environment("prepare"):
+            await prepare_sandbox(sandbox, instance, timeout=self.exec_timeout_s)
         return [Message("user", task_prompt(instance.problem_statement))]
 
     async def act(self, sandbox: Any, call: ToolCall, task: Any) -> Observation:
@@ -121,7 +138,9 @@ class SWEEvalHarness:
         raise BadArguments(f"unknown tool {name!r}")
 
     async def evaluate(self, sandbox: Any, task: Any, trajectory: Trajectory) -> tuple[float, dict[str, float]]:
-        verdict = await score_sandbox(sandbox, _instance(task), self.test_timeout_s, setup_timeout_s=self.exec_timeout_s)
+        instance = _instance(task)
+        async with _environment("score"):
+            verdict = await score_sandbox(sandbox, instance, self.test_timeout_s, setup_timeout_s=self.exec_timeout_s)
         trajectory.metadata["tests"] = verdict.tests
         trajectory.metadata["patch"] = verdict.patch
         return verdict.reward, verdict.components

@@ -10,13 +10,18 @@ Where the repository's files come from (never the network):
 
 - toy instances carry them: ``files`` maps a path to its text at the base commit;
 - real instances name a snapshot of the repository at ``base_commit`` on disk: ``repo_dir`` (a directory;
-  its ``.git``, if any, is ignored, so the agent never sees the history after the base commit).
+  its ``.git``, if any, is ignored, so the agent never sees the history after the base commit), by default
+  ``repo_root / instance_id`` (a local clone or a ``git worktree`` checked out at ``base_commit``).
+  `check_snapshots` refuses one that is not at its ``base_commit`` (asked of git), naming the instance.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import re
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +74,23 @@ class SWEInstance:
     def tests(self) -> list[str]:
         """``FAIL_TO_PASS`` then ``PASS_TO_PASS``: every test that decides the task."""
         return [*self.FAIL_TO_PASS, *self.PASS_TO_PASS]
+
+    def read(self, path: str) -> str | None:
+        """The text of ``path`` (relative to the repository root) at the base commit: from ``files``, or read from
+        the snapshot in ``repo_dir``; None when the repository has no such file."""
+        if self.files is not None:
+            return self.files.get(path)
+        file = Path(self.repo_dir or "") / path
+        return file.read_text(errors="replace") if file.is_file() else None
+
+    def paths(self) -> list[str]:
+        """Every file of the repository at the base commit, sorted: ``files``' paths, or the snapshot's files
+        outside its ``.git`` (what the sandbox gets)."""
+        if self.files is not None:
+            return sorted(self.files)
+        root = Path(self.repo_dir or "")
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                      if p.is_file() and p.relative_to(root).parts[0] != ".git")
 
     def to_row(self) -> dict[str, Any]:
         """The instance as one flat row (extras first, then the schema's fields; the test lists as lists)."""
@@ -188,6 +210,66 @@ def load_instances(source: str | Path | Sequence[Mapping[str, Any]], *, split: s
             raise ValueError(f"row {i} ({inst.instance_id}): field 'instance_id' repeats row {seen[inst.instance_id]}")
         seen[inst.instance_id] = i
     return instances
+
+
+_HASH = re.compile(r"[0-9a-fA-F]{4,64}")
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # Nothing of this process's git environment (GIT_DIR, GIT_INDEX_FILE, ...) may point git elsewhere.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True)
+
+
+def check_snapshot(instance: SWEInstance) -> None:
+    """Refuse a repository snapshot that is not the repository at ``instance.base_commit``.
+
+    An instance with ``files`` passes (its files are the base). A ``repo_dir`` must be the top of a git repository
+    (a clone, or a ``git worktree``) whose ``HEAD`` is ``base_commit`` (full or abbreviated) with nothing changed:
+    no tracked file modified, added or deleted, and no untracked file outside its ignore rules (`git status`).
+    The sandbox gets the directory's files, so a snapshot at another commit would give the agent another task.
+
+    Raises:
+        ValueError: ``<instance_id>: ...``: the directory is missing or is no git repository's top (a plain
+            directory cannot be checked), ``base_commit`` is no commit of it, ``HEAD`` is another commit, or files
+            changed.
+    """
+    if not isinstance(instance, SWEInstance):
+        raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
+    if instance.files is not None:
+        return
+    where = f"{instance.instance_id}: the snapshot {instance.repo_dir!r}"
+    repo = Path(instance.repo_dir or "")
+    if not repo.is_dir():
+        raise ValueError(f"{where} does not exist (put a clone or a git worktree at base_commit there)")
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != repo.resolve():
+        said = f" (git: {top.stderr.strip()[-200:]})" if top.returncode != 0 else ""
+        raise ValueError(f"{where} is not a git repository of its own (a clone or a git worktree), so it cannot be "
+                         f"checked to be at base_commit {instance.base_commit}{said}")
+    if not _HASH.fullmatch(instance.base_commit):
+        raise ValueError(f"{instance.instance_id}: base_commit must be a commit hash, got {instance.base_commit!r}")
+    base = _git(repo, "rev-parse", "--verify", "--quiet", f"{instance.base_commit}^{{commit}}")
+    if base.returncode != 0:
+        raise ValueError(f"{where} has no commit {instance.base_commit} (its base_commit)")
+    head = _git(repo, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+    if head.stdout.strip() != base.stdout.strip():
+        raise ValueError(f"{where} is at commit {head.stdout.strip() or '(none)'}, not at its base_commit "
+                         f"{base.stdout.strip()} (check it out there: git -C <snapshot> checkout "
+                         f"{instance.base_commit})")
+    status = _git(repo, "status", "--porcelain")
+    if status.returncode != 0:
+        raise ValueError(f"{where}: git status failed: {status.stderr.strip()[-300:]}")
+    changed = status.stdout.splitlines()
+    if changed:
+        raise ValueError(f"{where} is at base_commit but has {len(changed)} changed or untracked file(s): "
+                         f"{', '.join(line[3:] for line in changed[:5])}")
+
+
+def check_snapshots(instances: Sequence[SWEInstance]) -> None:
+    """`check_snapshot` of every instance, in order: the first that is not at its base commit raises."""
+    for instance in instances:
+        check_snapshot(instance)
 
 
 def _read_rows(path: Path, split: str) -> list[dict[str, Any]]:

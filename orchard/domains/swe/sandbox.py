@@ -37,8 +37,8 @@ After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent
 Step 1 is one command and step 4 another. A patch that does not apply, or may write more than
 `MAX_PATCH_WRITE_BYTES` (read from its headers before anything is unpacked here), a tree the archive upload
 refuses for its size, or a run that times out or crashes, is the policy's failure (not resolved, reward -1). A sandbox that fails (the client's errors, or a set-up step that
-should succeed and did not: `orchard.rollout.harness.EnvironmentFailure`) raises: the caller marks the episode
-``env_error``, never 0. Every set-up step is done before the agent's code runs again (in step 4), so a test
+should succeed and did not: `orchard.rollout.harness.EnvironmentFailure`, a step 1 that runs out of time
+among them, since no patch was taken) raises: the caller marks the episode ``env_error``, never 0. Every set-up step is done before the agent's code runs again (in step 4), so a test
 that exits with a chosen status cannot pass itself off as a set-up failure.
 """
 
@@ -775,8 +775,9 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     Raises:
         ValueError: ``instance`` has no ``FAIL_TO_PASS`` test (every verdict would be resolved) or an empty test id,
             or a timeout is not a number > 0; checked before the sandbox is touched.
-        EnvironmentFailure: a step before the tests that should succeed did not (emptying the workspace,
-            unpacking, ``test_patch`` not applying to the base), or the image's pytest is gone. Once the tests
+        EnvironmentFailure: a step before the tests that should succeed did not (taking the patch within
+            ``setup_timeout_s``, emptying the workspace, unpacking, ``test_patch`` not applying to the base), or the
+            image's pytest is gone. Once the tests
             started, any exit status is theirs: the probe found the python, so a 126 or 127 comes from the
             agent's code (a conftest that exits so), the policy's failure rather than an ``env_error`` it could
             hide behind.
@@ -795,6 +796,9 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     tests = instance.tests
     taken = await sandbox.exec(["bash", "-c", _TAKE_PATCH], timeout=setup_timeout_s, env=GIT_ENV,
                                max_output_bytes=MAX_PATCH_BYTES)
+    if taken.timed_out:
+        # No patch was taken, so there is nothing to score: the episode has no verdict (env_error), not a -1.
+        raise EnvironmentFailure(f"taking the patch timed out after {setup_timeout_s:g} s: {taken.stderr[-300:]}")
     if taken.exit_code == _EMPTY_FAILED:
         raise EnvironmentFailure(f"emptying the workspace failed: {taken.stderr[-500:]}")
     # A repository the agent broke (.git removed) gives no patch: its failure, not the sandbox's.

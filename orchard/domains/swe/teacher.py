@@ -121,13 +121,6 @@ def patch_edits(patch: str) -> list[Edit]:
     return edits
 
 
-def _source(instance: SWEInstance, path: str) -> str | None:
-    if instance.files is not None:
-        return instance.files.get(path)
-    file = Path(instance.repo_dir or "") / path
-    return file.read_text() if file.is_file() else None
-
-
 def _tweaked(line: str) -> str:
     """A line changed without changing what it does (the edit of an engineer who believed it fixed)."""
     body = line.rstrip("\n")
@@ -185,15 +178,24 @@ class SWETeacherEngine:
             self.instances[key] = instance
         self._starts: dict[str, int] = {}
         self._regressions: dict[str, list[Edit] | None] = {}
+        self._wrong: dict[str, str | None] = {}
 
     # ---- noise ----------------------------------------------------------------------------------------------
 
     def _wrong_module(self, instance: SWEInstance) -> str | None:
+        """The module the ``wrong_file`` kind suspects (cached): a Python module the fix and the tests do not
+        touch, with a line to edit, one beside a fixed module first (a real repository has docs and scripts too)."""
+        if instance.instance_id in self._wrong:
+            return self._wrong[instance.instance_id]
         touched = {e.path for e in patch_edits(instance.patch)}
         tests = set(patched_paths(instance.test_patch))
-        candidates = sorted(p for p in (instance.files or {}) if p.endswith(".py") and p not in touched
-                            and p not in tests and not p.endswith("__init__.py") and "test" not in Path(p).name)
-        return candidates[0] if candidates else None
+        beside = {str(Path(p).parent) for p in touched}
+        candidates = sorted((p for p in instance.paths() if p.endswith(".py") and p not in touched
+                             and p not in tests and not p.endswith("__init__.py") and "test" not in Path(p).name),
+                            key=lambda p: (str(Path(p).parent) not in beside, p))
+        wrong = next((p for p in candidates if (instance.read(p) or "").strip()), None)
+        self._wrong[instance.instance_id] = wrong
+        return wrong
 
     def _regression_edits(self, instance: SWEInstance) -> list[Edit] | None:
         """The inverse of another toy instance's gold patch in a module the fix does not touch (cached)."""
@@ -245,14 +247,14 @@ class SWETeacherEngine:
         gold = patch_edits(instance.patch)
         files = list(dict.fromkeys(e.path for e in gold))
         reproduce = _reproduction(instance.problem_statement)
-        tests = [p for p in dict.fromkeys(patched_paths(instance.test_patch)) if _source(instance, p) is not None]
+        tests = [p for p in dict.fromkeys(patched_paths(instance.test_patch)) if instance.read(p) is not None]
         pytest = "python3 -m pytest -q -p no:cacheprovider" + "".join(f" {p}" for p in tests)
         wrong = self._wrong_module(instance) or ""
         steps = [Step(OPENINGS[kind].format(wrong=wrong), "list")]
         if kind != "untested" and reproduce:
             steps.append(Step("Let me reproduce the problem the issue describes.", "run", reproduce))
         if kind == "wrong_file":
-            text = _source(instance, wrong) or ""
+            text = instance.read(wrong) or ""
             lines = [ln for ln in text.splitlines(keepends=True) if ln.strip().startswith("return ")
                      and text.count(ln) == 1]
             line = lines[0] if lines else text.splitlines(keepends=True)[0]

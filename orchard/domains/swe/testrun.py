@@ -15,6 +15,8 @@ PYTEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
 """Environment of every test run (no bytecode in the repository; a fixed hash seed for set order)."""
 
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+)")
+_PASSING = ("PASSED", "XFAIL")
+"""The outcomes that pass a test: SWE-bench's harness counts an expected failure (``XFAIL``) as passed."""
 _SUMMARY = re.compile(r"^=+ short test summary info =+$")
 """The header of the ``-rA`` summary; only the lines after its last occurrence are read."""
 _SUBTEST_FAILED = re.compile(r"\bSUB(?:FAIL(?:ED)?|ERROR)\b")
@@ -36,11 +38,12 @@ def parse_test_results(output: str, test_ids: Sequence[str], *, exit_code: int |
 
     Only the summary is read (the lines after the last ``short test summary info`` header): a line the tests
     printed elsewhere (``PASSED <id>`` in captured output) is no verdict. A test passed iff the summary has a
-    ``PASSED <id>`` line for it and no other line naming it: a test that failed, errored (also ``PASSED`` then
-    ``ERROR`` when a fixture's teardown raised), was skipped, xfailed or xpassed, has a failed subtest (a
-    ``SUBFAILED`` / ``SUBFAIL`` line naming it, even next to its own ``PASSED``: pytest before 9 with the
-    pytest-subtests plugin reports the test passed), or never ran (a collection error, a timeout, an id that no
-    longer exists) did not. Parametrised ids match as given (``test_f[1]``).
+    ``PASSED <id>`` or ``XFAIL <id>`` line for it (an expected failure passes, as the SWE-bench harness counts it)
+    and no line of another outcome naming it: a test that failed, errored (also ``PASSED`` then ``ERROR`` when a
+    fixture's teardown raised), was skipped or xpassed, has a failed subtest (a ``SUBFAILED`` / ``SUBFAIL`` line
+    naming it, even next to its own ``PASSED``: pytest before 9 with the pytest-subtests plugin reports the test
+    passed), or never ran (a collection error, a timeout, an id that no longer exists) did not. Parametrised ids
+    match as given (``test_f[1]``).
 
     The exit code is the check on the summary: a run that exited non-zero although the summary names no failure
     of any of ``test_ids`` failed for a reason the summary does not show (a collection error in another file, a
@@ -72,7 +75,7 @@ def parse_test_results(output: str, test_ids: Sequence[str], *, exit_code: int |
         match = _OUTCOME.match(line)
         if match is not None:
             # pytest appends " - <message>" to failures; node ids hold no spaces except inside parameters
-            (passed if match.group(1) == "PASSED" else failed).add(match.group(2))
+            (passed if match.group(1) in _PASSING else failed).add(match.group(2))
         elif (sub := _SUBTEST_FAILED.search(line)) is not None:
             # the subtest's description may hold spaces: the line names each id it is about as a whole word,
             # followed by the message or the line's end

@@ -17,8 +17,9 @@ One batch (`run_swe_episodes`)::
 
 Environment failures (a sandbox that could not be created, prepared or scored; the program's own ``env_error``s;
 an episode the program never reported, whatever its exit status) give ``env_error`` with ``reward = None``, never
-a 0 or a -1. Scoring that raises anything (not only the sandbox client's errors) counts so: the episode has no
-verdict, and the rest of the batch is kept.
+a 0 or a -1. Preparing or scoring that raises anything (not only the sandbox client's errors: a snapshot that
+cannot be read, a timeout while the patch is taken, a bug) counts so: the episode has no verdict, and the rest of
+the batch is kept.
 `SWEToolRollouts` and `SWEBashRollouts` wrap this as `orchard.rollout.Rollouts`, the interface the stages take.
 """
 
@@ -39,7 +40,6 @@ from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_prompt
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options, score_sandbox
-from orchard.rollout.agent_loop import ENV_ERRORS
 from orchard.rollout.program import check_launch, program_env, read_results, run_program
 from orchard.rollout.proxy import RecordingProxy
 from orchard.rollout.rollouts import ProxyRollouts
@@ -182,7 +182,9 @@ async def run_swe_episodes(
                 await asyncio.wait_for(prepare_sandbox(sandbox, episode.instance, timeout=exec_timeout_s),
                                        4 * exec_timeout_s)
                 episode.termination_reason = "step_budget"  # ready; the program's report replaces this
-            except ENV_ERRORS as exc:
+            except Exception as exc:
+                # As in scoring: whatever stops the set-up (the sandbox, a snapshot that cannot be read, a bug) leaves
+                # the episode unplayed (env_error) and keeps the batch's other episodes.
                 episode.error = f"prepare: {type(exc).__name__}: {exc}"
 
     async def score(episode: _Episode) -> None:

@@ -49,10 +49,12 @@ def fake_program(reported, status=1):
     return run, seen
 
 
-def play(monkeypatch, program, score=None, group_size=4):
+def play(monkeypatch, program, score=None, group_size=4, prepare=None):
     monkeypatch.setattr(tool_rollout, "_run_program", program)
     if score is not None:
         monkeypatch.setattr(tool_rollout, "score_sandbox", score)
+    if prepare is not None:
+        monkeypatch.setattr(tool_rollout, "prepare_sandbox", prepare)
     instance = make_instance("graph", 2, level=1)
     tokenizer = build_chat_tokenizer()
 
@@ -115,3 +117,26 @@ def test_a_program_that_reports_nothing_leaves_every_episode_env_error(monkeypat
         assert traj.termination_reason == "env_error" and traj.reward is None
         assert traj.metadata["error"].startswith(f"program: no report (exit {status})")
     assert not [s for s in left if s in sandbox_of.values()]
+
+
+def test_a_preparation_that_raises_anything_is_env_error_and_the_batch_is_kept(monkeypatch):
+    program, sandbox_of = fake_program(reported={0, 1, 2})
+    real_prepare = tool_rollout.prepare_sandbox
+    prepared = []
+
+    async def prepare(sandbox, instance, **kwargs):
+        prepared.append(sandbox.sandbox_id)
+        if len(prepared) == 2:
+            raise ValueError("instance.repo_dir '/gone' is not a directory")  # a bad instance, not a sandbox error
+        return await real_prepare(sandbox, instance, **kwargs)
+
+    trajectories, left = play(monkeypatch, program, prepare=prepare, group_size=3)
+    assert len(prepared) == 3 and len(trajectories) == 3
+    failed = [t for t in trajectories if t.termination_reason == "env_error"]
+    played = [t for t in trajectories if t.termination_reason == "done"]
+    assert len(failed) == 1 and len(played) == 2  # the other two were played and scored
+    assert failed[0].reward is None and failed[0].metadata["error"] == (
+        "prepare: ValueError: instance.repo_dir '/gone' is not a directory")
+    assert failed[0].metadata["session_id"] not in sandbox_of  # never handed to the program
+    assert all(t.reward == -1.0 for t in played)
+    assert not set(prepared) & set(left)  # every sandbox deleted, the failed episode's too

@@ -143,6 +143,26 @@ def test_a_sandbox_failure_raises_instead_of_scoring(service):
     asyncio.run(main())
 
 
+def test_a_timeout_while_taking_the_patch_raises_instead_of_scoring(service):
+    """Taking the patch (``git add -A; git diff``) is a set-up step: when it runs out of time there is no patch to
+    score, and the episode is the environment's failure (``env_error``), never the policy's -1."""
+    instance = make_instance("graph", 2, level=1)
+    # a clean filter that outlasts the command's limit: git add -A runs it on the new file
+    slow_git = ("git config filter.slow.clean 'sleep 30; cat' && echo '*.txt filter=slow' > .gitattributes && "
+                "echo note > note.txt")
+
+    async def main():
+        async with AsyncSandboxClient(service.url, service.api_key) as client, await client.create() as sandbox:
+            await prepare_sandbox(sandbox, instance)
+            assert (await sandbox.exec(["bash", "-c", slow_git])).exit_code == 0
+            started = time.monotonic()
+            with pytest.raises(EnvironmentFailure, match="taking the patch timed out"):
+                await score_sandbox(sandbox, instance, timeout_s=30, setup_timeout_s=2)
+            assert time.monotonic() - started < 25  # the 2 s limit ended it, not the filter
+
+    asyncio.run(main())
+
+
 class CountingSandbox:
     """A sandbox that counts its commands (the round trips to the service)."""
 

@@ -5,12 +5,15 @@ The parser is checked on summaries as pytest writes them, and the reward end to 
 embedded sandbox service, scored by `score_sandbox`."""
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, score_sandbox
-from orchard.domains.swe.testrun import parse_test_results
+from orchard.domains.swe.testrun import PYTEST_ENV, parse_test_results, pytest_argv
 from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.env.embedded import serve
 
@@ -90,6 +93,25 @@ def test_a_failed_exit_status_with_no_failure_in_the_summary_passes_nothing():
     # a failure the summary names explains the status: the other tests keep their verdicts
     explained = "\n".join([HEADER, "PASSED t.py::a", "FAILED t.py::b - assert 0"])
     assert parse_test_results(explained, ids, exit_code=1) == {"t.py::a": True, "t.py::b": False}
+
+
+def test_an_expected_failure_passes_as_in_the_swe_bench_harness(tmp_path):
+    # A real pytest run: a known bug marked xfail fails (XFAIL: passed, as SWE-bench counts it), a test marked xfail
+    # passes anyway (XPASS: not passed, as in SWE-bench), a plain test passes.
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n\n\n@pytest.mark.xfail(reason='known bug')\ndef test_known_bug():\n    assert 1 == 2\n\n\n"
+        "@pytest.mark.xfail(reason='known bug')\ndef test_fixed_anyway():\n    assert 1 == 1\n\n\n"
+        "def test_plain():\n    assert True\n")
+    ids = ["test_x.py::test_known_bug", "test_x.py::test_fixed_anyway", "test_x.py::test_plain"]
+    run = subprocess.run(pytest_argv(sys.executable, ids), cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, **PYTEST_ENV}, timeout=120)
+    assert run.returncode == 0 and "XFAIL test_x.py::test_known_bug - known bug" in run.stdout, run.stdout
+    assert "XPASS test_x.py::test_fixed_anyway" in run.stdout
+    assert parse_test_results(run.stdout, ids, exit_code=run.returncode) == {
+        "test_x.py::test_known_bug": True, "test_x.py::test_fixed_anyway": False, "test_x.py::test_plain": True}
+    # an expected failure next to another outcome of the same test (its teardown raised) did not pass
+    teardown = "\n".join([HEADER, "XFAIL t.py::a - known bug", "ERROR t.py::a - RuntimeError: teardown broke"])
+    assert parse_test_results(teardown, ["t.py::a"], exit_code=1) == {"t.py::a": False}
 
 
 @pytest.mark.parametrize("call, message", [
