@@ -64,12 +64,8 @@ class JsonlLogger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= resume_step
-            ]
-            self.path.write_text("".join(f"{line}\n" for line in kept))
+            kept = [row for row in read_jsonl_metrics(self.path) if row.get("step", -1) <= resume_step]
+            self.path.write_text("".join(f"{json.dumps(row, sort_keys=True)}\n" for row in kept))
         self._file = self.path.open("a")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -84,9 +80,13 @@ class JsonlLogger:
         self._file.close()
 
 
-def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` file, in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_jsonl_metrics(path: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file, in order (blank lines skipped); with ``missing_ok``, no file reads as
+    no rows."""
+    path = Path(path)
+    if missing_ok and not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class TensorBoardLogger:

@@ -55,6 +55,7 @@ def test_jsonl_logger_truncates_on_resume(tmp_path: Path) -> None:
     for s in (1, 2, 3):
         log.log({"loss": float(s), "bad": float("nan")}, s)
     log.close()
+    before = path.read_text().splitlines()
     log = JsonlLogger(path, resume_step=2)  # step 3 was written after the checkpoint of step 2
     log.log({"loss": 30.0}, 3)
     log.close()
@@ -62,6 +63,16 @@ def test_jsonl_logger_truncates_on_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] == 30.0
     assert rows[0]["bad"] == "nan"
     json.loads(path.read_text().splitlines()[0])  # valid JSON despite the NaN
+    assert path.read_text().splitlines()[:2] == before[:2]  # the kept lines, byte for byte
+
+
+def test_read_jsonl_metrics_skips_blank_lines_and_may_allow_a_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n\n  \n{"step": 2, "loss": 0.25}\n')
+    assert read_jsonl_metrics(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    assert read_jsonl_metrics(tmp_path / "absent.jsonl", missing_ok=True) == []
+    with pytest.raises(FileNotFoundError):
+        read_jsonl_metrics(tmp_path / "absent.jsonl")
 
 
 def test_checkpoint_pointer_and_prune(tmp_path: Path) -> None:
