@@ -114,13 +114,14 @@ def recipe_main(config_cls: type, run: Callable[[Any], Awaitable[Any]], argv: Se
                 doc: str | None, derived: Mapping[str, str]) -> int:
     """A recipe's command line: ``[--config YAML] [--show-config] [key=value ...]``. The config is resolved
     (defaults, then the YAML, then the overrides) and validated before any work, printed, then ``run`` (unless
-    ``--show-config``). Wrap it in ``orchard._cli.run_main`` so a config mistake is one line."""
+    ``--show-config``). Wrap it in ``orchard._cli.run_main`` so a config or usage mistake is one line."""
     import argparse
     import asyncio
 
+    from orchard._cli import UsageErrorParser
     from orchard.train.config import format_config, load_config
 
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = UsageErrorParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help=f"YAML file filling {config_cls.__name__}")
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved config (defaults, then --config, then overrides) and exit")
