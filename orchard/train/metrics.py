@@ -90,27 +90,27 @@ def read_jsonl_metrics(path: str | Path, *, missing_ok: bool = False) -> list[di
 
 
 class TensorBoardLogger:
-    """Scalars to a TensorBoard event file in ``log_dir`` (the ``[tensorboard]`` extra).
+    """Scalars to a TensorBoard event file in ``log_dir`` through torch's ``SummaryWriter`` (the ``[tensorboard]``
+    extra).
 
-    Numbers only (bools and strings are skipped), stored as TensorBoard's float32 ``simple_value``."""
+    Numbers only (bools and strings are skipped), stored as TensorBoard's float32 ``simple_value``; flushed every
+    step."""
 
     def __init__(self, log_dir: str | Path) -> None:
         with requires_extra("tensorboard"):
-            from tensorboard.compat.proto.event_pb2 import Event
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            # torch's writer needs the tensorboard package; imported first so that its absence names the extra
+            # even when torch.utils.tensorboard is already loaded
+            import tensorboard  # noqa: F401
+            from torch.utils.tensorboard import SummaryWriter
 
-        self._event, self._summary = Event, Summary
-        self._writer = EventFileWriter(str(log_dir))
+        self._writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         _check(metrics, step)
-        values = [
-            self._summary.Value(tag=key, simple_value=float(value))
-            for key, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        ]
-        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+        wall_time = time.time()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, float(value), global_step=step, walltime=wall_time)
         self._writer.flush()
 
     def close(self) -> None:
