@@ -30,6 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _seeds import Launch, add_run_arguments, gain_and_spread, machine, mean_std, publish, run_launches
 
+from orchard.train.metrics import read_jsonl_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("base", "sft", "rl")
 TEACHER_COUNTS = ("teacher_episodes", "teacher_passed", "curated_tasks", "samples", "teacher_captcha_blocked",
@@ -37,10 +39,6 @@ TEACHER_COUNTS = ("teacher_episodes", "teacher_passed", "curated_tasks", "sample
 """The teacher's row of the recipe's metrics.jsonl (``sft/<name>``), one value per seed."""
 RL_COUNTS = ("episodes", "removed", "captcha_blocked", "judge_failures", "judge_unparseable", "format_failures")
 """RL counts of the recipe's metrics.jsonl (``rl/<name>`` per step), summed over a seed's RL steps."""
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def run_counts(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -96,10 +94,10 @@ def plot(out: Path, seeds: Sequence[int], runs: Sequence[Mapping[str, Any]]) -> 
 
     fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(10, 4))
     for i, (seed, run) in enumerate(zip(seeds, runs, strict=True)):
-        sft = read_jsonl(out / f"seed{seed}" / "sft" / "metrics.jsonl")
+        sft = read_jsonl_metrics(out / f"seed{seed}" / "sft" / "metrics.jsonl", missing_ok=True)
         ax_sft.plot([r["step"] for r in sft], [r["loss/total"] for r in sft], marker=".", markersize=3, color=f"C{i}",
                     label=f"seed {seed}")
-        rl = [r for r in read_jsonl(out / f"seed{seed}" / "metrics.jsonl") if "rl/step_budget" in r]
+        rl = [r for r in read_jsonl_metrics(out / f"seed{seed}" / "metrics.jsonl", missing_ok=True) if "rl/step_budget" in r]
         if rl:
             ax_rl.plot([r["step"] for r in rl], [r["rl/success"] for r in rl], marker="o", color=f"C{i}",
                        label=f"seed {seed} train rollouts")
@@ -131,7 +129,7 @@ def main() -> int:
         f"output_dir={out / f'seed{seed}'}", *args.overrides], out / f"seed{seed}" / "stdout.log")
         for seed in pending], jobs=args.jobs, t0=t0)
     runs = [json.loads((out / f"seed{s}" / "results.json").read_text()) for s in args.seeds]
-    counts = [run_counts(read_jsonl(out / f"seed{s}" / "metrics.jsonl")) for s in args.seeds]
+    counts = [run_counts(read_jsonl_metrics(out / f"seed{s}" / "metrics.jsonl", missing_ok=True)) for s in args.seeds]
     lines = [f"machine: {machine()}", f"seeds: {args.seeds}; config: {' '.join([Path(args.config).name, *args.overrides])}; wall per seed: {np.mean([r['wall_s'] for r in runs]):.0f} s "
              f"({args.jobs} at once; this invocation {time.monotonic() - t0:.0f} s"
              f"{', finished seeds reused' if args.reuse else ''})", *summarize(args.seeds, runs, counts)]

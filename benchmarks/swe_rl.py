@@ -30,6 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _seeds import Launch, add_run_arguments, machine, mean_std, publish, run_launches
 
+from orchard.train.metrics import read_jsonl_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("grpo_bar", "opd_k2", "opd_k3", "opd_js", "opd_js_grpo", "rpr")
 QUICK = ["instances.templates=[inventory, ledger]", "instances.train_per_template=2", "instances.levels=[1]",
@@ -114,7 +116,7 @@ def plots(out: Path, seeds: list[int], variants: list[str]) -> None:
     dirs = [(s, v, out / f"seed{s}" / v) for s in seeds for v in variants if (out / f"seed{s}" / v / "rerank.json").exists()]
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (s, v, d) in enumerate(dirs):
-        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        rows = read_jsonl_metrics(d / "metrics.jsonl")
         rl = [(r["step"], r["rl/success_generated"]) for r in rows if "rl/success_generated" in r]
         if rl:
             ax.plot(*zip(*rl, strict=True), marker="o", color=f"C{i}", label=f"{v} seed {s}")
@@ -127,7 +129,7 @@ def plots(out: Path, seeds: list[int], variants: list[str]) -> None:
 
     judged = []  # only runs with the rubric judge (rpr) log these
     for i, (s, v, d) in enumerate(dirs):
-        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        rows = read_jsonl_metrics(d / "metrics.jsonl")
         if rows := [r for r in rows if "rl/judge_reward_mean" in r]:
             judged.append((i, s, v, rows))
     if judged:

@@ -8,7 +8,8 @@ A recipe ends with::
 What counts as the user's mistake, printed as ``error: <message>`` on stderr with exit status 2:
 
 - a ``ConfigError`` (an unknown, derived or mistyped config key, a failed ``validate()``, a missing config file);
-- an argparse usage error (unknown option, missing argument), with a pointer to ``--help``;
+- a usage error (unknown option, missing argument) of a `UsageErrorParser`, the parser such a ``main`` builds,
+  with a pointer to ``--help``;
 - a ``FileNotFoundError`` whose file name the user wrote in an argument (``--config x.yaml``, ``model.path=/m``).
 
 Anything else is a bug and propagates with its traceback. ``--debug`` anywhere in ``argv`` (removed before
@@ -25,18 +26,26 @@ from typing import NoReturn
 
 from orchard.train.config import ConfigError
 
-__all__ = ["UsageError", "run_main"]
+__all__ = ["UsageError", "UsageErrorParser", "run_main"]
 
 EXIT_USAGE = 2
 """The exit status of a usage error (argparse's and the shells' convention)."""
 
 
 class UsageError(Exception):
-    """An argparse usage error, raised instead of argparse's two-line message and exit."""
+    """A usage error of a `UsageErrorParser`, raised instead of argparse's two-line message and exit."""
 
 
-def _raise_usage(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    raise UsageError(f"{message} (see {parser.prog} --help)")
+class UsageErrorParser(argparse.ArgumentParser):
+    """The parser of a script whose ``main`` runs under `run_main`: a usage error raises `UsageError` (which
+    `run_main` prints as one line) instead of printing the usage and exiting; its subparsers are of this class too.
+
+    Only parsers of this class change: any other ``argparse.ArgumentParser`` in the process keeps argparse's own
+    behaviour, inside ``main`` or not.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
@@ -54,9 +63,6 @@ def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None
     args = [a for a in args if a != "--debug"]
     if debug:
         return int(main(args) or 0)
-    # argparse prints usage plus an error line and exits inside parse_args; while main runs, its parsers raise.
-    original_error = argparse.ArgumentParser.error
-    argparse.ArgumentParser.error = _raise_usage  # type: ignore[method-assign,assignment]
     try:
         return int(main(args) or 0)
     except (ConfigError, UsageError) as exc:
@@ -65,8 +71,6 @@ def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None
         if exc.filename is None or not any(str(exc.filename) in a for a in args):
             raise
         return _one_line(f"{exc.strerror or 'no such file'}: {str(exc.filename)!r}")
-    finally:
-        argparse.ArgumentParser.error = original_error  # type: ignore[method-assign]
 
 
 def _one_line(message: str) -> int:

@@ -18,11 +18,10 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     '''
-    import argparse
     import sys
     from dataclasses import dataclass, field
 
-    from orchard._cli import run_main
+    from orchard._cli import UsageErrorParser, run_main
     from orchard.train.config import load_config
     from orchard.train.model import load_causal_lm
 
@@ -46,7 +45,7 @@ SCRIPT = textwrap.dedent(
 
 
     def main(argv):
-        parser = argparse.ArgumentParser(prog="tiny")
+        parser = UsageErrorParser(prog="tiny")
         parser.add_argument("--config")
         parser.add_argument("--bug", action="store_true")
         parser.add_argument("overrides", nargs="*")
@@ -181,3 +180,37 @@ def test_run_main_restores_argparse_and_rejects_a_non_callable() -> None:
     with pytest.raises(ValueError, match="main must be callable"):
         run_main("main", [])  # type: ignore[arg-type]
 
+
+
+def test_only_the_projects_parser_changes(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from orchard._cli import UsageError, UsageErrorParser, run_main
+
+    seen = []
+
+    def main(argv: list[str]) -> int:
+        # No process-wide patch while main runs: a plain parser keeps argparse's usage lines and exit.
+        seen.append(argparse.ArgumentParser.error)
+        argparse.ArgumentParser(prog="plain").parse_args(argv)
+        return 0
+
+    with pytest.raises(SystemExit) as exited:
+        run_main(main, ["--frobnicate"])
+    assert exited.value.code == 2
+    assert seen == [argparse.ArgumentParser.error]
+    assert capsys.readouterr().err.splitlines() == ["usage: plain [-h]", "plain: error: unrecognized arguments: --frobnicate"]
+
+    # The project's parser raises, outside run_main too, and so do its subcommands' parsers.
+    parser = UsageErrorParser(prog="tool")
+    parser.add_subparsers(dest="command", required=True).add_parser("go").add_argument("--n", type=int)
+    with pytest.raises(UsageError, match=r"^argument --n: invalid int value: 'x' \(see tool go --help\)$"):
+        parser.parse_args(["go", "--n", "x"])
+
+    def sub_main(argv: list[str]) -> int:
+        parser.parse_args(argv)
+        return 0
+
+    assert run_main(sub_main, ["go", "--n", "3"]) == 0
+    assert run_main(sub_main, []) == 2
+    assert capsys.readouterr().err == "error: the following arguments are required: command (see tool --help)\n"

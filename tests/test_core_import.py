@@ -107,7 +107,7 @@ DISTRIBUTION = {"_pytest": "pytest", "yaml": "pyyaml", "flash_attn": "flash-attn
                 "kubernetes_validate": "kubernetes-validate", "PIL": "pillow"}
 TRANSITIVE = {"safetensors": "transformers", "uvloop": "uvicorn", "starlette": "fastapi",
               "urllib3": "kubernetes", "httpcore": "httpx"}
-# Used only by one benchmark that says so; accelerate is probed by orchard.train.model.quiet_transformers only to
+# Used only by one benchmark that says so; accelerate is probed by orchard.models.quiet.quiet_transformers only to
 # stop it importing DeepSpeed when transformers brings it along.
 OPTIONAL = {"liger_kernel", "accelerate"}
 

@@ -263,7 +263,7 @@ def _convert_gguf(gguf_file: Path, out: Path, name: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from orchard.data.tokenizer import ensure_tool_template
-    from orchard.train.model import quiet_transformers
+    from orchard.models.quiet import quiet_transformers
 
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)

@@ -31,12 +31,10 @@ from typing import Any
 
 from orchard._extras import requires_extra
 from orchard.env import AsyncSandboxClient, RetryPolicy
+from orchard.rollout.session import SESSION_HEADER
 
 __all__ = ["SESSION_HEADER", "ModelCallFailed", "OutOfTime", "chat_completion", "chat_url", "check_engine_or_url",
            "check_launch", "play_all", "program_env", "read_episodes", "read_results", "run_program"]
-
-SESSION_HEADER = "X-Session-Id"
-"""The header that files a program's model call under its episode's proxy session."""
 
 
 class ModelCallFailed(RuntimeError):

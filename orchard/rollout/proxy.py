@@ -44,10 +44,8 @@ with requires_extra("rollout"):
 
 from orchard.data import Message, RenderedSample, RenderReport, Trajectory
 from orchard.rollout.engine import Engine
-from orchard.rollout.program import SESSION_HEADER
 from orchard.rollout.server import build_app, normalize_messages
-
-DEFAULT_SESSION = "default"
+from orchard.rollout.session import DEFAULT_SESSION, SESSION_HEADER
 
 
 @dataclass

@@ -9,7 +9,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
     await rl_stage(model, engine, harnesses, train_tasks, cfg.rl, rollout=cfg.rollout, ...)
 
 - configs: `RolloutConfig`, `EvalConfig`, `SFTConfig`, `RLConfig`, `TaskFilterConfig` (typed, a doc line per field), `derived_keys`
-- evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table`
+- evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table` (in
+  `orchard.stages.report`, importable from `orchard.stages.evaluate` too)
 - SFT: `demonstrations` (a teacher through the same harnesses), `curate_sft` (the paper's curation: over the
   context limit, invalid or unparseable calls), `sft_samples` (resolved-only, all, or credit-assigned SFT from
   hindsight step values), `sft_stage`
@@ -43,9 +44,9 @@ from orchard.stages.config import (
     derived_keys,
 )
 from orchard.stages.distill import OPD_TERMS, teacher_logprobs
-from orchard.stages.evaluate import evaluate, evaluate_stage, format_table, success_row
+from orchard.stages.evaluate import evaluate, evaluate_stage, success_row
 from orchard.stages.recipe_run import RecipeRun
-from orchard.stages.report import RunLog, plot_learning_curve, recipe_main, write_results
+from orchard.stages.report import RunLog, format_table, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage

@@ -20,7 +20,7 @@ from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import avg_at_k, pass_at_k, pass_hat_k
 from orchard.stages.config import EvalConfig
 from orchard.stages.ranks import all_gather_concat, init_ranks, shard_range
-from orchard.stages.report import RunLog
+from orchard.stages.report import RunLog, format_table
 from orchard.train.progress import format_duration
 
 __all__ = ["evaluate", "evaluate_stage", "format_table", "success_row"]
@@ -97,18 +97,3 @@ async def evaluate_stage(stage: str, step: int, harnesses: Mapping[str, Rollouts
         log.log({f"eval/{stage}/{harness}/{k}": float(v) for k, v in row.items()}, step)
         log.print(f"eval {stage:4s} {harness:5s} " + " ".join(f"{k}={v:.3f}" for k, v in row.items()))
     return rows
-
-
-def format_table(results: Mapping[str, Mapping[str, Mapping[str, float]]], attempts: int) -> str:
-    """``results[stage][harness] = success_row(...)`` as an aligned text table (counts as integers)."""
-    keys = ("success", f"pass@{attempts}", f"pass^{attempts}", "tasks", "env_errors")
-    width = max(len(k) for k in keys) + 1
-    stage_w = max([len("stage"), *(len(s) for s in results)])
-    harness_w = max([len("harness"), *(len(h) for by in results.values() for h in by)])
-    lines = [f"{'stage':<{stage_w}}  {'harness':<{harness_w}} " + "".join(f"{k:>{width}}" for k in keys)]
-    for stage, by_harness in results.items():
-        for harness, row in by_harness.items():
-            cells = [f"{row[k]:>{width}.3f}" if k not in ("tasks", "env_errors") else f"{int(row[k]):>{width}d}"
-                     for k in keys]
-            lines.append(f"{stage:<{stage_w}}  {harness:<{harness_w}} " + "".join(cells))
-    return "\n".join(lines)

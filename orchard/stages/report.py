@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, timestamped console lines, the learning-curve plot."""
+"""What a run reports: metrics.jsonl, timestamped console lines, the learning-curve plot, the results table."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from orchard._extras import requires_extra
 from orchard.train.metrics import JsonlLogger
 
-__all__ = ["RunLog", "plot_learning_curve", "recipe_main", "write_results"]
+__all__ = ["RunLog", "format_table", "plot_learning_curve", "recipe_main", "write_results"]
 
 
 class RunLog:
@@ -83,14 +83,26 @@ def plot_learning_curve(sft_history: Sequence[Mapping[str, float]], rl_history: 
     plt.close(fig)
 
 
+def format_table(results: Mapping[str, Mapping[str, Mapping[str, float]]], attempts: int) -> str:
+    """``results[stage][harness] = success_row(...)`` as an aligned text table (counts as integers)."""
+    keys = ("success", f"pass@{attempts}", f"pass^{attempts}", "tasks", "env_errors")
+    width = max(len(k) for k in keys) + 1
+    stage_w = max([len("stage"), *(len(s) for s in results)])
+    harness_w = max([len("harness"), *(len(h) for by in results.values() for h in by)])
+    lines = [f"{'stage':<{stage_w}}  {'harness':<{harness_w}} " + "".join(f"{k:>{width}}" for k in keys)]
+    for stage, by_harness in results.items():
+        for harness, row in by_harness.items():
+            cells = [f"{row[k]:>{width}.3f}" if k not in ("tasks", "env_errors") else f"{int(row[k]):>{width}d}"
+                     for k in keys]
+            lines.append(f"{stage:<{stage_w}}  {harness:<{harness_w}} " + "".join(cells))
+    return "\n".join(lines)
+
 
 def write_results(out: str | Path, results: Mapping[str, Mapping[str, Mapping[str, float]]], config: Mapping[str, Any],
                   log: RunLog, *, attempts: int, sft_history: Sequence[Mapping[str, float]] = (),
                   rl_history: Sequence[Mapping[str, float]] = ()) -> None:
     """The end of a run: ``results.json`` (results, the resolved config, wall time), ``learning_curve.png`` and the
     printed table."""
-    from orchard.stages.evaluate import format_table
-
     out = Path(out)
     (out / "results.json").write_text(json.dumps({"results": results, "config": config,
                                                   "wall_s": log.elapsed_s}, indent=2))
@@ -102,13 +114,14 @@ def recipe_main(config_cls: type, run: Callable[[Any], Awaitable[Any]], argv: Se
                 doc: str | None, derived: Mapping[str, str]) -> int:
     """A recipe's command line: ``[--config YAML] [--show-config] [key=value ...]``. The config is resolved
     (defaults, then the YAML, then the overrides) and validated before any work, printed, then ``run`` (unless
-    ``--show-config``). Wrap it in ``orchard._cli.run_main`` so a config mistake is one line."""
+    ``--show-config``). Wrap it in ``orchard._cli.run_main`` so a config or usage mistake is one line."""
     import argparse
     import asyncio
 
+    from orchard._cli import UsageErrorParser
     from orchard.train.config import format_config, load_config
 
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = UsageErrorParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help=f"YAML file filling {config_cls.__name__}")
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved config (defaults, then --config, then overrides) and exit")

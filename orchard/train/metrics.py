@@ -64,12 +64,8 @@ class JsonlLogger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= resume_step
-            ]
-            self.path.write_text("".join(f"{line}\n" for line in kept))
+            kept = [row for row in read_jsonl_metrics(self.path) if row.get("step", -1) <= resume_step]
+            self.path.write_text("".join(f"{json.dumps(row, sort_keys=True)}\n" for row in kept))
         self._file = self.path.open("a")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -84,33 +80,37 @@ class JsonlLogger:
         self._file.close()
 
 
-def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` file, in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_jsonl_metrics(path: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file, in order (blank lines skipped); with ``missing_ok``, no file reads as
+    no rows."""
+    path = Path(path)
+    if missing_ok and not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class TensorBoardLogger:
-    """Scalars to a TensorBoard event file in ``log_dir`` (the ``[tensorboard]`` extra).
+    """Scalars to a TensorBoard event file in ``log_dir`` through torch's ``SummaryWriter`` (the ``[tensorboard]``
+    extra).
 
-    Numbers only (bools and strings are skipped), stored as TensorBoard's float32 ``simple_value``."""
+    Numbers only (bools and strings are skipped), stored as TensorBoard's float32 ``simple_value``; flushed every
+    step."""
 
     def __init__(self, log_dir: str | Path) -> None:
         with requires_extra("tensorboard"):
-            from tensorboard.compat.proto.event_pb2 import Event
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            # torch's writer needs the tensorboard package; imported first so that its absence names the extra
+            # even when torch.utils.tensorboard is already loaded
+            import tensorboard  # noqa: F401
+            from torch.utils.tensorboard import SummaryWriter
 
-        self._event, self._summary = Event, Summary
-        self._writer = EventFileWriter(str(log_dir))
+        self._writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         _check(metrics, step)
-        values = [
-            self._summary.Value(tag=key, simple_value=float(value))
-            for key, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        ]
-        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+        wall_time = time.time()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, float(value), global_step=step, walltime=wall_time)
         self._writer.flush()
 
     def close(self) -> None:

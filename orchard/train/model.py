@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +18,8 @@ with requires_extra("train"):
         PretrainedConfig,
         PreTrainedModel,
     )
+
+from orchard.models.quiet import quiet_transformers
 
 __all__ = [
     "DTYPES",
@@ -167,34 +166,3 @@ def save_causal_lm(model: PreTrainedModel, path: str | Path, tokenizer: Any = No
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
     return directory
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Within the block: no transformers progress bars (``Loading weights``, ``Writing model shards``) and no
-    DeepSpeed import on transformers' behalf unless DeepSpeed is already imported.
-
-    ``save_pretrained`` unwraps the model through accelerate, which imports DeepSpeed whenever it is installed
-    just to test ``isinstance(model, DeepSpeedEngine)``; that import logs "Setting accelerator to CPU" on a CPU
-    machine. A model cannot be a DeepSpeed engine unless DeepSpeed was imported, so answering "not available"
-    until then gives the same unwrapping without the import. Under the DeepSpeed engine nothing changes.
-    """
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    patched = None
-    with contextlib.suppress(ImportError):
-        import accelerate.utils.other as accelerate_other
-
-        patched = accelerate_other
-    original = getattr(patched, "is_deepspeed_available", None)
-    if patched is not None and original is not None and "deepspeed" not in sys.modules:
-        patched.is_deepspeed_available = lambda: False
-    try:
-        yield
-    finally:
-        if patched is not None and original is not None:
-            patched.is_deepspeed_available = original
-        if bars:
-            hf_logging.enable_progress_bar()

@@ -6,8 +6,20 @@ For optimizer step ``s`` (0-based), peak ``lr``, floor ``min_lr``, ``W`` warm-up
     lr(s) = min_lr + (lr − min_lr) · ½ · (1 + cos(π · (s − W) / max(1, S − W − 1)))   W ≤ s < S
     lr(s) = min_lr                                                        s ≥ S
 
-so the first step after warm-up runs at the peak and the last scheduled step (``S − 1``) at exactly ``min_lr``.
+so the first step after warm-up runs at the peak and the last scheduled step (``S − 1``) at exactly ``min_lr``
+(a decay of one step, ``S − W = 1``, is that one step at the peak).
 The paper's defaults: SFT ``1e-5 → 1e-6``, RL ``1e-6 → 1e-7``.
+
+Why not transformers' ``get_cosine_with_min_lr_schedule_with_warmup(opt, W, S, min_lr=...)``: with the same
+``W`` and ``S`` it differs in three places:
+
+- its warm-up is ``lr · s / W``: step 0 trains at lr 0 (ours starts at ``lr / W`` and reaches the peak at
+  ``W − 1``; ours at ``s`` is its ``s + 1``);
+- its decay's progress is ``(s − W) / (S − W)``: the last step ``S − 1`` still runs above ``min_lr`` (ours is
+  its decay with ``S − 1`` training steps);
+- past ``S`` its cosine rises again towards the peak; ours holds ``min_lr``.
+
+``tests/train/test_schedule_metrics.py`` pins each difference, and that there is no other.
 """
 
 from __future__ import annotations

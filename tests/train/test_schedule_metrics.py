@@ -40,6 +40,40 @@ def test_cosine_schedule_drives_optimizer_and_round_trips() -> None:
     assert sched2.get_last_lr() == sched.get_last_lr()
 
 
+def transformers_cosine_lrs(*, lr: float, min_lr: float, warmup_steps: int, total_steps: int, steps: int) -> list[float]:
+    """The lr of each of ``steps`` optimizer steps under transformers' cosine-with-floor schedule."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup_steps, total_steps, min_lr=min_lr)
+    seen = []
+    for _ in range(steps):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return seen
+
+
+# S - W >= 2: a decay long enough to reach the floor (a one-step decay is that step at the peak, in both)
+@pytest.mark.parametrize(("warmup_steps", "total_steps"), [(0, 5), (2, 7), (3, 5), (4, 12), (1, 3)])
+def test_cosine_differs_from_transformers_only_where_the_docstring_says(warmup_steps: int, total_steps: int) -> None:
+    kw = dict(lr=1e-5, min_lr=1e-6, warmup_steps=warmup_steps)
+    ours = [cosine_lr(s, **kw, total_steps=total_steps) for s in range(total_steps + 3)]
+    theirs = transformers_cosine_lrs(**kw, total_steps=total_steps, steps=total_steps + 4)
+    theirs_one_short = transformers_cosine_lrs(**kw, total_steps=total_steps - 1, steps=total_steps)
+    # Warm-up: ours at step s is theirs at s + 1 (theirs trains step 0 at lr 0).
+    assert ours[:warmup_steps] == pytest.approx(theirs[1:warmup_steps + 1], rel=1e-12)
+    if warmup_steps:
+        assert theirs[0] == 0.0 and ours[0] == pytest.approx(1e-5 / warmup_steps)
+    # Decay: ours is theirs with one training step fewer, so that step S - 1 is at the floor and theirs is not.
+    decay = slice(warmup_steps, total_steps)
+    assert ours[decay] == pytest.approx(theirs_one_short[decay], rel=1e-12)
+    assert ours[total_steps - 1] == pytest.approx(1e-6, rel=1e-12) and theirs[total_steps - 1] > 1.05e-6
+    # Past S: ours holds the floor, theirs climbs back.
+    assert ours[total_steps:] == [1e-6] * 3
+    assert theirs[total_steps] == pytest.approx(1e-6, rel=1e-9) and theirs[total_steps + 1] > theirs[total_steps]
+
+
 @pytest.mark.parametrize(("kw", "name"), [(dict(min_lr=2.0), "min_lr"), (dict(total_steps=0), "total_steps"),
                                           (dict(warmup_steps=-1), "warmup_steps"), (dict(lr=0.0), "lr")])
 def test_cosine_rejects_bad_arguments(kw: dict, name: str) -> None:
@@ -55,6 +89,7 @@ def test_jsonl_logger_truncates_on_resume(tmp_path: Path) -> None:
     for s in (1, 2, 3):
         log.log({"loss": float(s), "bad": float("nan")}, s)
     log.close()
+    before = path.read_text().splitlines()
     log = JsonlLogger(path, resume_step=2)  # step 3 was written after the checkpoint of step 2
     log.log({"loss": 30.0}, 3)
     log.close()
@@ -62,6 +97,16 @@ def test_jsonl_logger_truncates_on_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] == 30.0
     assert rows[0]["bad"] == "nan"
     json.loads(path.read_text().splitlines()[0])  # valid JSON despite the NaN
+    assert path.read_text().splitlines()[:2] == before[:2]  # the kept lines, byte for byte
+
+
+def test_read_jsonl_metrics_skips_blank_lines_and_may_allow_a_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n\n  \n{"step": 2, "loss": 0.25}\n')
+    assert read_jsonl_metrics(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    assert read_jsonl_metrics(tmp_path / "absent.jsonl", missing_ok=True) == []
+    with pytest.raises(FileNotFoundError):
+        read_jsonl_metrics(tmp_path / "absent.jsonl")
 
 
 def test_checkpoint_pointer_and_prune(tmp_path: Path) -> None:
