@@ -4,6 +4,11 @@ beat: the SFT model at its best sampling temperature.
 
     python benchmarks/claw_learning.py [--seeds 0 1 2] [--config recipes/configs/claw_tiny.yaml] [key=value ...]
 
+The real pretrained policy, one seed per session, results kept under benchmarks/ and resumed:
+
+    python benchmarks/claw_learning.py --config recipes/configs/claw_smollm2.yaml --out benchmarks/claw_smollm2 \
+        --no-best-temperature --reuse --seeds 0 1 2     # the recipe computes SFT at its best T itself (sft_best_t)
+
 Each seed runs as its own process (``--jobs`` of them at once; each recipe uses one torch thread and its own
 embedded sandbox service); results land in runs/claw_learning/seed<N>/ and the table is printed and written to
 runs/claw_learning/summary.md.
@@ -199,7 +204,9 @@ def main() -> int:
     if best:
         for r, b in zip(runs, best, strict=True):
             r["results"]["sft@best T"] = b["heldout"]
-    stages = [s for s in ("base", "sft", "sft@best T", "rl") if all(s in r["results"] for r in runs)]
+    # sft_best_t: the recipe's own row (rl.start_temperature.search, as claw_smollm2.yaml runs it): the SFT policy
+    # folded to its best validation temperature, the start RL is compared with
+    stages = [s for s in ("base", "sft", "sft@best T", "sft_best_t", "rl") if all(s in r["results"] for r in runs)]
     harnesses = sorted({h for r in runs for s in stages for h in r["results"][s]})
     metrics = [k for k in next(iter(runs[0]["results"][stages[0]].values())) if k not in ("tasks", "env_errors")]
     lines = [f"machine: {machine()}", f"seeds: {args.seeds}; config: {Path(args.config).name} "
@@ -218,7 +225,7 @@ def main() -> int:
     if best:
         lines.append("best temperature on the validation split (per seed): " + "; ".join(
             f"{h} {', '.join(str(b['temperature'][h]) for b in best)}" for h in harnesses))
-    for baseline in ("sft", "sft@best T"):
+    for baseline in ("sft", "sft@best T", "sft_best_t"):
         for harness in harnesses:
             if baseline not in stages or "rl" not in stages:
                 continue
