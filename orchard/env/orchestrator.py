@@ -73,11 +73,13 @@ from orchard.env.backends.base import (
     IsolationUnavailableError,
     PathEscapeError,
     PtySession,
+    RefusedError,
     Resources,
     SandboxNotFoundError,
     SandboxSpec,
 )
 from orchard.env.errors import (
+    BackendRefusedError,
     BadRequestError,
     ConflictError,
     IdempotencyKeyReuseError,
@@ -191,6 +193,9 @@ def backend_errors(sandbox_id: str) -> Iterator[None]:
                           detail={"error": "isolation_unavailable", "message": str(exc)}) from exc
     except ValueError as exc:
         raise BadRequestError(str(exc)) from exc
+    except RefusedError as exc:  # a 4xx: a retry alone changes nothing
+        raise BackendRefusedError(str(exc), status_code=422 if exc.reason == "invalid" else 403,
+                                  detail={"error": exc.reason, "message": str(exc)}) from exc
     except BackendError as exc:
         raise ServerError(f"backend error: {exc}") from exc
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from conftest import NAMESPACE, Cluster, k8s_service
 
-from orchard.env import SandboxClient, ServerError
+from orchard.env import BackendRefusedError, SandboxClient, ServerError
 from orchard.env.backends.kubernetes.manifests import KubernetesConfig, labels, object_name
 
 
@@ -107,6 +107,36 @@ def test_an_api_that_keeps_failing_fails_the_create_and_leaves_nothing(service, 
         cluster.api.faults.clear()
     assert "create_namespaced_pod: 500" in str(info.value)
     assert cluster.leftovers() == {}
+
+
+@pytest.mark.parametrize("refusal", ["quota_exceeded", "forbidden", "invalid"])
+def test_an_api_refusal_fails_the_create_with_what_kubernetes_said_never_retried(service, client, cluster, refusal):
+    if refusal == "quota_exceeded":  # a ResourceQuota whose pod count is used up (by a sandbox of this test)
+        held = client.create(sandbox_id=new_id("held"))
+        cluster.api.quota["pods"] = len(cluster.objects("pods"))
+        said, status = "exceeded quota", 403
+    elif refusal == "forbidden":  # a Role without pods/create, or an admission policy that denies the pod
+        cluster.api.fail_next("POST", "pods", 403, reason="Forbidden", message='pods is forbidden: User '
+                              '"system:serviceaccount:orchard:orchard" cannot create resource "pods"')
+        said, status = "cannot create resource", 403
+    else:  # the API server finds the pod invalid
+        cluster.api.fail_next("POST", "pods", 422, reason="Invalid", message='Pod "x" is invalid: '
+                              "spec.containers[0].resources.limits: Invalid value")
+        said, status = "is invalid", 422
+    seen = len(cluster.api.requests)
+    try:
+        with pytest.raises(BackendRefusedError) as info:  # before: ServerError, a 500
+            client.create(sandbox_id=new_id(refusal))
+    finally:
+        cluster.api.quota.clear()
+        cluster.api.faults.clear()
+    assert info.value.status_code == status and info.value.detail["error"] == refusal
+    assert said in str(info.value) and said in info.value.detail["message"]
+    pod_posts = [r for r in cluster.api.requests[seen:] if r[0] == "POST" and r[1].endswith("/pods")]
+    assert len(pod_posts) == 1  # asked once: a refusal is not retried
+    if refusal == "quota_exceeded":
+        held.delete()
+    assert cluster.leftovers() == {}  # the create's Secret and NetworkPolicy went with it
 
 
 def test_slow_readiness_is_waited_for(client, cluster):

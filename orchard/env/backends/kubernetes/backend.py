@@ -44,6 +44,7 @@ from orchard.env.backends.base import (
     FileInfo,
     PathEscapeError,
     PtySession,
+    RefusedError,
     Resources,
     SandboxNotFoundError,
     SandboxSpec,
@@ -105,6 +106,17 @@ def backoff_s(attempt: int, *, base_s: float = 0.2, max_s: float = 10.0) -> floa
     return delay * (0.5 + secrets.randbelow(1001) / 2000)
 
 
+def _refusal(error: BaseException) -> str | None:
+    """Why the API server refused a request for good (`RefusedError.reason`), or None: 403 is a used-up quota when
+    its message says "exceeded quota" (the quota admission plugin's words), else a request that RBAC or an
+    admission policy forbids; 422 is an invalid object."""
+    if not isinstance(error, ApiException):
+        return None
+    if error.status == 403:
+        return "quota_exceeded" if "exceeded quota" in _api_message(error) else "forbidden"
+    return "invalid" if error.status == 422 else None
+
+
 def _api_message(error: ApiException) -> str:
     with contextlib.suppress(TypeError, ValueError):
         return f"{error.status} {json.loads(error.body)['message']}"
@@ -160,6 +172,9 @@ class KubernetesBackend:
                 delay = retry_delay(e, attempt)
                 what = _api_message(e) if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
                 if delay is None or attempt == self.config.api_retries:
+                    refusal = _refusal(e)
+                    if refusal is not None:
+                        raise RefusedError(f"Kubernetes API {fn.__name__}: {what}", reason=refusal) from e
                     raise BackendError(f"Kubernetes API {fn.__name__}: {what}") from e
                 logger.info("Kubernetes API %s: %s; retry %d in %.2fs", fn.__name__, what, attempt + 1, delay)
                 await asyncio.sleep(delay)
