@@ -21,6 +21,7 @@ from orchard.env.client import (
 )
 from orchard.env.errors import (
     AuthError,
+    BackendRefusedError,
     BadRequestError,
     ConflictError,
     IdempotencyKeyReuseError,
@@ -40,6 +41,7 @@ __all__ = [
     "AsyncSandboxClient",
     "AsyncSandboxPool",
     "AuthError",
+    "BackendRefusedError",
     "BadRequestError",
     "ConflictError",
     "FileEntry",

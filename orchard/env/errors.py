@@ -61,6 +61,19 @@ class IdempotencyKeyReuseError(SandboxError):
     status_code = 422
 
 
+class BackendRefusedError(SandboxError):
+    """The platform under the service (Kubernetes) refused the sandbox, for a reason a retry alone does not change:
+    its quota is used up (403, `detail["error"]` "quota_exceeded"), its policies forbid the request (403,
+    "forbidden"), or it finds an object invalid (422, "invalid"). `detail["message"]` is what it said. Retrying
+    the same request is pointless until an operator (or, for a quota, the deletion of other sandboxes) changes
+    something."""
+
+    status_code = 403
+
+
+REFUSALS = ("quota_exceeded", "forbidden", "invalid")
+
+
 class ServiceUnavailable(SandboxError):
     """The service is saturated or a backend failed transiently (503); safe to retry after `retry_after_s`."""
 
@@ -101,5 +114,7 @@ def error_for_status(status_code: int, message: str, detail: object = None) -> S
         return PathError(message, status_code=400, detail=detail)
     if status_code == 422 and isinstance(detail, dict) and detail.get("error") == "idempotency_key_reuse":
         return IdempotencyKeyReuseError(message, detail=detail)
+    if status_code in (403, 422) and isinstance(detail, dict) and detail.get("error") in REFUSALS:
+        return BackendRefusedError(message, status_code=status_code, detail=detail)
     cls = _BY_STATUS.get(status_code, ServerError if status_code >= 500 else SandboxError)
     return cls(message, status_code=status_code, detail=detail)

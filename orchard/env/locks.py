@@ -8,6 +8,10 @@ The lease bounds how long a holder that stops (killed, or paused by the OS or a 
 fencing token makes sure that, if it comes back after its lease, its writes are refused (the store checks the
 token with each fenced write, atomically). Renewal runs every third of the lease, so a holder must stall for two
 thirds of it before it loses the lock.
+
+A store that cannot be reached for a moment (`StateStore.unavailable_errors`) delays the lock, within `outage_s`:
+taking it is tried again (a lock taken by a call whose answer was lost is free again when its lease ends), a
+failed renewal is tried at the next tick, and a failed release leaves the lock to its lease.
 """
 
 from __future__ import annotations
@@ -31,27 +35,48 @@ class StoreLock:
         name: the lock's name; one holder at a time across every process using the store.
         lease_s: seconds the lock stays held without a renewal. Must be > 0.
         poll_s: first wait between attempts while another holder has it (doubles, jittered, up to 0.5 s).
+        outage_s: how long taking the lock waits for an unreachable store before the store's error is
+            raised. Default 0: at once.
 
     Attributes:
         token: the fencing token while held (None before and after).
         lost: True once a renewal found the lease gone: writes with `token` are refused from then on.
     """
 
-    def __init__(self, store: StateStore, name: str, lease_s: float, *, poll_s: float = 0.01) -> None:
+    def __init__(self, store: StateStore, name: str, lease_s: float, *, poll_s: float = 0.01,
+                 outage_s: float = 0.0) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         if not isinstance(lease_s, (int, float)) or not lease_s > 0:
             raise ValueError(f"lease_s must be a number > 0, got {lease_s!r}")
         if not isinstance(poll_s, (int, float)) or not poll_s > 0:
             raise ValueError(f"poll_s must be a number > 0, got {poll_s!r}")
+        if not isinstance(outage_s, (int, float)) or not outage_s >= 0:
+            raise ValueError(f"outage_s must be a number >= 0, got {outage_s!r}")
         self.store, self.name, self.lease_s, self.poll_s = store, name, float(lease_s), float(poll_s)
+        self.outage_s = float(outage_s)
         self.token: int | None = None
         self.lost = False
         self._renewer: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> StoreLock:
-        wait = self.poll_s
-        while (token := await self.store.acquire_lock(self.name, self.lease_s)) is None:
+        wait, unreachable_since = self.poll_s, None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                token = await self.store.acquire_lock(self.name, self.lease_s)
+            except self.store.unavailable_errors:
+                if unreachable_since is None:
+                    unreachable_since = loop.time()
+                    logger.warning("taking lock %s: the store is unreachable; trying again for up to %g s",
+                                   self.name, self.outage_s, exc_info=True)
+                if loop.time() - unreachable_since >= self.outage_s:
+                    raise
+                token = None
+            else:
+                unreachable_since = None
+            if token is not None:
+                break
             await asyncio.sleep(wait * random.uniform(0.5, 1.0))  # jitter: waiters do not retry in lockstep
             wait = min(2 * wait, 0.5)
         self.token, self.lost = token, False
@@ -89,4 +114,7 @@ class StoreLock:
             self._renewer = None
         token, self.token = self.token, None
         if token is not None:
-            await self.store.release_lock(self.name, token)
+            try:
+                await self.store.release_lock(self.name, token)
+            except self.store.unavailable_errors:
+                logger.warning("releasing lock %s failed: the store is unreachable; its lease ends it", self.name)

@@ -61,7 +61,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from orchard.env.backends.base import (
     Backend,
@@ -73,11 +73,13 @@ from orchard.env.backends.base import (
     IsolationUnavailableError,
     PathEscapeError,
     PtySession,
+    RefusedError,
     Resources,
     SandboxNotFoundError,
     SandboxSpec,
 )
 from orchard.env.errors import (
+    BackendRefusedError,
     BadRequestError,
     ConflictError,
     IdempotencyKeyReuseError,
@@ -101,7 +103,10 @@ from orchard.env.store.base import (
 logger = logging.getLogger(__name__)
 
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-__all__ = ["LOST_JOB_ERROR", "CreateParams", "CreateTakenOverError", "ExecParams", "Orchestrator"]
+STORE_OUTAGE_ERROR = "store unavailable: the state store stayed unreachable for {seconds:g} s; the command was not run"
+"""The `error` of a job that an outage of the store kept from running (formatted with `store_outage_s`)."""
+_T = TypeVar("_T")
+__all__ = ["LOST_JOB_ERROR", "STORE_OUTAGE_ERROR", "CreateParams", "CreateTakenOverError", "ExecParams", "Orchestrator"]
 
 
 class CreateTakenOverError(ConflictError):
@@ -188,6 +193,9 @@ def backend_errors(sandbox_id: str) -> Iterator[None]:
                           detail={"error": "isolation_unavailable", "message": str(exc)}) from exc
     except ValueError as exc:
         raise BadRequestError(str(exc)) from exc
+    except RefusedError as exc:  # a 4xx: a retry alone changes nothing
+        raise BackendRefusedError(str(exc), status_code=422 if exc.reason == "invalid" else 403,
+                                  detail={"error": exc.reason, "message": str(exc)}) from exc
     except BackendError as exc:
         raise ServerError(f"backend error: {exc}") from exc
 
@@ -211,6 +219,9 @@ class Orchestrator:
         replica_lease_s: how long this replica counts as alive in the store without renewing (it renews every
             third of it), and the lease of a sandbox's store lock during an exec. With a shared store, the jobs
             of a replica that died are reported lost this long after it stopped. Default 30.
+        store_outage_s: how long an exec waits for a store that cannot be reached (`StateStore.unavailable_errors`:
+            Redis restarting, a dropped connection) to take its lock, claim its job and record its result,
+            trying again with backoff. An outage thus delays a result, never changes it. Default 1 h.
         clock: epoch-seconds clock (tests pass a fake one).
 
     Attributes:
@@ -234,6 +245,7 @@ class Orchestrator:
         max_output_bytes: int = 1 << 20,
         retry_after_s: float = 1.0,
         replica_lease_s: float = 30.0,
+        store_outage_s: float = 3600.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(max_concurrent_execs, int) or max_concurrent_execs < 1:
@@ -243,7 +255,8 @@ class Orchestrator:
         for name, value in (("default_exec_timeout_s", default_exec_timeout_s),
                             ("heartbeat_timeout_s", heartbeat_timeout_s), ("reap_interval_s", reap_interval_s),
                             ("job_retention_s", job_retention_s), ("idempotency_ttl_s", idempotency_ttl_s),
-                            ("retry_after_s", retry_after_s), ("replica_lease_s", replica_lease_s)):
+                            ("retry_after_s", retry_after_s), ("replica_lease_s", replica_lease_s),
+                            ("store_outage_s", store_outage_s)):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if not isinstance(max_output_bytes, int) or max_output_bytes < 1:
@@ -260,6 +273,7 @@ class Orchestrator:
         self.max_output_bytes = max_output_bytes
         self.retry_after_s = float(retry_after_s)
         self.replica_lease_s = float(replica_lease_s)
+        self.store_outage_s = float(store_outage_s)
         self.replica_id = uuid.uuid4().hex[:12]
         """This orchestrator's name in the store: the owner of the jobs it queues and runs."""
         self.clock = clock
@@ -831,14 +845,24 @@ class Orchestrator:
                 async with contextlib.AsyncExitStack() as held:
                     if self.store.shared:  # one exec at a time in a sandbox across replicas, not only here
                         lock = await held.enter_async_context(
-                            StoreLock(self.store, f"sandbox:{job.sandbox_id}", self.replica_lease_s))
+                            StoreLock(self.store, f"sandbox:{job.sandbox_id}", self.replica_lease_s,
+                                      outage_s=self.store_outage_s))
                     await self._claim_and_run(job, params, timeout, incarnation, lock)
         except asyncio.CancelledError:
             raise
+        except self.store.unavailable_errors:
+            # Unreachable past `store_outage_s`. The store's error is no outcome of the command: a result it gave
+            # is kept (and answered to this replica's waiters); one it never gave says it did not run.
+            logger.exception("job %s: the store stayed unreachable for %g s", job.job_id, self.store_outage_s)
+            if job.completed_at is None:
+                job.status, job.completed_at = "failed", self.clock()
+                job.error = STORE_OUTAGE_ERROR.format(seconds=self.store_outage_s)
         except Exception as exc:
             logger.exception("job %s failed", job.job_id)
-            job.status, job.error, job.completed_at = "failed", f"{type(exc).__name__}: {exc}", self.clock()
-            await self._write_job(job, lock)
+            if job.completed_at is None:  # never written over the result the command gave
+                job.status, job.error, job.completed_at = "failed", f"{type(exc).__name__}: {exc}", self.clock()
+            with contextlib.suppress(*self.store.unavailable_errors):
+                await self._write_job(job, lock)
         finally:
             if waiting:
                 self.pending_execs -= 1
@@ -852,17 +876,39 @@ class Orchestrator:
             if event is not None:
                 event.set()
 
+    async def _stored(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        """`call()`, made again while the store is unreachable (`StateStore.unavailable_errors`): after 0.05 s,
+        then twice as long each time up to 2 s, until `store_outage_s` has passed; then the store's error is
+        raised. Only for reads and writes that, made twice, leave the store as once does: a call whose answer the
+        outage lost may have taken effect (its second answer may then differ, so callers read back what
+        matters)."""
+        errors = self.store.unavailable_errors
+        deadline, pause = None, 0.05
+        while True:
+            try:
+                return await call()
+            except errors:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.store_outage_s
+                    logger.warning("%s: the store is unreachable; trying again for up to %g s", what,
+                                   self.store_outage_s, exc_info=True)
+                if now >= deadline:
+                    raise
+                await asyncio.sleep(min(pause, deadline - now))
+                pause = min(2 * pause, 2.0)
+
     async def _claim_and_run(self, job: JobRecord, params: ExecParams, timeout: float, incarnation: float,
                              lock: StoreLock | None) -> None:
         started = self.clock()
-        if not await self.store.claim_job(job.job_id, self.replica_id, started):
+        if not await self._claim(job, started):
             # Failed as lost while it queued (this replica stalled past its lease): running it now could run
             # a command its caller was told would never run. Waiters get what the store says.
             logger.warning("job %s was no longer queued when its turn came; not run", job.job_id)
             await self._refresh(job)
             return
         job.status, job.started_at, job.replica = "running", started, self.replica_id
-        current = await self.store.get_sandbox(job.sandbox_id)
+        current = await self._stored(f"job {job.job_id}", lambda: self.store.get_sandbox(job.sandbox_id))
         # Deleted while the job queued (perhaps re-created under the same id): never run it there.
         if current is None or current.created_at != incarnation or current.status != "ready":
             job.status, job.error, job.started_at, job.completed_at = "failed", "sandbox deleted", None, self.clock()
@@ -876,25 +922,44 @@ class Orchestrator:
         job.completed_at = self.clock()
         await self._write_job(job, lock)
 
+    async def _claim(self, job: JobRecord, started: float) -> bool:
+        """`StateStore.claim_job`, through store outages. A claim that an outage answered may have been made
+        and then refuses its own repeat: the record, running by this replica since `started`, tells."""
+        what = f"claiming job {job.job_id}"
+        if await self._stored(what, lambda: self.store.claim_job(job.job_id, self.replica_id, started)):
+            return True
+        stored = await self._stored(what, lambda: self.store.get_job(job.job_id))
+        return (stored is not None and stored.status == "running" and stored.replica == self.replica_id
+                and stored.started_at == started)
+
     async def _write_job(self, job: JobRecord, lock: StoreLock | None) -> None:
-        """Store the job; under a store lock, only while its token still holds the lock (fenced)."""
+        """Store the job; under a store lock, only while its token still holds the lock (fenced). A store
+        outage delays the write (`_stored`), up to `store_outage_s`."""
+        what = f"recording job {job.job_id}"
         if lock is None or lock.token is None:
-            await self.store.put_job(job)
-        elif not await self.store.put_job_fenced(job, lock.name, lock.token):
-            stored = await self.store.get_job(job.job_id)
-            if stored is not None and stored.status == "running" and stored.replica == self.replica_id:
-                # The lock's lease lapsed while this replica lived (a stall shorter than its own lease): no
-                # reaper reports the job lost, so unless its result is written now it stays "running" for
-                # good. It is written under the lock taken again; a loss reported meanwhile still wins.
-                async with StoreLock(self.store, lock.name, self.replica_lease_s) as again:
-                    if await self.store.put_job_fenced(job, again.name, again.token):  # type: ignore[arg-type]
-                        return
-            logger.warning("job %s: result not recorded: the lease of %s ended before it was written (this "
-                           "replica stalled past it?)", job.job_id, lock.name)
-            await self._refresh(job)
+            await self._stored(what, lambda: self.store.put_job(job))
+            return
+        token = lock.token
+        if await self._stored(what, lambda: self.store.put_job_fenced(job, lock.name, token)):
+            return
+        stored = await self._stored(what, lambda: self.store.get_job(job.job_id))
+        if stored is not None and vars(stored) == vars(job):
+            return  # written by a try whose answer an outage lost
+        if stored is not None and stored.status == "running" and stored.replica == self.replica_id:
+            # The lock's lease lapsed while this replica lived (a stall shorter than its own lease): no
+            # reaper reports the job lost, so unless its result is written now it stays "running" for
+            # good. It is written under the lock taken again; a loss reported meanwhile still wins.
+            async with StoreLock(self.store, lock.name, self.replica_lease_s, outage_s=self.store_outage_s) as again:
+                again_token = again.token
+                assert again_token is not None
+                if await self._stored(what, lambda: self.store.put_job_fenced(job, again.name, again_token)):
+                    return
+        logger.warning("job %s: result not recorded: the lease of %s ended before it was written (this "
+                       "replica stalled past it?)", job.job_id, lock.name)
+        await self._refresh(job)
 
     async def _refresh(self, job: JobRecord) -> None:
-        stored = await self.store.get_job(job.job_id)
+        stored = await self._stored(f"reading job {job.job_id}", lambda: self.store.get_job(job.job_id))
         if stored is not None:
             vars(job).update(vars(stored))
 
@@ -943,7 +1008,8 @@ class Orchestrator:
             while job.status not in JOB_DONE and (left := deadline - time.monotonic()) > 0:
                 await asyncio.sleep(min(pause, left))
                 pause = min(2 * pause, 0.5)
-                job = await self.get_job(job_id)
+                with contextlib.suppress(*self.store.unavailable_errors):  # an outage delays the answer
+                    job = await self.get_job(job_id)
         return job
 
     # files, patches, resources, terminals

@@ -1,4 +1,5 @@
-"""A real redis-server for the store tests, on a free loopback port with a temporary directory."""
+"""A real redis-server for the store tests, on a free loopback port with a temporary directory; `RedisServer` is
+one that a test stops and starts again on the same port, its data kept (an append-only file)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,42 @@ def start_redis_server() -> Iterator[str]:
         finally:
             process.kill()
             process.wait()
+
+
+class RedisServer:
+    """A redis-server on a free loopback port that keeps its data across `stop()` and `start()`: an append-only
+    file written at every command (`appendfsync always`), in `directory`. `url` stays the same."""
+
+    def __init__(self, directory: str) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.fail("redis-server is not installed: install it (apt-get install redis-server)", pytrace=False)
+        self.directory, self.port = directory, _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        import redis
+
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+             "--appendfsync", "always", "--dir", self.directory],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()  # answers only once the append-only file is loaded
+                break
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        """Shut the server down (SIGTERM: it flushes its append-only file and closes every connection)."""
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+            self.process = None

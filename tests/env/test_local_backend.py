@@ -7,11 +7,13 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
+import httpx
 import pytest
 from _box import needs_root, requires
 
@@ -28,6 +30,7 @@ from orchard.env.backends.base import (
 )
 from orchard.env.backends.images import ImageRegistry
 from orchard.env.backends.local import DEFAULT_UID_RANGE, LocalBackend
+from orchard.env.embedded import serve
 
 IS_ROOT = os.geteuid() == 0
 BWRAP_PROBLEM = probe_bubblewrap((DEFAULT_UID_RANGE[0],) * 2 if IS_ROOT else None)
@@ -458,3 +461,23 @@ async def test_a_shared_folder_is_read_only_in_every_sandbox(root_dir):
         await b.close()
     finally:
         shutil.rmtree(folder)
+
+
+@pytest.mark.slow
+def test_a_second_service_on_one_sandbox_root_is_refused_while_the_first_lives(root_dir, redis_url):
+    # Two replicas on one Redis and one root: each would keep its own books of the sandboxes' processes, so a
+    # delete through one left the other's running, and a re-created id ran the other's commands in the deleted
+    # workspace. The second is refused at start, whatever store it uses.
+    store = redis_url.rsplit("/", 1)[0] + "/7"  # a database of its own: the services use the default prefix
+    with serve(root_dir, in_process=False, store=store, api_key="k") as first:
+        with (pytest.raises(RuntimeError, match="is in use by another service") as info,
+              serve(root_dir, in_process=False, store=store, api_key="k")):
+            pass
+        assert f"pid {first.process.pid}" in str(info.value) and os.path.join(root_dir, "sandboxes") in str(info.value)
+        h = {"X-API-Key": "k"}
+        assert httpx.post(f"{first.url}/sandboxes", json={"sandbox_id": "s", "block_network": False}, headers=h,
+                          timeout=30).is_success
+        first.process.send_signal(signal.SIGKILL)  # the lock dies with its process: no stale lock file
+        first.process.wait(timeout=10)
+    with serve(root_dir, in_process=False, store=store, api_key="k") as second:
+        assert httpx.delete(f"{second.url}/sandboxes/s", headers=h, timeout=30).is_success

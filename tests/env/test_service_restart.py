@@ -46,6 +46,7 @@ def test_sigkill_then_restart_keeps_sandboxes_reaps_expired_marks_lost_jobs(root
     time.sleep(1.6)  # short-ttl and idle expire while no orchestrator runs
     orphan_backend = LocalBackend(f"{root}/sandboxes")  # a sandbox the store never heard of
     asyncio.run(orphan_backend.create("orphan", SandboxSpec()))
+    asyncio.run(orphan_backend.close())  # frees the root for the service (one service per root)
 
     with serve(root, api_key=key, in_process=False) as svc, SandboxClient(svc.url, key) as client:
         live = {s["sandbox_id"] for s in client.list_sandboxes()}

@@ -40,6 +40,23 @@ class IsolationUnavailableError(BackendError):
     API answers 501 rather than report a property that would not hold."""
 
 
+REFUSALS = ("quota_exceeded", "forbidden", "invalid")
+"""Why a platform refuses a sandbox (`RefusedError.reason`)."""
+
+
+class RefusedError(BackendError):
+    """The platform under the backend refused the sandbox for a reason a retry alone does not change: a quota is
+    used up ("quota_exceeded"), its policies forbid the request ("forbidden": RBAC, an admission policy), or it
+    finds an object invalid ("invalid"). `reason` says which; the message, what the platform said. The API
+    answers 403 (422 for "invalid"), never a 5xx that a client would retry."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        if reason not in REFUSALS:
+            raise ValueError(f"reason must be one of {REFUSALS}, got {reason!r}")
+        super().__init__(message)
+        self.reason = reason
+
+
 class CapacityError(BackendError):
     """The backend cannot take another sandbox right now (the API answers 503 with Retry-After)."""
 

@@ -53,6 +53,7 @@ from orchard.env.agent.isolation import (
     rootfs_tools,
 )
 from orchard.env.agent.pty import LocalPty
+from orchard.env.backends import root_lock
 from orchard.env.backends.base import (
     SHARED_MOUNT,
     BackendError,
@@ -324,9 +325,20 @@ class LocalBackend:
         self.is_root = os.geteuid() == 0
         if self.is_root:
             _check_traversable(self.root_dir)
+        # before anything that touches what another service on the root may be using (its trash, its processes)
+        self._root_lock: str | None = root_lock.acquire(self.root_dir)
+        try:
+            self._set_up(images, limits, use_bwrap, (first, count), uid_claims_dir, max_sandboxes, box)
+        except BaseException:
+            self._release_root()
+            raise
+
+    def _set_up(self, images: ImageRegistry, limits: Limits | None, use_bwrap: bool | None,
+                uid_range: tuple[int, int], uid_claims_dir: str | os.PathLike[str] | None,
+                max_sandboxes: int | None, box: bool) -> None:
         self.images = images
         self.default_limits = limits or Limits()
-        self.uid_range = (first, count)
+        self.uid_range = uid_range
         self.max_sandboxes = max_sandboxes
         self._claims: UidClaims | None = None
         if self.is_root and uid_claims_dir is not None:
@@ -666,7 +678,14 @@ class LocalBackend:
         return await self._agent(sandbox_id).open_pty(command, cols, rows)
 
     async def close(self) -> None:
-        """End the processes this backend started (running commands, terminals); workspaces stay."""
+        """End the processes this backend started (running commands, terminals), then free the root for another
+        service (`root_lock`); workspaces stay."""
         agents = list(self._agents.values())
         self._agents.clear()
         await asyncio.gather(*(a.kill_all() for a in agents), return_exceptions=True)
+        self._release_root()
+
+    def _release_root(self) -> None:
+        key, self._root_lock = self._root_lock, None
+        if key is not None:
+            root_lock.release(key)

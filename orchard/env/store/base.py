@@ -102,6 +102,12 @@ class StateStore(Protocol):
     """True when orchestrators in other processes may use the store at the same time (Redis): an orchestrator
     then looks for lost jobs in every reaper pass and holds a store lock around each exec."""
 
+    unavailable_errors: tuple[type[Exception], ...]
+    """What a call raises when the store cannot be reached for now (a refused or dropped connection, a timeout):
+    the call may or may not have taken effect. An orchestrator waits such an outage out on an exec's way (its
+    claim, its result) rather than report the store's error as the command's outcome. Empty for a store that
+    is never unreachable (SQLite)."""
+
     async def put_sandbox(self, record: SandboxRecord) -> None: ...
 
     async def insert_sandbox(self, record: SandboxRecord) -> bool:

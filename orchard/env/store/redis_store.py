@@ -161,6 +161,8 @@ class RedisStore:
     """
 
     shared = True
+    # BusyLoadingError (a server still loading its data after a restart) is a ConnectionError
+    unavailable_errors: tuple[type[Exception], ...] = (aioredis.ConnectionError, aioredis.TimeoutError)
 
     def __init__(self, url: str, *, prefix: str = "orchard:") -> None:
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):

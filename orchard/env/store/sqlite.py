@@ -58,6 +58,7 @@ class SQLiteStore:
     """
 
     shared = False
+    unavailable_errors: tuple[type[Exception], ...] = ()
 
     def __init__(self, path: str | Path) -> None:
         if not isinstance(path, (str, Path)) or str(path) == "":

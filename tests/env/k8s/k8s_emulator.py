@@ -59,6 +59,8 @@ class Fault:
     status: int
     times: int
     retry_after: float | None
+    reason: str = "Injected"
+    message: str = "injected fault"
 
 
 class ApiEmulator:
@@ -73,6 +75,9 @@ class ApiEmulator:
         """Watches from a resourceVersion below this get 410 Gone."""
         self.cond = threading.Condition()
         self.faults: list[Fault] = []
+        self.quota: dict[str, int] = {}
+        """resource -> how many objects of it a namespace may hold (a ResourceQuota's `count/<resource>`): a
+        create past it is refused with 403 Forbidden, "exceeded quota", as the quota admission plugin does."""
         self.requests: list[tuple[str, str, int]] = []
         """(method, path, status) of every request answered."""
         self.watch_starts = 0
@@ -105,10 +110,12 @@ class ApiEmulator:
     # -- faults -----------------------------------------------------------------------------------------------
 
     def fail_next(self, method: str, resource: str, status: int, times: int = 1,
-                  retry_after: float | None = None) -> None:
-        """Answer the next `times` `method` requests on `resource` ("pods", ...) with `status`."""
+                  retry_after: float | None = None, *, reason: str = "Injected",
+                  message: str = "injected fault") -> None:
+        """Answer the next `times` `method` requests on `resource` ("pods", ...) with `status`, in a Status
+        object with `reason` and `message` (a real answer's: "Forbidden", "Invalid", ...)."""
         with self.cond:
-            self.faults.append(Fault(method, resource, status, times, retry_after))
+            self.faults.append(Fault(method, resource, status, times, retry_after, reason, message))
 
     def drop_watches(self) -> None:
         """Cut every open watch mid-stream (the client sees a broken chunked response)."""
@@ -153,6 +160,12 @@ class ApiEmulator:
         with self.cond:
             if (resource, namespace, name) in self.objects:
                 return 409, _status(409, "AlreadyExists", f'{resource} "{name}" already exists')
+            limit = self.quota.get(resource)
+            used = sum(r == resource and ns == namespace for r, ns, _ in self.objects)
+            if limit is not None and used >= limit:
+                return 403, _status(403, "Forbidden", f'{resource} "{name}" is forbidden: exceeded quota: '
+                                    f"sandboxes, requested: count/{resource}=1, used: count/{resource}={used}, "
+                                    f"limited: count/{resource}={limit}")
             meta.update(namespace=namespace, uid=str(uuid.uuid4()),
                         creationTimestamp=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
             if resource == "pods":
@@ -227,7 +240,7 @@ def _handler(api: ApiEmulator) -> type[BaseHTTPRequestHandler]:
             fault = api._take_fault(self.command, res)
             if fault is not None:
                 headers = {"Retry-After": f"{fault.retry_after:g}"} if fault.retry_after is not None else {}
-                self._reply(fault.status, _status(fault.status, "Injected", "injected fault"), headers)
+                self._reply(fault.status, _status(fault.status, fault.reason, fault.message), headers)
                 return
             if self.command == "GET" and name is None and q.get("watch") in ("true", "1"):
                 self._watch(res, ns, q)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -9,8 +10,9 @@ import httpx
 import pytest
 from conftest import NAMESPACE, Cluster, k8s_service
 
-from orchard.env import SandboxClient, ServerError
-from orchard.env.backends.kubernetes.manifests import KubernetesConfig, labels, object_name
+from orchard.env import BackendRefusedError, SandboxClient, ServerError
+from orchard.env.backends.base import BackendError, ExecRequest, SandboxSpec
+from orchard.env.backends.kubernetes.manifests import POD_BY, KubernetesConfig, labels, object_name
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,36 @@ def test_an_api_that_keeps_failing_fails_the_create_and_leaves_nothing(service, 
     assert cluster.leftovers() == {}
 
 
+@pytest.mark.parametrize("refusal", ["quota_exceeded", "forbidden", "invalid"])
+def test_an_api_refusal_fails_the_create_with_what_kubernetes_said_never_retried(service, client, cluster, refusal):
+    if refusal == "quota_exceeded":  # a ResourceQuota whose pod count is used up (by a sandbox of this test)
+        held = client.create(sandbox_id=new_id("held"))
+        cluster.api.quota["pods"] = len(cluster.objects("pods"))
+        said, status = "exceeded quota", 403
+    elif refusal == "forbidden":  # a Role without pods/create, or an admission policy that denies the pod
+        cluster.api.fail_next("POST", "pods", 403, reason="Forbidden", message='pods is forbidden: User '
+                              '"system:serviceaccount:orchard:orchard" cannot create resource "pods"')
+        said, status = "cannot create resource", 403
+    else:  # the API server finds the pod invalid
+        cluster.api.fail_next("POST", "pods", 422, reason="Invalid", message='Pod "x" is invalid: '
+                              "spec.containers[0].resources.limits: Invalid value")
+        said, status = "is invalid", 422
+    seen = len(cluster.api.requests)
+    try:
+        with pytest.raises(BackendRefusedError) as info:  # before: ServerError, a 500
+            client.create(sandbox_id=new_id(refusal))
+    finally:
+        cluster.api.quota.clear()
+        cluster.api.faults.clear()
+    assert info.value.status_code == status and info.value.detail["error"] == refusal
+    assert said in str(info.value) and said in info.value.detail["message"]
+    pod_posts = [r for r in cluster.api.requests[seen:] if r[0] == "POST" and r[1].endswith("/pods")]
+    assert len(pod_posts) == 1  # asked once: a refusal is not retried
+    if refusal == "quota_exceeded":
+        held.delete()
+    assert cluster.leftovers() == {}  # the create's Secret and NetworkPolicy went with it
+
+
 def test_slow_readiness_is_waited_for(client, cluster):
     sid = new_id("slow")
     cluster.kubelet.slow_ready_s[sid] = 1.5  # readiness held back, well under the service's readiness timeout
@@ -148,3 +180,66 @@ def test_pods_no_record_owns_are_deleted_on_start_and_other_owners_are_left_alon
         pass
     assert cluster.objects("pods") == ["stranger"] and cluster.objects("secrets") == []
     cluster.api.delete("pods", NAMESPACE, "stranger")
+
+
+def _replica(cluster: Cluster, **options):
+    """A Kubernetes backend of its own on the emulated cluster, as another replica's."""
+    from kubernetes import client as k8s
+
+    from orchard.env.backends.kubernetes.backend import KubernetesBackend
+
+    api = k8s.ApiClient(k8s.Configuration(host=cluster.api.url))
+    return KubernetesBackend(KubernetesConfig(namespace=NAMESPACE, **options), api_client=api)
+
+
+async def test_the_start_up_sweep_leaves_alone_a_create_in_flight_on_another_replica(cluster):
+    def replica(**options):
+        return _replica(cluster, **options)
+
+    # Replica A creates while the API server refuses NetworkPolicies for a while (a brown-out it rides out: its
+    # retries are many); its Secret exists, its pod does not yet.
+    a, b = replica(api_retries=1000), replica(ready_timeout_s=5)
+    sid = new_id("inflight")
+    name = object_name(sid)
+    cluster.api.fail_next("POST", "networkpolicies", 503, times=10**6, retry_after=0.05)
+    create = asyncio.create_task(a.create(sid, SandboxSpec()))
+    try:
+        while name not in cluster.objects("secrets"):
+            await asyncio.sleep(0.02)
+        # The create has been in flight for longer than the sweeping replica's own create could take (its
+        # readiness timeout + 60 s): made to look so by dating the Secret back, as a long brown-out would.
+        cluster.api.objects[("secrets", NAMESPACE, name)]["metadata"]["creationTimestamp"] = (
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 600)))
+        # A Secret left by a create that has given up (its creator died): past the time its creator set for its
+        # pod, the sweep deletes it however young it is.
+        left = object_name(new_id("left"))
+        cluster.api.create("secrets", NAMESPACE, {"metadata": {"name": left, "labels": labels(b.config, "left"),
+                                                               "annotations": {POD_BY: "1"}}})
+        assert await b.list_ids() == []  # B starts: its first call lists pods and sweeps
+        # before: B deleted A's Secret, and A's pod, made after the brown-out, never started (secret not found)
+        assert name in cluster.objects("secrets") and left not in cluster.objects("secrets")
+    finally:
+        cluster.api.faults.clear()
+    await asyncio.wait_for(create, 120)
+    assert (await a.exec(sid, ExecRequest("echo ok"))).stdout == b"ok\n"
+    await a.delete(sid)
+    await a.close()
+    await b.close()
+    assert cluster.leftovers() == {}
+
+
+async def test_a_create_that_finds_a_secret_past_its_deadline_makes_no_pod(cluster):
+    # an earlier try of the create made the Secret, whose deadline has passed: a sweep may delete it any time,
+    # so a pod made now could start without it
+    backend = _replica(cluster)
+    await backend.list_ids()  # started, and swept, before the Secret was made
+    sid = new_id("late")
+    name = object_name(sid)
+    cluster.api.create("secrets", NAMESPACE, {"metadata": {"name": name, "labels": labels(backend.config, sid),
+                                                           "annotations": {POD_BY: "1"}}})
+    with pytest.raises(BackendError, match="deadline"):
+        await backend.create(sid, SandboxSpec())
+    assert name not in cluster.objects("pods") + cluster.objects("networkpolicies")
+    await backend.delete(sid)
+    await backend.close()
+    assert cluster.leftovers() == {}

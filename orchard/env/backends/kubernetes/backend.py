@@ -44,6 +44,7 @@ from orchard.env.backends.base import (
     FileInfo,
     PathEscapeError,
     PtySession,
+    RefusedError,
     Resources,
     SandboxNotFoundError,
     SandboxSpec,
@@ -51,6 +52,7 @@ from orchard.env.backends.base import (
 from orchard.env.backends.kubernetes.manifests import (
     CPU_ANNOTATION,
     MEMORY_ANNOTATION,
+    POD_BY,
     SANDBOX,
     TOKEN_KEY,
     KubernetesConfig,
@@ -73,6 +75,10 @@ logger = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+RETRY_MAX_S = 10.0
+"""The longest wait between two tries of an API request."""
+SWEEP_SLACK_S = 60.0
+"""How long past an object's `POD_BY` the sweep still leaves it: clocks of replicas may disagree."""
 AGENT_RETRIES = 3
 """Retries of a request to a pod's agent whose connection failed (`AGENT_RETRYABLE`), with backoff."""
 AGENT_RETRYABLE = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout, httpx.WriteTimeout)
@@ -80,7 +86,11 @@ AGENT_RETRYABLE = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectT
 the command's own timeout (+30 s); asking again would only wait as long again."""
 
 
-def retry_delay(error: BaseException, attempt: int, *, base_s: float = 0.2, max_s: float = 10.0) -> float | None:
+class _PastDeadline(Exception):
+    """An API request not sent: it could end after the create's `POD_BY`."""
+
+
+def retry_delay(error: BaseException, attempt: int, *, base_s: float = 0.2, max_s: float = RETRY_MAX_S) -> float | None:
     """Seconds to wait before retrying a failed API request, or None when it must not be retried.
 
     429 and 5xx answers and transport errors (timeouts, refused or reset connections) are retried; a
@@ -103,6 +113,17 @@ def backoff_s(attempt: int, *, base_s: float = 0.2, max_s: float = 10.0) -> floa
     """`base_s * 2**attempt` capped at `max_s`, jittered into its upper half (attempt 0 -> 0.1..0.2 s)."""
     delay = min(base_s * 2**attempt, max_s)
     return delay * (0.5 + secrets.randbelow(1001) / 2000)
+
+
+def _refusal(error: BaseException) -> str | None:
+    """Why the API server refused a request for good (`RefusedError.reason`), or None: 403 is a used-up quota when
+    its message says "exceeded quota" (the quota admission plugin's words), else a request that RBAC or an
+    admission policy forbids; 422 is an invalid object."""
+    if not isinstance(error, ApiException):
+        return None
+    if error.status == 403:
+        return "quota_exceeded" if "exceeded quota" in _api_message(error) else "forbidden"
+    return "invalid" if error.status == 422 else None
 
 
 def _api_message(error: ApiException) -> str:
@@ -149,17 +170,34 @@ class KubernetesBackend:
 
     # -- the API server ------------------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, ok: tuple[int, ...] = (), **kwargs: Any) -> Any:
-        """`fn(*args, **kwargs)` on a thread, retried with backoff; a status in `ok` returns None."""
+    async def _call(self, fn: Callable[..., Any], *args: Any, ok: tuple[int, ...] = (), until: float | None = None,
+                    **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on a thread, retried with backoff; a status in `ok` returns None. With `until`
+        (epoch seconds), no try is sent that could end after it (checked on the thread, just before sending):
+        `BackendError` instead."""
+        timeout = self.config.api_timeout_s
+
+        def attempt_once() -> Any:
+            if until is not None and time.time() + timeout > until:
+                raise _PastDeadline
+            return fn(*args, _request_timeout=timeout, **kwargs)
+
         for attempt in range(self.config.api_retries + 1):
             try:
-                return await asyncio.to_thread(fn, *args, _request_timeout=self.config.api_timeout_s, **kwargs)
+                return await asyncio.to_thread(attempt_once)
             except Exception as e:
                 if isinstance(e, ApiException) and e.status in ok:
                     return None
+                if isinstance(e, _PastDeadline):
+                    raise BackendError(f"Kubernetes API {fn.__name__}: not sent, as it could end after the "
+                                       "create's deadline for its pod (the start-up sweep may then have deleted "
+                                       "the Secret and NetworkPolicy it needs)") from None
                 delay = retry_delay(e, attempt)
                 what = _api_message(e) if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
                 if delay is None or attempt == self.config.api_retries:
+                    refusal = _refusal(e)
+                    if refusal is not None:
+                        raise RefusedError(f"Kubernetes API {fn.__name__}: {what}", reason=refusal) from e
                     raise BackendError(f"Kubernetes API {fn.__name__}: {what}") from e
                 logger.info("Kubernetes API %s: %s; retry %d in %.2fs", fn.__name__, what, attempt + 1, delay)
                 await asyncio.sleep(delay)
@@ -190,15 +228,17 @@ class KubernetesBackend:
         """Delete Secrets and NetworkPolicies whose pod is gone (left by a create or delete that died half-way);
         only those older than a create may take, so a create in flight on another replica keeps its own."""
         assert self._watcher is not None
-        cutoff = time.time() - self.config.ready_timeout_s - 60
+        now = time.time()
+        cutoff = now - self.config.ready_timeout_s - 60  # for objects made before `POD_BY` was written
         for lister, deleter in ((self.core.list_namespaced_secret, self.core.delete_namespaced_secret),
                                 (self.net.list_namespaced_network_policy, self.net.delete_namespaced_network_policy)):
             found = await self._call(lister, self.config.namespace, label_selector=self.config.selector(),
                                      _preload_content=False)
             for item in json.loads(found.data).get("items") or []:
                 meta = item["metadata"]
-                made = _epoch(meta.get("creationTimestamp"))
-                if meta["name"] not in self._watcher.pods and made is not None and made < cutoff:
+                made, pod_by = _epoch(meta.get("creationTimestamp")), _pod_by(meta)
+                due = now > pod_by + SWEEP_SLACK_S if pod_by is not None else made is not None and made < cutoff
+                if meta["name"] not in self._watcher.pods and due:
                     await self._call(deleter, meta["name"], self.config.namespace, ok=(404,))
 
     def _on_change_threadsafe(self, name: str, pod: dict[str, Any] | None) -> None:
@@ -234,6 +274,19 @@ class KubernetesBackend:
         await self._call(self.core.delete_namespaced_pod, name, ns, grace_period_seconds=0, ok=(404,))
         await self._call(self.core.delete_namespaced_secret, name, ns, ok=(404,))
         await self._call(self.net.delete_namespaced_network_policy, name, ns, ok=(404,))
+
+    async def _pod_by_of(self, reader: Callable[..., Any], name: str) -> float:
+        """The `POD_BY` of an object a create found made (by an earlier try of it); for one made before the
+        annotation was written, when the sweep's old rule lets it go. Gone meanwhile: already past."""
+        found = await self._call(reader, name, self.config.namespace, ok=(404,), _preload_content=False)
+        if found is None:
+            return float("-inf")
+        meta = json.loads(found.data)["metadata"]
+        pod_by = _pod_by(meta)
+        if pod_by is not None:
+            return pod_by
+        made = _epoch(meta.get("creationTimestamp"))
+        return made + self.config.ready_timeout_s + 60 - SWEEP_SLACK_S if made is not None else float("-inf")
 
     async def _wait_ready(self, sandbox_id: str, timeout_s: float) -> str:
         """The pod's IP once it is Ready; BackendError with Kubernetes' reason if it fails or times out."""
@@ -277,14 +330,22 @@ class KubernetesBackend:
         if name not in watcher.pods or name in self._deleting:
             self._deleting.discard(name)
             token = secrets.token_urlsafe(32)
+            # The deadline for the pod, written on the Secret and the NetworkPolicy (`POD_BY`) so that another
+            # replica's start-up sweep leaves them alone until then: three requests' tries, with their waits.
+            until = time.time() + 3 * (self.config.api_retries + 1) * (self.config.api_timeout_s + RETRY_MAX_S)
             made = await self._call(self.core.create_namespaced_secret, ns,
-                                    secret_manifest(self.config, sandbox_id, token), ok=(409,))
+                                    secret_manifest(self.config, sandbox_id, token, pod_by=until), ok=(409,))
             if made is not None:  # else one exists (a retried create): its token is read when needed
                 self._tokens[sandbox_id] = token
-            await self._call(self.net.create_namespaced_network_policy, ns,
-                             network_policy_manifest(self.config, sandbox_id, spec.network), ok=(409,))
+            else:  # and its deadline holds: the sweep reads the one written on it
+                until = min(until, await self._pod_by_of(self.core.read_namespaced_secret, name))
+            made = await self._call(self.net.create_namespaced_network_policy, ns,
+                                    network_policy_manifest(self.config, sandbox_id, spec.network, pod_by=until),
+                                    ok=(409,), until=until)
+            if made is None:
+                until = min(until, await self._pod_by_of(self.net.read_namespaced_network_policy, name))
             await self._call(self.core.create_namespaced_pod, ns, pod_manifest(self.config, sandbox_id, spec),
-                             ok=(409,))
+                             ok=(409,), until=until)
         try:
             await self._wait_ready(sandbox_id, self.config.ready_timeout_s)
         except BaseException:
@@ -458,6 +519,12 @@ def _chain(error: BaseException) -> str:
         parts.append(f"{type(cause).__name__}: {cause}")
         cause = cause.__cause__ or cause.__context__
     return " <- ".join(parts)
+
+
+def _pod_by(meta: dict[str, Any]) -> float | None:
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        return float((meta.get("annotations") or {})[POD_BY])
+    return None
 
 
 def _epoch(timestamp: str | None) -> float | None:

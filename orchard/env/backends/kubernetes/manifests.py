@@ -25,6 +25,10 @@ TOKEN_KEY = "token"
 TOKEN_ENV = "ORCHARD_AGENT_TOKEN"
 AGENT_MOUNT = "/orchard-agent"
 HOST_IMAGE = "host"
+POD_BY = "orchard.dev/pod-by"
+"""Annotation of a sandbox's Secret and NetworkPolicy: the epoch second by which the create that made them has
+made its pod or given up. Until then (and a minute more, for clocks that disagree) the start-up sweep of any
+replica leaves them alone, even while they have no pod: that create may still be in flight elsewhere."""
 CPU_ANNOTATION = "orchard.dev/cpu"
 MEMORY_ANNOTATION = "orchard.dev/memory-mb"
 """The pod's CPU (cores) and memory (MiB) as numbers, for `resources()` (its quantities are strings)."""
@@ -114,28 +118,36 @@ def labels(config: KubernetesConfig, sandbox_id: str) -> dict[str, str]:
     return {MANAGED_BY: "orchard-env", OWNER: config.owner, SANDBOX: sandbox_id}
 
 
-def _metadata(config: KubernetesConfig, sandbox_id: str) -> dict[str, Any]:
-    return {"name": object_name(sandbox_id), "namespace": config.namespace, "labels": labels(config, sandbox_id)}
+def _metadata(config: KubernetesConfig, sandbox_id: str, pod_by: float | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": object_name(sandbox_id), "namespace": config.namespace,
+                            "labels": labels(config, sandbox_id)}
+    if pod_by is not None:
+        meta["annotations"] = {POD_BY: f"{pod_by:.0f}"}
+    return meta
 
 
-def secret_manifest(config: KubernetesConfig, sandbox_id: str, token: str) -> dict[str, Any]:
-    """The Secret holding the sandbox agent's bearer token (the pod reads it into its agent's environment)."""
+def secret_manifest(config: KubernetesConfig, sandbox_id: str, token: str, *,
+                    pod_by: float | None = None) -> dict[str, Any]:
+    """The Secret holding the sandbox agent's bearer token (the pod reads it into its agent's environment);
+    `pod_by`, the create's deadline for its pod (`POD_BY`)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(config, sandbox_id),
+        "metadata": _metadata(config, sandbox_id, pod_by),
         "type": "Opaque",
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
-def network_policy_manifest(config: KubernetesConfig, sandbox_id: str, network: bool) -> dict[str, Any]:
+def network_policy_manifest(config: KubernetesConfig, sandbox_id: str, network: bool, *,
+                            pod_by: float | None = None) -> dict[str, Any]:
     """Ingress only from the orchestrator's pods to the agent's port; egress nowhere unless `network` (then
-    anywhere: a sandbox that asks for the network gets all of it, as on the local backend)."""
+    anywhere: a sandbox that asks for the network gets all of it, as on the local backend); `pod_by`, the
+    create's deadline for its pod (`POD_BY`)."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(config, sandbox_id),
+        "metadata": _metadata(config, sandbox_id, pod_by),
         "spec": {
             "podSelector": {"matchLabels": labels(config, sandbox_id)},
             "policyTypes": ["Ingress", "Egress"],
