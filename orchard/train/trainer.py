@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from orchard.train import checkpoint as ckpt
 from orchard.train.engine import DeepSpeedTrainEngine, PlainEngine, TrainEngine, ds_config, load_ds_config
+from orchard.train.lora import LoraAdapters, LoraConfig, add_lora, merge_lora, merged_weights
 from orchard.train.metrics import MultiLogger, WandbConfig, build_loggers
 from orchard.train.objective import (
     LossTerm,
@@ -95,6 +96,8 @@ class TrainConfig:
     """Parameter dtype: float32 on CPU, bfloat16 on GPU (DeepSpeed bf16 mode)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (peft) instead of full fine-tuning; merged weights go to the engine and into saved models."""
     objective: list[LossTerm] = field(default_factory=lambda: [LossTerm("sft")])
     """Weighted loss terms: list of {name, weight, kwargs}; see orchard.train.objective."""
     output_dir: str = "runs/train"
@@ -122,6 +125,9 @@ class TrainConfig:
         if self.zero_stage not in (2, 3):
             raise ValueError(f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
         check_objective(self.objective)
+        if self.lora.enabled and self.engine == "deepspeed" and self.zero_stage == 3:
+            raise ValueError("lora.enabled needs the plain engine or ZeRO-2: merging an adapter into a ZeRO-3 "
+                             "partitioned base weight is not supported (set zero_stage=2)")
         if isinstance(self.progress_interval_s, bool) or not isinstance(self.progress_interval_s, (int, float)) \
                 or not self.progress_interval_s > 0:
             raise ValueError(f"progress_interval_s must be a number > 0, got {self.progress_interval_s!r}")
@@ -354,7 +360,9 @@ class Trainer:
     """Runs optimizer steps on a model with the configured engine, objective, checkpoints and loggers.
 
     Args:
-        model: a causal LM (e.g. from ``load_causal_lm``), already in the configured dtype.
+        model: a causal LM (e.g. from ``load_causal_lm``), already in the configured dtype. With
+            ``cfg.lora.enabled`` it gets peft's adapters in place (its forward is the policy in training) and is a
+            plain model with the merged weights again after ``close``.
         cfg: the train config.
         logprob_fn: ``fn(module, micro_batch) -> [B, T]`` log-probs, where ``module`` is the engine's forward
             callable around a ``LogprobModel`` (its ``.lm`` is the causal LM) and ``micro_batch`` holds
@@ -390,6 +398,7 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
+        self.lora: LoraAdapters | None = add_lora(model, cfg.lora) if cfg.lora.enabled else None
         o = cfg.optim
         optimizer = torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps)
         scheduler = cosine_schedule(
@@ -431,8 +440,13 @@ class Trainer:
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Complete weights on CPU under the causal LM's parameter names (gathered under ZeRO-3; every rank
-        must call it). Tied weights appear once, under their first name, as ``named_parameters`` lists them."""
-        return {name.removeprefix("lm."): p for name, p in self.engine.named_full_parameters()}
+        must call it). Tied weights appear once, under their first name, as ``named_parameters`` lists them.
+        With LoRA they are the merged weights ``W + s · B A`` under the base model's names
+        (`orchard.train.lora.merged_weights`): what a plain model of the trained policy holds."""
+        named = ((name.removeprefix("lm."), p) for name, p in self.engine.named_full_parameters())
+        if self.lora is not None:
+            return merged_weights(named, self.lora.scalings)
+        return dict(named)
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
         """One optimizer step on a global batch (identical on every rank); returns and logs its metrics."""
@@ -500,8 +514,13 @@ class Trainer:
         return directory
 
     def close(self) -> None:
-        """Close the loggers."""
+        """Close the loggers; with LoRA, fold the adapters into the model (`orchard.train.lora.merge_lora`), so
+        the model the caller passed in is a plain model of the trained policy again (its parameter names as
+        before, ready for ``save_causal_lm`` or ``load_state_dict`` into an engine). Train no further after it."""
         self.logger.close()
+        if self.lora is not None:
+            merge_lora(self.lora)
+            self.lora = None
 
     def _barrier(self) -> None:
         if self.engine.world_size > 1:

@@ -9,6 +9,7 @@ the uninterrupted run's.
 from __future__ import annotations
 
 import asyncio
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from test_ranks import LAUNCH_TIMEOUT_S, WORKER, _env, _free_port, _run
 from orchard.data import RenderedSample, RenderReport, Trajectory
 from orchard.stages import RLConfig, RolloutConfig, rl_stage
 from orchard.train.action_logprobs import action_logprobs
+from orchard.train.lora import LoraConfig
 from orchard.train.objective import LossTerm
 from orchard.train.trainer import OptimConfig, TrainConfig, Trainer
 
@@ -251,3 +253,40 @@ def test_a_stale_samples_anchor_is_the_current_policy_at_the_rollout_temperature
     mask = batch["action_mask"]
     torch.testing.assert_close(batch["old_logprobs"][mask], current[mask], rtol=0, atol=1e-5)
     assert (batch["rollout_logprobs"][mask] - current[mask]).abs().max() > 1e-4  # the policy did move
+
+
+class PlainCopyEngine(CountingEngine):
+    """A peft-free copy of the policy that loads every pushed state dict by name and records, after each push, how
+    far its logits on a probe are from the trained (adapted) policy's."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        self.policy, self.copy = policy, copy.deepcopy(policy).eval()
+        self.probe = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+        self.gaps: list[float] = []
+
+    async def update_weights(self, weights):
+        await super().update_weights(weights)
+        missing, unexpected = self.copy.load_state_dict(weights, strict=False)
+        assert unexpected == [] and missing == ["lm_head.weight"]  # the tied lm head is the embedding
+        with torch.no_grad():
+            gap = self.copy(input_ids=self.probe).logits - self.policy(input_ids=self.probe).logits
+        self.gaps.append(float(gap.abs().max()))
+
+
+def test_with_lora_the_engine_samples_the_merged_policy_after_every_update(tmp_path):
+    model = make_model(seed=1)
+    start = model(input_ids=torch.arange(12)[None]).logits.detach()
+    engine = PlainCopyEngine(model)
+    cfg = RLConfig(steps=3, tasks_per_step=2, group_size=3, mini_batches=1,
+                   train=TrainConfig(micro_batch_size=3, optim=OptimConfig(lr=1e-2, min_lr=1e-2),
+                                     objective=[LossTerm("policy", 1.0)],
+                                     lora=LoraConfig(enabled=True, rank=4, alpha=8.0)))
+    asyncio.run(rl_stage(model, engine, {"a": VersionRollouts()}, [0, 1, 2, 4, 5, 6], cfg, rollout=RolloutConfig(),
+                         pad_id=0, seed=5, output_dir=str(tmp_path / "rl")))
+    assert engine.version == 3 and max(engine.gaps) < 1e-5
+    # The stage closed its trainer: the model it was given is plain again, holding what the engine last got.
+    state = model.state_dict()
+    assert not any("lora" in name for name in state)
+    assert all(torch.equal(state[n], p) for n, p in engine.copy.state_dict().items())
+    assert (model(input_ids=torch.arange(12)[None]).logits - start).abs().max() > 1e-3  # the policy did move
