@@ -42,7 +42,9 @@ _NAV_TIMEOUT_MS = 15000
 _MAX_WAIT_S = 10.0
 
 # A flattened accessibility view: visible elements a user can act on or read, each with its role, accessible
-# name and the centre of its box in viewport pixels (what a text-only policy passes to click).
+# name and the centre of its box in viewport pixels (what a text-only policy passes to click). An element that
+# holds text repeating what the visitor entered (the site marks it data-entered) says so with the word
+# `entered`: with form fields (whose names show their values), the text the site did not write itself.
 _TEXT_VIEW_JS = """() => {
   const W = window.innerWidth, H = window.innerHeight, out = [];
   const roles = {A: 'link', BUTTON: 'button', SELECT: 'combobox', TEXTAREA: 'textbox', H1: 'heading',
@@ -69,6 +71,7 @@ _TEXT_VIEW_JS = """() => {
         && (inner.innerText || '').trim() === (el.innerText || '').trim()) continue;
     let extra = '';
     if (role === 'checkbox' || role === 'radio') extra = el.checked ? ' checked' : ' unchecked';
+    if (el.closest('[data-entered]') || el.querySelector('[data-entered]')) extra += ' entered';
     out.push(`[${role}] ${JSON.stringify(name)}${extra} @(${x},${y})`);
   }
   return out.join('\\n');
@@ -234,7 +237,7 @@ class Host:
         except Exception as exc:
             if not self.alive():
                 raise
-            raise ToolError(f"could not open {url}: {str(exc).splitlines()[0]}") from None
+            raise ToolError(f"could not open {url!r}: {str(exc).splitlines()[0]}") from None
 
     def run_tool(self, name: str, args: dict[str, Any]) -> dict[Any, str]:
         """Run one tool; returns the tabs' titles `settle` read (for `observe`)."""

@@ -16,19 +16,29 @@ messages.
 The prompts (`outcome_judge_messages`, `process_judge_messages`) are ours: the papers give the judges' inputs
 and the 0.8 bar, not their wording. Each is a system message with the rubric and one user message whose content
 parts are the task, the steps (action, the observation's text, the chosen screenshots as data URLs, each after a
-``Screenshot after step k:`` label) and, when known, a reference block with the task's checker data and the site
-state the run ended in, which the agent never saw. A judge answers with one JSON object ``{"score": s, "reason":
-"..."}``, ``s`` in [0, 1] (`parse_judge_score`).
+``Screenshot after step k:`` label) and, when known, a reference block with the task's checker data, the site
+state the run ended in, which the agent never saw, and which of the task's evidence no page the site served showed
+(`judge_reference`). A judge answers with one JSON object ``{"score": s, "reason": "..."}``, ``s`` in [0, 1]
+(`parse_judge_score`).
+
+What the agent wrote cannot pass for the prompt's own parts: its final answer and the text of a turn without a
+tool call are JSON strings on one line, and every further line of an action or an observation is indented, so a
+line that starts at the margin (a section, a step, a label) is always ours. What the site served is told apart
+by provenance, not by reading text (`browser_observations`, `site_text`): the browser's answers to well-formed
+actions, without form fields and without text the site marks as repeating what the visitor entered.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orchard.data import Message, Trajectory
-from orchard.domains.gui.tasks import GUITask
+from orchard.data.curation import check_tool_calls
+from orchard.domains.gui.tasks import _NUMBER, GUITask
+from orchard.domains.gui.tools import GUI_TOOLS, TEXT_VIEW_HEADER
 from orchard.rewards import find_json
 
 __all__ = [
@@ -36,6 +46,7 @@ __all__ = [
     "OUTCOME_SYSTEM",
     "PROCESS_MAX_SCREENSHOTS",
     "PROCESS_SYSTEM",
+    "browser_observations",
     "evenly_spaced",
     "flatten_images",
     "judge_reference",
@@ -46,6 +57,8 @@ __all__ = [
     "process_evidence",
     "process_judge_messages",
     "screenshot_positions",
+    "site_text",
+    "unseen_evidence",
 ]
 
 OUTCOME_LAST_TURNS = 5
@@ -68,7 +81,9 @@ PROCESS_SYSTEM = (
     "text) and a sample of the screenshots. Score 1 for a run whose every action follows from what the page "
     "showed, whose answer is read from a page it visited, and which wastes no step (invalid actions, detours to "
     "unrelated pages, repeating an action that changed nothing); lower the score for each lapse and score at most "
-    "0.5 for an answer that no page it visited supports. Reply with one JSON object: "
+    "0.5 for an answer that no page it visited supports (what the agent typed into a page is not the site's text; "
+    "the reference's evidence_unseen, when given, lists what no page the site served showed). Reply with one JSON "
+    "object: "
     '{"score": <number in [0, 1]>, "reason": "<one sentence>"}.'
 )
 OUTCOME_END = "Score the outcome as JSON."
@@ -78,6 +93,16 @@ FINAL_HEADER = "## Final answer"
 FIRST_PAGE = "### The first page"
 NOT_SHOWN = "[screenshot not shown]"
 IMAGE_TEXT = "[image]"
+INDENT = "  "
+"""Every line of an action or an observation after its label's own line starts with this (`_indented`)."""
+NO_DONE = "(the run ended without done: "
+"""How the final answer reads when the run never called done (the termination reason follows, then ")")."""
+FORM_ROLES = frozenset({"textbox", "searchbox", "combobox", "listbox", "option", "checkbox", "radio", "switch",
+                        "slider", "spinbutton"})
+"""Text-view roles of form fields: their names show what was typed or picked in them, not what the site wrote."""
+
+# one text-view element as the browser host writes it: [role] "JSON name" flags @(x,y)
+_ELEMENT_LINE = re.compile(r'^\[([\w-]+)\] ("(?:[^"\\]|\\.)*")((?: [a-z]+)*) @\(-?\d+,-?\d+\)$')
 
 Position = tuple[int, int]
 """A screenshot: (message index, content-part index)."""
@@ -168,14 +193,80 @@ def parse_judge_score(text: str) -> tuple[float | None, str]:
     return None, f"no JSON object with a score in [0, 1] in the answer: {text[:200]!r}"
 
 
-def judge_reference(task: GUITask, state: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The reference block's data: the checker's fields of ``task`` and the final site ``state``."""
+def browser_observations(trajectory: Trajectory | Sequence[Message]) -> list[str]:
+    """The text of every observation the browser produced in the run, told by provenance: the user messages
+    before the first assistant turn (the harness's start: the intent and the first page) and each tool message
+    that answers the one call of a well-formed turn (exactly one call of `GUI_TOOLS` whose arguments fit its
+    schema: the only turns the harness hands to the browser), ``done`` excepted. The assistant's own messages
+    are never observations, nor is what answers a malformed turn (the loop's error may repeat the agent's text).
+    """
+    messages = _messages(trajectory)
+    bad = {issue.message_index for issue in check_tool_calls(Trajectory(messages, GUI_TOOLS), GUI_TOOLS)}
+    turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    out = [_text(m.content) for m in messages[:turns[0] if turns else len(messages)] if m.role == "user"]
+    for k, i in enumerate(turns):
+        calls = messages[i].tool_calls
+        if len(calls) != 1 or i in bad or calls[0].name == "done":
+            continue
+        stop = turns[k + 1] if k + 1 < len(turns) else len(messages)
+        out += [_text(m.content) for m in messages[i + 1:stop]
+                if m.role == "tool" and m.tool_call_id == calls[0].id]
+    return out
+
+
+def site_text(trajectory: Trajectory | Sequence[Message]) -> list[str] | None:
+    """The text the site served in the run: the names of the text-view elements of `browser_observations`,
+    without form fields (`FORM_ROLES`: their names show what was typed or picked in them) and without elements
+    flagged ``entered`` (text the site marks as repeating what the visitor entered, `orchard.domains.gui.sites`).
+    None when no observation holds a text view (a screenshot-only run: its text is in the pixels)."""
+    names: list[str] = []
+    viewed = False
+    for text in browser_observations(trajectory):
+        lines = text.split("\n")  # not splitlines: a name may hold a line separator JSON leaves as it is
+        if TEXT_VIEW_HEADER not in lines:
+            continue
+        viewed = True
+        for line in lines[lines.index(TEXT_VIEW_HEADER) + 1:]:
+            m = _ELEMENT_LINE.match(line)
+            if m is not None and m.group(1) not in FORM_ROLES and "entered" not in m.group(3).split():
+                names.append(json.loads(m.group(2)))
+    return names if viewed else None
+
+
+def _evidence(task: GUITask) -> tuple[str, ...]:
+    if task.evidence:
+        return task.evidence
+    return (task.answer,) if task.answer is not None and not task.choices else ()
+
+
+def unseen_evidence(task: GUITask, trajectory: Trajectory | Sequence[Message]) -> list[str] | None:
+    """The numbers of the task's evidence (`GUITask.evidence`) that no text the site served in the run shows
+    (`site_text`; a page's ``1,337,000`` and ``$1337`` show ``1337000`` and ``1337``), in the evidence's order;
+    None when the run has no text view."""
+    if not isinstance(task, GUITask):
+        raise ValueError(f"task must be a GUITask, got {type(task).__name__}")
+    served = site_text(trajectory)
+    if served is None:
+        return None
+    shown = {n.replace(",", "").removesuffix(".0") for name in served for n in _NUMBER.findall(name)}
+    return [n for n in _evidence(task) if n not in shown]
+
+
+def judge_reference(task: GUITask, state: Mapping[str, Any] | None,
+                    trajectory: Trajectory | None = None) -> dict[str, Any]:
+    """The reference block's data: the checker's fields of ``task``, the final site ``state``, the task's
+    ``evidence`` (the numbers a page must have shown for the answer to be read from it) and ``evidence_unseen``
+    (`unseen_evidence` of ``trajectory``; None when no trajectory is given or the run has no text view)."""
     if not isinstance(task, GUITask):
         raise ValueError(f"task must be a GUITask, got {type(task).__name__}")
     if state is not None and not isinstance(state, Mapping):
         raise ValueError(f"state must be a site_state() dict or None, got {type(state).__name__}")
+    if trajectory is not None and not isinstance(trajectory, Trajectory):
+        raise ValueError(f"trajectory must be a Trajectory or None, got {type(trajectory).__name__}")
     return {"task_id": task.id, "template": task.template, "answer": task.answer, "choices": list(task.choices),
-            "expected_state": task.expected_state, "final_state": None if state is None else dict(state)}
+            "expected_state": task.expected_state, "final_state": None if state is None else dict(state),
+            "evidence": list(_evidence(task)),
+            "evidence_unseen": None if trajectory is None else unseen_evidence(task, trajectory)}
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
@@ -186,8 +277,13 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
 
 def _action(message: Message) -> str:
     if not message.tool_calls:
-        return f"(no tool call) {message.text}"
+        return f"(no tool call) {json.dumps(message.text)}"
     return "; ".join(f"{c.name} {c.arguments_json()}" for c in message.tool_calls)
+
+
+def _indented(text: str) -> str:
+    """Each line after the first indented by `INDENT` (the first follows a label of ours on its line)."""
+    return text.replace("\n", "\n" + INDENT)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -199,8 +295,8 @@ def _final_answer(messages: list[Message], termination: str) -> str:
     call = next((c for c in last.tool_calls if c.name == "done"), None) if last is not None else None
     if call is not None:
         response = call.arguments_dict().get("response")
-        return response if isinstance(response, str) else json.dumps(response)
-    return f"(the run ended without done: {termination})"
+        return json.dumps(response if isinstance(response, str) else json.dumps(response))
+    return f"{NO_DONE}{termination})"
 
 
 def _intent(messages: list[Message], intent: str | None) -> str:
@@ -237,10 +333,10 @@ def _steps(parts: _Parts, messages: list[Message], turns: list[int], shown: set[
     for i in turns:
         k = all_turns.index(i)
         stop = all_turns[k + 1] if k + 1 < len(all_turns) else len(messages)
-        parts.text(f"### Step {k + 1}\nAction: {_action(messages[i])}")
+        parts.text(f"### Step {k + 1}\nAction: {_indented(_action(messages[i]))}")
         for m in range(i + 1, stop):
             message = messages[m]
-            parts.text(f"Observation:\n{_clip(_text(message.content), max_observation_chars)}")
+            parts.text(f"Observation:\n{INDENT}{_indented(_clip(_text(message.content), max_observation_chars))}")
             if isinstance(message.content, list):
                 for p, part in enumerate(message.content):
                     if _is_image(part):
@@ -311,7 +407,7 @@ def process_judge_messages(trajectory: Trajectory, *, intent: str | None = None,
     for m in range(first):
         message = messages[m]
         if message.role == "user":
-            parts.text(f"{FIRST_PAGE}\n{_clip(_text(message.content), max_observation_chars)}")
+            parts.text(f"{FIRST_PAGE}\n{INDENT}{_indented(_clip(_text(message.content), max_observation_chars))}")
             for p, part in enumerate(message.content if isinstance(message.content, list) else []):
                 if _is_image(part) and (m, p) in shown:
                     parts.image(part, "Screenshot before step 1:")

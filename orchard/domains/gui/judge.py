@@ -10,22 +10,24 @@
   server, such as ``orchard serve-model``, refuses image parts).
 - :class:`ProgrammaticJudge` is the CPU-scale judge behind the same interface: an ``Engine`` that reads the
   prompt it is sent and scores it with :func:`programmatic_judge_text`, from the reference block (the task's
-  checker data and the final site state) and the transcript's text. It reads no pixels: it is a deterministic
-  stand-in for a vision-language judge, not a claim about what one would say.
+  checker data, the final site state and the evidence no served page showed) and the steps' structure. It reads
+  no pixels: it is a deterministic stand-in for a vision-language judge, not a claim about what one would say.
 - :func:`gui_rollout_reward` is the paper's RL reward of a judged run (via :func:`orchard.rewards.gui_reward`):
   +1 when every assistant turn is well formed and the judge confirms completion, -1 when the run ended after
   repeated format failures, 0 otherwise. :func:`turn_format_ok` says which turns are well formed.
 - :func:`judge_gui_trajectories` judges RL rollouts in place and sets that reward; :class:`JudgedGUIRollouts`
-  wraps a `Rollouts` so every batch is judged before the RL stage groups it. Rollouts that met the captcha
-  (``metadata["blocked"]``, or ``captcha_hits > 0`` in ``metadata["site_state"]``) are not judged and leave the
-  loss (``metadata["removed"] = "captcha_blocked"``), as do failed judge calls (``"judge_failure"``) and answers
-  without a readable score (``"judge_unparseable"``); each is counted (``rl/captcha_blocked``,
-  ``rl/judge_failures``, ``rl/judge_unparseable``). Dynamic sampling for this reward is the
-  ``all_zero_or_all_positive`` rule of `orchard.sampling.GROUP_FILTER_RULES`.
+  wraps a `Rollouts` so every batch is judged before the RL stage groups it. A run of a task that leads through
+  the captcha (kind ``captcha``) and met it (``captcha_hits > 0`` in ``metadata["site_state"]``, or
+  ``metadata["blocked"]``) is not judged and leaves the loss (``metadata["removed"] = "captcha_blocked"``), as do
+  failed judge calls (``"judge_failure"``) and answers without a readable score (``"judge_unparseable"``); each
+  is counted (``rl/captcha_blocked``, ``rl/judge_failures``, ``rl/judge_unparseable``). Any other run that met the
+  captcha went there on its own: 0 unjudged (``rl/captcha_detours``), so a detour is no way out of the loss.
+  Dynamic sampling for this reward is the ``all_zero_or_all_positive`` rule of
+  `orchard.sampling.GROUP_FILTER_RULES`.
 
 Our readings: the process judge is asked only after the outcome judge confirms (a run that failed the first stage
 is not complete whatever the second says, and the call is saved); a run that ended with ``format_error`` gets -1
-without a judge call (rule 2 of `gui_reward` wins over any verdict).
+without a judge call (rule 2 of `gui_reward` wins over any verdict, the captcha's removal included).
 """
 
 from __future__ import annotations
@@ -44,9 +46,8 @@ from orchard.data import Trajectory
 from orchard.data.curation import check_tool_calls
 from orchard.domains.gui.evidence import (
     FINAL_HEADER,
-    FIRST_PAGE,
-    IMAGE_TEXT,
-    NOT_SHOWN,
+    INDENT,
+    NO_DONE,
     OUTCOME_END,
     OUTCOME_LAST_TURNS,
     PROCESS_END,
@@ -58,7 +59,7 @@ from orchard.domains.gui.evidence import (
     parse_judge_score,
     process_judge_messages,
 )
-from orchard.domains.gui.tasks import _NUMBER, GUITask, _last_number, check_task
+from orchard.domains.gui.tasks import GUITask, check_task
 from orchard.domains.gui.tools import GUI_TOOLS
 from orchard.rewards import GUIReward, gui_reward, two_stage_select
 from orchard.rollout.engine import Engine, GenerateRequest, SamplingParams
@@ -85,37 +86,35 @@ IMAGE_MODES = ("data_url", "placeholder")
 _STEP = re.compile(r"^### Step (\d+)$", re.MULTILINE)
 _ACTIVE_PROMO = re.compile(r"^Tab \d+ \(active\): .*/promo/", re.MULTILINE)
 _SCREENSHOT_LABEL = re.compile(r"^Screenshot (?:after|before) step \d+:$", re.MULTILINE)
-_NO_DONE = "(the run ended without done"
-_IMAGE_LINES = re.compile(rf"^(?:{_SCREENSHOT_LABEL.pattern[1:-1]}|{re.escape(NOT_SHOWN)}|{re.escape(IMAGE_TEXT)})$\n?",
-                          re.MULTILINE)
+# the prompt's close, as `evidence` writes it: the final answer (a JSON string, or why there is none) on one line,
+# then the optional reference (one line of JSON), right before the end marker. Whatever the agent wrote sits
+# further up, as a JSON string or on indented lines, so it can neither stand in for these nor come after them.
+_CLOSE = re.compile(rf"(?:^|\n){re.escape(FINAL_HEADER)}\n(?P<answer>[^\n]*)\n"
+                    rf"(?:{re.escape(REFERENCE_HEADER)}\n```json\n(?P<reference>[^\n]*)\n```\n)?\Z")
 
 
 # ---- the programmatic judge --------------------------------------------------------------------------------------
 
 
-def _reference(text: str) -> dict[str, Any] | None:
-    start = text.rfind(REFERENCE_HEADER)
-    if start < 0:
+def _close(text: str, end_at: int) -> tuple[int, str | None, dict[str, Any] | None] | None:
+    """Where the close starts, the final answer (None: no done) and the reference, or None when the prompt has no
+    close of ours right before its end marker."""
+    m = _CLOSE.search(text[:end_at])
+    if m is None:
         return None
-    m = re.search(r"```json\n(.*?)\n```", text[start:], re.DOTALL)
+    response = None
+    if not m.group("answer").startswith(NO_DONE):
+        try:
+            response = json.loads(m.group("answer"))
+        except ValueError:
+            return None
+        if not isinstance(response, str):
+            return None
     try:
-        ref = json.loads(m.group(1)) if m else None
+        ref = json.loads(m.group("reference")) if m.group("reference") is not None else None
     except ValueError:
         return None
-    return ref if isinstance(ref, dict) else None
-
-
-def _section(text: str, header: str, ends: Sequence[str]) -> str:
-    start = text.rfind(header)
-    if start < 0:
-        return ""
-    body = text[start + len(header):]
-    cut = min((i for i in (body.find(e) for e in ends) if i >= 0), default=len(body))
-    return body[:cut].strip()
-
-
-def _numbers(text: str) -> set[str]:
-    return {n.replace(",", "").removesuffix(".0") for n in _NUMBER.findall(text)}
+    return m.start(), response, ref if isinstance(ref, dict) else None
 
 
 def _outcome(ref: dict[str, Any], response: str | None, shots: int) -> dict[str, Any]:
@@ -127,19 +126,23 @@ def _outcome(ref: dict[str, Any], response: str | None, shots: int) -> dict[str,
             "evidence": {"blocked": check.blocked, "screenshots": shots}}
 
 
-def _process(text: str, ref: dict[str, Any] | None, response: str | None, shots: int) -> dict[str, Any]:
-    body = text[:text.rfind(FINAL_HEADER)] if FINAL_HEADER in text else text
+def _step(block: str) -> tuple[str, str]:
+    """A step block's action and its observations' text (the indented lines after an ``Observation:`` label;
+    the screenshot labels and placeholders, at the margin, are the prompt's, not the page's)."""
+    lines = block.strip("\n").split("\n")
+    at = lines.index("Observation:") if "Observation:" in lines else len(lines)
+    action = "\n".join(lines[:at])
+    observation = "\n".join(line[len(INDENT):] for line in lines[at:] if line.startswith(INDENT))
+    return action, observation
+
+
+def _process(body: str, ref: dict[str, Any] | None, shots: int) -> dict[str, Any]:
     heads = list(_STEP.finditer(body))
-    first_page = body[max(body.find(FIRST_PAGE), 0):heads[0].start() if heads else len(body)]
     blocks = [body[h.end(): heads[j + 1].start() if j + 1 < len(heads) else len(body)] for j, h in enumerate(heads)]
     malformed = errors = detours = repeats = 0
     previous = None
-    seen = first_page  # the pages' text, not the actions' (done's own answer must not ground itself)
     for block in blocks:
-        action, _, observation = block.strip().partition("\nObservation:\n")
-        # which screenshots were sampled is the prompt's choice, not the agent's: compare the page text only
-        observation = _IMAGE_LINES.sub("", observation).strip()
-        seen += "\n" + observation
+        action, observation = _step(block)
         malformed += action.startswith("Action: (no tool call)")
         errors += observation.startswith("Error:")
         detours += bool(_ACTIVE_PROMO.search(observation))
@@ -147,18 +150,13 @@ def _process(text: str, ref: dict[str, Any] | None, response: str | None, shots:
         previous = (action, observation)
     lapses = malformed + errors + detours + repeats
     score = max(0, 10 - lapses) / 10
-    grounded = None
-    if ref is not None and ref.get("answer") is not None and "Page elements" in seen and response is not None:
-        choices = [c for c in ref.get("choices") or () if re.search(rf"\b{re.escape(c)}\b", response, re.I)]
-        if choices:
-            grounded = all(re.search(rf"\b{re.escape(c)}\b", seen) for c in choices)
-        else:
-            claimed = _last_number(response)
-            grounded = claimed is not None and claimed in _numbers(seen)
-        if not grounded:
-            score = min(score, 0.5)
+    unseen = ref.get("evidence_unseen") if ref is not None else None
+    grounded = None if not isinstance(unseen, list) else not unseen
+    if grounded is False:
+        score = min(score, 0.5)
     reason = (f"{lapses} wasted steps ({malformed} without a tool call, {errors} errors, {detours} on distractor "
-              f"pages, {repeats} repeats)" + ("" if grounded is not False else "; the answer is on no page seen"))
+              f"pages, {repeats} repeats)" + ("" if grounded is not False else
+                                              f"; no page the site served showed {', '.join(map(str, unseen))}"))
     return {"score": score, "reason": reason,
             "evidence": {"steps": len(blocks), "malformed": malformed, "errors": errors, "detours": detours,
                          "repeats": repeats, "grounded": grounded, "screenshots": shots}}
@@ -173,10 +171,15 @@ def programmatic_judge_text(prompt_text: str) -> str:
 
     **Process** (`process_judge_messages`): ``score = max(0, 10 - lapses) / 10`` where a lapse is a step without
     a tool call, a step answered by an error, a step that left the active tab on a distractor (``/promo/``)
-    page, or a step that repeats the previous action with the same observation; when the reference names an
-    answer and the transcript holds a text view, a final answer that names a number (the last one) or a
-    candidate that no page text seen shows caps the score at 0.5 (an invented answer). So one wasted step
-    scores 0.9, two 0.8 (still kept at the 0.8 bar), three 0.7. The rules and weights are ours.
+    page, or a step that repeats the previous action with the same observation; when the reference lists
+    evidence that no page the site served showed (``evidence_unseen``, `evidence.judge_reference`: found by
+    provenance from the run's observations, never from the agent's text), the score is capped at 0.5: the answer
+    was not read from the site (recalled, or typed into a page by the agent). So one wasted step scores 0.9,
+    two 0.8 (still kept at the 0.8 bar), three 0.7. The rules and weights are ours.
+
+    Only the prompt's own structure is read: the close (final answer and reference) right before the end marker,
+    and the steps' labels at the margin; the agent's text, a JSON string or indented lines, cannot stand in for
+    either (`orchard.domains.gui.evidence`). A prompt without that close has no reference and no answer.
 
     The answer is ``{"score": s, "reason": "...", "evidence": {...}}`` (``evidence.screenshots``: how many
     screenshots the prompt held, counted by their labels).
@@ -189,15 +192,15 @@ def programmatic_judge_text(prompt_text: str) -> str:
     outcome_at, process_at = prompt_text.rfind(OUTCOME_END), prompt_text.rfind(PROCESS_END)
     if max(outcome_at, process_at) < 0:
         raise ValueError("prompt_text holds no GUI grading prompt (no outcome or process end marker)")
-    ref = _reference(prompt_text)
-    answer = _section(prompt_text, FINAL_HEADER, (REFERENCE_HEADER, OUTCOME_END, PROCESS_END))
-    response = None if answer.startswith(_NO_DONE) else answer
+    end_at = max(outcome_at, process_at)
+    close = _close(prompt_text, end_at)
+    start, response, ref = close if close is not None else (end_at, None, None)
     shots = len(_SCREENSHOT_LABEL.findall(prompt_text))
     if outcome_at > process_at:
         if ref is None or not isinstance(ref.get("final_state"), dict):
             return "I cannot judge the outcome: the prompt has no reference with the final site state."
         return json.dumps(_outcome(ref, response, shots))
-    return json.dumps(_process(prompt_text, ref, response, shots))
+    return json.dumps(_process(prompt_text[:start], ref, shots))
 
 
 class ProgrammaticJudge(ScriptedEngine):
@@ -334,7 +337,7 @@ async def judge_gui_trajectory(
     tokenizer = check_engine_or_url(judge, tokenizer)
     if state is None:
         state = trajectory.metadata.get("site_state")
-    reference = judge_reference(task, state) if task is not None and state is not None else None
+    reference = judge_reference(task, state, trajectory) if task is not None and state is not None else None
     intent = task.intent if task is not None else None
     ask = {"images": images, "model": model, "api_key": api_key, "max_tokens": max_tokens,
            "timeout_s": float(timeout_s), "retries": retries}
@@ -383,10 +386,17 @@ def gui_rollout_reward(trajectory: Trajectory, completed: bool | None, *, blocke
                       ended_by_format_failure=trajectory.termination_reason == "format_error", page_blocked=blocked)
 
 
-def _blocked(trajectory: Trajectory) -> bool:
+def _captcha(trajectory: Trajectory, task: GUITask | None) -> str | None:
+    """``"blocked"`` when the run met the captcha on its task's way (a ``captcha`` task; with the task unknown,
+    the checker's ``metadata["blocked"]``, which knew it), ``"detour"`` when it went there on its own, else None."""
     state = trajectory.metadata.get("site_state")
     hits = state.get("captcha_hits", 0) if isinstance(state, Mapping) else 0
-    return bool(trajectory.metadata.get("blocked")) or (isinstance(hits, int) and hits > 0)
+    blocked = trajectory.metadata.get("blocked") is True
+    if not (blocked or (isinstance(hits, int) and hits > 0)):
+        return None
+    if task is not None:
+        return "blocked" if task.kind == "captcha" else "detour"
+    return "blocked" if blocked else "detour"
 
 
 async def judge_gui_trajectories(
@@ -400,9 +410,11 @@ async def judge_gui_trajectories(
 ) -> dict[str, float]:
     """Judge rollouts in place and set their RL reward (`gui_rollout_reward`), or remove them from the loss.
 
-    For each rollout that is neither an environment failure nor already removed: a captcha-blocked run is removed
-    (``"captcha_blocked"``) and not judged; a run that ended with ``format_error`` gets -1 unjudged; every other
-    run is judged (`judge_gui_trajectory`, at most ``concurrency`` at a time) and gets ``reward`` +1 / 0,
+    For each rollout that is neither an environment failure nor already removed: a run that ended with
+    ``format_error`` gets -1 unjudged; a run that met the captcha is removed (``"captcha_blocked"``) and not
+    judged when its task leads through the captcha (kind ``captcha``; for a task not given, when the checker
+    marked it ``metadata["blocked"]``), and gets 0 unjudged otherwise (the agent's own detour is a failure, never
+    a way out of the loss); every other run is judged (`judge_gui_trajectory`, at most ``concurrency`` at a time) and gets ``reward`` +1 / 0,
     ``reward_components`` ``outcome_judge`` / ``process_judge`` (when asked) and ``passed`` (the verdict), and
     ``metadata["judge"]`` (the scores and reasons). A failed call is removed as ``"judge_failure"``, an answer
     without a readable score as ``"judge_unparseable"`` (``metadata["judge_error"]`` says why); removed rollouts
@@ -419,7 +431,8 @@ async def judge_gui_trajectories(
 
     Returns:
         ``rl/judged`` (verdicts given), ``rl/judge_completed`` (of them, complete), ``rl/judge_failures``,
-        ``rl/judge_unparseable``, ``rl/captcha_blocked`` and ``rl/format_failures`` (-1 without a judge call).
+        ``rl/judge_unparseable``, ``rl/captcha_blocked``, ``rl/captcha_detours`` (0 without a judge call) and
+        ``rl/format_failures`` (-1 without a judge call).
     """
     if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence):
         raise ValueError(f"trajectories must be a sequence of Trajectory, got {type(trajectories).__name__}")
@@ -441,17 +454,23 @@ async def judge_gui_trajectories(
     gate = asyncio.Semaphore(concurrency)
 
     async def one(traj: Trajectory) -> str:
-        if _blocked(traj):
-            traj.metadata["removed"] = "captcha_blocked"
-            return "blocked"
+        task = by_id.get(traj.task_id)
         if traj.termination_reason == "format_error":
             traj.reward = gui_rollout_reward(traj, None).reward
             traj.reward_components["passed"] = 0.0
             return "format"
+        captcha = _captcha(traj, task)
+        if captcha == "blocked":
+            traj.metadata["removed"] = "captcha_blocked"
+            return "blocked"
+        if captcha == "detour":
+            traj.reward = gui_rollout_reward(traj, False).reward
+            traj.reward_components["passed"] = 0.0
+            return "detour"
         async with gate:
             try:
-                verdict = await judge_gui_trajectory(traj, judge=judge, task=by_id.get(traj.task_id),
-                                                     tokenizer=tokenizer, **judge_kwargs)
+                verdict = await judge_gui_trajectory(traj, judge=judge, task=task, tokenizer=tokenizer,
+                                                     **judge_kwargs)
             except JudgeCallFailed as exc:
                 traj.metadata.update(removed="judge_failure", judge_error=str(exc))
                 return "failure"
@@ -476,6 +495,7 @@ async def judge_gui_trajectories(
             "rl/judge_failures": float(results.count("failure")),
             "rl/judge_unparseable": float(results.count("unparseable")),
             "rl/captcha_blocked": float(results.count("blocked")),
+            "rl/captcha_detours": float(results.count("detour")),
             "rl/format_failures": float(results.count("format"))}
 
 
@@ -490,7 +510,7 @@ class JudgedGUIRollouts(JudgedRolloutsBase):
     """
 
     counted = ("rl/judged", "rl/judge_completed", "rl/judge_failures", "rl/judge_unparseable", "rl/captcha_blocked",
-               "rl/format_failures")
+               "rl/captcha_detours", "rl/format_failures")
 
     def __init__(self, rollouts: Rollouts, judge: Engine | str, **kwargs: Any) -> None:
         if "tasks" in kwargs:

@@ -7,6 +7,11 @@ Everything a site shows is a pure function of its seed (`shop_catalog(seed)`, `F
 visitor changes (cart, orders, bookings, settings) lives in one `SiteState` that the host reports on request,
 never over HTTP, so an agent cannot read the answer key from a page.
 
+Text that repeats what a visitor entered (a booking's name and date, the cart's quantities and the sums made from
+them, a search's count) sits in an element marked ``data-entered``; form fields hold what the visitor typed in
+their value. The browser host's text view flags the one and reports the other as a form control, so the judge
+can tell what the site served from what an agent put into it (an answer typed into a page is not evidence).
+
 Distractors: product and information pages carry a seeded banner ("You have won a prize...") that leads to a
 promotion page with more such links and none back (only `go_back` returns). The captcha page is the paper's largest
 environmental failure: it cannot be passed (every answer "fails"), and every time it is shown or answered
@@ -198,9 +203,9 @@ class Sites:
                 f"<input name='max_price' placeholder='max price' size='8' value='{max_price or ''}'> "
                 f"<select name='sort'>{sort_opts}</select> <input type='submit' value='Search'></form>")
         cart_n = sum(self.state.cart.values())
-        return 200, _page("Shop", f"<h1>Shop</h1><p><a href='/shop/cart'>Cart ({cart_n})</a></p>"
+        return 200, _page("Shop", f"<h1>Shop</h1><p><a href='/shop/cart' data-entered>Cart ({cart_n})</a></p>"
                                   f"<p class='help'>Help <span class='tip'>Free returns within 30 days</span></p>{form}"
-                                  f"<p>{len(rows)} products</p><ul>{items}</ul>")
+                                  f"<p data-entered>{len(rows)} products</p><ul>{items}</ul>")
 
     def shop_product(self, product_id: int) -> tuple[int, bytes]:
         p = self.products.get(product_id)
@@ -220,16 +225,16 @@ class Sites:
     def shop_cart(self, message: str = "") -> tuple[int, bytes]:
         with self.state.lock:
             cart = sorted(self.state.cart.items())
-        rows = "".join(f"<tr><td>{html.escape(self.products[i]['name'])}</td><td>{n}</td>"
-                       f"<td>${self.products[i]['price'] * n}</td><td><form action='/shop/cart/remove' "
+        rows = "".join(f"<tr><td>{html.escape(self.products[i]['name'])}</td><td data-entered>{n}</td>"
+                       f"<td data-entered>${self.products[i]['price'] * n}</td><td><form action='/shop/cart/remove' "
                        f"method='post'><input type='hidden' name='id' value='{i}'><button>Remove</button>"
                        "</form></td></tr>" for i, n in cart)
         total = sum(self.products[i]["price"] * n for i, n in cart)
         checkout = ("<form action='/shop/checkout' method='post'><button type='submit'>Place order</button></form>"
                     if cart else "<p>Your cart is empty.</p>")
-        return 200, _page("Cart", f"<h1>Cart</h1><p>{html.escape(message)}</p><table><tr><th>Product</th>"
-                                  f"<th>Quantity</th><th>Subtotal</th><th></th></tr>{rows}</table>"
-                                  f"<p>Total: ${total}</p>{checkout}<p><a href='/shop/'>Continue shopping</a></p>")
+        return 200, _page("Cart", f"<h1>Cart</h1><p data-entered>{html.escape(message)}</p><table><tr><th>Product"
+                                  f"</th><th>Quantity</th><th>Subtotal</th><th></th></tr>{rows}</table>"
+                                  f"<p data-entered>Total: ${total}</p>{checkout}<p><a href='/shop/'>Continue shopping</a></p>")
 
     def shop_post(self, path: str, form: dict[str, str]) -> tuple[int, bytes]:
         if path == "/shop/checkout":
@@ -290,7 +295,7 @@ class Sites:
                    "breakfast": form.get("breakfast") == "yes"}
         with self.state.lock:
             self.state.bookings.append(booking)
-        return 200, _page("Booked", f"<h1>Booking confirmed</h1><p>{html.escape(name)}, {date}</p>"
+        return 200, _page("Booked", f"<h1>Booking confirmed</h1><p data-entered>{html.escape(name)}, {date}</p>"
                                     "<a href='/forms/'>Back</a>")
 
     def settings_page(self, message: str = "") -> tuple[int, bytes]:

@@ -25,9 +25,13 @@ template                  kind        the intent                                
 Answers are read from ``done(response)``: a number task passes when the response's last number (thousands
 separators and a leading ``$`` allowed) is the answer; a name task when the response names exactly one of the
 candidates and it is the answer. State tasks compare `BrowserSession.site_state()` with what the task asks. A run
-whose site state counts captcha hits is *blocked* (`TaskCheck.blocked`): the environment failed it, not the
-policy, and the loss leaves it out (`orchard.rewards.gui_reward`'s ``page_blocked``). How an intent is worded
-and what counts as an answer are our choices; the paper names the kinds of sites and the captcha failure only.
+of a ``captcha`` task whose site state counts captcha hits is *blocked* (`TaskCheck.blocked`): the task led it
+into the captcha, the environment failed it, not the policy, and the loss leaves it out
+(`orchard.rewards.gui_reward`'s ``page_blocked``). Any other task's run that met the captcha went there on its
+own: a failure, never blocked (else a detour would take a failing run out of the loss and out of evaluation).
+An answer task also names its *evidence* (`GUITask.evidence`): the numbers that a page must have shown for the
+answer to be read from it, which the judge checks against the text the site served. How an intent is worded and
+what counts as an answer are our choices; the paper names the kinds of sites and the captcha failure only.
 """
 
 from __future__ import annotations
@@ -86,6 +90,10 @@ class GUITask:
     exactly this) or ``{"settings": {...}}`` (these fields)."""
     params: dict[str, Any] = field(default_factory=dict)
     """The task's hidden parameters (the product, city, field...); the scripted teacher's privilege."""
+    evidence: tuple[str, ...] = ()
+    """The numbers (digits only, no separators) that the pages a run saw must have shown for its answer to be read
+    from them, not recalled: the answer itself; both prices or both populations compared; the populations ranked
+    above and at the asked rank. Empty: the answer itself when it is a number, nothing for a name or a state."""
 
     @property
     def kind(self) -> str:
@@ -133,7 +141,7 @@ def make_task(template: str, seed: int) -> GUITask:
         return GUITask(task_id, template, seed, site_seed, "/shop/",
                        f"What is the price, in dollars, of the best-rated {_singular(category)} in the shop? "
                        "(If several share the best rating, the one listed first.)", answer=str(target["price"]),
-                       params={"category": category, "product": target["name"]})
+                       params={"category": category, "product": target["name"]}, evidence=(str(target["price"]),))
     if template == "form_booking":
         booking = {"name": f"{rng.choice(_FIRST)} {rng.choice(_LAST)}",
                    "date": f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
@@ -159,7 +167,8 @@ def make_task(template: str, seed: int) -> GUITask:
                     "founded": f"In which year was {city['name']} founded?",
                     "area": f"What is the area of {city['name']} in square kilometres?"}[fact]
         return GUITask(task_id, template, seed, site_seed, "/info/", f"Using the city guide: {question}",
-                       answer=str(city[fact]), params={"city": city["name"], "fact": fact})
+                       answer=str(city[fact]), params={"city": city["name"], "fact": fact},
+                       evidence=(str(city[fact]),))
     if template == "info_table":
         rank = rng.randint(2, 5)
         ordered = sorted(cities, key=lambda c: -c["population"])
@@ -167,7 +176,9 @@ def make_task(template: str, seed: int) -> GUITask:
         return GUITask(task_id, template, seed, site_seed, "/info/",
                        f"Using the city guide, which city has the {nth}-largest population?",
                        answer=ordered[rank - 1]["name"], choices=tuple(c["name"] for c in cities),
-                       params={"rank": rank})
+                       params={"rank": rank},
+                       # the k-th of a ranking is read from the k largest populations (the top of the rankings)
+                       evidence=tuple(str(c["population"]) for c in ordered[:rank]))
     if template == "multi_price":
         market = price_watch(site_seed)
         product_id = rng.choice(sorted(market))
@@ -177,7 +188,8 @@ def make_task(template: str, seed: int) -> GUITask:
                        "'Compare prices' link)? Answer with the lower of the two prices in dollars.",
                        answer=str(min(product["price"], market[product_id])),
                        params={"product": product["name"], "shop_price": product["price"],
-                               "market_price": market[product_id]})
+                               "market_price": market[product_id]},
+                       evidence=(str(product["price"]), str(market[product_id])))
     if template == "multi_city":
         slugs = sorted(c["slug"] for c in cities)
         first = rng.randrange(len(slugs))
@@ -188,7 +200,8 @@ def make_task(template: str, seed: int) -> GUITask:
                        f"Which city has the larger population, {a['name']} or {b['name']} (its article is linked "
                        "from this one)? Answer with the city's name.",
                        answer=max((a, b), key=lambda c: c["population"])["name"], choices=(a["name"], b["name"]),
-                       params={"first": a["name"], "second": b["name"]})
+                       params={"first": a["name"], "second": b["name"]},
+                       evidence=(str(a["population"]), str(b["population"])))
     city = rng.choice(cities)
     return GUITask(task_id, template, seed, site_seed, "/info/",
                    f"The city guide's archive has a 1950 city report on {city['name']}. How many bridges does "
@@ -230,7 +243,8 @@ def _last_number(response: str) -> str | None:
 def check_task(task: GUITask, response: str | None, state: dict[str, Any]) -> TaskCheck:
     """Whether a run solved `task`, from its `done` response (None: it never called done) and the site state.
 
-    A run that met the captcha (``state["captcha_hits"] > 0``) is blocked and never a success."""
+    A run that met the captcha (``state["captcha_hits"] > 0``) is never a success: blocked when the task leads
+    through the captcha (its kind is ``captcha``), a plain failure when the agent went there on its own."""
     if not isinstance(task, GUITask):
         raise ValueError(f"task must be a GUITask, got {type(task).__name__}")
     if response is not None and not isinstance(response, str):
@@ -238,7 +252,9 @@ def check_task(task: GUITask, response: str | None, state: dict[str, Any]) -> Ta
     if not isinstance(state, dict):
         raise ValueError(f"state must be a site_state() dict, got {type(state).__name__}")
     if state.get("captcha_hits", 0) > 0:
-        return TaskCheck(False, True, "blocked by the captcha")
+        if task.kind == "captcha":
+            return TaskCheck(False, True, "blocked by the captcha")
+        return TaskCheck(False, False, "left the task for the captcha page")
     if task.answer is not None:
         if response is None:
             return TaskCheck(False, False, "no answer (done was never called)")

@@ -49,7 +49,7 @@ GUI_SYSTEM = ("You operate a web browser with tools. Each observation lists the 
               "elements as [role] \"name\" @(x,y), the centre of the element in viewport pixels. Act with one tool "
               "call per turn and finish with done(response), giving the answer when the task asks a question.")
 
-_ELEMENT = re.compile(r'^\[(\w+)\] (".*?")(?: (checked|unchecked))? @\((\d+),(\d+)\)$')
+_ELEMENT = re.compile(r'^\[(\w+)\] (".*?")(?: (checked|unchecked))?(?: entered)? @\((\d+),(\d+)\)$')
 _MONEY = re.compile(r"\$(\d+)")
 _SCROLLS = 5
 

@@ -51,6 +51,8 @@ GUI_TOOLS: list[dict[str, Any]] = [
 GUI_TOOL_NAMES = tuple(t["function"]["name"] for t in GUI_TOOLS)
 
 IMAGE_PLACEHOLDER = "[an earlier screenshot, removed]"
+TEXT_VIEW_HEADER = "Page elements (role, name, centre):"
+"""The line of an observation's text after which the text view's elements follow, one a line."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,9 @@ class Observation:
         viewport: (width, height) in pixels; coordinates of the tools refer to it.
         tabs: every tab's (url, title), in tab order.
         active: the 0-based index of the active tab.
-        text: the optional text view, one visible element a line: `[role] "name" @(x,y)` (None when not asked).
+        text: the optional text view, one visible element a line: `[role] "name" @(x,y)`, the name JSON-encoded,
+            with `checked` / `unchecked` for a box and `entered` for text repeating what the visitor entered
+            before the centre (None when not asked).
         error: why the last action was invalid or failed (the episode goes on), else None.
         env_error: the browser or its host is gone: the rollout is an environment failure, to be dropped and
             never scored (None while the browser works).
@@ -83,7 +87,7 @@ class Observation:
         lines += [f"Tab {i}{' (active)' if i == self.active else ''}: {title!r} {url}"
                   for i, (url, title) in enumerate(self.tabs)]
         if self.text is not None:
-            lines += ["Page elements (role, name, centre):", self.text]
+            lines += [TEXT_VIEW_HEADER, self.text]
         return "\n".join(lines)
 
     def to_content(self) -> list[dict[str, Any]]:

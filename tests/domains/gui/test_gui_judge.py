@@ -33,7 +33,7 @@ from orchard.domains.gui.judge import (
     programmatic_judge_text,
     turn_format_ok,
 )
-from orchard.domains.gui.tasks import GUITask
+from orchard.domains.gui.tasks import GUITask, make_task
 from orchard.domains.gui.tools import GUI_TOOLS
 from orchard.rollout.scripted import ScriptedEngine
 from orchard.rollout.server import build_app, serve_in_thread
@@ -41,6 +41,7 @@ from orchard.sampling import filter_groups
 
 STATE = {"cart": [], "orders": [], "bookings": [], "settings": {}, "captcha_hits": 0}
 TASK = GUITask("gui-info_fact-1", "info_fact", 1, 0, "/info/", "How many people live in Avalon?", answer="52000")
+REPORT = make_task("captcha_report", 0)
 PAGE = 'Viewport: 1280x720\nTab 0 (active): \'Avalon\' http://127.0.0.1:8000/info/city/avalon\n' \
        'Page elements (role, name, centre):\n[cell] "52,000" @(300,200)'
 PROMO = "Viewport: 1280x720\nTab 0 (active): 'Deals' http://127.0.0.1:8000/promo/1"
@@ -56,10 +57,12 @@ def shot_of(part):
     return base64.b64decode(part["image_url"]["url"].split(",", 1)[1]).decode()
 
 
-def run(actions, *, answer="Avalon has 52,000 inhabitants.", pages=None, images=True, termination="done"):
+def run(actions, *, answer="Avalon has 52,000 inhabitants.", pages=None, images=True, termination="done",
+        first_page=PAGE):
     """System, the user's intent with screenshot 0, then per action an assistant call and its tool answer with
     screenshot k (k = 1, 2, ...), then done(answer) when answer is not None."""
-    first = [{"type": "text", "text": TASK.intent}, {"type": "text", "text": PAGE}] + ([image(0)] if images else [])
+    first = [{"type": "text", "text": TASK.intent}, {"type": "text", "text": first_page}] + (
+        [image(0)] if images else [])
     messages = [Message("system", "You operate a browser."), Message("user", first)]
     for k, (name, args) in enumerate(actions, start=1):
         page = (pages or {}).get(k, PAGE)
@@ -107,7 +110,8 @@ def test_23_screenshots_the_process_judge_sees_10_evenly():
     assert [shot_of(p) for p in user if p["type"] == "image_url"] == [f"shot-{k}" for k in evenly_spaced(23, 10)]
     text = "\n".join(p["text"] for p in user if p["type"] == "text")
     assert text.count(NOT_SHOWN) == 13 and text.count("### Step ") == 23  # every step, 22 scrolls + done
-    assert text.count(PAGE) == 23  # every observation's text is kept, shown screenshot or not
+    # every observation's text is kept, shown screenshot or not, each line after a label indented
+    assert text.count("  " + PAGE.replace("\n", "\n  ")) == 23
 
 
 def test_the_outcome_judge_sees_the_last_5_turns_and_their_screenshots():
@@ -178,21 +182,29 @@ def test_programmatic_outcome_reads_the_checker_and_the_final_state():
 
 
 def test_programmatic_process_counts_lapses():
-    ref = judge_reference(TASK, STATE)
-    clean = answer_of(process_judge_messages(run(SCROLLS[:3]), reference=ref))
+    clean = run(SCROLLS[:3])
+    clean = answer_of(process_judge_messages(clean, reference=judge_reference(TASK, STATE, clean)))
     assert clean["score"] == 1.0 and clean["evidence"]["grounded"] is True
     # step 2 answered by an error, step 3 on a promo page, step 4 repeats step 3 with the same page: 3 lapses
     actions = [("click", {"x": 5, "y": 5}), ("click", {"x": 9000, "y": 5}), ("click", {"x": 7, "y": 7}),
                ("click", {"x": 7, "y": 7})]
     pages = {2: "Error: (9000, 5) is outside the 1280x720 viewport\n" + PAGE, 3: PROMO, 4: PROMO}
-    lapses = answer_of(process_judge_messages(run(actions, pages=pages), reference=ref))
+    lapsed = run(actions, pages=pages)
+    lapses = answer_of(process_judge_messages(lapsed, reference=judge_reference(TASK, STATE, lapsed)))
     assert lapses["evidence"] | {"screenshots": 0} == {"steps": 5, "malformed": 0, "errors": 1, "detours": 2,
                                                        "repeats": 1, "grounded": True, "screenshots": 0}
     # errors 1 + detours 2 (steps 3 and 4) + repeats 1 = 4 lapses: (10 - 4) / 10
     assert lapses["score"] == 0.6
-    # an answer no page showed (51,000 is nowhere) is capped at 0.5 even with a clean process
-    made_up = answer_of(process_judge_messages(run(SCROLLS[:3], answer="51,000 people."), reference=ref))
+    # an answer no page showed (52,000 is on none of them) is capped at 0.5 even with a clean process
+    elsewhere = PAGE.replace("52,000", "51,000")
+    made_up = run(SCROLLS[:3], first_page=elsewhere, pages=dict.fromkeys(range(1, 4), elsewhere))
+    made_up = answer_of(process_judge_messages(made_up, reference=judge_reference(TASK, STATE, made_up)))
     assert made_up["score"] == 0.5 and made_up["evidence"]["grounded"] is False
+    assert "showed 52000" in made_up["reason"]
+    # a reference made without the run: what its pages showed is not known, and not checked
+    unknown = run(SCROLLS[:3], first_page=elsewhere, pages=dict.fromkeys(range(1, 4), elsewhere))
+    unknown = answer_of(process_judge_messages(unknown, reference=judge_reference(TASK, STATE)))
+    assert unknown["score"] == 1.0 and unknown["evidence"]["grounded"] is None
     with pytest.raises(ValueError, match="no GUI grading prompt"):
         programmatic_judge_text("hello")
 
@@ -224,12 +236,13 @@ async def test_judge_gui_trajectories_sets_rewards_and_removes(tokenizer):
     solved, wrong = run(SCROLLS[:2]), run(SCROLLS[:2], answer="51,000")
     sloppy = run([("click", {"x": 9000, "y": 5})] * 3, pages={1: "Error: outside\n" + PAGE,
                                                               2: "Error: outside\n" + PAGE, 3: PROMO})
-    captcha = run(SCROLLS[:1])
+    captcha = run(SCROLLS[:1])  # a task whose way leads through the captcha, and met it
+    captcha.task_id = REPORT.id
     captcha.metadata["site_state"]["captcha_hits"] = 2
     broken = run(SCROLLS[:1], answer=None, termination="format_error")
     gone = run(SCROLLS[:1], answer=None, termination="env_error")
     trajs = [solved, wrong, sloppy, captcha, broken, gone]
-    stats = await judge_gui_trajectories(ProgrammaticJudge(tokenizer), trajs, tasks=[TASK])
+    stats = await judge_gui_trajectories(ProgrammaticJudge(tokenizer), trajs, tasks=[TASK, REPORT])
     # solved +1 (outcome 1, process 1); wrong 0 (outcome 0, the process judge not asked); sloppy 0 (below);
     # captcha removed (reward untouched: None); format failure -1 unjudged; the sandbox failure left alone
     assert [t.reward for t in trajs] == [1.0, 0.0, 0.0, None, -1.0, None]
@@ -240,7 +253,7 @@ async def test_judge_gui_trajectories_sets_rewards_and_removes(tokenizer):
     assert sloppy.reward_components == {"outcome_judge": 1.0, "process_judge": 0.6, "passed": 0.0}
     assert captcha.metadata["removed"] == "captcha_blocked" and "removed" not in gone.metadata
     assert stats == {"rl/judged": 3, "rl/judge_completed": 1, "rl/judge_failures": 0, "rl/judge_unparseable": 0,
-                     "rl/captcha_blocked": 1, "rl/format_failures": 1}
+                     "rl/captcha_blocked": 1, "rl/captcha_detours": 0, "rl/format_failures": 1}
     # remove_sample: the blocked run does not train; dynamic sampling keeps {+1, 0, 0, -1}
     group = RolloutGroup(TASK.id, (solved, wrong, sloppy, captcha, broken))
     assert group.mask_N.tolist() == [True, True, True, False, True]

@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -19,6 +20,7 @@ import pytest
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.gui.judge import JudgedGUIRollouts, ProgrammaticJudge
 from orchard.domains.gui.rollouts import DONE_OBSERVATION, BrowserSandboxes, GUIHarness, gui_rollouts
+from orchard.domains.gui.session import BrowserSession
 from orchard.domains.gui.tasks import make_task
 from orchard.domains.gui.teacher import teacher_trajectories
 from orchard.env import SandboxClient
@@ -101,6 +103,46 @@ def test_malformed_turns_end_the_run_as_format_error(client, tokenizer):
     # -1 (gui_rollout_reward: ended by repeated format failures), and the final site state is recorded
     assert traj.reward == -1.0 and not traj.passed and traj.metadata["reward_reason"] == "format_failure"
     assert traj.metadata["site_state"]["captcha_hits"] == 0
+    assert client.list_sandboxes() == []
+
+
+def test_an_answer_the_agent_typed_into_the_page_is_no_evidence(client, tokenizer):
+    # issue 33: a policy that knows Lorwick's population by heart types it into the shop's search box, or books a
+    # room under it (the confirmation repeats the name), then answers: the checker accepts the number, but the
+    # page text that holds it is the agent's own, and the judge must not confirm the run; the honest run, which
+    # opens the article, is confirmed
+    task = make_task("info_fact", 4)
+    answer = task.answer
+
+    def at(role, name):
+        def act(prompt):
+            *_, (x, y) = re.findall(rf'\[{role}\] {re.escape(json.dumps(name))}(?: \w+)* @\((\d+),(\d+)\)', prompt)
+            return call("click", x=int(x), y=int(y))
+        return act
+
+    def say(text):
+        return lambda prompt: text
+
+    search = [say(call("goto_url", url=BrowserSession.url("/shop/"))), at("textbox", "Search"),
+              say(call("write", text=answer)), say(call("press_keys", keys=["Enter"])),
+              say(call("done", response=answer))]
+    booking = [say(call("goto_url", url=BrowserSession.url("/forms/booking"))), at("textbox", "name"),
+               say(call("write", text=answer)), at("textbox", "YYYY-MM-DD"), say(call("write", text="2026-01-02")),
+               at("button", "Book"), say(call("done", response=answer))]
+    honest = [at("link", "Lorwick"), say(call("done", response=f"{int(answer):,} people live there."))]
+    steps = iter([*search, *booking, *honest])
+    [typed, booked, read], judged = play(client, tokenizer, lambda prompt: next(steps)(prompt), [task] * 3,
+                                         judge=True)
+    assert next(steps, None) is None  # every step was played
+    booked_page = next(m.content for m in booked.messages if m.role == "tool" and "Booking confirmed" in m.content)
+    assert answer in next(m.content for m in typed.messages if m.role == "tool" and "?q=" in m.content)
+    assert booked.metadata["site_state"]["bookings"][0]["name"] == answer
+    assert f'[text] "{answer}, 2026-01-02" entered @(' in booked_page  # the site marks its echo of the name
+    # the checker passes all three; the judge confirms only the run that read the answer from the site
+    assert [t.metadata["check"] for t in (typed, booked, read)] == ["right number"] * 3
+    assert [t.reward for t in (typed, booked, read)] == [0.0, 0.0, 1.0]
+    assert typed.reward_components["process_judge"] <= 0.5 and booked.reward_components["process_judge"] <= 0.5
+    assert judged.stats["rl/judge_completed"] == 1.0
     assert client.list_sandboxes() == []
 
 

@@ -1,4 +1,8 @@
-"""The seeded sites as request handling (no browser, no socket): data, filters, cart, forms, validation."""
+"""The seeded sites as request handling (no browser, no socket): data, filters, cart, forms, validation, and the
+marks on text that repeats what a visitor entered."""
+
+import re
+from html.parser import HTMLParser
 
 import pytest
 
@@ -69,3 +73,64 @@ def test_info_pages_show_the_seeded_facts():
     assert Sites(2).handle("GET", "/info/city/nowhere")[0] == 404
     with pytest.raises(ValueError, match="n_cities must be an int in"):
         info_cities(0, n_cities=1)
+
+
+class _ServedText(HTMLParser):
+    """A page's text nodes outside the elements the site marks ``data-entered`` (text that repeats what the
+    visitor entered); attribute values, a text field's value among them, are never text nodes."""
+
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[tuple[str, bool]] = []
+        self.parts: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.open.append((tag, any(k == "data-entered" for k, _ in attrs)))
+
+    def handle_endtag(self, tag):
+        while self.open and self.open.pop()[0] != tag:
+            pass
+
+    def handle_data(self, data):
+        if not any(entered for _, entered in self.open):
+            self.parts.append(data)
+
+
+def served_text(page: bytes) -> str:
+    parser = _ServedText()
+    parser.feed(page.decode())
+    return " ".join(parser.parts)
+
+
+def test_text_that_repeats_what_the_visitor_entered_is_marked():
+    # what a visitor can type or pick reaches a page only inside a marked element: an agent that types the answer
+    # into the site cannot have the site serve it back as the site's own text
+    marker = "Qzv 4242917"
+    sites = Sites(0)
+    quoted = marker.replace(" ", "+")
+    pages = [sites.handle("GET", f"/shop/?q={quoted}"), sites.handle("GET", "/shop/?max_price=4242917"),
+             sites.handle("GET", f"/shop/?category={quoted}&color={quoted}&sort={quoted}"),
+             sites.handle("GET", f"/info/city/{quoted}"), sites.handle("GET", "/shop/product/4242917"),
+             sites.handle("GET", f"/{quoted}"), sites.handle("GET", "/promo/4242917"),
+             sites.handle("POST", "/forms/booking", f"name={quoted}&date=2026-01-02&guests=2&room=suite".encode()),
+             sites.handle("POST", "/forms/booking", f"name={quoted}&date={quoted}&guests=2&room=suite".encode()),
+             sites.handle("POST", "/forms/settings", f"display_name={quoted}&language=French&theme=dark&"
+                                                     "font_size=12".encode()),
+             sites.handle("POST", "/shop/cart/add", f"id={quoted}&quantity=1".encode()),
+             sites.handle("POST", "/shop/cart/add", f"id=4&quantity={quoted}".encode())]
+    assert sites.state.snapshot()["bookings"][0]["name"] == marker  # the booking went through
+    for _, page in pages:
+        assert marker not in served_text(page) and "4242917" not in served_text(page), page
+    # numbers made from what the visitor chose (quantities, the sums they make, a search's count) are marked
+    # too: the unmarked text of the cart and the shop is the same whatever the quantity
+    seen = []
+    for quantity in (2, 37):
+        sites = Sites(0)
+        added = sites.handle("POST", "/shop/cart/add", f"id=4&quantity={quantity}".encode())[1]
+        seen.append([served_text(p) for p in (added, sites.handle("GET", "/shop/cart")[1],
+                                              sites.handle("GET", "/shop/")[1])])
+    assert seen[0] == seen[1]
+    assert re.search(r"\d+ products", served_text(Sites(0).handle("GET", "/shop/?max_price=300")[1])) is None

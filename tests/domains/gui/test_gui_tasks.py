@@ -85,7 +85,9 @@ def test_state_tasks_and_the_captcha_flag():
     captcha = make_task("captcha_report", 0)
     unpassable = check_task(captcha, "12", STATE)  # its page is behind the captcha: no answer is right
     assert not unpassable.success and not unpassable.blocked
-    # any task whose run met the captcha is blocked, even with the right answer
+    assert check_task(captcha, "12", {**STATE, "captcha_hits": 1}).blocked  # its way led into the captcha
+    # any other task's run that met the captcha went there on its own: a failure, even with the right answer,
+    # and never blocked (a blocked run leaves the loss and the evaluation)
     fact = make_task("info_fact", 0)
-    blocked = check_task(fact, fact.answer, {**STATE, "captcha_hits": 1})
-    assert not blocked.success and blocked.blocked
+    detour = check_task(fact, fact.answer, {**STATE, "captcha_hits": 1})
+    assert not detour.success and not detour.blocked

@@ -35,7 +35,7 @@ def client():
 
 
 def test_parse_text_view():
-    els = parse_text_view('[link] "Cart (0)" @(40,80)\nnot an element\n[checkbox] "Breakfast" checked @(5,6)')
+    els = parse_text_view('[link] "Cart (0)" entered @(40,80)\nnot an element\n[checkbox] "Breakfast" checked @(5,6)')
     assert [(e.role, e.name, e.x, e.y) for e in els] == [("link", "Cart (0)", 40, 80), ("checkbox", "Breakfast", 5, 6)]
 
 
