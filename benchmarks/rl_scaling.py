@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +89,15 @@ class TokenRollouts:
         self.tokens_per_call: list[int] = []
 
     async def __call__(self, engine: Any, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Any]:
+                       max_tokens: int | None = None, seed: int | None = None) -> list[Any]:
         from orchard.data import RenderedSample, RenderReport, Trajectory
-        from orchard.rollout.engine import GenerateRequest, SamplingParams
+        from orchard.rollout.engine import GenerateRequest, SamplingParams, derive_seed
 
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens or self.new_tokens)
         prompts = [torch.randint(3, self.vocab, (self.prompt_len,), generator=torch.Generator().manual_seed(int(t)))
                    .tolist() for t in tasks]
-        requests = [GenerateRequest(p, params) for p in prompts for _ in range(group_size)]
+        requests = [GenerateRequest(p, replace(params, seed=None if seed is None else derive_seed(seed, int(t), j)))
+                    for p, t in zip(prompts, tasks, strict=True) for j in range(group_size)]
         results = await engine.generate(requests)
         out, tokens = [], 0
         for i, result in enumerate(results):

@@ -205,7 +205,7 @@ async def rl_tasks(cfg: ClawConfig, trained: dict[str, Rollouts], engine: Any, p
     if not f.enabled:
         return pool
     kept = await stages.filter_tasks(trained, engine, f.candidates_of(pool, cfg.seed), attempts=f.attempts,
-                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature)
+                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature, seed=cfg.seed)
     log.log(kept.stats, 0)
     log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= {f.high} "
               f"over {f.attempts} rollouts), success {kept.stats['filter/success']:.3f}"
@@ -230,7 +230,7 @@ async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, mode
     step = len(run.sft_history)
     found = await stages.search_temperature({h: harnesses[h] for h in cfg.harnesses}, engine, validation,
                                             temperatures=st.temperatures, attempts=st.attempts or cfg.eval.attempts,
-                                            reference=cfg.rollout.temperature)
+                                            reference=cfg.rollout.temperature, seed=cfg.seed)
     for row in found.log_rows("start_temperature"):
         run.log.log(row, step)
     for t, by_harness in found.rows.items():

@@ -405,7 +405,7 @@ async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any
     if not f.enabled:
         return instances, []
     kept = await stages.filter_tasks(trained, engine, f.candidates_of(instances, cfg.seed), attempts=f.attempts,
-                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature)
+                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature, seed=cfg.seed)
     log.log(kept.stats, 0)
     log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= {f.high} "
               f"over {f.attempts} rollouts), success {kept.stats['filter/success']:.3f}")

@@ -121,7 +121,7 @@ class ScriptedRollouts:
     def __init__(self, outcomes):
         self.outcomes, self.calls, self.seen = outcomes, [], {}
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         from orchard.data import Trajectory
 
         self.calls.append((list(tasks), group_size))

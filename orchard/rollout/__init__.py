@@ -4,6 +4,7 @@ Names load lazily (``orchard --help`` imports this package's CLI and must stay f
 
 - engines: `Engine`, `SamplingParams`, `GenerateRequest`, `GenerateResult`, `Completion`, `HFEngine`,
   `VLLMEngine` (GPU extra), `OpenAIEngine`, `ScriptedEngine`, `EnginePool` (several served replicas as one engine)
+- seeds: `derive_seed` (the seed of one episode or turn of a seeded run, wherever it is played)
 - scoring (optional on an engine; a teacher's log-probs): `Scorer`, `ScoreRequest`
 - serving: `build_app`, `serve_in_thread`, `RecordingProxy`, `CallRecord`
 - serving: `serve_app` (any ASGI app on the caller's event loop)
@@ -21,6 +22,7 @@ from typing import Any
 _EXPORTS = {
     "Engine": "engine",
     "SamplingParams": "engine",
+    "derive_seed": "engine",
     "GenerateRequest": "engine",
     "GenerateResult": "engine",
     "Completion": "engine",

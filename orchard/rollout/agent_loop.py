@@ -35,6 +35,7 @@ import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from orchard._extras import requires_extra
@@ -44,7 +45,7 @@ with requires_extra("rollout"):
 
 from orchard.data import Message, Trajectory
 from orchard.env.errors import SandboxError
-from orchard.rollout.engine import Completion, Engine, GenerateRequest, SamplingParams
+from orchard.rollout.engine import Completion, Engine, GenerateRequest, SamplingParams, derive_seed
 from orchard.rollout.harness import EnvironmentFailure, Harness, InvalidToolCall, Observation, task_id
 from orchard.rollout.tool_calls import parse_tool_calls
 
@@ -152,7 +153,7 @@ class AgentLoop:
             not hit the sandbox service and the engine in one burst. Default 1.0.
         retry_backoff_s: base of the exponential backoff (with full jitter) between retries. Default 0.5.
         progress: show a progress bar in `run_many`. Default True.
-        seed: seeds the jitter and, when ``sampling.seed`` is None, nothing else (sampling stays the engine's).
+        seed: seeds the start jitter and the retry backoff (not the sampling: see `run` and `run_many`).
     """
 
     def __init__(
@@ -272,8 +273,9 @@ class AgentLoop:
                 await asyncio.sleep(self._backoff(attempt))
         raise _EnvFailed(f"{what}: {type(error).__name__}: {error}") from error
 
-    async def _model_call(self, prompt_ids: list[int], deadline: float) -> tuple[Completion, int]:
-        request = GenerateRequest(prompt_ids, self.sampling)
+    async def _model_call(self, prompt_ids: list[int], deadline: float, seed: int | None
+                          ) -> tuple[Completion, int]:
+        request = GenerateRequest(prompt_ids, replace(self.sampling, seed=seed))
         for attempt in range(self.model_retries + 1):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -318,8 +320,16 @@ class AgentLoop:
         )
         return message, []
 
-    async def run(self, task: Any, *, group_id: str | None = None, index: int = 0) -> Trajectory:
-        """One rollout of ``task``; never raises for environment or model failures (``env_error``)."""
+    async def run(self, task: Any, *, group_id: str | None = None, index: int = 0,
+                  seed: int | None = None) -> Trajectory:
+        """One rollout of ``task``; never raises for environment or model failures (``env_error``).
+
+        ``seed`` (default ``sampling.seed``) seeds the episode: turn ``k`` samples with ``derive_seed(seed, k)``, so
+        the episode is the same wherever and beside whatever it is played. None leaves sampling to the engine.
+        """
+        seed = self.sampling.seed if seed is None else seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         t0 = time.monotonic()
         deadline = t0 + self.max_time_s
         tid = task_id(task, default=f"task-{index}")
@@ -362,7 +372,8 @@ class AgentLoop:
                     meta["context_exhausted"] = True
                     break
                 m0 = time.monotonic()
-                completion, version = await self._model_call(prompt_ids, deadline)
+                turn_seed = None if seed is None else derive_seed(seed, meta["steps"])
+                completion, version = await self._model_call(prompt_ids, deadline, turn_seed)
                 meta["model_s"] += time.monotonic() - m0
                 meta["model_calls"] += 1
                 meta["steps"] += 1
@@ -441,9 +452,16 @@ class AgentLoop:
         meta["wall_s"] = time.monotonic() - t0
         return traj
 
-    async def run_many(self, tasks: Sequence[Any], *, group_size: int = 1) -> list[Trajectory]:
+    async def run_many(self, tasks: Sequence[Any], *, group_size: int = 1,
+                       seed: int | None = None) -> list[Trajectory]:
         """``group_size`` rollouts of every task, at most ``concurrency`` at once; results in task order (a task's
-        group together), each with ``group_id`` = its task id."""
+        group together), each with ``group_id`` = its task id.
+
+        ``seed`` (default ``sampling.seed``) seeds rollout ``j`` of the task with id ``t`` with
+        ``derive_seed(seed, t, j)``: a task's episodes do not depend on which other tasks share the call, so a run
+        split into blocks (ranks) samples exactly the episodes of one call over every task. None leaves sampling to
+        the engine.
+        """
         if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence):
             raise ValueError(f"tasks must be a sequence, got {type(tasks).__name__}")
         if not isinstance(group_size, int) or group_size < 1:
@@ -452,20 +470,25 @@ class AgentLoop:
             from tqdm.auto import tqdm
 
         semaphore = asyncio.Semaphore(self.concurrency)
-        jobs = [(i, task) for i, task in enumerate(tasks) for _ in range(group_size)]
+        seed = self.sampling.seed if seed is None else seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        jobs = [(i, task, j) for i, task in enumerate(tasks) for j in range(group_size)]
         counts: dict[str, int] = {}
         bar = tqdm(total=len(jobs), desc="rollouts", disable=not self.progress, dynamic_ncols=True)
 
-        async def one(i: int, task: Any) -> Trajectory:
+        async def one(i: int, task: Any, j: int) -> Trajectory:
             await asyncio.sleep(self._rng.uniform(0, self.start_jitter_s))
+            tid = task_id(task, default=f"task-{i}")
             async with semaphore:
-                traj = await self.run(task, group_id=task_id(task, default=f"task-{i}"), index=i)
+                traj = await self.run(task, group_id=tid, index=i,
+                                      seed=None if seed is None else derive_seed(seed, tid, j))
             counts[traj.termination_reason] = counts.get(traj.termination_reason, 0) + 1
             bar.set_postfix(counts, refresh=False)
             bar.update(1)
             return traj
 
         try:
-            return list(await asyncio.gather(*(one(i, task) for i, task in jobs)))
+            return list(await asyncio.gather(*(one(i, task, j) for i, task, j in jobs)))
         finally:
             bar.close()

@@ -36,6 +36,24 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(digest, "big") >> 1
 
 
+def derive_seed(seed: int, *parts: str | int) -> int:
+    """A seed for one named piece of a seeded run: a hash of ``(seed, *parts)`` in ``[0, 2**63)``.
+
+    What makes a run's episodes independent of how it is split: the seed of episode ``j`` of task ``t`` is
+    ``derive_seed(run_seed, t, j)`` wherever that episode is played (one process or any rank of many, in any batch),
+    and the seed of its turn ``k`` is ``derive_seed(episode_seed, k)``. Distinct parts give unrelated seeds, so
+    ``derive_seed(s, "a", 1)`` is not ``derive_seed(s, "a1")`` and task ``t``'s episodes share nothing with ``t + 1``'s.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    for part in parts:
+        if isinstance(part, bool) or not isinstance(part, (str, int)):
+            raise ValueError(f"parts must be str or int, got {part!r}")
+    # repr keeps 1 and "1" apart; the unit separator keeps ("a", "b") apart from ("a\x1fb",) in practice
+    key = "\x1f".join(repr(x) for x in (seed, *parts))
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request."""

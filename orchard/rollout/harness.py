@@ -80,11 +80,12 @@ class Harness(Protocol):
 
 
 def task_id(task: Any, default: str) -> str:
-    """A task's id: ``task["id"]`` for a mapping, ``task.id`` / ``task.task_id`` for an object, else ``default``."""
-    if isinstance(task, Mapping):
-        value = task.get("id", task.get("task_id"))
-    else:
-        value = getattr(task, "id", None) or getattr(task, "task_id", None)
+    """A task's id: ``id``, else ``task_id``, else ``instance_id`` (SWE-bench's), as a mapping's key or an object's
+    attribute; else ``default``."""
+    for key in ("id", "task_id", "instance_id"):
+        value = task.get(key) if isinstance(task, Mapping) else getattr(task, key, None)
+        if value is not None:
+            break
     return str(value) if value is not None else default
 
 

@@ -43,7 +43,7 @@ with requires_extra("rollout"):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orchard.data import Message, RenderedSample, RenderReport, Trajectory
-from orchard.rollout.engine import Engine
+from orchard.rollout.engine import Engine, derive_seed
 from orchard.rollout.server import build_app, normalize_messages
 from orchard.rollout.session import DEFAULT_SESSION, SESSION_HEADER
 
@@ -143,6 +143,7 @@ class RecordingProxy:
             raise ValueError(f"upstream must be an http(s) URL or an Engine, got {type(upstream).__name__}")
         self.tokenizer = tokenizer
         self._records: dict[str, list[CallRecord]] = {}
+        self._session_seeds: dict[str, list[int]] = {}  # session -> [seed, calls forwarded so far]
         self._lock = threading.Lock()
         self.app = self._build_app()
 
@@ -161,7 +162,29 @@ class RecordingProxy:
     def pop_session(self, session_id: str) -> list[CallRecord]:
         """Remove and return a session's calls (so a long-running proxy does not grow without bound)."""
         with self._lock:
+            self._session_seeds.pop(session_id, None)
             return self._records.pop(session_id, [])
+
+    def seed_session(self, session_id: str, seed: int) -> None:
+        """Seed the sampling of ``session_id``'s calls: its ``k``-th call forwarded (from 0) samples with
+        ``derive_seed(seed, k)`` unless its body gives a ``seed`` of its own. A harness program that cannot seed its
+        requests itself thus plays the same episode wherever it runs (`orchard.rollout.Rollouts`)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty str, got {session_id!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        with self._lock:
+            self._session_seeds[session_id] = [seed, 0]
+
+    def _session_seed(self, session_id: str) -> int | None:
+        """The seed of ``session_id``'s next call (None: not seeded), counting the call."""
+        with self._lock:
+            seeded = self._session_seeds.get(session_id)
+            if seeded is None:
+                return None
+            seed, k = seeded
+            seeded[1] += 1
+        return derive_seed(seed, k)
 
     def samples(self, session_id: str) -> list[RenderedSample]:
         """The session's calls as training samples, one per call and choice, in order.
@@ -285,6 +308,9 @@ class RecordingProxy:
         user = body.get("user") if isinstance(body.get("user"), str) else None
         session = path_session or request.headers.get(SESSION_HEADER) or user or DEFAULT_SESSION
         upstream_body = copy.deepcopy(body)
+        call_seed = self._session_seed(session)
+        if call_seed is not None and body.get("seed") is None:
+            upstream_body["seed"] = call_seed
         upstream_body["return_token_ids"] = True
         if self.tokenizer is not None:
             upstream_body["return_tokens_as_token_ids"] = True

@@ -28,10 +28,15 @@ __all__ = ["AgentLoopRollouts", "JudgedRolloutsBase", "ProxyRollouts", "Rollouts
 
 @runtime_checkable
 class Rollouts(Protocol):
-    """Plays ``group_size`` episodes of every task with ``engine``; returns them task-major as trajectories."""
+    """Plays ``group_size`` episodes of every task with ``engine``; returns them task-major as trajectories.
+
+    ``seed`` seeds the sampling: episode ``j`` of the task with id ``t`` samples from
+    ``derive_seed(seed, t, j)`` alone (its turn ``k`` from ``derive_seed(that, k)``), so a task's episodes are the
+    same whichever other tasks share the call; None leaves sampling to the engine's own generators.
+    """
 
     async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]: ...
+                       max_tokens: int | None = None, seed: int | None = None) -> list[Trajectory]: ...
 
 
 class AgentLoopRollouts:
@@ -42,7 +47,8 @@ class AgentLoopRollouts:
         harness: the domain's `Harness`.
         tokenizer: the policy's chat tokenizer (rendering uses it too).
         max_tokens: per assistant turn when a call gives none. Default 512.
-        seed: seeds each call's start jitter (a fresh draw per call). Default None.
+        seed: seeds each call's start jitter and retry backoff (a fresh draw per call; a call's ``seed`` seeds its
+            sampling). Default None.
         **loop_kwargs: the rest of `AgentLoop`'s keywords (``max_steps``, ``max_time_s``, ``concurrency``, ...);
             ``progress`` (a bar per call) defaults to whether stderr is an interactive terminal.
     """
@@ -60,11 +66,11 @@ class AgentLoopRollouts:
         self._rng = random.Random(seed)
 
     async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
+                       max_tokens: int | None = None, seed: int | None = None) -> list[Trajectory]:
         sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens or self.max_tokens)
         loop = AgentLoop(engine, self.client, self.harness, self.tokenizer, sampling=sampling,
                          seed=self._rng.randrange(2**31), **self.loop_kwargs)
-        trajectories = await loop.run_many(tasks, group_size=group_size)
+        trajectories = await loop.run_many(tasks, group_size=group_size, seed=seed)
         for traj in trajectories:
             if traj.valid and traj.has_token_ids:
                 traj.samples = [render_trajectory(traj, self.tokenizer)]
@@ -75,7 +81,8 @@ class ProxyRollouts:
     """`Rollouts` of a harness program that reaches the model only through a `RecordingProxy`.
 
     Each call puts a fresh proxy in front of ``engine``, awaits ``play(tasks, proxy=proxy, group_size=...,
-    temperature=..., **kwargs)`` (the domain's runner: it serves the proxy to the program, runs it, scores the
+    temperature=..., **kwargs)`` (with ``seed=`` too when the call is seeded: the runner seeds each episode's proxy
+    session, `RecordingProxy.seed_session`) (the domain's runner: it serves the proxy to the program, runs it, scores the
     sandboxes, and returns task-major trajectories whose samples are the proxy's, one per recorded call), closes
     the proxy, and chains each trajectory's per-call samples by prefix into as few sequences as the conversation
     allows (`orchard.data.merge_prefix_samples`).
@@ -89,16 +96,18 @@ class ProxyRollouts:
     def __init__(self, play: Callable[..., Awaitable[list[Trajectory]]], tokenizer: Any, **kwargs: Any) -> None:
         if not callable(play):
             raise ValueError(f"play must be an async callable, got {type(play).__name__}")
-        for name in ("tasks", "proxy", "group_size", "temperature"):
+        for name in ("tasks", "proxy", "group_size", "temperature", "seed"):
             if name in kwargs:
                 raise ValueError(f"kwargs may not set {name!r}: it is an argument of the call")
         self.play, self.tokenizer, self.kwargs = play, tokenizer, kwargs
 
     async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
+                       max_tokens: int | None = None, seed: int | None = None) -> list[Trajectory]:
         kwargs = dict(self.kwargs)
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
+        if seed is not None:
+            kwargs["seed"] = seed
         proxy = RecordingProxy(engine, self.tokenizer)
         try:
             trajectories = await self.play(tasks, proxy=proxy, group_size=group_size, temperature=temperature,
@@ -142,9 +151,9 @@ class JudgedRolloutsBase:
         raise NotImplementedError
 
     async def __call__(self, engine: Engine, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
+                       max_tokens: int | None = None, seed: int | None = None) -> list[Trajectory]:
         trajectories = await self.rollouts(engine, tasks, group_size=group_size, temperature=temperature,
-                                           max_tokens=max_tokens)
+                                           max_tokens=max_tokens, seed=seed)
         self.stats = await self.judge_batch(trajectories, tasks)
         for key in self.counted:
             self.totals[key] = self.totals.get(key, 0.0) + self.stats.get(key, 0.0)

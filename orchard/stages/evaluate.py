@@ -55,12 +55,14 @@ def success_row(trajectories: Sequence[Trajectory], attempts: int) -> dict[str, 
 
 
 async def evaluate(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequence[Any], *, attempts: int,
-                   temperature: float) -> dict[str, dict[str, float]]:
+                   temperature: float, seed: int | None = None) -> dict[str, dict[str, float]]:
     """``attempts`` episodes of every task through each harness; one `success_row` per harness name.
 
     Under a launcher (several ranks) each rank plays its block of ``tasks`` (`orchard.stages.ranks.shard_range`)
     with its own ``engine``; the trajectories (without their training samples) are gathered, so every rank
-    returns the same rows, those of one process playing every task.
+    returns the same rows, those of one process playing every task. ``seed`` seeds every episode by its task and
+    attempt (`orchard.rollout.Rollouts`), so those rows are the very episodes one process would play; None leaves
+    sampling to the engines.
     """
     if not harnesses:
         raise ValueError("harnesses must name at least one Rollouts, got none")
@@ -70,21 +72,23 @@ async def evaluate(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequen
     mine = [tasks[i] for i in shard_range(len(tasks), ranks.rank, ranks.world_size)]
     rows = {}
     for name, rollouts in harnesses.items():
-        trajectories = await rollouts(engine, mine, group_size=attempts, temperature=temperature) if mine else []
+        trajectories = (await rollouts(engine, mine, group_size=attempts, temperature=temperature, seed=seed)
+                        if mine else [])
         rows[name] = success_row(all_gather_concat([replace(t, samples=[]) for t in trajectories]), attempts)
     return rows
 
 
 async def evaluate_stage(stage: str, step: int, harnesses: Mapping[str, Rollouts], engine: Any,
-                         tasks: Sequence[Any], cfg: EvalConfig, log: RunLog) -> dict[str, dict[str, float]]:
-    """`evaluate` on the harnesses ``cfg.harnesses`` names, each row logged as ``eval/<stage>/<harness>/<key>`` at
-    ``step`` and printed: what a recipe does after each stage."""
+                         tasks: Sequence[Any], cfg: EvalConfig, log: RunLog, *,
+                         seed: int | None = None) -> dict[str, dict[str, float]]:
+    """`evaluate` (seeded ``seed``) on the harnesses ``cfg.harnesses`` names, each row logged as
+    ``eval/<stage>/<harness>/<key>`` at ``step`` and printed: what a recipe does after each stage."""
     missing = [h for h in cfg.harnesses if h not in harnesses]
     if missing:
         raise ValueError(f"cfg.harnesses names harnesses the recipe does not have: {missing}")
     episodes = len(tasks) * cfg.attempts * len(cfg.harnesses)
     running = asyncio.ensure_future(evaluate({h: harnesses[h] for h in cfg.harnesses}, engine, tasks,
-                                             attempts=cfg.attempts, temperature=cfg.temperature))
+                                             attempts=cfg.attempts, temperature=cfg.temperature, seed=seed))
     started = time.monotonic()
     while not running.done():
         # a run that evaluates for many minutes says so once per interval, rather than nothing at all

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from orchard.data import RenderedSample
+from orchard.rollout.engine import derive_seed
 from orchard.rollout.rollouts import Rollouts
 from orchard.stages.config import EvalConfig, SFTConfig
 from orchard.stages.evaluate import evaluate_stage
@@ -74,8 +75,11 @@ class RecipeRun:
 
     async def evaluate(self, stage: str, step: int, harnesses: Mapping[str, Rollouts], engine: Any,
                        tasks: Sequence[Any]) -> dict[str, dict[str, float]]:
-        """`evaluate_stage` of ``engine``'s policy after ``stage`` (logged at ``step``), kept in :attr:`results`."""
-        self.results[stage] = await evaluate_stage(stage, step, harnesses, engine, tasks, self.eval_cfg, self.log)
+        """`evaluate_stage` of ``engine``'s policy after ``stage`` (logged at ``step``), kept in :attr:`results`.
+        Every stage's evaluation plays with the same seed, ``derive_seed(seed, "eval")``: the stages are compared on
+        the same sampling draws, and the rows do not depend on how many ranks played them."""
+        self.results[stage] = await evaluate_stage(stage, step, harnesses, engine, tasks, self.eval_cfg, self.log,
+                                                   seed=derive_seed(self.seed, "eval"))
         return self.results[stage]
 
     async def sft(self, model: Any, tokenizer: Any, engine: Any, samples: Sequence[RenderedSample],

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from orchard.data import RenderedSample, RolloutGroup, Trajectory, collate
+from orchard.rollout.engine import derive_seed
+from orchard.rollout.harness import task_id
 from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import GROUP_FILTER_RULES, abar_select, filter_groups, group_advantages
 from orchard.stages.config import RLConfig, RolloutConfig
@@ -117,7 +119,7 @@ def bar_candidate(traj: Trajectory, *, drop_timeouts: bool = True) -> bool:
 
 async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequence[Any],
                          harness_of: Sequence[str], cfg: RLConfig, rollout: RolloutConfig,
-                         ) -> tuple[list[RolloutGroup], list[Trajectory]]:
+                         seed: int | None = None) -> tuple[list[RolloutGroup], list[Trajectory]]:
     """One group per task (task ``i`` through harness ``harness_of[i]``); BAR-selected when ``cfg.use_bar``.
 
     BAR chooses among `bar_candidate` rollouts only (not removed by a judge, not a dropped timeout), so a kept
@@ -126,10 +128,14 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
     to success over what trains). Under BAR each member of a group's pool (its candidates) carries BAR's reading
     and choice in ``metadata["bar"]``: ``{"positive": bool, "kept": bool}`` (kept: in the group), so a report of
     the choice reads it rather than choosing again; a rollout that was no candidate has no such key.
+
+    ``seed`` seeds every episode by its task and place in the group (`orchard.rollout.Rollouts`); BAR's ``c``-th
+    draw for a task plays with ``derive_seed(seed, "bar", c)``. So a step split into blocks of tasks (ranks)
+    samples the episodes one process would. None leaves sampling to the engines.
     """
     if len(harness_of) != len(tasks):
         raise ValueError(f"harness_of must name one harness per task, got {len(harness_of)} for {len(tasks)}")
-    ids = [str(getattr(t, "id", i)) for i, t in enumerate(tasks)]
+    ids = [task_id(t, default=str(i)) for i, t in enumerate(tasks)]
     if not cfg.use_bar:
         groups: list[RolloutGroup | None] = [None] * len(tasks)
         generated: list[Trajectory] = []
@@ -138,7 +144,7 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
             if not mine:
                 continue
             trajs = await rollouts(engine, [tasks[i] for i in mine], group_size=cfg.group_size,
-                                   temperature=rollout.temperature)
+                                   temperature=rollout.temperature, seed=seed)
             generated += trajs
             for j, i in enumerate(mine):
                 members = trajs[j * cfg.group_size:(j + 1) * cfg.group_size]
@@ -148,8 +154,14 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
     bar = cfg.bar_config()
 
     async def select(i: int) -> tuple[RolloutGroup, list[Trajectory]]:
+        draws = 0
+
         async def source(k: int) -> list[Trajectory]:
-            return await harnesses[harness_of[i]](engine, [tasks[i]], group_size=k, temperature=rollout.temperature)
+            nonlocal draws
+            draw_seed = None if seed is None else derive_seed(seed, "bar", draws)
+            draws += 1
+            return await harnesses[harness_of[i]](engine, [tasks[i]], group_size=k, temperature=rollout.temperature,
+                                                  seed=draw_seed)
 
         result = await abar_select(source, bar, valid=lambda t: bar_candidate(t, drop_timeouts=cfg.drop_timeouts))
         chosen = set(result.selected_indices)
@@ -204,11 +216,12 @@ Local = tuple[list[RenderedSample], list[float], dict[str, float]]
 
 
 async def _play(harnesses: Mapping[str, Rollouts], engine: Any, step_tasks: Sequence[Any], harness_of: list[str],
-                cfg: RLConfig, rollout: RolloutConfig, ranks: Ranks, version: int) -> Local:
-    """This rank's block of one step's tasks, played and turned into samples stamped with ``version``."""
+                cfg: RLConfig, rollout: RolloutConfig, ranks: Ranks, version: int, seed: int) -> Local:
+    """This rank's block of one step's tasks, played (seeded ``seed``) and turned into samples stamped with
+    ``version``."""
     mine = shard_range(len(step_tasks), ranks.rank, ranks.world_size)
     groups, generated = await rollout_groups(harnesses, engine, [step_tasks[i] for i in mine],
-                                             [harness_of[i] for i in mine], cfg, rollout)
+                                             [harness_of[i] for i in mine], cfg, rollout, seed)
     samples, advantages, batch_stats = group_batch(groups, reward=cfg.reward, group_filter=cfg.group_filter,
                                                    normalize_std=cfg.normalize_std)
     samples = [replace(s, policy_version=version) for s in samples]
@@ -309,7 +322,8 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     """``cfg.steps`` GRPO steps of ``model`` (trained in place) with rollouts of ``engine`` (updated after each).
 
     Tasks are drawn without replacement per step (``cfg.tasks_per_step`` of ``tasks``) with a generator seeded by
-    ``seed`` and dealt round-robin to ``harnesses``. Returns each step's stats (also passed to ``log(stats,
+    ``seed`` and dealt round-robin to ``harnesses``; step ``k``'s episodes sample with seeds derived from
+    ``derive_seed(seed, "rl-step", k)`` (`rollout_groups`). Returns each step's stats (also passed to ``log(stats,
     step)``, on rank 0 only).
 
     Under a launcher (``WORLD_SIZE`` > 1; ``cfg.train.engine`` must be ``deepspeed``) every rank draws the same
@@ -385,6 +399,9 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         await engine.update_weights(trainer.full_state_dict())
         barrier()
 
+    def step_seed(step: int) -> int:
+        return derive_seed(seed, "rl-step", step)
+
     def draw() -> tuple[list[Any], list[str]]:
         step_tasks = rng.sample(list(tasks), cfg.tasks_per_step)
         return step_tasks, [names[i % len(names)] for i in range(len(step_tasks))]
@@ -396,12 +413,13 @@ async def rl_stage(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
     try:
         for step in range(start, cfg.steps + 1):
             if pending is None:
-                pending = await _play(harnesses, engine, *draw(), cfg, rollout, ranks, version)
+                pending = await _play(harnesses, engine, *draw(), cfg, rollout, ranks, version, step_seed(step))
             samples, advantages, stats = _gather(pending, ranks)
             teacher_BT = await teacher_logprobs(teacher, samples) if teacher is not None and samples else None
             pending = following = None
             if cfg.async_rollouts and step < cfg.steps:
-                following = asyncio.ensure_future(_play(harnesses, engine, *draw(), cfg, rollout, ranks, version))
+                following = asyncio.ensure_future(_play(harnesses, engine, *draw(), cfg, rollout, ranks, version,
+                                                        step_seed(step + 1)))
             if samples:
                 train = (trainer, reference, samples, advantages, cfg, rng, pad_id, version, teacher_BT, temperature)
                 stats.update(await asyncio.to_thread(_train_batch, *train) if following is not None

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from orchard.data import Trajectory
+from orchard.rollout.engine import derive_seed
 from orchard.rollout.rollouts import Rollouts
 from orchard.sampling import difficulty_filter
 from orchard.stages.ranks import all_gather_concat, all_reduce_sum, init_ranks, shard_range
@@ -62,7 +63,7 @@ def split_attempts(attempts: int, names: Sequence[str]) -> dict[str, int]:
 
 async def filter_tasks(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequence[Any], *,
                        attempts: int = 8, low: float = 0.0, high: float = 0.5,
-                       temperature: float = 1.0) -> TaskFilterResult:
+                       temperature: float = 1.0, seed: int | None = None) -> TaskFilterResult:
     """Play ``attempts`` rollouts of ``engine`` per task and keep the tasks with ``low < p̂ <= high``.
 
     Args:
@@ -74,6 +75,9 @@ async def filter_tasks(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Se
         low: exclusive lower bound on p̂ (the paper: 0).
         high: inclusive upper bound on p̂ (the paper: 0.5).
         temperature: sampling temperature of the rollouts.
+        seed: seeds the rollouts through harness ``h`` with ``derive_seed(seed, h)`` (each episode by its task and
+            attempt, `orchard.rollout.Rollouts`), so the rates do not depend on how many ranks played them. Default
+            None: sampling is left to the engines.
 
     Returns:
         `TaskFilterResult`. Success is the evaluation's pass rule (``Trajectory.passed``); a rollout whose sandbox
@@ -92,7 +96,8 @@ async def filter_tasks(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Se
     for name, k in per_harness.items():
         if k == 0 or not mine:
             continue
-        trajs = await harnesses[name](engine, mine, group_size=k, temperature=temperature)
+        trajs = await harnesses[name](engine, mine, group_size=k, temperature=temperature,
+                                      seed=None if seed is None else derive_seed(seed, name))
         if len(trajs) != k * len(mine):
             raise ValueError(f"harnesses[{name!r}] returned {len(trajs)} rollouts for {len(mine)} tasks x {k}")
         played += trajs

@@ -78,7 +78,7 @@ class TemperatureSearch:
 
 async def search_temperature(harnesses: Mapping[str, Rollouts], engine: Any, tasks: Sequence[Any], *,
                              temperatures: Sequence[float] = TEMPERATURE_GRID, attempts: int = 3,
-                             reference: float = 1.0) -> TemperatureSearch:
+                             reference: float = 1.0, seed: int | None = None) -> TemperatureSearch:
     """`evaluate` of ``engine``'s policy on ``tasks`` at every temperature of ``temperatures`` through each of
     ``harnesses``; the chosen temperature has the highest mean success over the harnesses (each harness weighs the
     same, whatever its task count), ties nearest ``reference``.
@@ -93,6 +93,8 @@ async def search_temperature(harnesses: Mapping[str, Rollouts], engine: Any, tas
         temperatures: the grid, distinct finite numbers > 0 (default `TEMPERATURE_GRID`).
         attempts: episodes per task and temperature, >= 1.
         reference: where ties go (`best_temperature`), usually the temperature RL samples at.
+        seed: every temperature's `evaluate` plays with this seed (the same draws at each temperature, so the
+            grid compares temperatures, not luck). Default None: sampling is left to the engines.
     """
     check_temperatures(temperatures)
     if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
@@ -101,6 +103,6 @@ async def search_temperature(harnesses: Mapping[str, Rollouts], engine: Any, tas
         raise ValueError(f"reference must be a number >= 0, got {reference!r}")
     rows: dict[float, dict[str, dict[str, float]]] = {}
     for t in temperatures:
-        rows[t] = await evaluate(harnesses, engine, tasks, attempts=attempts, temperature=t)
+        rows[t] = await evaluate(harnesses, engine, tasks, attempts=attempts, temperature=t, seed=seed)
     mean_success = {t: sum(r["success"] for r in by.values()) / len(by) for t, by in rows.items()}
     return TemperatureSearch(rows, mean_success, best_temperature(mean_success, reference=reference))

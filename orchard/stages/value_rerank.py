@@ -38,9 +38,9 @@ class RecordedRollouts:
         self.calls: list[list[Trajectory]] = [] if calls is None else calls
 
     async def __call__(self, engine: Any, tasks: Sequence[Any], *, group_size: int, temperature: float,
-                       max_tokens: int | None = None) -> list[Trajectory]:
+                       max_tokens: int | None = None, seed: int | None = None) -> list[Trajectory]:
         trajs = await self.inner(engine, tasks, group_size=group_size, temperature=temperature,
-                                 max_tokens=max_tokens)
+                                 max_tokens=max_tokens, seed=seed)
         self.calls.append(list(trajs))
         return trajs
 

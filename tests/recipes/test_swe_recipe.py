@@ -233,7 +233,7 @@ def test_bar_groups_report_the_choice_bar_made_by_hand(swe):
     strides = {"a": [[1, 1, 1, 1], [-1, -1, 1, -1]], "b": [[1, -1, -1, 1]], "c": [[None, -1, -1, -1], [-1] * 4]}
     played = {task: 0 for task in strides}
 
-    async def scripted(engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def scripted(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         [task] = tasks
         outcomes = strides[task][played[task]]
         played[task] += 1
@@ -262,7 +262,7 @@ def test_bar_groups_report_the_choice_bar_made_by_hand(swe):
 
 
 def test_rpr_trains_the_all_failed_groups_bar_would_drop(swe):
-    async def unresolved(engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def unresolved(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         # None resolved; the judge graded their processes 0.8, 0.2, 0.6, 0.4 (reward = -1 + 0.5 x rubric).
         return [Trajectory(task_id=str(task), reward=-1.0 + 0.5 * r, reward_components={"outcome": 0.0})
                 for task in tasks for r in (0.8, 0.2, 0.6, 0.4, 0.8, 0.2, 0.6, 0.4)[:group_size]]

@@ -17,7 +17,7 @@ class Played:
     def __init__(self):
         self.calls = []
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         self.calls.append((engine, list(tasks), group_size, temperature, max_tokens))
         return [Trajectory(messages=[], task_id=t, reward=r) for t in tasks for r in (1.0, 0.0)]
 

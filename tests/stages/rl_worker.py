@@ -48,7 +48,7 @@ class FixedRollouts:
         self.die_call = die_call
         self.played: list[int] = []
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         self.calls += 1
         if self.calls == self.die_call:
             os.kill(os.getpid(), signal.SIGKILL)

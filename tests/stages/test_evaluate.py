@@ -27,7 +27,7 @@ def test_success_row_by_hand():
 def test_evaluate_runs_each_harness_with_k_attempts():
     calls = []
 
-    async def harness(engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def harness(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         calls.append((engine, tuple(tasks), group_size, temperature))
         return [ep(t, 1.0 if i % 2 else -1.0) for t in tasks for i in range(group_size)]
 

@@ -117,7 +117,7 @@ class FixedRollouts:
     """Every member of every task: the samples of `_random_samples` (seeded by task and member); rewards alternate
     +1 / -1 so every group trains."""
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         return [Trajectory(reward=1.0 if j % 2 else -1.0, task_id=str(t),
                            samples=_random_samples(seed=100 * t + j, count=1))
                 for t in tasks for j in range(group_size)]

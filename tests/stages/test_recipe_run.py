@@ -28,7 +28,7 @@ class Engine:
         self.closed = True
 
 
-async def harness(engine, tasks, *, group_size, temperature, max_tokens=None):
+async def harness(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
     # every task: the first attempt fails (-1), the second passes (+1)
     return [Trajectory(reward=1.0 if i % 2 else -1.0, termination_reason="done", task_id=t)
             for t in tasks for i in range(group_size)]

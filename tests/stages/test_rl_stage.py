@@ -61,7 +61,7 @@ class VersionRollouts:
         self.seen: list[int] = []
         self.sampling: dict[tuple[int, ...], torch.Tensor] = {}
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         engine.in_flight += 1
         self.seen.append(engine.version)
         await asyncio.sleep(0)  # a real rollout yields to the event loop
@@ -184,7 +184,7 @@ class TemperedRollouts:
         self.policy = policy
         self.temperatures: list[float] = []
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         self.temperatures.append(temperature)
         out = []
         for t in tasks:

@@ -15,7 +15,7 @@ class Pool:
     def __init__(self):
         self.asked = []
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         self.asked.append(group_size)
         outcomes = [True] * 3 + [False] * 5
         return [Trajectory(task_id=str(t), reward=1.0 if o else -1.0) for t in tasks for o in outcomes[:group_size]]
@@ -54,7 +54,7 @@ class Judged:
     def __init__(self, removed=(), timed_out=()):
         self.removed, self.timed_out = set(removed), set(timed_out)
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         out = []
         for i, passed in enumerate([True] * 3 + [False] * 5):
             t = Trajectory(task_id="a", reward=1.0 if passed else -1.0,

@@ -17,7 +17,7 @@ class ByTemperature:
     def __init__(self, passes):
         self.passes, self.temperatures = passes, []
 
-    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         self.temperatures.append(temperature)
         pattern = self.passes[temperature]
         episodes = [task for task in tasks for _ in range(group_size)]

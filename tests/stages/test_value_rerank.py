@@ -68,7 +68,7 @@ def test_empty_pool_trains_nothing_and_reports_defined_rates(tok):
 
 def test_recorded_rollouts_keep_every_call():
     class Two:
-        async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+        async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
             return [traj(t, True) for t in tasks for _ in range(group_size)]
 
     rec = RecordedRollouts(Two())

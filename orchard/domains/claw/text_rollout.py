@@ -42,6 +42,7 @@ from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.claw.harness import prepare_sandbox, verify_sandbox
 from orchard.domains.claw.tasks import ClawTask
 from orchard.rollout.agent_loop import ENV_ERRORS
+from orchard.rollout.engine import derive_seed
 from orchard.rollout.program import check_launch, program_env, read_results, run_program
 from orchard.rollout.proxy import RecordingProxy
 from orchard.rollout.rollouts import ProxyRollouts
@@ -119,6 +120,7 @@ async def run_text_episodes(
     program_timeout_s: float | None = None,
     run_id: str | None = None,
     keep_sessions: bool = False,
+    seed: int | None = None,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task through the text-harness program; verify; return them.
 
@@ -152,6 +154,9 @@ async def run_text_episodes(
         run_id: prefix of session and sandbox ids; default random. Must be unique among live sandboxes.
         keep_sessions: keep the sessions' calls in the proxy afterwards. Default False (they are dropped, so a
             long-running proxy does not grow).
+        seed: seeds each episode's proxy session (`RecordingProxy.seed_session`) with ``derive_seed(seed, task id,
+            group index)``, so an episode samples the same wherever it is played. Default None: the program's
+            requests carry no seed and sampling is left to the engine.
     """
     if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence) or not tasks:
         raise ValueError(f"tasks must be a non-empty sequence of ClawTask, got {tasks!r:.100}")
@@ -167,6 +172,11 @@ async def run_text_episodes(
 
     episodes = [_Episode(task, f"{run_id}-{i}", i % group_size, "env_error")
                 for i, task in enumerate(t for t in tasks for _ in range(group_size))]
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        for e in episodes:
+            proxy.seed_session(e.session_id, derive_seed(seed, e.task.id, e.group_index))
     sandboxes: dict[str, Any] = {}
     semaphore = asyncio.Semaphore(concurrency)
 

@@ -40,6 +40,7 @@ from orchard.data import Message, RenderedSample, Trajectory
 from orchard.domains.swe.convention import MAX_OUTPUT_CHARS, TOOL_SCHEMAS, task_prompt
 from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options, score_sandbox
+from orchard.rollout.engine import derive_seed
 from orchard.rollout.program import check_launch, program_env, read_results, run_program
 from orchard.rollout.proxy import RecordingProxy
 from orchard.rollout.rollouts import ProxyRollouts
@@ -119,6 +120,7 @@ async def run_swe_episodes(
     program_timeout_s: float | None = None,
     run_id: str | None = None,
     keep_sessions: bool = False,
+    seed: int | None = None,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of every instance through the harness program; score; return them.
 
@@ -152,6 +154,9 @@ async def run_swe_episodes(
         program_timeout_s: the whole program's limit; default ``max_time_s x ceil(episodes / concurrency) + 120``.
         run_id: prefix of session and sandbox ids; default random.
         keep_sessions: keep the sessions' calls in the proxy afterwards. Default False.
+        seed: seeds each episode's proxy session (`RecordingProxy.seed_session`) with ``derive_seed(seed, task id,
+            group index)``, so an episode samples the same wherever it is played. Default None: the program's
+            requests carry no seed and sampling is left to the engine.
     """
     if isinstance(instances, (str, bytes)) or not isinstance(instances, Sequence) or not instances:
         raise ValueError(f"instances must be a non-empty sequence of SWEInstance, got {instances!r:.100}")
@@ -171,6 +176,11 @@ async def run_swe_episodes(
 
     episodes = [_Episode(instance, f"{run_id}-{i}", i % group_size, "env_error")
                 for i, instance in enumerate(x for x in instances for _ in range(group_size))]
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        for e in episodes:
+            proxy.seed_session(e.session_id, derive_seed(seed, e.instance.instance_id, e.group_index))
     sandboxes: dict[str, Any] = {}
     semaphore = asyncio.Semaphore(concurrency)
 

@@ -331,7 +331,7 @@ def test_a_text_only_server_takes_placeholders_and_refuses_images(tokenizer):
 
 async def test_judged_gui_rollouts_wraps_a_rollouts(tokenizer):
     class Played:
-        async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+        async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
             return [run(SCROLLS[:1]), run(SCROLLS[:1], answer="0")]
 
     judged = JudgedGUIRollouts(Played(), ProgrammaticJudge(tokenizer))

@@ -230,7 +230,7 @@ def test_http_500_removes_the_sample_and_is_counted():
 
 async def test_judged_rollouts_wraps_a_rollouts(tokenizer):
     class Played:
-        async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None):
+        async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
             return [trajectory(BLIND), trajectory(DILIGENT)]
 
     judged = JudgedRollouts(Played(), ScriptedJudge(tokenizer))

@@ -112,7 +112,7 @@ def test_the_convention_is_read_from_the_prompt(tokenizer, level3, system, tools
 def test_teacher_trajectories_plays_five_attempts(tokenizer, level3):
     calls = []
 
-    async def rollouts(engine, tasks, *, group_size, temperature, max_tokens=None):
+    async def rollouts(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         calls.append((group_size, temperature))
         return ["traj"] * (len(tasks) * group_size)
 
