@@ -399,9 +399,9 @@ def test_without_record_dir_nothing_is_written(tokenizer, tmp_path, monkeypatch)
 def test_bad_record_dir_is_named(tokenizer, tmp_path):
     engine = ScriptedEngine(tokenizer, ["x"])
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="record_dir .*file' exists and is not a directory"):
+    with pytest.raises(ValueError, match=r"record_dir .*file' exists and is not a directory"):
         RecordingProxy(engine, tokenizer, record_dir=tmp_path / "file")
-    with pytest.raises(ValueError, match="record_dir .* cannot be made"):
+    with pytest.raises(ValueError, match=r"record_dir .* cannot be made"):
         RecordingProxy(engine, tokenizer, record_dir=tmp_path / "file" / "sub")
     with pytest.raises(ValueError, match="record_dir must be a directory path, got 3"):
         RecordingProxy(engine, tokenizer, record_dir=3)
