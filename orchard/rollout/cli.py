@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        "orchard serve-model and vLLM >= 0.10.2 do)")
     proxy.add_argument("--host", default="127.0.0.1", help="interface to bind")
     proxy.add_argument("--port", type=int, default=8002, help="port (0: any free port)")
+    proxy.add_argument("--record-dir", default=None, metavar="PATH",
+                       help="keep every session in PATH/<session>.jsonl (made if missing) and load the sessions "
+                       "already there, so they survive a restart (None: memory only)")
     proxy.add_argument("--log-level", default="info", help="uvicorn's log level (info: a line per request)")
     proxy.set_defaults(func=_serve_proxy)
 
@@ -164,5 +167,6 @@ def _serve_proxy(args: argparse.Namespace) -> int:
     from orchard.rollout.proxy import RecordingProxy
 
     tokenizer = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
-    run_app(RecordingProxy(args.upstream, tokenizer).app, args.host, args.port, args.log_level)
+    proxy = RecordingProxy(args.upstream, tokenizer, record_dir=args.record_dir)
+    run_app(proxy.app, args.host, args.port, args.log_level)
     return 0

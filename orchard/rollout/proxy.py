@@ -12,7 +12,11 @@ request's ``user`` field; else ``"default"``.
 Out of process (``orchard serve-proxy``): ``GET /sessions`` lists sessions, ``GET /sessions/{id}/calls`` returns a
 session's `CallRecord`s as JSON, ``GET /sessions/{id}/samples`` its training samples and
 ``GET /sessions/{id}/trajectory`` its conversation as a `Trajectory` with them (`fetch_trajectory` reads it back),
-``DELETE /sessions/{id}`` drops them.
+``POST /sessions/{id}/end`` ends a session (a later call under its id is refused with 409 ``session_ended``,
+nothing forwarded), ``DELETE /sessions/{id}`` drops it.
+
+Records live in memory, and with ``record_dir`` also on disk, one JSON-lines file per session that a restarted
+proxy loads again (`orchard.rollout.proxy_records`).
 
 Streaming (``stream: true``): each upstream chunk is forwarded to the client as it arrives (in the client's view),
 while the proxy accumulates the chunks' token ids and log-probs; the call is recorded, like a whole answer, before
@@ -27,10 +31,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,43 +49,11 @@ with requires_extra("rollout"):
 
 from orchard.data import Message, RenderedSample, RenderReport, Trajectory
 from orchard.rollout.engine import Engine, derive_seed
+from orchard.rollout.proxy_records import CallRecord, RecordedChoice, SessionFiles
 from orchard.rollout.server import build_app, normalize_messages
 from orchard.rollout.session import DEFAULT_SESSION, SESSION_HEADER
 
-
-@dataclass
-class RecordedChoice:
-    """One sampled answer of a call: ids, log-probs (aligned), finish reason."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
-@dataclass
-class CallRecord:
-    """One forwarded call.
-
-    Fields:
-        session_id: the session it was recorded under.
-        endpoint: ``chat.completions`` or ``completions``.
-        request: the request body as the client sent it.
-        response: the upstream's response body (with token ids and log-probs).
-        prompt_ids: the prompt token ids the upstream sampled from (one list per prompt of a completions batch).
-        choices: the sampled answers, in the response's choice order.
-        started_at: wall-clock time the call arrived (``time.time()``).
-        duration_s: time to the upstream's answer.
-    """
-
-    session_id: str
-    endpoint: str
-    request: dict[str, Any]
-    response: dict[str, Any]
-    prompt_ids: list[list[int]]
-    choices: list[RecordedChoice]
-    started_at: float
-    duration_s: float
-    n_per_prompt: int = 1
+__all__ = ["CallRecord", "RecordedChoice", "RecordingProxy", "fetch_trajectory", "sample_from_json", "sample_to_json"]
 
 
 def _choice_token_ids(choice: Mapping[str, Any]) -> list[int] | None:
@@ -120,10 +93,22 @@ class RecordingProxy:
     timeout_s: per upstream call. Default 600.
     model_name: with an `Engine` upstream, the model name requests must give (what ``/v1/models`` lists).
         Default ``"orchard"``.
+    record_dir: a directory (made if missing) to keep the sessions in, so that they survive a restart: each call
+        is appended to ``<record_dir>/<url-quoted session id>.jsonl`` before it counts as recorded, and the
+        sessions already there are loaded now (`orchard.rollout.proxy_records`). Default None: memory only.
+
+    Raises:
+        ValueError: a bad ``upstream``, or a ``record_dir`` that is not a directory and cannot be made one.
     """
 
     def __init__(
-        self, upstream: str | Engine, tokenizer: Any = None, *, timeout_s: float = 600.0, model_name: str = "orchard"
+        self,
+        upstream: str | Engine,
+        tokenizer: Any = None,
+        *,
+        timeout_s: float = 600.0,
+        model_name: str = "orchard",
+        record_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(upstream, str):
             if not upstream.startswith(("http://", "https://")):
@@ -144,6 +129,14 @@ class RecordingProxy:
         self.tokenizer = tokenizer
         self._records: dict[str, list[CallRecord]] = {}
         self._session_seeds: dict[str, list[int]] = {}  # session -> [seed, calls forwarded so far]
+        self._ended: set[str] = set()
+        self._files = None if record_dir is None else SessionFiles(record_dir)
+        if self._files is not None:
+            for session_id, calls, ended in self._files.load():
+                if calls:
+                    self._records[session_id] = calls
+                if ended:
+                    self._ended.add(session_id)
         self._lock = threading.Lock()
         self.app = self._build_app()
 
@@ -160,10 +153,33 @@ class RecordingProxy:
             return list(self._records.get(session_id, []))
 
     def pop_session(self, session_id: str) -> list[CallRecord]:
-        """Remove and return a session's calls (so a long-running proxy does not grow without bound)."""
+        """Remove and return a session's calls (so a long-running proxy does not grow without bound), with its file
+        under ``record_dir`` and its ended mark: the id is free again."""
         with self._lock:
+            if self._files is not None:
+                self._files.delete(session_id)
+            self._ended.discard(session_id)
             self._session_seeds.pop(session_id, None)
             return self._records.pop(session_id, [])
+
+    def end_session(self, session_id: str) -> None:
+        """Mark a session ended (kept under ``record_dir``): its calls stay readable, and a new call under its id is
+        refused with 409 ``session_ended`` (nothing is forwarded), so an episode's record cannot grow after it was
+        read for training. A call already forwarded when the session ends is still recorded. Ending an ended or
+        unknown session is allowed (the unknown id can then not be used)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        with self._lock:
+            if session_id in self._ended:
+                return
+            if self._files is not None:
+                self._files.end(session_id)
+            self._ended.add(session_id)
+
+    def ended(self, session_id: str) -> bool:
+        """Whether `end_session` ended this session (False for an unknown one)."""
+        with self._lock:
+            return session_id in self._ended
 
     def seed_session(self, session_id: str, seed: int) -> None:
         """Seed the sampling of ``session_id``'s calls: its ``k``-th call forwarded (from 0) samples with
@@ -268,7 +284,7 @@ class RecordingProxy:
 
         @app.get("/sessions/{session_id}/calls")
         async def session_calls(session_id: str) -> dict[str, Any]:
-            return {"session_id": session_id, "calls": [asdict(c) for c in self.calls(session_id)]}
+            return {"session_id": session_id, "calls": [c.to_dict() for c in self.calls(session_id)]}
 
         @app.get("/sessions/{session_id}/samples")
         async def session_samples(session_id: str) -> dict[str, Any]:
@@ -282,6 +298,11 @@ class RecordingProxy:
         @app.delete("/sessions/{session_id}")
         async def drop_session(session_id: str) -> dict[str, Any]:
             return {"session_id": session_id, "calls": len(self.pop_session(session_id))}
+
+        @app.post("/sessions/{session_id}/end")
+        async def end_session(session_id: str) -> dict[str, Any]:
+            self.end_session(session_id)
+            return {"session_id": session_id, "ended": True, "calls": len(self.calls(session_id))}
 
         @app.post("/v1/{endpoint:path}")
         async def forward(endpoint: str, request: Request) -> Response:
@@ -307,6 +328,12 @@ class RecordingProxy:
             return JSONResponse({"error": {"message": "body must be a JSON object"}}, status_code=400)
         user = body.get("user") if isinstance(body.get("user"), str) else None
         session = path_session or request.headers.get(SESSION_HEADER) or user or DEFAULT_SESSION
+        if self.ended(session):
+            return JSONResponse(
+                {"error": {"message": f"session {session!r} has ended; start a new session id",
+                           "type": "invalid_request_error", "param": None, "code": "session_ended"}},
+                409,
+            )
         upstream_body = copy.deepcopy(body)
         call_seed = self._session_seed(session)
         if call_seed is not None and body.get("seed") is None:
@@ -411,6 +438,9 @@ class RecordingProxy:
             session, kind, body, data, prompts or [[]], recorded, started, duration, per_prompt
         )
         with self._lock:
+            if self._files is not None:
+                # on disk first: a call that could not be kept fails loudly rather than living in memory only
+                self._files.append(record)
             self._records.setdefault(session, []).append(record)
 
     def _client_view(self, body: dict[str, Any], data: dict[str, Any], kind: str) -> dict[str, Any]:

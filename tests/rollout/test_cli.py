@@ -95,6 +95,39 @@ def test_missing_model_path_is_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+def test_serve_proxy_record_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = _orchard("serve-proxy", "--upstream", "http://127.0.0.1:9", "--port", "0",
+                    "--record-dir", str(tmp_path / "file"))
+    assert done.returncode == 2 and "record_dir" in done.stderr and "is not a directory" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert build_parser().parse_args(["serve-proxy", "--upstream", "http://x"]).record_dir is None
+
+
+def test_serve_proxy_record_dir_survives_a_restart_of_the_process(tmp_path):
+    from orchard.rollout.proxy_records import CallRecord, RecordedChoice, SessionFiles
+
+    record = CallRecord("s", "completions", {"prompt": [4]}, {"choices": []}, [[4]],
+                        [RecordedChoice([5, 6], [-0.5, -0.25], "stop")], 1.5, 0.25)
+    SessionFiles(tmp_path).append(record)  # what an earlier proxy process recorded
+    argv = ["serve-proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--record-dir", str(tmp_path)]
+    body = {"model": "orchard", "prompt": [4]}
+    proxy, url = _start(argv)
+    try:
+        assert httpx.get(f"{url}/sessions/s/calls").json()["calls"] == [record.to_dict()]
+        assert httpx.post(f"{url}/sessions/s/v1/completions", json=body).status_code == 502  # dead upstream
+        assert httpx.post(f"{url}/sessions/s/end").json()["ended"] is True
+    finally:
+        _stop(proxy)
+    proxy, url = _start(argv)
+    try:
+        refused = httpx.post(f"{url}/sessions/s/v1/completions", json=body)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_ended"
+        assert httpx.get(f"{url}/sessions").json() == {"sessions": ["s"]}
+    finally:
+        _stop(proxy)
+
+
 def test_default_ports_do_not_collide_with_the_sandbox_clients_url():
     parser = build_parser()
     sandbox_port = int(DEFAULT_BASE_URL.rsplit(":", 1)[1])  # http://localhost:8000

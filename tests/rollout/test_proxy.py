@@ -1,5 +1,7 @@
 """The recording proxy as a server: a harness we did not write (plain `openai` client code) talks to it."""
 
+import json
+import logging
 import threading
 
 import httpx
@@ -254,3 +256,154 @@ def test_a_dead_upstream_is_one_clear_502():
         ):
             assert r.status_code == 502, r.text
             assert r.json()["error"]["message"].startswith("upstream http://127.0.0.1:9 failed: ConnectError")
+
+
+# ---- record_dir: sessions on disk, ended sessions -----------------------------------------------------------------
+
+
+def _scripted_proxy(tokenizer, record_dir=None):
+    def script(prompt):
+        n_tools = prompt.count("<|im_start|>tool")
+        return ["Looking.\n" + _call("ls"), _call("cat a.py"), "Done: fixed."][min(n_tools, 2)]
+
+    engine = ScriptedEngine(tokenizer, script, logprob=-0.5)
+    return engine, RecordingProxy(engine, tokenizer, record_dir=record_dir)
+
+
+def _same_samples(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for name in ("input_ids", "action_mask", "turn_index", "old_logprobs", "logprob_mask"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+
+def _record_two_sessions(tokenizer, record_dir):
+    """Session ``b/1`` (a '/' in its id: the file name is quoted) by path prefix with three chat calls, then
+    ``plain`` by header with one streamed chat call and one completions call."""
+    _, proxy = _scripted_proxy(tokenizer, record_dir)
+    with serve_in_thread(proxy.app) as url:
+        _harness(f"{url}/v1", headers={"X-Session-Id": "b/1"})
+        client = openai.OpenAI(base_url=f"{url}/sessions/plain/v1", api_key="unused", max_retries=0)
+        list(client.chat.completions.create(model="orchard", messages=[{"role": "user", "content": "hi"}],
+                                            stream=True, logprobs=True))
+        client.completions.create(model="orchard", prompt=[4, 5, 6], max_tokens=3)
+    return proxy
+
+
+def test_records_survive_a_restart_on_the_same_record_dir(tokenizer, tmp_path):
+    first = _record_two_sessions(tokenizer, tmp_path / "records")  # made: it does not exist yet
+    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == ["b%2F1.jsonl", "plain.jsonl"]
+    assert [len(first.calls(s)) for s in first.sessions()] == [3, 2]
+    engine, second = _scripted_proxy(tokenizer, tmp_path / "records")
+    assert second.sessions() == first.sessions() == ["b/1", "plain"]  # first-seen order kept
+    for session in first.sessions():
+        assert second.calls(session) == first.calls(session)  # every field, request and response included
+        _same_samples(second.samples(session), first.samples(session))
+        a, b = first.trajectory(session), second.trajectory(session)
+        assert a.to_dict() == b.to_dict() and a.messages
+        _same_samples(a.samples, b.samples)
+    assert engine.prompts == []  # loaded, not re-asked
+    # the loaded proxy keeps appending to the same files, and serves what it loaded over HTTP
+    with serve_in_thread(second.app) as url:
+        over_http = httpx.get(f"{url}/sessions/plain/calls").json()["calls"]
+        httpx.post(f"{url}/sessions/plain/v1/completions", json={"model": "orchard", "prompt": [7], "max_tokens": 2})
+    assert over_http == [c.to_dict() for c in first.calls("plain")]
+    _, third = _scripted_proxy(tokenizer, tmp_path / "records")
+    assert third.calls("plain") == second.calls("plain") and len(third.calls("plain")) == 3
+
+
+def test_call_record_round_trips_through_its_dict(tokenizer, tmp_path):
+    from orchard.rollout.proxy import CallRecord, RecordedChoice
+
+    proxy = _record_two_sessions(tokenizer, tmp_path)
+    for record in proxy.calls("b/1") + proxy.calls("plain"):
+        back = CallRecord.from_dict(json.loads(json.dumps(record.to_dict())))
+        assert back == record and isinstance(back.choices[0], RecordedChoice)
+    with pytest.raises(ValueError, match="missing choices, endpoint"):
+        CallRecord.from_dict({k: v for k, v in record.to_dict().items() if k not in ("choices", "endpoint")})
+
+
+def test_a_truncated_last_line_is_skipped_with_a_warning_and_cut_off(tokenizer, tmp_path, caplog):
+    first = _record_two_sessions(tokenizer, tmp_path)
+    path = tmp_path / "plain.jsonl"
+    whole = path.read_bytes()
+    with open(path, "ab") as f:  # a crash in the middle of writing a third call
+        f.write(json.dumps(first.calls("plain")[0].to_dict()).encode()[:200])
+    with caplog.at_level(logging.WARNING, logger="orchard.rollout.proxy_records"):
+        _, second = _scripted_proxy(tokenizer, tmp_path)
+    assert "plain.jsonl: skipping its last line, cut short" in caplog.text
+    assert second.calls("plain") == first.calls("plain") and second.calls("b/1") == first.calls("b/1")
+    assert path.read_bytes() == whole  # cut off, so that the next call starts its own line
+    with serve_in_thread(second.app) as url:
+        httpx.post(f"{url}/sessions/plain/v1/completions", json={"model": "orchard", "prompt": [7], "max_tokens": 2})
+    caplog.clear()
+    _, third = _scripted_proxy(tokenizer, tmp_path)
+    assert len(third.calls("plain")) == 3 and not caplog.text
+    # a bad line that is not the last is no crash's work: loading refuses, naming the file and line
+    path.write_bytes(b"{not json\n" + whole)
+    with pytest.raises(ValueError, match=r"plain\.jsonl: line 1 is not a call record"):
+        _scripted_proxy(tokenizer, tmp_path)
+
+
+def test_an_ended_session_refuses_calls_with_409_and_forwards_nothing_even_after_a_restart(tokenizer, tmp_path):
+    engine, proxy = _scripted_proxy(tokenizer, tmp_path)
+    body = {"model": "orchard", "messages": [{"role": "user", "content": "hi"}]}
+    with serve_in_thread(proxy.app) as url:
+        assert httpx.post(f"{url}/sessions/s/v1/chat/completions", json=body).status_code == 200
+        assert not proxy.ended("s")
+        ended = httpx.post(f"{url}/sessions/s/end")
+        assert ended.json() == {"session_id": "s", "ended": True, "calls": 1}
+        assert proxy.ended("s") and not proxy.ended("other")
+        asked = len(engine.prompts)
+        for r in (
+            httpx.post(f"{url}/sessions/s/v1/chat/completions", json=body),
+            httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Session-Id": "s"}),
+            httpx.post(f"{url}/v1/chat/completions", json={**body, "user": "s", "stream": True}),
+            httpx.post(f"{url}/sessions/s/v1/completions", json={"model": "orchard", "prompt": [4]}),
+        ):
+            assert r.status_code == 409, r.text
+            assert r.json()["error"]["code"] == "session_ended"
+        assert len(engine.prompts) == asked  # the upstream saw none of them
+        assert httpx.post(f"{url}/sessions/t/v1/chat/completions", json=body).status_code == 200  # a new id works
+    assert len(proxy.calls("s")) == 1  # the calls before the end stay readable
+    assert json.loads((tmp_path / "s.jsonl").read_text().splitlines()[-1]) == {"ended": True}
+    engine, restarted = _scripted_proxy(tokenizer, tmp_path)
+    assert restarted.ended("s") and not restarted.ended("t") and restarted.calls("s") == proxy.calls("s")
+    with serve_in_thread(restarted.app) as url:
+        r = httpx.post(f"{url}/sessions/s/v1/chat/completions", json=body)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_ended"
+    assert engine.prompts == []
+    # popping frees the id: its file and its end go
+    restarted.pop_session("s")
+    assert not restarted.ended("s") and not (tmp_path / "s.jsonl").exists()
+
+
+def test_pop_and_delete_remove_the_session_file(tokenizer, tmp_path):
+    proxy = _record_two_sessions(tokenizer, tmp_path)
+    assert len(proxy.pop_session("b/1")) == 3 and not (tmp_path / "b%2F1.jsonl").exists()
+    with serve_in_thread(proxy.app) as url:
+        assert httpx.delete(f"{url}/sessions/plain").json() == {"session_id": "plain", "calls": 2}
+    assert list(tmp_path.iterdir()) == []
+    _, restarted = _scripted_proxy(tokenizer, tmp_path)
+    assert restarted.sessions() == []
+
+
+def test_without_record_dir_nothing_is_written(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proxy = _record_two_sessions(tokenizer, None)
+    proxy.end_session("plain")
+    assert len(proxy.calls("b/1")) == 3 and proxy.ended("plain")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_record_dir_is_named(tokenizer, tmp_path):
+    engine = ScriptedEngine(tokenizer, ["x"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"record_dir .*file' exists and is not a directory"):
+        RecordingProxy(engine, tokenizer, record_dir=tmp_path / "file")
+    with pytest.raises(ValueError, match=r"record_dir .* cannot be made"):
+        RecordingProxy(engine, tokenizer, record_dir=tmp_path / "file" / "sub")
+    with pytest.raises(ValueError, match="record_dir must be a directory path, got 3"):
+        RecordingProxy(engine, tokenizer, record_dir=3)
+    with pytest.raises(ValueError, match="session_id must be a non-empty string"):
+        RecordingProxy(engine, tokenizer).end_session("")
