@@ -48,6 +48,10 @@ for bit through our readers. Exactness holds for JSON-native data (tuples in ``m
 ``datasets`` itself decodes the json columns with pandas' ujson, whose floats may differ in the last digits, and
 ``load_dataset("json")`` on our JSONL files rounds every float of a batch to 10 decimals (see ``docs/data.md``): read
 JSONL with :func:`read_jsonl`, or load parquet.
+
+For other trainers, two one-way exports: :func:`to_token_dataset` (rendered samples as pre-tokenized rows with
+``labels`` and the masks TRL reads, for SFT) and :func:`to_prompt_dataset` (the prompts of trajectories, for
+``trl.GRPOTrainer`` and verl's RL datasets). Their layouts are in their docstrings.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ with requires_extra("data"):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+from orchard.data.render import RenderedSample
 from orchard.data.schema import Message, ToolCall, Trajectory, trajectory_list
 
 
@@ -319,3 +324,132 @@ def from_hf_dataset(dataset: Any) -> list[Trajectory]:
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(f"dataset must be a datasets.Dataset, got {type(dataset).__name__}")
     return table_to_trajectories(dataset.with_format("arrow")[:])
+
+
+_TOKEN_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int64())),
+        ("attention_mask", pa.list_(pa.int8())),
+        ("labels", pa.list_(pa.int64())),
+        ("completion_mask", pa.list_(pa.int8())),
+        ("assistant_masks", pa.list_(pa.int8())),
+    ]
+)
+
+IGNORE_INDEX = -100
+"""The label of a token that is not trained on (what ``torch.nn.CrossEntropyLoss`` and HF models ignore)."""
+
+
+def to_token_dataset(samples: Iterable[RenderedSample]) -> Any:
+    """Rendered samples as a pre-tokenized ``datasets.Dataset``, one row per sample, which ``trl.SFTTrainer``
+    takes as it is (a dataset with ``input_ids`` is not tokenized again) and which any HF causal-LM trainer reads.
+
+    Columns, each a list of length ``T`` (the sample's length):
+
+    - ``input_ids`` (int64): ``sample.input_ids``;
+    - ``attention_mask`` (int8): all 1 (samples are not padded; a collator pads);
+    - ``labels`` (int64): ``input_ids`` where ``action_mask`` is True, :data:`IGNORE_INDEX` (-100) elsewhere; HF
+      models shift labels themselves, so the loss trains exactly the tokens the policy generated;
+    - ``completion_mask`` and ``assistant_masks`` (int8): ``action_mask`` as 0/1, the masks TRL folds into the
+      labels (``assistant_masks`` always, ``completion_mask`` with ``completion_only_loss``) where no ``labels``
+      column is given, so every TRL path trains on the same tokens.
+
+    An empty ``samples`` gives an empty dataset with these columns. Samples with images are refused (their
+    ``pixel_values`` would be lost); so is anything that is not a :class:`RenderedSample` (e.g. the None that
+    ``render_trajectory(..., on_mismatch="drop")`` returns: filter those out first).
+    """
+    with requires_extra("data"):
+        import datasets
+
+    if isinstance(samples, RenderedSample) or not isinstance(samples, Iterable):
+        raise ValueError(f"samples must be an iterable of RenderedSample, got {type(samples).__name__}")
+    rows = []
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, RenderedSample):
+            raise ValueError(f"samples[{i}] must be a RenderedSample, got {type(sample).__name__}")
+        if sample.pixel_values is not None:
+            raise ValueError(f"samples[{i}] has images, which a token dataset cannot carry")
+        if sample.input_ids.dim() != 1 or sample.action_mask.shape != sample.input_ids.shape:
+            raise ValueError(
+                f"samples[{i}]: input_ids and action_mask must both have shape [T], got "
+                f"{tuple(sample.input_ids.shape)} and {tuple(sample.action_mask.shape)}"
+            )
+        ids = sample.input_ids.tolist()
+        action = sample.action_mask.bool().tolist()
+        mask = [int(a) for a in action]
+        rows.append({
+            "input_ids": ids,
+            "attention_mask": [1] * len(ids),
+            "labels": [t if a else IGNORE_INDEX for t, a in zip(ids, action, strict=True)],
+            "completion_mask": mask,
+            "assistant_masks": mask,
+        })
+    return datasets.Dataset(pa.Table.from_pylist(rows, schema=_TOKEN_SCHEMA))
+
+
+def _prompt_schema(json_type: pa.DataType) -> pa.Schema:
+    """The layout of :func:`to_prompt_dataset`, with ``json_type`` where its docstring says json."""
+    return pa.schema(
+        [
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("task_id", pa.string()),
+            ("data_source", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            ("extra_info", pa.struct([("index", pa.int64()), ("task_id", pa.string())])),
+            ("tools", pa.list_(json_type)),
+            ("metadata", json_type),
+        ]
+    )
+
+
+def _prompt_messages(t: Trajectory, where: str) -> list[dict[str, str]]:
+    prompt = []
+    for j, m in enumerate(t.messages):
+        if m.role == "assistant":
+            break
+        if not isinstance(m.content, str):
+            raise ValueError(f"{where}.messages[{j}]: content parts (images) cannot go in a prompt dataset")
+        prompt.append({"role": m.role, "content": m.content})
+    if not prompt:
+        raise ValueError(f"{where} has no message before its first assistant turn, so no prompt")
+    return prompt
+
+
+def to_prompt_dataset(trajs: Iterable[Trajectory], *, data_source: str = "orchard") -> Any:
+    """The prompts of trajectories as a ``datasets.Dataset``, one row per trajectory, in the layout of RL prompt
+    datasets: ``trl.GRPOTrainer`` takes it as it is, and it has the columns of verl's RL parquet files.
+
+    Columns:
+
+    - ``prompt``: the messages before the first assistant turn (system, user), each ``{"role", "content"}``;
+      conversational, so the trainer applies the policy's chat template;
+    - ``task_id`` (string, null allowed): which task a reward function should score;
+    - ``data_source`` (string): ``data_source`` for every row (verl picks a reward function by it);
+    - ``reward_model``: ``{"style": "rule", "ground_truth": task_id}`` (verl's reward managers read
+      ``ground_truth``; our verifiers score by task id);
+    - ``extra_info``: ``{"index": row, "task_id": task_id}``;
+    - ``tools`` (list of json): the trajectory's tool schemas;
+    - ``metadata`` (json): ``Trajectory.metadata``.
+
+    TRL passes every column but ``prompt`` to the reward functions as keyword lists. An empty ``trajs`` gives an
+    empty dataset with these columns. A trajectory with no message before its first assistant turn, or with
+    content parts (images) there, is a ``ValueError`` naming it.
+    """
+    with requires_extra("data"):
+        import datasets
+
+    if not isinstance(data_source, str) or not data_source:
+        raise ValueError(f"data_source must be a non-empty string, got {data_source!r}")
+    rows = []
+    for i, t in enumerate(trajectory_list(trajs)):
+        rows.append({
+            "prompt": _prompt_messages(t, f"trajs[{i}]"),
+            "task_id": t.task_id,
+            "data_source": data_source,
+            "reward_model": {"style": "rule", "ground_truth": t.task_id},
+            "extra_info": {"index": i, "task_id": t.task_id},
+            "tools": [_json(tool, "tools") for tool in t.tools],
+            "metadata": _json(t.metadata, "metadata"),
+        })
+    batch = pa.RecordBatch.from_pylist(rows, schema=_prompt_schema(pa.string())).cast(_prompt_schema(pa.json_()))
+    return datasets.Dataset(pa.Table.from_batches([batch]))

@@ -18,6 +18,13 @@ than their JSON schemas, so a tiny model's context is not spent on schema boiler
 The rendering of ``messages[:k]`` is a prefix of the rendering of ``messages[:k+1]``, so a trajectory can be
 rendered turn by turn and spliced with the sampled token ids. The end-of-turn token the model samples is
 ``<|im_end|>`` (the tokenizer's eos); the newline after it belongs to the template, not to the model.
+
+What an assistant turn generates (its content, its tool calls and its ``<|im_end|>``) sits between Jinja
+``{% generation %}`` and ``{% endgeneration %}`` markers, which emit nothing, so
+``tokenizer.apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True, return_dict=True)``
+gives ``assistant_masks`` equal to the ``action_mask`` of :func:`orchard.data.render_trajectory` for the same
+conversation (when the assistant turns carry no sampled ``token_ids`` that the template would split differently).
+TRL's ``assistant_only_loss`` and other trainers that read that mask train on the same tokens we do.
 """
 
 from __future__ import annotations
@@ -59,6 +66,15 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- endif -%}"
     "{%- endmacro -%}"
+    "{%- macro render_tool_calls(message) -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{%- if not loop.first or message.content -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' -}}"
+    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endmacro -%}"
     "{%- set ns = namespace(start=0) -%}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
@@ -83,17 +99,17 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- for message in messages[ns.start:] -%}"
     "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.role == 'assistant' -%}"
+    # What the policy generates, and what orchard.data.render marks as actions; the markers emit nothing.
+    "{%- generation -%}"
     "{{- render_content(message.content) -}}"
-    "{%- if message.role == 'assistant' and message.tool_calls -%}"
-    "{%- for call in message.tool_calls -%}"
-    "{%- set fn = call.function if call.function is defined else call -%}"
-    "{%- if not loop.first or message.content -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' -}}"
-    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
-    "{{- '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
+    "{%- if message.tool_calls -%}{{- render_tool_calls(message) -}}{%- endif -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{%- else -%}"
+    "{{- render_content(message.content) + '<|im_end|>' -}}"
     "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
+    "{{- '\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -6,19 +6,25 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchard.data import (
     Message,
+    RenderedSample,
+    RenderReport,
     ToolCall,
     Trajectory,
     from_hf_dataset,
     iter_jsonl,
     read_jsonl,
     read_parquet,
+    render_trajectory,
     table_to_trajectories,
     to_hf_dataset,
+    to_prompt_dataset,
+    to_token_dataset,
     trajectories_to_table,
     write_jsonl,
     write_parquet,
@@ -373,3 +379,112 @@ def test_floats_through_jsonl_readers(tmp_path):
     assert [math.copysign(1.0, x) for x in ds[0]["messages"][1]["logprobs"]] == [-1.0] * 5
     assert ds["reward"] == [0.1 + 0.2, 1.0]
     _same(from_hf_dataset(ds), trajs)
+
+
+def _sample(ids: list[int], action: list[bool], **kw) -> RenderedSample:
+    n = len(ids)
+    return RenderedSample(
+        input_ids=torch.tensor(ids),
+        action_mask=torch.tensor(action),
+        turn_index=torch.full((n,), -1),
+        old_logprobs=torch.zeros(n),
+        logprob_mask=torch.zeros(n, dtype=torch.bool),
+        report=RenderReport(),
+        **kw,
+    )
+
+
+TOKEN_COLUMNS = ["input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks"]
+
+
+def test_token_dataset_by_hand():
+    # ids 5..9, the policy generated 7 and 8: only they are labels, the rest -100.
+    ds = to_token_dataset([_sample([5, 6, 7, 8, 9], [False, False, True, True, False]), _sample([3], [True])])
+    assert ds.column_names == TOKEN_COLUMNS and ds.num_rows == 2
+    assert ds[0] == {
+        "input_ids": [5, 6, 7, 8, 9],
+        "attention_mask": [1, 1, 1, 1, 1],
+        "labels": [-100, -100, 7, 8, -100],
+        "completion_mask": [0, 0, 1, 1, 0],
+        "assistant_masks": [0, 0, 1, 1, 0],
+    }
+    assert ds[1]["labels"] == [3] and ds[1]["assistant_masks"] == [1]
+
+
+def test_token_dataset_trains_what_we_train_and_what_the_template_marks(tokenizer):
+    trajs = [_example(), _example()]
+    for m in trajs[1].messages:  # the SFT path: turns tokenized from their text
+        m.token_ids = m.logprobs = None
+    samples = [render_trajectory(t, tokenizer) for t in trajs]
+    ds = to_token_dataset(samples)
+    for sample, row in zip(samples, ds, strict=True):
+        action = sample.action_mask.tolist()
+        assert row["input_ids"] == sample.input_ids.tolist()
+        assert [label != -100 for label in row["labels"]] == action
+        assert [label for label in row["labels"] if label != -100] == sample.input_ids[sample.action_mask].tolist()
+        assert row["completion_mask"] == row["assistant_masks"] == [int(a) for a in action]
+        assert row["attention_mask"] == [1] * len(sample)
+    # Without sampled ids the rendering is the template's own, and so is the mask TRL computes from the template.
+    out = tokenizer.apply_chat_template(
+        trajs[1].openai_messages(), tools=trajs[1].tools, tokenize=True, return_assistant_tokens_mask=True,
+        return_dict=True,
+    )
+    assert out["input_ids"] == ds[1]["input_ids"] and out["assistant_masks"] == ds[1]["assistant_masks"]
+    assert ds[0]["input_ids"] != ds[1]["input_ids"]  # the sampled ids were spliced in
+
+
+def test_token_dataset_empty_and_invalid():
+    empty = to_token_dataset([])
+    assert empty.num_rows == 0 and empty.column_names == TOKEN_COLUMNS
+    s = _sample([1, 2], [False, True])
+    with pytest.raises(ValueError, match="samples must be an iterable of RenderedSample"):
+        to_token_dataset(s)
+    with pytest.raises(ValueError, match="samples must be an iterable of RenderedSample"):
+        to_token_dataset(3)
+    with pytest.raises(ValueError, match=r"samples\[1\] must be a RenderedSample, got NoneType"):
+        to_token_dataset([s, None])
+    with pytest.raises(ValueError, match=r"samples\[0\] has images"):
+        to_token_dataset([_sample([1], [True], pixel_values=torch.zeros(4, 3))])
+    with pytest.raises(ValueError, match=r"samples\[0\]: input_ids and action_mask must both have shape \[T\]"):
+        to_token_dataset([_sample([1, 2], [True])])
+
+
+PROMPT_COLUMNS = ["prompt", "task_id", "data_source", "reward_model", "extra_info", "tools", "metadata"]
+
+
+def test_prompt_dataset(tokenizer):
+    no_system = Trajectory(messages=[{"role": "user", "content": "hi"}], task_id=None)  # no assistant turn at all
+    trajs = [_example(), no_system]
+    ds = to_prompt_dataset(trajs, data_source="claw")
+    assert ds.column_names == PROMPT_COLUMNS and ds.num_rows == 2
+    row = ds[0]
+    assert row["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "list files"}]
+    assert row["task_id"] == "t1" and row["data_source"] == "claw"
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "t1"}
+    assert row["extra_info"] == {"index": 0, "task_id": "t1"}
+    assert row["tools"] == trajs[0].tools and row["metadata"] == trajs[0].metadata
+    assert ds[1]["prompt"] == [{"role": "user", "content": "hi"}] and ds[1]["extra_info"] == {"index": 1, "task_id": None}
+    # The prompt a GRPO trainer renders is the prompt our engine saw before the first assistant turn.
+    assert tokenizer.apply_chat_template(row["prompt"], tools=row["tools"], tokenize=False, add_generation_prompt=True) == (
+        tokenizer.apply_chat_template(
+            trajs[0].openai_messages()[:2], tools=trajs[0].tools, tokenize=False, add_generation_prompt=True
+        )
+    )
+
+
+def test_prompt_dataset_empty_and_invalid():
+    empty = to_prompt_dataset([])
+    assert empty.num_rows == 0 and empty.column_names == PROMPT_COLUMNS
+    with pytest.raises(ValueError, match="trajs must be an iterable of Trajectory"):
+        to_prompt_dataset(_example())
+    with pytest.raises(ValueError, match=r"trajs\[1\] must be a Trajectory"):
+        to_prompt_dataset([_example(), {"messages": []}])
+    with pytest.raises(ValueError, match="data_source must be a non-empty string"):
+        to_prompt_dataset([_example()], data_source="")
+    with pytest.raises(ValueError, match=r"trajs\[0\] has no message before its first assistant turn"):
+        to_prompt_dataset([Trajectory(messages=[{"role": "assistant", "content": "hi"}])])
+    with pytest.raises(ValueError, match=r"trajs\[0\] has no message before"):
+        to_prompt_dataset([Trajectory()])
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:x"}}]
+    with pytest.raises(ValueError, match=r"trajs\[0\]\.messages\[0\]: content parts"):
+        to_prompt_dataset([Trajectory(messages=[{"role": "user", "content": parts}])])

@@ -51,6 +51,60 @@ def test_template_is_prefix_consistent(tok):
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
+# The rendering of CONVERSATION with TOOLS before the generation markers were added, byte for byte.
+RENDERED = (
+    "<|im_start|>system\nBe brief.\n\n# Tools\n- exec(command?: string)\n<|im_end|>\n"
+    "<|im_start|>user\nlist files<|im_end|>\n"
+    '<|im_start|>assistant\n<tool_call>\n{"name": "exec", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>\n'
+    "<|im_start|>tool\na.txt<|im_end|>\n"
+    '<|im_start|>assistant\nLet me look\n<tool_call>\n{"name": "exec", "arguments": {"command": "cat a.txt"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "exec", "arguments": {"command": "pwd"}}\n</tool_call><|im_end|>\n'
+    "<|im_start|>tool\nhi<|im_end|>\n"
+    "<|im_start|>assistant\ndone<|im_end|>\n"
+)
+
+
+def test_generation_markers_emit_nothing(tok):
+    assert "{%- generation -%}" in CHAT_TEMPLATE and "{%- endgeneration -%}" in CHAT_TEMPLATE
+    assert tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False) == RENDERED
+    unmarked = build_chat_tokenizer()
+    unmarked.chat_template = CHAT_TEMPLATE.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    for tools in (None, TOOLS):
+        for gen in (False, True):
+            for k in range(1, len(CONVERSATION) + 1):
+                kw = {"tools": tools, "tokenize": False, "add_generation_prompt": gen}
+                assert tok.apply_chat_template(CONVERSATION[:k], **kw) == (
+                    unmarked.apply_chat_template(CONVERSATION[:k], **kw)
+                ), (tools, gen, k)
+
+
+def test_assistant_masks_equal_our_action_mask(tok):
+    from orchard.data import Trajectory, render_trajectory
+
+    out = tok.apply_chat_template(
+        CONVERSATION, tools=TOOLS, tokenize=True, return_assistant_tokens_mask=True, return_dict=True
+    )
+    sample = render_trajectory(Trajectory(messages=CONVERSATION, tools=TOOLS), tok)
+    assert sample is not None and sample.report.ok
+    assert out["input_ids"] == sample.input_ids.tolist()
+    assert out["assistant_masks"] == sample.action_mask.long().tolist()
+    # What the mask covers, run by run: each assistant turn's text and its <|im_end|>, never the "\n" after it,
+    # the "<|im_start|>assistant\n" before it, or a system, user or tool token.
+    runs, run = [], []
+    for token, trained in zip(out["input_ids"], out["assistant_masks"], strict=True):
+        if trained:
+            run.append(token)
+        elif run:
+            runs.append(tok.decode(run))
+            run = []
+    assert runs == [
+        '<tool_call>\n{"name": "exec", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>',
+        'Let me look\n<tool_call>\n{"name": "exec", "arguments": {"command": "cat a.txt"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "exec", "arguments": {"command": "pwd"}}\n</tool_call><|im_end|>',
+        "done<|im_end|>",
+    ]
+
+
 def test_encode_decode_round_trip_and_atomic_markup(tok):
     text = tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
     ids = tok.encode(text)
