@@ -84,8 +84,8 @@ class TokenRollouts:
     ``engine.generate``; reward +1 when at least half the sampled ids are even, else -1. Records the tokens of
     every episode per call (one call per RL step: one harness, no BAR)."""
 
-    def __init__(self, vocab: int, prompt_len: int, new_tokens: int) -> None:
-        self.vocab, self.prompt_len, self.new_tokens = vocab, prompt_len, new_tokens
+    def __init__(self, vocab: int, prompt_len: int, new_tokens: int, seeded: bool = True) -> None:
+        self.vocab, self.prompt_len, self.new_tokens, self.seeded = vocab, prompt_len, new_tokens, seeded
         self.tokens_per_call: list[int] = []
 
     async def __call__(self, engine: Any, tasks: Sequence[Any], *, group_size: int, temperature: float,
@@ -96,6 +96,7 @@ class TokenRollouts:
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens or self.new_tokens)
         prompts = [torch.randint(3, self.vocab, (self.prompt_len,), generator=torch.Generator().manual_seed(int(t)))
                    .tolist() for t in tasks]
+        seed = seed if self.seeded else None  # unseeded: the engine's generators decide (the old behaviour)
         requests = [GenerateRequest(p, replace(params, seed=None if seed is None else derive_seed(seed, int(t), j)))
                     for p, t in zip(prompts, tasks, strict=True) for j in range(group_size)]
         results = await engine.generate(requests)
@@ -156,7 +157,7 @@ async def _worker_main(args: argparse.Namespace) -> None:
         inner = HFEngine(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64,
                          seed=ranks.rank)
     engine = TimedEngine(inner)
-    rollouts = TokenRollouts(len(tokenizer), args.prompt_len, args.new_tokens)
+    rollouts = TokenRollouts(len(tokenizer), args.prompt_len, args.new_tokens, seeded=not args.unseeded)
     cfg = RLConfig(steps=args.steps, tasks_per_step=args.tasks, group_size=args.group, mini_batches=2,
                    group_filter="none", async_rollouts=args.asynchronous, train=TrainConfig(
                        micro_batch_size=args.tasks * args.group // 2, zero_stage=2,
@@ -174,6 +175,7 @@ async def _worker_main(args: argparse.Namespace) -> None:
         result = {"step_end_s": marks, "episodes": [h["rl/episodes"] for h in history],
                   "tokens": [tokens[str(i)] for i in range(len(tokens))], "sync_s": engine.sync_s}
         (args.out / "result.json").write_text(json.dumps(result))
+        torch.save({k: v.detach().float().cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
 
 
 # ---- the driver: servers, launches, the table ----------------------------------------------------------------------
@@ -227,6 +229,7 @@ def run_row(row: Row, model_dir: Path, out: Path, args: argparse.Namespace) -> d
                   "--steps", str(args.steps), "--tasks", str(args.tasks), "--group", str(args.group),
                   "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
                   *(["--async"] if row.asynchronous else []), *(["--vllm"] if row.vllm else []),
+                  *(["--unseeded"] if args.unseeded else []),
                   *(["--engine-urls", *(url for _, url in servers)] if servers else [])]
         if row.processes == 1:
             launch = [sys.executable, *worker]
@@ -272,6 +275,22 @@ def table(rows: dict[str, dict[str, float]], baseline: str = "1-inproc-sync") ->
     return "\n".join(lines)
 
 
+def weight_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
+               ) -> tuple[float, float]:
+    """How far two trained copies of ``start`` ended apart: ``||a - b|| / ||b - start||`` over every weight (0 when
+    the runs are the same; 1 means they differ by as much as training moved ``b``), and the largest ``|a - b|``."""
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in b])
+    moved = torch.cat([(b[k] - start[k]).flatten() for k in b])
+    return float(diff.norm() / moved.norm().clamp_min(1e-30)), float(diff.abs().max())
+
+
+def _initial_weights() -> dict[str, torch.Tensor]:
+    from orchard.models import tiny_chat_model
+
+    model, _ = tiny_chat_model(seed=0, **BENCH_SIZE)
+    return {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
 def _save_model(model_dir: Path) -> int:
     from orchard.models import tiny_chat_model
     from orchard.train.model import save_causal_lm
@@ -293,6 +312,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="sampled tokens per episode (at most)")
     parser.add_argument("--row-timeout-s", type=float, default=900, help="limit on one row's launch")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows' summaries here")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="rollouts send no seed (each rank's engine samples from its own generator), to compare "
+                             "with the seeded default")
     # the worker's own arguments
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -316,6 +338,7 @@ def main() -> None:
         raise ValueError(f"--steps must be >= 2 (step 1 is not measured), got {args.steps}")
     info = machine()
     summaries: dict[str, dict[str, float]] = {}
+    finals: dict[str, dict[str, torch.Tensor]] = {}
     with tempfile.TemporaryDirectory(prefix="rl_scaling_") as tmp:
         model_dir = Path(tmp) / "model"
         params = _save_model(model_dir)
@@ -328,12 +351,21 @@ def main() -> None:
             out = Path(tmp) / name
             out.mkdir()
             summaries[name] = summarize(run_row(by_name[name], model_dir, out, args))
+            finals[name] = torch.load(out / "final.pt")
             print(f"{name}: {json.dumps({k: round(v, 4) for k, v in summaries[name].items()})}", flush=True)
     print(f"\n{info['machine']}; python {info['python']}; commit {info['commit']}")
     print(f"tiny Qwen3 ({params / 1e6:.2f} M parameters, float32, {params * 4 / 2**20:.1f} MiB of weights), "
           f"{args.tasks} tasks x {args.group} episodes per step, {args.prompt_len} prompt + <= {args.new_tokens} "
           f"sampled tokens each; steps 2..{args.steps} measured; torch threads 1 per process\n")
     print(table(summaries))
+    start = _initial_weights()
+    for name in finals:
+        one = "1-" + name.split("-", 1)[1]
+        if name.startswith("1-") or one not in finals:
+            continue
+        gap, max_abs = weight_gap(finals[name], finals[one], start)
+        print(f"{name} vs {one}: final weights differ by {100 * gap:.3f} % of the distance trained "
+              f"(max |dw| {max_abs:.2e}; rollouts {'unseeded' if args.unseeded else 'seeded'})")
     worst = max(summaries, key=lambda n: summaries[n]["sync_share"])
     print(f"\nweight sync: at most {100 * summaries[worst]['sync_share']:.1f} % of a step ({worst}); "
           f"target <= 10 %")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 _spec = importlib.util.spec_from_file_location(
     "rl_scaling", Path(__file__).resolve().parents[1] / "benchmarks" / "rl_scaling.py")
@@ -44,3 +45,11 @@ def test_table_ratios_are_against_the_one_process_synchronous_row():
 def test_row_names_cover_the_grid():
     assert [r.name for r in rl_scaling.ROWS][:3] == ["1-inproc-sync", "1-inproc-async", "1-1srv-sync"]
     assert len(rl_scaling.ROWS) == 12 and set(rl_scaling.QUICK_ROWS) <= {r.name for r in rl_scaling.ROWS}
+
+
+def test_weight_gap_is_the_difference_over_the_distance_trained():
+    # start 0; b moved to (3, 4): ||b - start|| = 5. a = (3, 4.5): ||a - b|| = 0.5 -> gap 0.1, max |dw| 0.5.
+    start = {"w": torch.zeros(2)}
+    gap, max_abs = rl_scaling.weight_gap({"w": torch.tensor([3.0, 4.5])}, {"w": torch.tensor([3.0, 4.0])}, start)
+    assert gap == pytest.approx(0.1) and max_abs == pytest.approx(0.5)
+    assert rl_scaling.weight_gap(start, start, start) == (0.0, 0.0)  # nothing trained: a defined 0, not a NaN
