@@ -19,6 +19,8 @@ KUBERNETES_FACTORY = "orchard.env.backends.kubernetes:from_environment"
 
 STORE_ENV = "ORCHARD_ENV_REDIS_URL"
 """The default of ``--store`` (the deploy manifests' Redis component sets it on every replica)."""
+EMPTY_STORE_SWEEP_ENV = "ORCHARD_ENV_ALLOW_EMPTY_STORE_SWEEP"
+"""Set to 1 (or true, yes): ``--allow-empty-store-sweep`` (for a deployment, where the command line is fixed)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -63,6 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument("--reap-interval", type=float, default=5.0,
                        help="seconds between reaper passes (expired sandboxes; with a shared store, the jobs "
                        "of replicas whose lease ended)")
+    serve.add_argument("--allow-empty-store-sweep", action="store_true",
+                       default=os.environ.get(EMPTY_STORE_SWEEP_ENV, "").strip().lower() in ("1", "true", "yes"),
+                       help="on start, delete the sandboxes the backend holds even when the store holds none "
+                       "(without it they are kept and an error logged: an empty store beside live sandboxes is "
+                       f"usually a store that lost its data); ${EMPTY_STORE_SWEEP_ENV}=1 sets it")
     serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
     serve.set_defaults(func=_serve)
 
@@ -93,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
                     max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
                     heartbeat_timeout_s=args.heartbeat_timeout, store=args.store,
                     replica_lease_s=args.replica_lease, reap_interval_s=args.reap_interval,
-                    shared=parse_shared(args.shared))
+                    allow_empty_store_sweep=args.allow_empty_store_sweep, shared=parse_shared(args.shared))
     except OSError as exc:
         if exc.errno not in _BIND_ERRORS:
             raise

@@ -17,10 +17,18 @@ retry that races the first request cannot start a second job.
 
 Restart. State lives in the store. On `start()` the orchestrator reconciles it with `backend.list_ids()`: live
 sandboxes are kept, records of sandboxes the backend no longer holds are dropped, sandboxes the store does not
-know are deleted, and jobs that were queued or running when the previous process died are marked `failed` with
+know are deleted (but not by a store that holds no sandbox at all: see below), and jobs that were queued or running when the previous process died are marked `failed` with
 `error` starting with "lost:". A lost job is never re-run: the command may have had side effects, and running
 it twice would break the exactly-once promise. Then the reaper runs once, so what expired while the orchestrator
 was down is deleted straight away.
+
+An empty store beside live sandboxes. A store with no sandbox record while the backend holds sandboxes is far
+more likely a store that lost its data (a Redis restarted without its append-only file, a SQLite file deleted)
+than a cluster full of leaks; deleting them all would destroy every client's work. So `reconcile` then deletes
+none: it logs an error that names how many it kept, counts them on `/resources` (`unknown_sandboxes_kept`), and
+leaves them to the operator, who deletes them by hand or restarts one replica with `allow_empty_store_sweep`
+(`orchard env serve --allow-empty-store-sweep`, or `ORCHARD_ENV_ALLOW_EMPTY_STORE_SWEEP=1`) to sweep them as
+unknown sandboxes are swept otherwise. A store that holds any record is trusted as before.
 
 Replicas. With a shared store (`RedisStore`) several orchestrators serve one URL over one backend. Each is a
 replica with an id and a lease in the store, renewed every third of `replica_lease_s`. A job is queued by the
@@ -222,6 +230,9 @@ class Orchestrator:
         store_outage_s: how long an exec waits for a store that cannot be reached (`StateStore.unavailable_errors`:
             Redis restarting, a dropped connection) to take its lock, claim its job and record its result,
             trying again with backoff. An outage thus delays a result, never changes it. Default 1 h.
+        allow_empty_store_sweep: delete the sandboxes the backend holds and the store does not know even when the
+            store holds no sandbox at all (a store that lost its data looks so). Default False: they are kept
+            and an error is logged (see "An empty store beside live sandboxes" above).
         clock: epoch-seconds clock (tests pass a fake one).
 
     Attributes:
@@ -246,6 +257,7 @@ class Orchestrator:
         retry_after_s: float = 1.0,
         replica_lease_s: float = 30.0,
         store_outage_s: float = 3600.0,
+        allow_empty_store_sweep: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(max_concurrent_execs, int) or max_concurrent_execs < 1:
@@ -274,6 +286,12 @@ class Orchestrator:
         self.retry_after_s = float(retry_after_s)
         self.replica_lease_s = float(replica_lease_s)
         self.store_outage_s = float(store_outage_s)
+        if not isinstance(allow_empty_store_sweep, bool):
+            raise ValueError(f"allow_empty_store_sweep must be a bool, got {allow_empty_store_sweep!r}")
+        self.allow_empty_store_sweep = allow_empty_store_sweep
+        self.unknown_sandboxes_kept: list[str] = []
+        """Sandboxes the backend holds that the last `reconcile` kept although no record owns them (the store
+        was empty and `allow_empty_store_sweep` was off)."""
         self.replica_id = uuid.uuid4().hex[:12]
         """This orchestrator's name in the store: the owner of the jobs it queues and runs."""
         self.clock = clock
@@ -334,7 +352,8 @@ class Orchestrator:
     async def reconcile(self) -> dict[str, list[str]]:
         """Make the store agree with the backend after a restart. Returns what it did, by kind."""
         now = self.clock()
-        report: dict[str, list[str]] = {"lost_jobs": [], "dropped": [], "orphans_deleted": [], "kept": []}
+        report: dict[str, list[str]] = {"lost_jobs": [], "dropped": [], "orphans_deleted": [], "orphans_kept": [],
+                                        "kept": []}
         report["lost_jobs"] = await self.store.mark_lost_jobs(now)
         live = set(await self.backend.list_ids())
         known = {record.sandbox_id: record for record in await self.store.list_sandboxes()}
@@ -353,7 +372,17 @@ class Orchestrator:
                 report["dropped"].append(sandbox_id)
             else:
                 report["kept"].append(sandbox_id)
-        for sandbox_id in sorted(live - set(known)):
+        unknown = sorted(live - set(known))
+        if unknown and not known and not self.allow_empty_store_sweep:
+            report["orphans_kept"] = unknown
+            logger.error("the state store holds no sandbox, yet the backend holds %d: kept them all (the store may "
+                         "have lost its data; deleting them would destroy every client's work). Delete them by "
+                         "hand, or restart one replica with allow_empty_store_sweep (--allow-empty-store-sweep, "
+                         "ORCHARD_ENV_ALLOW_EMPTY_STORE_SWEEP=1) to sweep them. First ids: %s",
+                         len(unknown), ", ".join(unknown[:10]))
+            unknown = []
+        self.unknown_sandboxes_kept = report["orphans_kept"]
+        for sandbox_id in unknown:
             with contextlib.suppress(Exception):
                 await self.backend.delete(sandbox_id)
             report["orphans_deleted"].append(sandbox_id)
@@ -1072,4 +1101,5 @@ class Orchestrator:
             "running_execs": self.running_execs,
             "queued_execs": self.pending_execs,
             "max_pending_execs": self.max_pending_execs,
+            "unknown_sandboxes_kept": len(self.unknown_sandboxes_kept),
         }

@@ -162,7 +162,7 @@ def test_a_pod_that_never_becomes_ready_fails_its_create_with_the_reason_kuberne
     assert cluster.leftovers() == {}
 
 
-def test_pods_no_record_owns_are_deleted_on_start_and_other_owners_are_left_alone(cluster):
+def test_pods_no_record_owns_are_deleted_on_start_when_allowed_and_other_owners_are_left_alone(cluster):
     config = KubernetesConfig(namespace=NAMESPACE)
     orphan = {"metadata": {"name": object_name("orphan"), "labels": labels(config, "orphan")},
               "spec": {"containers": [{"name": "c", "image": "x", "readinessProbe": {"httpGet": {"path": "/",
@@ -176,10 +176,32 @@ def test_pods_no_record_owns_are_deleted_on_start_and_other_owners_are_left_alon
     cluster.api.create("secrets", NAMESPACE, {"metadata": {"name": object_name("half"), "labels": labels(config, "half")}})
     cluster.api.objects[("secrets", NAMESPACE, object_name("half"))]["metadata"]["creationTimestamp"] = (
         "2020-01-01T00:00:00Z")
-    with k8s_service(cluster):
+    with k8s_service(cluster, allow_empty_store_sweep=True):  # its store is new, so empty: the sweep needs leave
         pass
     assert cluster.objects("pods") == ["stranger"] and cluster.objects("secrets") == []
     cluster.api.delete("pods", NAMESPACE, "stranger")
+
+
+def test_an_empty_store_beside_live_pods_deletes_none_of_them_and_says_so(cluster, caplog):
+    """Issue 37 item 2: a store that lost its data (a Redis restarted without its files; here a replica on a fresh
+    SQLite root, the same thing to the orchestrator) must not make the next start delete every sandbox."""
+    with (k8s_service(cluster) as first,
+          SandboxClient(first.url, first.api_key, auto_cleanup=False) as client):  # the pods outlive the client
+        kept = [client.create(sandbox_id=new_id("kept")) for _ in range(2)]
+    names = sorted(object_name(sb.sandbox_id) for sb in kept)
+    assert sorted(cluster.objects("pods")) == names  # closing a service leaves its sandboxes running
+
+    with caplog.at_level("ERROR", logger="orchard.env.orchestrator"), k8s_service(cluster) as amnesiac:
+        assert sorted(cluster.objects("pods")) == names and len(cluster.kubelet.live_pods()) == 2
+        r = httpx.get(amnesiac.url + "/resources", headers={"X-API-Key": amnesiac.api_key}, timeout=30)
+        assert r.json()["unknown_sandboxes_kept"] == 2 and r.json()["sandboxes"] == 0
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
+    assert any("holds no sandbox, yet the backend holds 2: kept them all" in e for e in errors), errors
+    assert sorted(cluster.objects("pods")) == names  # and still there after it closed
+
+    with k8s_service(cluster, allow_empty_store_sweep=True):  # the operator's explicit decision: swept as before
+        pass
+    assert cluster.leftovers() == {}
 
 
 def _replica(cluster: Cluster, **options):

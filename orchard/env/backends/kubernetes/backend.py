@@ -18,7 +18,8 @@ and never runs it again.
 Pods that fail (evicted, their node lost, their agent dead) are reaped as soon as the watcher sees them: the
 pod, its Secret and its NetworkPolicy are deleted and the sandbox's next call fails with what Kubernetes said
 (Orchard Env leaves such pods to a 2-hour TTL). On start, Secrets and NetworkPolicies without a pod are swept;
-pods that no record of the orchestrator owns are deleted by its reconciliation (`list_ids`).
+pods that no record of the orchestrator owns are deleted by its reconciliation (`list_ids`), unless its store
+holds no sandbox at all (a store that lost its data: `Orchestrator.reconcile` then keeps them and says so).
 """
 
 from __future__ import annotations
