@@ -55,6 +55,9 @@ class Launch:
     """How progress lines call it ("seed 0", "seed 0 grpo_bar")."""
     command: list[str]
     log: Path
+    run_dir: Path | None = None
+    """The run's ``output_dir``: a previous run there is moved aside to ``<run_dir>.<n>`` before the launch
+    (`orchard.stages.prepare_output_dir`), so neither the new log nor the new run overwrites it."""
 
 
 def run_launches(launches: Sequence[Launch], *, jobs: int, t0: float, stop_on_failure: bool = True,
@@ -75,6 +78,12 @@ def run_launches(launches: Sequence[Launch], *, jobs: int, t0: float, stop_on_fa
     while pending or running:
         while pending and len(running) < jobs:
             launch = pending.pop(0)
+            if launch.run_dir is not None:
+                from orchard.stages.recipe_run import prepare_output_dir
+
+                moved = prepare_output_dir(launch.run_dir, "move")
+                if moved is not None:
+                    print(f"{launch.name}: the previous run in {launch.run_dir} moved to {moved}", flush=True)
             launch.log.parent.mkdir(parents=True, exist_ok=True)
             print("+", " ".join(launch.command[1:]), flush=True)
             log = launch.log.open("w")

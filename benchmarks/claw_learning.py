@@ -56,10 +56,11 @@ def recipe_command(config: str, args: list[str]) -> list[str]:
 
 
 def run_all(seeds: list[int], jobs: int, out: Path, command: Callable[[int], list[str]], log_name: str,
-            t0: float) -> None:
-    """Runs ``command(seed)`` once per seed, ``jobs`` at once, each logging to ``seed<N>/<log_name>``."""
-    run_launches([Launch(seed, f"seed {seed}", command(seed), out / f"seed{seed}" / log_name) for seed in seeds],
-                 jobs=jobs, t0=t0)
+            t0: float, run_dir: Callable[[int], Path] | None = None) -> None:
+    """Runs ``command(seed)`` once per seed, ``jobs`` at once, each logging to ``seed<N>/<log_name>`` (a previous
+    run in ``run_dir(seed)`` moved aside first)."""
+    run_launches([Launch(seed, f"seed {seed}", command(seed), out / f"seed{seed}" / log_name,
+                         None if run_dir is None else run_dir(seed)) for seed in seeds], jobs=jobs, t0=t0)
 
 
 def norm_scale(model_dir: Path) -> float:
@@ -153,7 +154,8 @@ def temperature_control(args: Any, out: Path, runs: list[dict[str, Any]], harnes
     run_all(list(args.seeds), args.jobs, out, lambda seed: recipe_command(args.config, [
         f"seed={seed}", f"output_dir={out / f'seed{seed}' / 'control'}",
         f"model.path={out / f'seed{seed}' / 'sft_model'}", "sft.enabled=false", "rl.enabled=false",
-        f"eval.temperature={temps[seed][2]}", *args.overrides]), "control.log", t0)
+        f"eval.temperature={temps[seed][2]}", *args.overrides]), "control.log", t0,
+        run_dir=lambda seed: out / f"seed{seed}" / "control")
     controls = [json.loads((out / f"seed{s}" / "control" / "results.json").read_text()) for s in args.seeds]
     lines = ["final-norm scale SFT -> RL (temperature): " + ", ".join(
         f"seed {s} {a:.3f} -> {b:.3f} ({t})" for s, (a, b, t) in temps.items()), "",
@@ -190,7 +192,8 @@ def main() -> int:
     t0 = time.monotonic()
     pending = [s for s in args.seeds if not (args.reuse and (out / f"seed{s}" / "results.json").exists())]
     run_all(pending, args.jobs, out, lambda seed: recipe_command(args.config, [
-        f"seed={seed}", f"output_dir={out / f'seed{seed}'}", *args.overrides]), "stdout.log", t0)
+        f"seed={seed}", f"output_dir={out / f'seed{seed}'}", *args.overrides]), "stdout.log", t0,
+        run_dir=lambda seed: out / f"seed{seed}")
     runs = [json.loads((out / f"seed{seed}" / "results.json").read_text()) for seed in args.seeds]
     best: list[dict[str, Any]] = []
     if not args.no_best_temperature:

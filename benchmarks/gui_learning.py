@@ -126,7 +126,7 @@ def main() -> int:
     pending = [s for s in args.seeds if not (args.reuse and (out / f"seed{s}" / "results.json").exists())]
     run_launches([Launch(seed, f"seed {seed}", [
         sys.executable, str(ROOT / "recipes/gui.py"), "--config", args.config, f"seed={seed}",
-        f"output_dir={out / f'seed{seed}'}", *args.overrides], out / f"seed{seed}" / "stdout.log")
+        f"output_dir={out / f'seed{seed}'}", *args.overrides], out / f"seed{seed}" / "stdout.log", out / f"seed{seed}")
         for seed in pending], jobs=args.jobs, t0=t0)
     runs = [json.loads((out / f"seed{s}" / "results.json").read_text()) for s in args.seeds]
     counts = [run_counts(read_jsonl_metrics(out / f"seed{s}" / "metrics.jsonl", missing_ok=True)) for s in args.seeds]

@@ -70,7 +70,10 @@ async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train, _, heldout = swe.instance_pools(cfg)  # SFT arms only: the RL pool unused
+    moved = stages.prepare_output_dir(out, "move")  # a rerun keeps the earlier one, aside
     log = stages.RunLog(out)
+    if moved is not None:
+        log.print(f"the previous run in {out} moved to {moved}")
     _, tokenizer = load_policy(cfg.model, swe.corpus([*train, *heldout]), seed=cfg.seed)
     result: dict[str, Any] = {"seed": cfg.seed, "arms": {}, "counts": {}}
     async with swe.swe_sandboxes(cfg) as sandboxes:  # the recipe's: pytest shared, a warm pool per stage

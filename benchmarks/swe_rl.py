@@ -45,7 +45,8 @@ def run_all(jobs_list: list[tuple[int, str]], jobs: int, out: Path, config: str,
     return run_launches([Launch((seed, variant), f"seed {seed} {variant}", [
         sys.executable, str(ROOT / "recipes/swe.py"), "--config", config, f"seed={seed}",
         f"output_dir={out / f'seed{seed}' / variant}", f"rl.variant={variant}", *overrides],
-        out / f"seed{seed}" / variant / "stdout.log") for seed, variant in jobs_list], jobs=jobs, t0=t0,
+        out / f"seed{seed}" / variant / "stdout.log", out / f"seed{seed}" / variant)
+        for seed, variant in jobs_list], jobs=jobs, t0=t0,
         stop_on_failure=False)
 
 

@@ -116,6 +116,9 @@ class ClawRLConfig(RLConfig):
 class ClawConfig:
     output_dir: str = "runs/claw"
     """Where metrics.jsonl, results.json, learning_curve.png, the trainers' logs and the models go."""
+    existing: str = "refuse"
+    """When output_dir holds a previous run: refuse (stop before any work), move (rename it to output_dir.<n>
+    and start afresh) or resume (append to it; RL continues from its checkpoint). A run is never deleted."""
     seed: int = 0
     """Seed of tasks order, model initialisation, sampling and training."""
     env_url: str | None = None
@@ -141,6 +144,9 @@ class ClawConfig:
     """Held-out evaluation."""
 
     def __post_init__(self) -> None:
+        if self.existing not in stages.EXISTING_RUN_CHOICES:
+            raise ValueError(f"existing must be one of {list(stages.EXISTING_RUN_CHOICES)}, "
+                             f"got {self.existing!r}")
         for key, names in (("harnesses", self.harnesses), ("eval.harnesses", self.eval.harnesses)):
             if not names or any(n not in HARNESSES for n in names):
                 raise ValueError(f"{key} must be a non-empty list among {list(HARNESSES)}, got {names!r}")
@@ -248,7 +254,8 @@ async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, mode
 
 async def run(cfg: ClawConfig) -> dict[str, Any]:
     ranks = init_ranks()
-    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval, ranks=ranks)
+    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
+                           existing=cfg.existing, ranks=ranks)
     train_tasks, rl_pool, heldout = task_pools(cfg)
     model, tokenizer = load_policy(cfg.model, tokenizer_corpus(train_tasks), seed=cfg.seed)
     engine = rollout_engine(cfg, model, tokenizer, ranks)

@@ -104,6 +104,9 @@ class JudgeConfig:
 class GUIConfig:
     output_dir: str = "runs/gui"
     """Where metrics.jsonl, results.json, learning_curve.png, the trainers' logs and the models go."""
+    existing: str = "refuse"
+    """When output_dir holds a previous run: refuse (stop before any work), move (rename it to output_dir.<n>
+    and start afresh) or resume (append to it; RL continues from its checkpoint). A run is never deleted."""
     seed: int = 0
     """Seed of model initialisation, the teacher's noise, sampling and training."""
     env_url: str | None = None
@@ -137,6 +140,9 @@ class GUIConfig:
     """Held-out evaluation."""
 
     def __post_init__(self) -> None:
+        if self.existing not in stages.EXISTING_RUN_CHOICES:
+            raise ValueError(f"existing must be one of {list(stages.EXISTING_RUN_CHOICES)}, "
+                             f"got {self.existing!r}")
         if any(t not in TEMPLATES for t in self.tasks.templates):
             raise ValueError(f"tasks.templates must be among {sorted(TEMPLATES)}, got {self.tasks.templates!r}")
         for key in ("train_per_template", "heldout_per_template"):
@@ -194,7 +200,8 @@ def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
 
 
 async def run(cfg: GUIConfig) -> dict[str, Any]:
-    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval)
+    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
+                           existing=cfg.existing)
     train, heldout = task_pools(cfg)
     judge, judge_kwargs = make_judge(cfg)
     with sandbox_service(cfg.env_url) as env, SandboxClient(*env) as client:

@@ -262,6 +262,9 @@ class ValueModelConfig:
 class SWEConfig:
     output_dir: str = "runs/swe"
     """Where metrics.jsonl, results.json, learning_curve.png, the trainer's logs and the model go."""
+    existing: str = "refuse"
+    """When output_dir holds a previous run: refuse (stop before any work), move (rename it to output_dir.<n>
+    and start afresh) or resume (append to it; RL continues from its checkpoint). A run is never deleted."""
     seed: int = 0
     """Seed of model initialisation, the teacher's noise, sampling and training."""
     env_url: str | None = None
@@ -299,6 +302,9 @@ class SWEConfig:
     """Held-out evaluation (the eval harness is never trained on: a transfer test)."""
 
     def __post_init__(self) -> None:
+        if self.existing not in stages.EXISTING_RUN_CHOICES:
+            raise ValueError(f"existing must be one of {list(stages.EXISTING_RUN_CHOICES)}, "
+                             f"got {self.existing!r}")
         if not self.harnesses or any(h not in TRAINABLE for h in self.harnesses):
             raise ValueError(f"harnesses must be a non-empty list among {list(TRAINABLE)}, got {self.harnesses!r}")
         if any(h not in HARNESSES for h in self.eval.harnesses):
@@ -560,7 +566,8 @@ async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts]
 
 async def run(cfg: SWEConfig) -> dict[str, Any]:
     train, rl_pool, heldout = instance_pools(cfg)  # a bad file or snapshot stops the run before it writes anything
-    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval)
+    run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
+                           existing=cfg.existing)
     out, log = run.out, run.log
     unique = {i.instance_id: i for i in [*train, *rl_pool, *heldout]}
     model, tokenizer = load_policy(cfg.model, corpus(list(unique.values())), seed=cfg.seed)

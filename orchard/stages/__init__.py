@@ -28,7 +28,8 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
   `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
 - a recipe's run (`orchard.stages.recipe_run`): `RecipeRun` (seeds, the log, held-out results per stage, the SFT
-  hand-over to the engine, the end: engine closed, results written by rank 0)
+  hand-over to the engine, the end: engine closed, results written by rank 0); `prepare_output_dir` /
+  `previous_run` (a previous run in ``output_dir`` is refused, moved aside or resumed, never deleted)
 - sandboxes (`orchard.stages.sandboxes`): `sandbox_service` (a service by URL, or the embedded one for the run
   with its shared folders), `PooledSandboxes` (what the harnesses create sandboxes from: a warm pool per stage)
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
@@ -45,7 +46,7 @@ from orchard.stages.config import (
 )
 from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, success_row
-from orchard.stages.recipe_run import RecipeRun
+from orchard.stages.recipe_run import EXISTING_RUN_CHOICES, RecipeRun, prepare_output_dir, previous_run
 from orchard.stages.report import RunLog, format_table, plot_learning_curve, recipe_main, write_results
 from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
@@ -66,6 +67,7 @@ from orchard.stages.value_rerank import (
 )
 
 __all__ = [
+    "EXISTING_RUN_CHOICES",
     "OPD_TERMS",
     "SFT_MODES",
     "TEMPERATURE_GRID",
@@ -94,6 +96,8 @@ __all__ = [
     "group_batch",
     "plot_learning_curve",
     "plot_value_curves",
+    "prepare_output_dir",
+    "previous_run",
     "recipe_main",
     "rl_stage",
     "rollout_groups",

@@ -34,7 +34,57 @@ from orchard.stages.ranks import Ranks, barrier
 from orchard.stages.report import RunLog, write_results
 from orchard.stages.sft import sft_stage
 
-__all__ = ["RecipeRun"]
+__all__ = ["EXISTING_RUN_CHOICES", "RecipeRun", "prepare_output_dir", "previous_run"]
+
+EXISTING_RUN_CHOICES = ("refuse", "move", "resume")
+"""What a recipe may do with an ``output_dir`` that holds a run already (`prepare_output_dir`)."""
+RUN_MARKERS = ("metrics.jsonl", "results.json")
+"""Files whose presence means a directory holds a run."""
+
+
+def prepare_output_dir(output_dir: str | Path, existing: str = "refuse", *, is_main: bool = True) -> Path | None:
+    """Make ``output_dir`` ready for a new run without destroying a previous one (module `RecipeRun`'s
+    ``existing``). Returns where the previous run was moved (``"move"``, rank 0), else None.
+
+    Raises:
+        ValueError: ``existing`` is not one of `EXISTING_RUN_CHOICES`; or it is ``"refuse"`` and the directory holds
+            a run (the message names the files found and the choices).
+    """
+    if existing not in EXISTING_RUN_CHOICES:
+        raise ValueError(f"existing must be one of {list(EXISTING_RUN_CHOICES)}, got {existing!r}")
+    out = Path(output_dir)
+    if not previous_run(out) or existing == "resume":
+        return None
+    if existing == "refuse":
+        raise ValueError(refusal(out))
+    barrier()  # every rank has looked before rank 0 moves it (the others then see an empty directory)
+    moved = None
+    if is_main:
+        moved = _free_sibling(out)
+        out.rename(moved)
+    barrier()
+    return moved
+
+
+def previous_run(output_dir: str | Path) -> list[str]:
+    """The files of `RUN_MARKERS` that ``output_dir`` holds (empty: no run there)."""
+    return [name for name in RUN_MARKERS if (Path(output_dir) / name).exists()]
+
+
+def refusal(output_dir: str | Path) -> str:
+    """Why a run will not start in ``output_dir`` (it holds a previous one), with the user's choices."""
+    out = Path(output_dir)
+    return (f"output_dir {str(out)!r} holds a previous run ({', '.join(previous_run(out))}); choose another "
+            f"output_dir, or existing=move to move it aside to {str(_free_sibling(out))!r}, or existing=resume to "
+            f"continue it")
+
+
+def _free_sibling(out: Path) -> Path:
+    """``<out>.<n>`` for the first ``n`` from 1 that does not exist."""
+    n = 1
+    while out.with_name(f"{out.name}.{n}").exists():
+        n += 1
+    return out.with_name(f"{out.name}.{n}")
 
 
 class RecipeRun:
@@ -49,10 +99,15 @@ class RecipeRun:
         threads: torch CPU threads, >= 0 (0: torch's default).
         eval_cfg: the held-out evaluation's settings (`evaluate_stage`; its ``attempts`` head the final table).
         ranks: this process among the launcher's (`orchard.stages.ranks.init_ranks`); default a single process.
+        existing: what to do when ``output_dir`` already holds a run (its ``metrics.jsonl`` or ``results.json``):
+            ``"refuse"`` (default: raise before any work, naming the choices), ``"move"`` (rename it to
+            ``<output_dir>.<n>``, the first free ``n`` from 1, and start afresh), or ``"resume"`` (keep it: metrics
+            are appended, and the RL stage continues from its checkpoint when ``rl.resume`` is on). A previous run
+            is never deleted.
     """
 
     def __init__(self, output_dir: str | Path, *, seed: int, threads: int = 0, eval_cfg: EvalConfig,
-                 ranks: Ranks | None = None) -> None:
+                 ranks: Ranks | None = None, existing: str = "refuse") -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
@@ -61,14 +116,15 @@ class RecipeRun:
             raise ValueError(f"eval_cfg must be an EvalConfig, got {type(eval_cfg).__name__}")
         if ranks is not None and not isinstance(ranks, Ranks):
             raise ValueError(f"ranks must be a Ranks or None, got {type(ranks).__name__}")
+        self.ranks = ranks if ranks is not None else Ranks()
+        self.out = Path(output_dir)
+        self.moved_to = prepare_output_dir(self.out, existing, is_main=self.ranks.is_main)
         random.seed(seed)
         torch.manual_seed(seed)
         if threads:
             torch.set_num_threads(threads)
-        self.out = Path(output_dir)
         self.seed, self.eval_cfg = seed, eval_cfg
-        self.ranks = ranks if ranks is not None else Ranks()
-        self.log = RunLog(self.out, enabled=self.ranks.is_main)
+        self.log = RunLog(self.out, enabled=self.ranks.is_main, append=existing == "resume")
         self.results: dict[str, dict[str, dict[str, float]]] = {}
         self.sft_history: list[dict[str, float]] = []
         self.rl_history: list[dict[str, float]] = []

@@ -17,17 +17,20 @@ __all__ = ["RunLog", "format_table", "plot_learning_curve", "recipe_main", "writ
 
 
 class RunLog:
-    """Appends metrics to ``<output_dir>/metrics.jsonl`` (a fresh file per run) and prints progress lines that
-    start with the seconds since the run began. With ``enabled=False`` (every rank but 0 under a launcher) it
-    writes and prints nothing."""
+    """Appends metrics to ``<output_dir>/metrics.jsonl`` and prints progress lines that start with the seconds
+    since the run began. A file already there is an earlier run's: it is kept and appended to with ``append=True``
+    (a resumed run), else refused (`orchard.stages.prepare_output_dir` moves it aside first when asked). With
+    ``enabled=False`` (every rank but 0 under a launcher) it writes and prints nothing."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool = True) -> None:
+    def __init__(self, output_dir: str | Path, *, enabled: bool = True, append: bool = False) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = bool(enabled)
         self._jsonl: JsonlLogger | None = None
         if self.enabled:
+            if self.path.exists() and not append:
+                raise ValueError(f"output_dir {str(self.path.parent)!r} holds an earlier run's metrics.jsonl; "
+                                 f"append=True continues it, or move it aside")
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.unlink(missing_ok=True)
             self._jsonl = JsonlLogger(self.path)
         self.started = time.monotonic()
 
@@ -119,7 +122,7 @@ def recipe_main(config_cls: type, run: Callable[[Any], Awaitable[Any]], argv: Se
     import asyncio
 
     from orchard._cli import UsageErrorParser
-    from orchard.train.config import format_config, load_config
+    from orchard.train.config import ConfigError, format_config, load_config
 
     parser = UsageErrorParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help=f"YAML file filling {config_cls.__name__}")
@@ -128,6 +131,11 @@ def recipe_main(config_cls: type, run: Callable[[Any], Awaitable[Any]], argv: Se
     parser.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nested fields")
     args = parser.parse_args(argv)
     cfg = load_config(config_cls, args.config, args.overrides, derived=derived)
+    if not args.show_config and getattr(cfg, "existing", "refuse") == "refuse" and hasattr(cfg, "output_dir"):
+        from orchard.stages.recipe_run import previous_run, refusal
+
+        if previous_run(cfg.output_dir):  # before any work, as one line (RecipeRun would refuse it too)
+            raise ConfigError(refusal(cfg.output_dir))
     print(format_config(cfg, derived=derived), flush=True)
     if not args.show_config:
         asyncio.run(run(cfg))

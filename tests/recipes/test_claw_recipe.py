@@ -194,3 +194,16 @@ def test_the_rl_pool_is_filtered_to_tasks_of_useful_difficulty(tmp_path, scripte
     assert not set(two) >= {"rare", "half"}  # (the seed's draw leaves one out: a filter ignoring candidates fails)
     assert pool_of("rl.filter.enabled=true", "rl.filter.candidates=2") == [t for t in two if t in ("rare", "half")]
     assert pool_of("rl.filter.enabled=true", "rl.filter.low=0.9", "rl.filter.high=1.0") == ["always"]
+
+
+def test_a_previous_run_in_output_dir_is_one_line_before_any_work(tmp_path, recipe_main):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    code, stdout, stderr = recipe_main("claw", *CONFIG, f"output_dir={out}")
+    assert (code, stdout) == (2, "")
+    assert stderr == (f"error: output_dir '{out}' holds a previous run (metrics.jsonl); choose another output_dir, "
+                      f"or existing=move to move it aside to '{out}.1', or existing=resume to continue it\n")
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # untouched
+    assert recipe_main("claw", *CONFIG, f"output_dir={out}", "existing=overwrite") == (
+        2, "", "error: existing must be one of ['refuse', 'move', 'resume'], got 'overwrite'\n")

@@ -10,7 +10,7 @@ import torch
 from orchard.data import Trajectory, render_trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.models import tiny_qwen3
-from orchard.stages import EvalConfig, RecipeRun, SFTConfig
+from orchard.stages import EvalConfig, RecipeRun, RunLog, SFTConfig
 from orchard.stages.ranks import Ranks
 from orchard.train.trainer import OptimConfig, TrainConfig
 
@@ -86,3 +86,63 @@ def test_bad_arguments(tmp_path):
         RecipeRun(tmp_path, seed=0, eval_cfg={"attempts": 2})
     with pytest.raises(ValueError, match="ranks must be a Ranks"):
         RecipeRun(tmp_path, seed=0, eval_cfg=EVAL, ranks=0)
+
+
+def _previous_run(out):
+    """An earlier run's files in ``out``: its metrics, results and a saved model."""
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/base/x/success": 0.25}\n')
+    (out / "results.json").write_text('{"results": {}}')
+    (out / "sft_model").mkdir()
+    (out / "sft_model" / "config.json").write_text("{}")
+
+
+def test_a_previous_run_is_refused_by_default_and_left_as_it_was(tmp_path):
+    out = tmp_path / "run"
+    _previous_run(out)
+    before = sorted((p.relative_to(out), p.read_bytes() if p.is_file() else b"") for p in out.rglob("*"))
+    with pytest.raises(ValueError, match=r"holds a previous run \(metrics.jsonl, results.json\).*existing=move.*"
+                                         r"run\.1.*existing=resume"):
+        RecipeRun(out, seed=0, eval_cfg=EVAL)
+    assert sorted((p.relative_to(out), p.read_bytes() if p.is_file() else b"") for p in out.rglob("*")) == before
+
+
+def test_move_puts_the_previous_run_aside_whole_and_starts_afresh(tmp_path):
+    out = tmp_path / "run"
+    _previous_run(out)
+    run = RecipeRun(out, seed=0, eval_cfg=EVAL, existing="move")
+    assert run.moved_to == tmp_path / "run.1"
+    assert (tmp_path / "run.1" / "sft_model" / "config.json").is_file()
+    assert (tmp_path / "run.1" / "metrics.jsonl").read_text().count("\n") == 1
+    asyncio.run(run.evaluate("base", 0, {"x": harness}, Engine(), ["a"]))
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert not (out / "sft_model").exists()
+    # a third run moves the second one to the next free name
+    assert RecipeRun(out, seed=0, eval_cfg=EVAL, existing="move").moved_to == tmp_path / "run.2"
+    assert (tmp_path / "run.1" / "results.json").is_file()
+
+
+def test_resume_keeps_the_previous_run_and_appends_to_its_metrics(tmp_path):
+    out = tmp_path / "run"
+    _previous_run(out)
+    run = RecipeRun(out, seed=0, eval_cfg=EVAL, existing="resume")
+    asyncio.run(run.evaluate("base", 1, {"x": harness}, Engine(), ["a"]))
+    run.log.close()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1] and (out / "sft_model" / "config.json").is_file()
+
+
+def test_a_directory_without_a_run_needs_no_choice(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "stdout.log").write_text("a launcher's log, written before the run starts\n")
+    RecipeRun(tmp_path / "run", seed=0, eval_cfg=EVAL)
+    assert (tmp_path / "run" / "stdout.log").is_file()
+    with pytest.raises(ValueError, match="existing must be one of"):
+        RecipeRun(tmp_path / "other", seed=0, eval_cfg=EVAL, existing="overwrite")
+
+
+def test_the_run_log_never_truncates_an_earlier_metrics_file(tmp_path):
+    _previous_run(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"earlier run's metrics\.jsonl"):
+        RunLog(tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
