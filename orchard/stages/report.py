@@ -13,7 +13,7 @@ import numpy as np
 from orchard._extras import requires_extra
 from orchard.train.metrics import JsonlLogger
 
-__all__ = ["RunLog", "format_table", "plot_learning_curve", "recipe_main", "write_results"]
+__all__ = ["RunLog", "format_table", "plot_learning_curve", "provenance", "recipe_main", "write_results"]
 
 
 class RunLog:
@@ -104,13 +104,46 @@ def format_table(results: Mapping[str, Mapping[str, Mapping[str, float]]], attem
 def write_results(out: str | Path, results: Mapping[str, Mapping[str, Mapping[str, float]]], config: Mapping[str, Any],
                   log: RunLog, *, attempts: int, sft_history: Sequence[Mapping[str, float]] = (),
                   rl_history: Sequence[Mapping[str, float]] = ()) -> None:
-    """The end of a run: ``results.json`` (results, the resolved config, wall time), ``learning_curve.png`` and the
-    printed table."""
+    """The end of a run: ``results.json`` (results, the resolved config, wall time, and what produced them:
+    `provenance`), ``learning_curve.png`` and the printed table."""
     out = Path(out)
-    (out / "results.json").write_text(json.dumps({"results": results, "config": config,
-                                                  "wall_s": log.elapsed_s}, indent=2))
+    (out / "results.json").write_text(json.dumps({"results": results, "config": config, "wall_s": log.elapsed_s,
+                                                  "provenance": provenance()}, indent=2))
     plot_learning_curve(sft_history, rl_history, results, out / "learning_curve.png")
     print("\n" + format_table(results, attempts))
+
+
+def provenance() -> dict[str, Any]:
+    """What produced a run: orchard's version; the git commit of the checkout orchard was imported from and whether
+    its tracked files differed from it (both None when orchard is not in a git checkout, e.g. installed from a
+    wheel); the Python, torch and transformers versions."""
+    import platform
+    import subprocess
+
+    import torch
+
+    import orchard
+
+    root = Path(orchard.__file__).resolve().parent.parent
+    commit = dirty = None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0 and (root / ".git").exists():
+            commit = head.stdout.strip()
+            status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10)
+            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):  # no git on the machine: the commit is unknown, not an error
+        pass
+    try:
+        import transformers
+
+        transformers_version: str | None = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    return {"orchard_version": orchard.__version__, "commit": commit, "dirty": dirty,
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version}
 
 
 def recipe_main(config_cls: type, run: Callable[[Any], Awaitable[Any]], argv: Sequence[str] | None, *,

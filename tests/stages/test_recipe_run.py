@@ -3,6 +3,7 @@
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,29 @@ def test_the_run_log_never_truncates_an_earlier_metrics_file(tmp_path):
     with pytest.raises(ValueError, match=r"earlier run's metrics\.jsonl"):
         RunLog(tmp_path / "run")
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_results_say_which_version_and_commit_produced_them(tmp_path, monkeypatch):
+    import subprocess
+
+    import orchard
+    from orchard.stages.report import provenance
+
+    run = RecipeRun(tmp_path / "run", seed=0, eval_cfg=EVAL)
+    asyncio.run(run.finish(Engine(), {}))
+    written = json.loads((tmp_path / "run" / "results.json").read_text())["provenance"]
+    repo = Path(orchard.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert written["orchard_version"] == orchard.__version__ and written["torch"] == torch.__version__
+    assert written["commit"] == head.stdout.strip() and len(written["commit"]) == 40
+    assert isinstance(written["dirty"], bool)
+    # orchard imported from outside a git checkout (a wheel in site-packages): the commit is unknown, not guessed
+    # from whatever repository happens to enclose it (here a virtual environment inside a project's checkout)
+    project = tmp_path / "project"
+    site = project / ".venv" / "lib" / "site-packages" / "orchard"
+    site.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run(["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "project"], check=True)
+    monkeypatch.setattr(orchard, "__file__", str(site / "__init__.py"))
+    assert provenance()["commit"] is None and provenance()["dirty"] is None
