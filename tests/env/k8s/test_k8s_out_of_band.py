@@ -54,11 +54,16 @@ def test_a_pod_deleted_while_the_watch_was_down_is_found_by_the_relist(service, 
     name = object_name(sb.sandbox_id)
     before = backend_health(service)["watch"]
     # deleted in a gap of the watch that the server's history no longer covers: the resumed watch gets 410,
-    # and only the relist can show that the pod is gone
-    cluster.api.compact()
-    cluster.api.delete_out_of_band(NAMESPACE, name, grace_s=0)
-    cluster.api.compact()
-    cluster.api.drop_watches()
+    # and only the relist can show that the pod is gone. The gap is held open by refusing the watch's resumes.
+    seen = len(cluster.api.requests)
+    cluster.api.fail_next("GET", "pods", 503, times=10**6)
+    try:
+        cluster.api.drop_watches()
+        eventually(lambda: ("GET", 503) in {(m, c) for m, _, c in cluster.api.requests[seen:]})
+        cluster.api.delete_out_of_band(NAMESPACE, name, grace_s=0)
+        cluster.api.compact()
+    finally:
+        cluster.api.faults.clear()
     eventually(lambda: backend_health(service)["watch"]["lists"] > before["lists"])
     info = eventually(lambda: (i := sb.refresh())["status"] == "failed" and i)
     assert "deleted out of band" in info["status_message"]
