@@ -484,6 +484,31 @@ class Orchestrator:
         logger.warning("creates left in flight by replicas whose lease ended, settled: %s", settled)
         return settled
 
+    async def fail_lost_sandboxes(self) -> list[str]:
+        """Mark "failed", with the backend's reason as `status_message`, every ready sandbox the backend has
+        lost for good (Kubernetes: its pod failed, or was deleted out of band), and delete what is left of it
+        (a pod's Secret and NetworkPolicy). Done only once the record says "failed": then no create of the same
+        id can be under way. A loss of a sandbox deleted meanwhile is forgotten. Every reaper pass runs it, for
+        backends that report losses (`lost_sandboxes`). Returns the ids marked failed."""
+        lost_sandboxes = getattr(self.backend, "lost_sandboxes", None)
+        if lost_sandboxes is None:
+            return []
+        failed = []
+        for sandbox_id, reason in (await lost_sandboxes()).items():
+            record = await self.store.get_sandbox(sandbox_id)
+            if record is not None and record.status == "ready":
+                record.status, record.status_message = "failed", reason
+                if not await self.store.put_sandbox_if(record, status="ready", replica=record.replica):
+                    continue  # changed meanwhile: the next pass reads it again
+                logger.warning("sandbox %s failed: %s", sandbox_id, reason)
+                failed.append(sandbox_id)
+            if record is not None and record.status == "failed":
+                with contextlib.suppress(Exception):
+                    await self.backend.delete(sandbox_id)
+            elif record is None or record.status == "deleting":  # its delete cleans up
+                self.backend.forget_lost(sandbox_id)  # type: ignore[attr-defined]
+        return failed
+
     async def _beat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.replica_lease_s / 3)
@@ -524,6 +549,7 @@ class Orchestrator:
             if lost:
                 logger.warning("jobs of replicas whose lease ended, failed as lost: %s", lost)
             await self.settle_creates()
+        await self.fail_lost_sandboxes()
         await self.store.delete_jobs_completed_before(now - self.job_retention_s)
         await self.store.delete_idempotency_before(now - self.idempotency_ttl_s)
         if reaped:
@@ -714,7 +740,8 @@ class Orchestrator:
         waited for up to 600 s first (`wait_sandbox`); then any status but "ready" is a `ConflictError` (409)."""
         record = await self.wait_sandbox(sandbox_id, 600.0)
         if record.status != "ready":
-            raise ConflictError(f"Sandbox {sandbox_id} is {record.status}, not ready")
+            why = f": {record.status_message}" if record.status_message else ""
+            raise ConflictError(f"Sandbox {sandbox_id} is {record.status}, not ready{why}")
         return record
 
     async def _past_create(self, sandbox_id: str, deadline: float, *, take_over_abandoned: bool) -> SandboxRecord:
@@ -940,7 +967,9 @@ class Orchestrator:
         current = await self._stored(f"job {job.job_id}", lambda: self.store.get_sandbox(job.sandbox_id))
         # Deleted while the job queued (perhaps re-created under the same id): never run it there.
         if current is None or current.created_at != incarnation or current.status != "ready":
-            job.status, job.error, job.started_at, job.completed_at = "failed", "sandbox deleted", None, self.clock()
+            gone = ("sandbox deleted" if current is None or current.created_at != incarnation
+                    or current.status == "deleting" else f"sandbox {current.status}: {current.status_message}")
+            job.status, job.error, job.started_at, job.completed_at = "failed", gone, None, self.clock()
             await self._write_job(job, lock)
             return
         self.running_execs += 1

@@ -2,13 +2,20 @@
 
 Pods, Secrets (core/v1) and NetworkPolicies (networking.k8s.io/v1) in any namespace: create, get, list, delete
 and watch, with equality label selectors (`a=b`, `a!=b`, `a`, `!a`), a global resourceVersion, watch from a
-resourceVersion (410 Gone once it is older than the retained history), `timeoutSeconds`, bookmarks ignored.
+resourceVersion (410 Gone once it is older than the retained history), `timeoutSeconds`, and a BOOKMARK (the
+resourceVersion the watch has reached) before a watch ends by its timeout when the client allows bookmarks.
+Pods are deleted gracefully, as a real API server does: a DELETE with a grace period (`gracePeriodSeconds`, else
+the pod's `terminationGracePeriodSeconds`, else 30) only sets `deletionTimestamp` (the pod is Terminating, a
+MODIFIED event) and the kubelet removes the pod once its containers have stopped (a DELETE with grace 0); a
+DELETE with grace 0 removes it at once (a force delete), whatever the kubelet is still doing.
 The official client talks to it as to a real API server (JSON over HTTP/1.1; watches are chunked streams of
 JSON lines). What it does not do: authentication, admission, scheduling, NetworkPolicy enforcement, image pulls,
-resource limits, garbage collection by owner references, graceful deletion (a DELETE removes at once).
+resource limits, garbage collection by owner references, PATCH.
 
 Faults: `fail_next` answers the next matching requests with 429 (with Retry-After) or 5xx; `drop_watches` cuts
-every open watch mid-stream; `compact` forgets the event history, so a watch resumed from before gets 410.
+every open watch mid-stream; `compact` forgets the event history, so a watch resumed from before gets 410;
+`delete_out_of_band` deletes a pod as `kubectl delete`, a node drain or a cluster upgrade would, behind the
+backend's back.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ class ApiEmulator:
         self.requests: list[tuple[str, str, int]] = []
         """(method, path, status) of every request answered."""
         self.watch_starts = 0
+        self.bookmarks = 0
+        """BOOKMARK events sent."""
         self._cut_generation = 0
         self.on_event: list[Callable[[str, str, dict[str, Any]], None]] = []
         """Called (outside the lock) with (type, resource, object) after every change: the kubelet's hook."""
@@ -129,6 +138,14 @@ class ApiEmulator:
             self.events.clear()
             self.oldest = self.rv
             self.cond.notify_all()
+
+    def delete_out_of_band(self, namespace: str, name: str, grace_s: float | None = None) -> None:
+        """Delete a pod as someone other than the backend would (`kubectl delete pod`; a drain evicts the same
+        way): gracefully, so it is Terminating until the kubelet has stopped it. `grace_s=0`: `kubectl delete
+        --force --grace-period=0`, gone at once."""
+        code, said = self.delete("pods", namespace, name, grace_s=grace_s)
+        if code != 200:
+            raise KeyError(said["message"])
 
     # -- state ------------------------------------------------------------------------------------------------
 
@@ -186,14 +203,33 @@ class ApiEmulator:
             self._record("MODIFIED", "pods", namespace, obj)
         return True
 
-    def delete(self, resource: str, namespace: str, name: str) -> tuple[int, dict[str, Any]]:
+    def delete(self, resource: str, namespace: str, name: str,
+               grace_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Delete an object; a pod with a grace period (`grace_s`, else its spec's, else 30 s) is only marked
+        Terminating (`deletionTimestamp`), for the kubelet to stop and then remove with `grace_s=0`."""
         with self.cond:
-            obj = self.objects.pop((resource, namespace, name), None)
+            obj = self.objects.get((resource, namespace, name))
             if obj is None:
                 return 404, _status(404, "NotFound", f'{resource} "{name}" not found')
-            self._record("DELETED", resource, namespace, obj)
+            if grace_s is None and resource == "pods":
+                grace_s = (obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+            if resource == "pods" and grace_s:
+                meta = obj["metadata"]
+                if "deletionTimestamp" not in meta:  # a second graceful DELETE changes nothing
+                    meta["deletionTimestamp"] = datetime.fromtimestamp(time.time() + grace_s, UTC).strftime(
+                        "%Y-%m-%dT%H:%M:%SZ")
+                    meta["deletionGracePeriodSeconds"] = int(grace_s)
+                    self._record("MODIFIED", resource, namespace, obj)
+                    kind = "MODIFIED"
+                else:
+                    kind = ""
+            else:
+                del self.objects[(resource, namespace, name)]
+                self._record("DELETED", resource, namespace, obj)
+                kind = "DELETED"
             out = json.loads(json.dumps(obj))
-        self._notify("DELETED", resource, out)
+        if kind:
+            self._notify(kind, resource, out)
         return 200, out
 
     def _take_fault(self, method: str, resource: str) -> Fault | None:
@@ -257,7 +293,9 @@ def _handler(api: ApiEmulator) -> type[BaseHTTPRequestHandler]:
             elif self.command == "POST" and name is None:
                 self._reply(*api.create(res, ns, json.loads(body)))
             elif self.command == "DELETE" and name is not None:
-                self._reply(*api.delete(res, ns, name))
+                options = json.loads(body) if body else {}
+                grace = q.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
+                self._reply(*api.delete(res, ns, name, grace_s=float(grace) if grace is not None else None))
             else:
                 self._reply(405, _status(405, "MethodNotAllowed", f"{self.command} {url.path}"))
 
@@ -272,6 +310,7 @@ def _handler(api: ApiEmulator) -> type[BaseHTTPRequestHandler]:
             selector = q.get("labelSelector", "")
             deadline = time.monotonic() + float(q.get("timeoutSeconds") or 1800)
             since = q.get("resourceVersion")
+            bookmarks = q.get("allowWatchBookmarks") in ("true", "1")
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Transfer-Encoding", "chunked")
@@ -308,13 +347,17 @@ def _handler(api: ApiEmulator) -> type[BaseHTTPRequestHandler]:
                             if fresh:
                                 last = fresh[-1][0]
                             pending = [(k, o) for _, r, n, k, o in fresh if r == res and n == ns]
-                            if pending:
-                                break
                             left = deadline - time.monotonic()
-                            if left <= 0:
-                                self.wfile.write(b"0\r\n\r\n")
-                                return
+                            if pending or left <= 0:
+                                break
                             api.cond.wait(min(left, 0.5))
+                    if not pending:  # the watch's time is up
+                        if bookmarks:  # where it got to, events of other kinds included: resume from there
+                            self._chunk({"type": "BOOKMARK", "object": {"kind": KINDS[res], "apiVersion": "v1",
+                                                                        "metadata": {"resourceVersion": str(last)}}})
+                            api.bookmarks += 1
+                        self.wfile.write(b"0\r\n\r\n")
+                        return
             except OSError:
                 return
 

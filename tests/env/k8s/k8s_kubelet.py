@@ -15,13 +15,21 @@ older. The containers are started under `setpriv --pdeathsig KILL`: they die wit
 kubelet, however it ends (a real pod's processes do not outlive its node either). What an agent printed before
 it exited on its own is kept in `exits` and on the pod's status message.
 
+A pod being deleted gracefully (Terminating: `deletionTimestamp` set) is stopped as a kubelet stops it: SIGTERM to
+its containers, SIGKILL once its grace period has passed, then the pod is removed from the API (a DELETE with
+grace 0). A pod deleted with grace 0 is gone from the API at once; its containers are killed when the kubelet
+hears of it.
+
 Faults: `slow_ready_s` delays readiness, `never_ready` leaves a pod waiting with a reason (an image that cannot
-be pulled), `evict` kills a pod's processes and marks it Failed/Evicted, `lose_node` marks it Unknown.
+be pulled), `evict` kills a pod's processes and marks it Failed/Evicted, `lose_node` marks it Unknown,
+`set_ready` flips a live pod's Ready condition (a readiness probe that times out under load), `slow_kill_s`
+keeps a deleted pod's containers running that long after the API has let it go (a busy or unreachable node).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import os
 import secrets
@@ -63,6 +71,8 @@ class SimulatedKubelet:
         """Sandbox id -> seconds its readiness is held back."""
         self.never_ready: dict[str, tuple[str, str]] = {}
         """Sandbox id -> (reason, message) its container waits with forever."""
+        self.slow_kill_s = 0.0
+        """Seconds between hearing of a deletion and stopping the pod's containers."""
         if shutil.which("setpriv") is None:
             raise RuntimeError("the simulated kubelet needs util-linux's setpriv (its pods die with it)")
         self.subnet = f"127.{secrets.randbelow(254) + 1}.{secrets.randbelow(256)}"
@@ -83,12 +93,33 @@ class SimulatedKubelet:
             return
         if kind == "ADDED":
             threading.Thread(target=self._run_pod, args=(pod,), daemon=True).start()
+        elif kind == "DELETED" and self.slow_kill_s:
+            threading.Timer(self.slow_kill_s, self._kill, args=(pod["metadata"]["name"],)).start()
         elif kind == "DELETED":
             self._kill(pod["metadata"]["name"])
+        elif kind == "MODIFIED" and pod["metadata"].get("deletionTimestamp"):
+            threading.Thread(target=self._terminate, args=(pod,), daemon=True).start()
 
-    def _kill(self, name: str) -> None:
+    def _terminate(self, pod: dict[str, Any]) -> None:
+        """Stop a Terminating pod: SIGTERM, SIGKILL after its grace period, then remove it from the API."""
+        meta = pod["metadata"]
+        time.sleep(self.slow_kill_s)
         with self._lock:
-            procs = self.processes.pop(name, [])
+            procs = list(self.processes.get(meta["name"], []))
+            self.processes[meta["name"]] = []  # what exits now was stopped, not failed: no Failed status
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + float(meta.get("deletionGracePeriodSeconds") or 0)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        self._kill(meta["name"], procs)
+        self.api.delete("pods", meta["namespace"], meta["name"], grace_s=0)
+
+    def _kill(self, name: str, stopping: list[subprocess.Popen[bytes]] | None = None) -> None:
+        with self._lock:
+            procs = [*(stopping or []), *self.processes.pop(name, [])]
             self.ips.pop(name, None)
         for p in procs:
             if p.poll() is None:
@@ -111,6 +142,19 @@ class SimulatedKubelet:
     def evict(self, namespace: str, name: str, message: str = "The node was low on resource: memory.") -> None:
         self._kill(name)
         self.api.update_status(namespace, name, {"phase": "Failed", "reason": "Evicted", "message": message})
+
+    def set_ready(self, namespace: str, name: str, ready: bool) -> None:
+        """Report a running pod Ready or not, its agent untouched (a readiness probe that timed out under load
+        makes a real kubelet do this, and the next probe that passes undoes it)."""
+        pod = self.api.get("pods", namespace, name)
+        assert pod is not None, name
+        status = pod["status"]
+        for c in status.get("conditions", []):
+            if c["type"] == "Ready":
+                c["status"] = "True" if ready else "False"
+        for c in status.get("containerStatuses", []):
+            c["ready"] = ready
+        self.api.update_status(namespace, name, status)
 
     def lose_node(self, namespace: str, name: str) -> None:
         self._kill(name)

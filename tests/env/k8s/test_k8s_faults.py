@@ -10,7 +10,7 @@ import httpx
 import pytest
 from conftest import NAMESPACE, Cluster, k8s_service
 
-from orchard.env import BackendRefusedError, SandboxClient, ServerError
+from orchard.env import BackendRefusedError, ConflictError, SandboxClient, ServerError
 from orchard.env.backends.base import BackendError, ExecRequest, SandboxSpec
 from orchard.env.backends.kubernetes.manifests import POD_BY, KubernetesConfig, labels, object_name
 
@@ -56,8 +56,11 @@ def test_a_failed_pod_is_reaped_at_once_and_its_sandbox_says_why(service, client
     # reaped by the watcher, not by a TTL: pod, Secret and NetworkPolicy all go
     eventually(lambda: name not in cluster.objects("pods") + cluster.objects("secrets")
                + cluster.objects("networkpolicies"))
-    r = sb.exec("true")  # an environment failure, marked as such: no exit code, the reason in `error`
-    assert r.status == "failed" and r.exit_code is None and said in r.error
+    # the sandbox is marked failed with the reason (by the next reaper pass), and a call says so
+    info = eventually(lambda: (i := sb.refresh())["status"] == "failed" and i)
+    assert said in info["status_message"]
+    with pytest.raises(ConflictError, match="is failed, not ready: its pod failed"):
+        sb.exec("true")
     sb.delete()
 
 

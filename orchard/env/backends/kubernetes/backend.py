@@ -17,9 +17,20 @@ and never runs it again.
 
 Pods that fail (evicted, their node lost, their agent dead) are reaped as soon as the watcher sees them: the
 pod, its Secret and its NetworkPolicy are deleted and the sandbox's next call fails with what Kubernetes said
-(Orchard Env leaves such pods to a 2-hour TTL). On start, Secrets and NetworkPolicies without a pod are swept;
-pods that no record of the orchestrator owns are deleted by its reconciliation (`list_ids`), unless its store
-holds no sandbox at all (a store that lost its data: `Orchestrator.reconcile` then keeps them and says so).
+(Orchard Env leaves such pods to a 2-hour TTL). A pod deleted by someone else (`kubectl delete`, a node drain, an
+upgrade: the watch sees it Terminating or gone, or a relist after 410 Gone finds it missing) makes its sandbox
+lost as well; `lost_sandboxes` reports both kinds, with the reason, for the orchestrator to mark the sandbox failed
+in its store and delete what is left (its Secret and NetworkPolicy: only once the store says failed can no create
+of the same id be under way on another replica). Until then a call names the failure, not "not found".
+On start, Secrets and NetworkPolicies without a pod are swept; pods that no record of the orchestrator owns are
+deleted by its reconciliation (`list_ids`), unless its store holds no sandbox at all (a store that lost its data:
+`Orchestrator.reconcile` then keeps them and says so).
+
+Readiness is waited for only until a pod has been Ready once: a pod that was Ready and is reported not Ready again
+(a readiness probe that timed out under load) is still asked directly, so a call fails or succeeds within its
+connection retries instead of waiting up to `ready_timeout_s` for the probe. A delete is done once the API has
+let the pod go (grace 0); the node stops its containers after that, so an agent may still answer a request the
+delete overtook: that answer is dropped, and the call fails saying the sandbox was deleted while it ran.
 """
 
 from __future__ import annotations
@@ -64,6 +75,10 @@ from orchard.env.backends.kubernetes.manifests import (
     secret_manifest,
 )
 from orchard.env.backends.kubernetes.watch import PodWatcher
+
+DELETED_OUT_OF_BAND = ("its pod was deleted out of band (not through this service: kubectl delete, a node drain, "
+                       "a cluster upgrade)")
+"""Why a sandbox failed whose pod someone else deleted."""
 
 with requires_extra("env"):
     import httpx
@@ -161,6 +176,13 @@ class KubernetesBackend:
         self.reaped: list[tuple[str, str]] = []
         self._tokens: dict[str, str] = {}
         self._lost: dict[str, str] = {}
+        """Sandbox id -> why it is gone for good (its pod failed, or was deleted out of band)."""
+        self._lost_uid: dict[str, str | None] = {}
+        """Sandbox id -> the uid of the pod it lost: a pod of another uid is the id made again."""
+        self._seen: dict[str, tuple[str, str | None]] = {}
+        """Pod name -> (sandbox id, uid) of every sandbox pod the watch holds."""
+        self._was_ready: set[str] = set()
+        """Uids of the pods seen Ready: their readiness is not waited for again."""
         self._deleting: set[str] = set()
         self._changed: dict[str, asyncio.Event] = {}
         self._watcher: PodWatcher | None = None
@@ -251,15 +273,58 @@ class KubernetesBackend:
         if event is not None:
             event.set()
         if pod is None:
-            self._deleting.discard(name)
+            sandbox_id, uid = self._seen.pop(name, (None, None))
+            self._was_ready.discard(uid or "")
+            if name in self._deleting:
+                self._deleting.discard(name)
+            elif sandbox_id is not None:
+                self._lose(sandbox_id, uid, DELETED_OUT_OF_BAND)
             return
         sandbox_id = (pod["metadata"].get("labels") or {}).get(SANDBOX)
+        if not sandbox_id:
+            return
+        uid = pod["metadata"].get("uid")
+        self._seen[name] = (sandbox_id, uid)
         state = pod_state(pod)
-        if sandbox_id and state.phase == "failed" and sandbox_id not in self._lost and name not in self._deleting:
-            self._lost[sandbox_id] = state.reason
+        if state.phase == "ready":
+            self._was_ready.add(uid or "")
+        if state.phase in ("pending", "ready") and self._lost_uid.get(sandbox_id, uid) != uid:
+            self.forget_lost(sandbox_id)  # made again (here or by another replica) after it was lost
+        if name in self._deleting or sandbox_id in self._lost:
+            return
+        if state.phase == "failed":
+            self._lose(sandbox_id, uid, f"its pod failed ({state.reason})")
             task = asyncio.get_running_loop().create_task(self._reap(sandbox_id, state.reason))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        elif state.phase == "terminating":  # deleted gracefully by someone else: it is going away
+            self._lose(sandbox_id, uid, DELETED_OUT_OF_BAND)
+
+    def _lose(self, sandbox_id: str, uid: str | None, reason: str) -> None:
+        if sandbox_id not in self._lost:
+            logger.warning("sandbox %s is lost: %s", sandbox_id, reason)
+            self._lost[sandbox_id], self._lost_uid[sandbox_id] = reason, uid
+
+    async def lost_sandboxes(self) -> dict[str, str]:
+        """Sandbox id -> why it is gone for good (its pod failed, or was deleted out of band), for each sandbox
+        whose pod the watch saw fail or go and that no create or delete through this backend has ended since.
+        Each is checked against the API server first: one whose id has a new pod meanwhile (made again by
+        another replica, which this replica's watch has not shown yet) is forgotten, not reported."""
+        await self._started()
+        out = {}
+        for sandbox_id, reason in list(self._lost.items()):
+            found = await self._call(self.core.read_namespaced_pod, object_name(sandbox_id), self.config.namespace,
+                                     ok=(404,), _preload_content=False)
+            if found is None or json.loads(found.data)["metadata"].get("uid") == self._lost_uid.get(sandbox_id):
+                out[sandbox_id] = reason
+            elif self._lost.get(sandbox_id) == reason:
+                self.forget_lost(sandbox_id)
+        return out
+
+    def forget_lost(self, sandbox_id: str) -> None:
+        """Stop reporting a lost sandbox (the orchestrator found it deleted, or made again)."""
+        self._lost.pop(sandbox_id, None)
+        self._lost_uid.pop(sandbox_id, None)
 
     async def _reap(self, sandbox_id: str, reason: str) -> None:
         logger.warning("sandbox %s: its pod failed (%s); deleting it now", sandbox_id, reason)
@@ -327,7 +392,7 @@ class KubernetesBackend:
         _check_spec(spec)
         watcher = await self._started()
         name, ns = object_name(sandbox_id), self.config.namespace
-        self._lost.pop(sandbox_id, None)
+        self.forget_lost(sandbox_id)
         if name not in watcher.pods or name in self._deleting:
             self._deleting.discard(name)
             token = secrets.token_urlsafe(32)
@@ -359,7 +424,7 @@ class KubernetesBackend:
         _check_id(sandbox_id)
         await self._started()
         self._tokens.pop(sandbox_id, None)
-        self._lost.pop(sandbox_id, None)
+        self.forget_lost(sandbox_id)
         await self._delete_objects(sandbox_id)
 
     async def exists(self, sandbox_id: str) -> bool:
@@ -453,18 +518,25 @@ class KubernetesBackend:
             self._tokens[sandbox_id] = token
         return token
 
+    def _check_not_lost(self, sandbox_id: str) -> None:
+        reason = self._lost.get(sandbox_id)
+        if reason is not None:
+            raise BackendError(f"sandbox {sandbox_id} failed: {reason}")
+
     async def _agent(self, sandbox_id: str, method: str, path: str, *, timeout_s: float = 300.0,
                      **kwargs: Any) -> httpx.Response:
         _check_id(sandbox_id)
         watcher = await self._started()
-        if sandbox_id in self._lost:
-            raise BackendError(f"sandbox {sandbox_id} is gone: its pod failed ({self._lost[sandbox_id]})")
+        self._check_not_lost(sandbox_id)
         name = object_name(sandbox_id)
         pod = watcher.pods.get(name)
         if pod is None or name in self._deleting:
             raise SandboxNotFoundError(f"no sandbox {sandbox_id!r}")
+        uid = pod["metadata"].get("uid")
         state = pod_state(pod)
-        if state.phase == "pending":  # made by another replica a moment ago
+        if state.phase == "pending" and state.ip and uid in self._was_ready:
+            ip = state.ip  # Ready before: its probe failed under load, its agent is asked (and retried) now
+        elif state.phase == "pending":  # made by another replica a moment ago
             ip = await self._wait_ready(sandbox_id, self.config.ready_timeout_s)
         elif state.phase != "ready":
             raise BackendError(f"sandbox {sandbox_id}: pod {name} is {state.phase}: {state.reason}")
@@ -482,14 +554,20 @@ class KubernetesBackend:
                                              headers=headers, timeout=timeout_s, **kwargs)
                 break
             except httpx.HTTPError as e:
-                if sandbox_id in self._lost:
-                    raise BackendError(f"sandbox {sandbox_id} is gone: its pod failed ({self._lost[sandbox_id]})") from e
+                self._check_not_lost(sandbox_id)
                 if not isinstance(e, AGENT_RETRYABLE) or attempt == AGENT_RETRIES or name in self._deleting:
                     raise BackendError(f"sandbox {sandbox_id}: its agent at {ip} did not answer: {_chain(e)}") from e
                 delay = backoff_s(attempt)
                 logger.warning("sandbox %s: %s %s to its agent: %s; retry %d in %.2fs", sandbox_id, method,
                                path, _chain(e), attempt + 1, delay)
                 await asyncio.sleep(delay)
+        # A delete (ours with grace 0, or someone else's) may have overtaken the request while the node had not
+        # yet stopped the pod's agent: what the agent answered then belongs to a sandbox that is gone.
+        self._check_not_lost(sandbox_id)
+        now = watcher.pods.get(name)
+        if name in self._deleting or now is None or now["metadata"].get("uid") != uid:
+            raise BackendError(f"sandbox {sandbox_id} was deleted while {method} {path} ran; its answer is "
+                               "not reported")
         if r.status_code < 300:
             return r
         try:
