@@ -261,16 +261,22 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
     engine = rollout_engine(cfg, model, tokenizer, ranks)
     with sandbox_service(cfg.env_url) as env:
         async with AsyncSandboxClient(*env) as client:
-            harnesses = claw_harnesses(cfg, tokenizer, client)
+            harnesses = run.saving(claw_harnesses(cfg, tokenizer, client))
             trained = {h: harnesses[h] for h in cfg.harnesses}
             await run.evaluate("base", 0, harnesses, engine, heldout)
             if cfg.sft.enabled:
                 # The teacher recognises a task by its request: it demonstrates one task per distinct request.
                 demo_tasks = list({t.prompt: t for t in reversed(train_tasks)}.values())[::-1]
                 teacher = TeacherEngine(tokenizer, demo_tasks)
+                run.phase = "sft_teacher"
                 samples, stats = await stages.demonstrations(trained, teacher, demo_tasks)
                 run.log.log(stats, 0)
-                await run.sft(model, tokenizer, engine, samples, cfg.sft)
+                await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={
+                    "source": f"the scripted teacher's greedy episodes of {len(demo_tasks)} train tasks through "
+                              f"{sorted(trained)} (trajectories/sft_teacher.jsonl.gz)",
+                    "kept": "episodes with reward > 0 (stages.demonstrations)",
+                    "mask": "every token the teacher generated (assistant content, tool calls, end of turn); "
+                            "react: the episode rendered whole; text: each recorded call, chained by prefix"})
                 await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
             if cfg.rl.enabled:
                 def on_step(stats: dict[str, float], step: int) -> None:
@@ -280,8 +286,11 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                                   f"env_errors {stats['rl/env_errors']:.0f}")
 
                 if cfg.rl.start_temperature.search:
+                    run.phase = "start_temperature"
                     await start_at_best_temperature(cfg, run, model, tokenizer, engine, harnesses, heldout)
+                run.phase = "task_filter"
                 pool = await rl_tasks(cfg, trained, engine, rl_pool, run.log)
+                run.phase = "rl"
                 if pool:
                     # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing (the
                     # whole pool, filter off, holds tasks_per_step by the config's own check).

@@ -210,6 +210,8 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                                           seed=cfg.seed, failure_rate=cfg.teacher.failure_rate,
                                           max_steps=max(cfg.step_budgets), images=cfg.images)
         judged = await judge_gui_trajectories(judge, teacher, tasks=train, **judge_kwargs)
+        run.phase = "sft_teacher"
+        run.save_trajectories(teacher)
         model, tokenizer = load_policy(cfg.model, corpus(teacher), seed=cfg.seed)
         engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
         r = cfg.rollout
@@ -220,7 +222,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                                 max_prompt_tokens=cfg.max_prompt_tokens)
 
         # a fresh Rollouts per evaluation: each draws its episodes' seeds from cfg.seed anew
-        await run.evaluate("base", 0, {"gui": rollouts(r.max_steps)}, engine, heldout)
+        await run.evaluate("base", 0, run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
         if cfg.sft.enabled:
             curated = curate_sft(teacher, train, max_tasks_per_site=cfg.tasks.max_tasks_per_site, seed=cfg.seed)
             samples = sft_turn_samples(curated, tokenizer)
@@ -230,8 +232,13 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                      **{k.replace("rl/", "sft/teacher_"): v for k, v in judged.items()}}
             run.log.log(stats, 0)
             run.log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
-            await run.sft(model, tokenizer, engine, samples, sft_config(cfg, len(samples)))
-            await run.evaluate("sft", len(run.sft_history), {"gui": rollouts(r.max_steps)}, engine, heldout)
+            await run.sft(model, tokenizer, engine, samples, sft_config(cfg, len(samples)), provenance={
+                "source": f"the scripted teacher's {len(teacher)} rollouts of the train tasks, judged "
+                          "(trajectories/sft_teacher.jsonl.gz)",
+                "kept": "curate_sft: passed rollouts, at most tasks.max_tasks_per_site tasks per site",
+                "mask": "one sample per assistant turn (sft_turn_samples): that turn's tokens"})
+            await run.evaluate("sft", len(run.sft_history), run.saving({"gui": rollouts(r.max_steps)}), engine,
+                               heldout)
         if cfg.rl.enabled:
             for budget in cfg.step_budgets:
                 offset = len(run.rl_history)
@@ -242,14 +249,15 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                                   f"groups {stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} removed "
                                   f"{stats['rl/removed']:.0f} format_errors {stats['rl/format_errors']:.0f}")
 
-                judged_rollouts = JudgedGUIRollouts(rollouts(budget), judge, **judge_kwargs)
+                judged_rollouts = run.saving({"gui": JudgedGUIRollouts(rollouts(budget), judge, **judge_kwargs)})
+                run.phase = f"rl_budget_{budget}"
                 # each budget is one RL stage: a fresh optimizer and schedule on the weights the last one left
-                run.rl_history += await stages.rl_stage(model, engine, {"gui": judged_rollouts}, train, cfg.rl,
+                run.rl_history += await stages.rl_stage(model, engine, judged_rollouts, train, cfg.rl,
                                                         rollout=r, pad_id=tokenizer.pad_token_id, seed=cfg.seed,
                                                         output_dir=str(run.out / "rl" / f"budget_{budget}"),
                                                         log=on_step)
             run.save_policy(model, tokenizer, "rl_model")
-            await run.evaluate("rl", len(run.rl_history), {"gui": rollouts(r.max_steps)}, engine, heldout)
+            await run.evaluate("rl", len(run.rl_history), run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
     return await run.finish(engine, config_to_dict(cfg))
 
 

@@ -578,7 +578,7 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
     async with swe_sandboxes(cfg) as sandboxes:
         harnesses = swe_harnesses(cfg, tokenizer, sandboxes)
         async with warm(sandboxes, cfg, evaluating):
-            await run.evaluate("base", 0, harnesses, engine, heldout)
+            await run.evaluate("base", 0, run.saving(harnesses), engine, heldout)
         row = RL_VARIANTS[cfg.rl.variant]
         cpu_teacher = cfg.rl.enabled and row.teacher and cfg.rl.teacher.url is None and cfg.rl.teacher.path is None
         if cfg.sft.enabled or cpu_teacher:  # the scripted teacher's corpus: SFT's data, the CPU OPD teacher's
@@ -586,6 +586,8 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
             async with warm(sandboxes, cfg, len(train) * cfg.teacher.attempts):
                 trajectories = [t for h in cfg.harnesses for t in await teacher_trajectories(
                     harnesses[h], teacher, train, attempts=cfg.teacher.attempts)]
+            run.phase = "sft_teacher"
+            run.save_trajectories(trajectories)
             # curated once: SFT and the CPU OPD teacher learn from the same corpus
             trajectories, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
                                                       unparseable=unparseable_actions) if cfg.sft.curate \
@@ -597,23 +599,35 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
             stats = {**stats, **dropped}
             log.log(stats, 0)
             log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
-            await run.sft(model, tokenizer, engine, samples, cfg.sft)
+            await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={
+                "source": f"the scripted teacher's {cfg.teacher.attempts} attempts per train instance through "
+                          f"{cfg.harnesses} (trajectories/sft_teacher.jsonl.gz)"
+                          + (", curated (stages.curate_sft)" if cfg.sft.curate else ""),
+                "mode": cfg.sft_mode,
+                "mask": {"resolved": "resolved trajectories, every generated token",
+                         "all": "every valid trajectory, every generated token",
+                         "credit": f"resolved trajectories whole; failed ones only on the tokens of steps with "
+                                   f"hindsight credit >= {cfg.values.eps} (stages.sft_samples)"}[cfg.sft_mode]})
             async with warm(sandboxes, cfg, evaluating):
-                await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
+                await run.evaluate("sft", len(run.sft_history), run.saving(harnesses), engine, heldout)
         pool: list[Any] = []
         if cfg.rl.enabled:
             teacher = opd_teacher(cfg, out, tokenizer, trajectories, log) if row.teacher else None
             # The stage hands the engine new weights after every update: it holds the final policy here.
+            run.phase = "rl"
             run.rl_history, pool = await rl(cfg, out, harnesses, sandboxes, engine, model, tokenizer, rl_pool, log,
                                             teacher)
+            run.save_trajectories(pool)  # the task filter's and the RL stage's rollouts, judged where judged
             if teacher is not None:
                 await teacher.close()
             if run.rl_history:
                 run.save_policy(model, tokenizer, "rl_model")
                 async with warm(sandboxes, cfg, evaluating):
-                    await run.evaluate("rl", len(run.rl_history), harnesses, engine, heldout)
+                    await run.evaluate("rl", len(run.rl_history), run.saving(harnesses), engine, heldout)
         if cfg.value_model.enabled:
-            await value_rerank(cfg, out, harnesses, sandboxes, engine, model, tokenizer, heldout, pool, log)
+            run.phase = "value_rerank"
+            await value_rerank(cfg, out, run.saving(harnesses), sandboxes, engine, model, tokenizer, heldout, pool,
+                               log)
     return await run.finish(engine, config_to_dict(cfg))
 
 

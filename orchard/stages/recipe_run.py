@@ -6,9 +6,13 @@ A recipe reads::
     run = RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                     ranks=init_ranks())
     ...                                          # the domain: tasks, model, engine, harnesses
+    harnesses = run.saving(harnesses)            # every episode played, by phase, under trajectories/
     await run.evaluate("base", 0, harnesses, engine, heldout)
-    await run.sft(model, tokenizer, engine, samples, cfg.sft)
+    run.phase = "sft_teacher"
+    ...                                          # the demonstrations
+    await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={...})   # also writes sft_data/
     await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
+    run.phase = "rl"
     run.rl_history = await rl_stage(...)
     run.save_policy(model, tokenizer, "rl_model")
     await run.evaluate("rl", len(run.rl_history), harnesses, engine, heldout)
@@ -24,7 +28,7 @@ from typing import Any
 
 import torch
 
-from orchard.data import RenderedSample
+from orchard.data import RenderedSample, Trajectory
 from orchard.rollout.engine import derive_seed
 from orchard.rollout.rollouts import Rollouts
 from orchard.stages.config import EvalConfig, SFTConfig
@@ -32,6 +36,7 @@ from orchard.stages.evaluate import evaluate_stage
 from orchard.stages.policy import save_policy
 from orchard.stages.ranks import Ranks, barrier
 from orchard.stages.report import RunLog, write_results
+from orchard.stages.run_files import SavingRollouts, append_trajectories, save_sft_data
 from orchard.stages.sft import sft_stage
 
 __all__ = ["EXISTING_RUN_CHOICES", "RecipeRun", "prepare_output_dir", "previous_run"]
@@ -125,6 +130,9 @@ class RecipeRun:
             torch.set_num_threads(threads)
         self.seed, self.eval_cfg = seed, eval_cfg
         self.log = RunLog(self.out, enabled=self.ranks.is_main, append=existing == "resume")
+        self.phase = "run"
+        """What the run is doing, named in the files of `saving`'s trajectories (`evaluate` sets ``eval_<stage>``
+        while it runs; a recipe sets the others: ``sft_teacher``, ``rl``, ...)."""
         self.results: dict[str, dict[str, dict[str, float]]] = {}
         self.sft_history: list[dict[str, float]] = []
         self.rl_history: list[dict[str, float]] = []
@@ -134,16 +142,36 @@ class RecipeRun:
         """`evaluate_stage` of ``engine``'s policy after ``stage`` (logged at ``step``), kept in :attr:`results`.
         Every stage's evaluation plays with the same seed, ``derive_seed(seed, "eval")``: the stages are compared on
         the same sampling draws, and the rows do not depend on how many ranks played them."""
-        self.results[stage] = await evaluate_stage(stage, step, harnesses, engine, tasks, self.eval_cfg, self.log,
-                                                   seed=derive_seed(self.seed, "eval"))
+        phase, self.phase = self.phase, f"eval_{stage}"
+        try:
+            self.results[stage] = await evaluate_stage(stage, step, harnesses, engine, tasks, self.eval_cfg,
+                                                       self.log, seed=derive_seed(self.seed, "eval"))
+        finally:
+            self.phase = phase
         return self.results[stage]
 
+    def saving(self, harnesses: Mapping[str, Rollouts]) -> dict[str, Rollouts]:
+        """``harnesses`` wrapped so that every trajectory they return is saved (`save_trajectories`, under the
+        harness's name)."""
+        return {name: SavingRollouts(rollouts, name, self.save_trajectories) for name, rollouts in harnesses.items()}
+
+    def save_trajectories(self, trajectories: Sequence[Trajectory], rollouts: str | None = None) -> None:
+        """Append ``trajectories`` to ``output_dir/trajectories/<phase>.jsonl.gz`` (`orchard.stages.run_files`),
+        with ``phase`` (and ``rollouts``, the harness's name, when given) in their written metadata; under several
+        ranks each rank writes its own to ``<phase>.rank<r>.jsonl.gz``."""
+        suffix = "" if self.ranks.world_size == 1 else f".rank{self.ranks.rank}"
+        extra = {"phase": self.phase} if rollouts is None else {"phase": self.phase, "rollouts": rollouts}
+        append_trajectories(trajectories, self.out / "trajectories" / f"{self.phase}{suffix}.jsonl.gz", **extra)
+
     async def sft(self, model: Any, tokenizer: Any, engine: Any, samples: Sequence[RenderedSample],
-                  cfg: SFTConfig) -> list[dict[str, float]]:
+                  cfg: SFTConfig, *, provenance: Mapping[str, Any] | None = None) -> list[dict[str, float]]:
         """`sft_stage` on ``samples`` (trainer output under ``output_dir/sft``), the loss printed, the model saved as
         ``sft_model`` (rank 0), then the engine given the new weights; every rank waits there for rank 0's push, so
         no served replica generates with the old ones. Returns (and keeps in :attr:`sft_history`) the per-step
-        metrics."""
+        metrics. First, rank 0 writes the samples as they train to ``output_dir/sft_data`` with ``provenance`` (the
+        recipe's account of where they and their masks came from; `orchard.stages.run_files.save_sft_data`)."""
+        if self.ranks.is_main:
+            save_sft_data(samples, self.out / "sft_data", provenance)
         self.sft_history = sft_stage(model, samples, cfg, pad_id=tokenizer.pad_token_id, seed=self.seed,
                                      output_dir=str(self.out / "sft"))
         self.log.print(f"sft: {len(samples)} samples, {len(self.sft_history)} steps, loss "

@@ -96,6 +96,18 @@ def test_claw_recipe_smoke(tmp_path):
     assert teacher["sft/teacher_text_passed"] == teacher["sft/teacher_text_episodes"]
     assert teacher["sft/teacher_text_episodes"] == teacher["sft/teacher_react_episodes"]
     assert (out / "learning_curve.png").stat().st_size > 10_000
+    # Every episode played is on disk under its phase, and the SFT data as it trained, with its provenance.
+    from orchard.data import read_jsonl
+
+    played = {p.name.removesuffix(".jsonl.gz"): read_jsonl(p) for p in (out / "trajectories").iterdir()}
+    assert set(played) == {"eval_base", "sft_teacher", "eval_sft", "start_temperature", "eval_sft_best_t", "rl",
+                           "eval_rl"}
+    assert len(played["eval_rl"]) == 2 * len(TEMPLATES) * 2  # 2 harnesses x 11 tasks x 2 attempts
+    assert len(played["rl"]) == sum(r["rl/episodes"] for r in rl_rows)
+    assert {t.metadata["rollouts"] for t in played["sft_teacher"]} == {"react", "text"}
+    assert len(played["sft_teacher"]) == teacher["sft/teacher_react_episodes"] + teacher["sft/teacher_text_episodes"]
+    sft_data = json.loads((out / "sft_data" / "provenance.json").read_text())
+    assert sft_data["samples"] > 0 and "reward > 0" in sft_data["provenance"]["kept"]
     sft_rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
     # SFT at lr 3e-3 on the teacher's episodes lowers the loss over its steps.
     assert sft_rows[-1]["loss/total"] < sft_rows[0]["loss/total"]
