@@ -62,6 +62,7 @@ from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.ranks import Ranks, barrier, init_ranks
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
+from orchard.train.metrics import WandbConfig
 
 HARNESSES = ("react", "text")
 DERIVED = stages.derived_keys("sft", "rl")
@@ -119,6 +120,11 @@ class ClawConfig:
     existing: str = "refuse"
     """When output_dir holds a previous run: refuse (stop before any work), move (rename it to output_dir.<n>
     and start afresh) or resume (append to it; RL continues from its checkpoint). A run is never deleted."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """The run's metric sinks: jsonl (output_dir/metrics.jsonl, always), tensorboard (output_dir/tensorboard),
+    wandb (one W&B run per recipe run, named after output_dir, grouped by its parent): every metric the run logs."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B project, mode (online / offline / disabled), run name and group, used when loggers has wandb."""
     seed: int = 0
     """Seed of tasks order, model initialisation, sampling and training."""
     env_url: str | None = None
@@ -147,6 +153,8 @@ class ClawConfig:
         if self.existing not in stages.EXISTING_RUN_CHOICES:
             raise ValueError(f"existing must be one of {list(stages.EXISTING_RUN_CHOICES)}, "
                              f"got {self.existing!r}")
+        if isinstance(self.loggers, str) or any(name not in stages.RUN_LOGGERS for name in self.loggers):
+            raise ValueError(f"loggers must be among {list(stages.RUN_LOGGERS)}, got {self.loggers!r}")
         for key, names in (("harnesses", self.harnesses), ("eval.harnesses", self.eval.harnesses)):
             if not names or any(n not in HARNESSES for n in names):
                 raise ValueError(f"{key} must be a non-empty list among {list(HARNESSES)}, got {names!r}")
@@ -255,7 +263,8 @@ async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, mode
 async def run(cfg: ClawConfig) -> dict[str, Any]:
     ranks = init_ranks()
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
-                           existing=cfg.existing, ranks=ranks)
+                           existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
+                           config=config_to_dict(cfg), ranks=ranks)
     train_tasks, rl_pool, heldout = task_pools(cfg)
     model, tokenizer = load_policy(cfg.model, tokenizer_corpus(train_tasks), seed=cfg.seed)
     engine = rollout_engine(cfg, model, tokenizer, ranks)

@@ -64,6 +64,7 @@ from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
+from orchard.train.metrics import WandbConfig
 
 DERIVED = stages.derived_keys("sft", "rl")
 _SYSTEM_REPEATS = 40
@@ -107,6 +108,11 @@ class GUIConfig:
     existing: str = "refuse"
     """When output_dir holds a previous run: refuse (stop before any work), move (rename it to output_dir.<n>
     and start afresh) or resume (append to it; RL continues from its checkpoint). A run is never deleted."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """The run's metric sinks: jsonl (output_dir/metrics.jsonl, always), tensorboard (output_dir/tensorboard),
+    wandb (one W&B run per recipe run, named after output_dir, grouped by its parent): every metric the run logs."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B project, mode (online / offline / disabled), run name and group, used when loggers has wandb."""
     seed: int = 0
     """Seed of model initialisation, the teacher's noise, sampling and training."""
     env_url: str | None = None
@@ -143,6 +149,8 @@ class GUIConfig:
         if self.existing not in stages.EXISTING_RUN_CHOICES:
             raise ValueError(f"existing must be one of {list(stages.EXISTING_RUN_CHOICES)}, "
                              f"got {self.existing!r}")
+        if isinstance(self.loggers, str) or any(name not in stages.RUN_LOGGERS for name in self.loggers):
+            raise ValueError(f"loggers must be among {list(stages.RUN_LOGGERS)}, got {self.loggers!r}")
         if any(t not in TEMPLATES for t in self.tasks.templates):
             raise ValueError(f"tasks.templates must be among {sorted(TEMPLATES)}, got {self.tasks.templates!r}")
         for key in ("train_per_template", "heldout_per_template"):
@@ -201,7 +209,8 @@ def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
 
 async def run(cfg: GUIConfig) -> dict[str, Any]:
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
-                           existing=cfg.existing)
+                           existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
+                           config=config_to_dict(cfg))
     train, heldout = task_pools(cfg)
     judge, judge_kwargs = make_judge(cfg)
     with sandbox_service(cfg.env_url) as env, SandboxClient(*env) as client:

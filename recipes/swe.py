@@ -83,6 +83,7 @@ from orchard.stages import (
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.train.config import ConfigError, config_to_dict
+from orchard.train.metrics import WandbConfig
 from orchard.train.model import load_causal_lm
 from orchard.train.objective import LossTerm
 from orchard.value import ValueModel
@@ -265,6 +266,11 @@ class SWEConfig:
     existing: str = "refuse"
     """When output_dir holds a previous run: refuse (stop before any work), move (rename it to output_dir.<n>
     and start afresh) or resume (append to it; RL continues from its checkpoint). A run is never deleted."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """The run's metric sinks: jsonl (output_dir/metrics.jsonl, always), tensorboard (output_dir/tensorboard),
+    wandb (one W&B run per recipe run, named after output_dir, grouped by its parent): every metric the run logs."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B project, mode (online / offline / disabled), run name and group, used when loggers has wandb."""
     seed: int = 0
     """Seed of model initialisation, the teacher's noise, sampling and training."""
     env_url: str | None = None
@@ -305,6 +311,8 @@ class SWEConfig:
         if self.existing not in stages.EXISTING_RUN_CHOICES:
             raise ValueError(f"existing must be one of {list(stages.EXISTING_RUN_CHOICES)}, "
                              f"got {self.existing!r}")
+        if isinstance(self.loggers, str) or any(name not in stages.RUN_LOGGERS for name in self.loggers):
+            raise ValueError(f"loggers must be among {list(stages.RUN_LOGGERS)}, got {self.loggers!r}")
         if not self.harnesses or any(h not in TRAINABLE for h in self.harnesses):
             raise ValueError(f"harnesses must be a non-empty list among {list(TRAINABLE)}, got {self.harnesses!r}")
         if any(h not in HARNESSES for h in self.eval.harnesses):
@@ -567,7 +575,8 @@ async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts]
 async def run(cfg: SWEConfig) -> dict[str, Any]:
     train, rl_pool, heldout = instance_pools(cfg)  # a bad file or snapshot stops the run before it writes anything
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
-                           existing=cfg.existing)
+                           existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
+                           config=config_to_dict(cfg))
     out, log = run.out, run.log
     unique = {i.instance_id: i for i in [*train, *rl_pool, *heldout]}
     model, tokenizer = load_policy(cfg.model, corpus(list(unique.values())), seed=cfg.seed)

@@ -47,7 +47,15 @@ from orchard.stages.config import (
 from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, success_row
 from orchard.stages.recipe_run import EXISTING_RUN_CHOICES, RecipeRun, prepare_output_dir, previous_run
-from orchard.stages.report import RunLog, format_table, plot_learning_curve, recipe_main, write_results
+from orchard.stages.report import (
+    RUN_LOGGERS,
+    RunLog,
+    format_table,
+    plot_learning_curve,
+    provenance,
+    recipe_main,
+    write_results,
+)
 from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
@@ -69,6 +77,7 @@ from orchard.stages.value_rerank import (
 __all__ = [
     "EXISTING_RUN_CHOICES",
     "OPD_TERMS",
+    "RUN_LOGGERS",
     "SFT_MODES",
     "TEMPERATURE_GRID",
     "EvalConfig",
@@ -98,6 +107,7 @@ __all__ = [
     "plot_value_curves",
     "prepare_output_dir",
     "previous_run",
+    "provenance",
     "recipe_main",
     "rl_stage",
     "rollout_groups",

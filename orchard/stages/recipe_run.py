@@ -38,6 +38,7 @@ from orchard.stages.ranks import Ranks, barrier
 from orchard.stages.report import RunLog, write_results
 from orchard.stages.run_files import SavingRollouts, append_trajectories, save_sft_data
 from orchard.stages.sft import sft_stage
+from orchard.train.metrics import WandbConfig
 
 __all__ = ["EXISTING_RUN_CHOICES", "RecipeRun", "prepare_output_dir", "previous_run"]
 
@@ -109,10 +110,14 @@ class RecipeRun:
             ``<output_dir>.<n>``, the first free ``n`` from 1, and start afresh), or ``"resume"`` (keep it: metrics
             are appended, and the RL stage continues from its checkpoint when ``rl.resume`` is on). A previous run
             is never deleted.
+        loggers, wandb, config: the run's metric sinks beside ``metrics.jsonl`` (`RunLog`: ``tensorboard``,
+            ``wandb``: one W&B run per recipe run, named after ``output_dir``, with ``config``); each gets every
+            metric the run logs, the SFT stage's per-step rows included (as ``sft/<key>``).
     """
 
     def __init__(self, output_dir: str | Path, *, seed: int, threads: int = 0, eval_cfg: EvalConfig,
-                 ranks: Ranks | None = None, existing: str = "refuse") -> None:
+                 ranks: Ranks | None = None, existing: str = "refuse", loggers: Sequence[str] = ("jsonl",),
+                 wandb: WandbConfig | None = None, config: Mapping[str, Any] | None = None) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
@@ -129,7 +134,8 @@ class RecipeRun:
         if threads:
             torch.set_num_threads(threads)
         self.seed, self.eval_cfg = seed, eval_cfg
-        self.log = RunLog(self.out, enabled=self.ranks.is_main, append=existing == "resume")
+        self.log = RunLog(self.out, enabled=self.ranks.is_main, append=existing == "resume", loggers=loggers,
+                          wandb=wandb, config=config)
         self.phase = "run"
         """What the run is doing, named in the files of `saving`'s trajectories (`evaluate` sets ``eval_<stage>``
         while it runs; a recipe sets the others: ``sft_teacher``, ``rl``, ...)."""
@@ -174,6 +180,8 @@ class RecipeRun:
             save_sft_data(samples, self.out / "sft_data", provenance)
         self.sft_history = sft_stage(model, samples, cfg, pad_id=tokenizer.pad_token_id, seed=self.seed,
                                      output_dir=str(self.out / "sft"))
+        for step, row in enumerate(self.sft_history, 1):
+            self.log.log({f"sft/{key}": value for key, value in row.items()}, step)
         self.log.print(f"sft: {len(samples)} samples, {len(self.sft_history)} steps, loss "
                        f"{self.sft_history[0]['loss/total']:.3f} -> {self.sft_history[-1]['loss/total']:.3f}")
         self.save_policy(model, tokenizer, "sft_model")

@@ -5,33 +5,60 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from orchard._extras import requires_extra
-from orchard.train.metrics import JsonlLogger
+from orchard.train.metrics import JsonlLogger, MetricLogger, TensorBoardLogger, WandbConfig, WandbLogger
 
 __all__ = ["RunLog", "format_table", "plot_learning_curve", "provenance", "recipe_main", "write_results"]
+
+
+RUN_LOGGERS = ("jsonl", "tensorboard", "wandb")
+"""What a recipe run's ``loggers`` may name (``metrics.jsonl`` is always written)."""
 
 
 class RunLog:
     """Appends metrics to ``<output_dir>/metrics.jsonl`` and prints progress lines that start with the seconds
     since the run began. A file already there is an earlier run's: it is kept and appended to with ``append=True``
     (a resumed run), else refused (`orchard.stages.prepare_output_dir` moves it aside first when asked). With
-    ``enabled=False`` (every rank but 0 under a launcher) it writes and prints nothing."""
+    ``enabled=False`` (every rank but 0 under a launcher) it writes and prints nothing.
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool = True, append: bool = False) -> None:
+    ``loggers`` may add ``tensorboard`` (``output_dir/tensorboard``) and ``wandb`` (one W&B run for the whole
+    recipe run, named after ``output_dir`` and grouped by its parent unless ``wandb`` names them, with ``config``
+    as its config): each gets every metric the run logs. Their step is the count of `log` calls (W&B needs it to
+    increase; a run logs evaluation, SFT and RL rows on steps of their own), and the run's own step is the metric
+    ``run/step``.
+    """
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool = True, append: bool = False,
+                 loggers: Sequence[str] = ("jsonl",), wandb: WandbConfig | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
+        if isinstance(loggers, str) or not all(name in RUN_LOGGERS for name in loggers):
+            raise ValueError(f"loggers must name loggers among {list(RUN_LOGGERS)}, got {loggers!r}")
+        if wandb is not None and not isinstance(wandb, WandbConfig):
+            raise ValueError(f"wandb must be a WandbConfig or None, got {type(wandb).__name__}")
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = bool(enabled)
         self._jsonl: JsonlLogger | None = None
+        self._sinks: list[MetricLogger] = []
+        self._logged = 0
         if self.enabled:
             if self.path.exists() and not append:
                 raise ValueError(f"output_dir {str(self.path.parent)!r} holds an earlier run's metrics.jsonl; "
                                  f"append=True continues it, or move it aside")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = JsonlLogger(self.path)
+            out = self.path.parent
+            if "tensorboard" in loggers:
+                self._sinks.append(TensorBoardLogger(out / "tensorboard"))
+            if "wandb" in loggers:
+                w = wandb or WandbConfig()
+                named = replace(w, run_name=w.run_name or str(output_dir), group=w.group or str(out.parent))
+                self._sinks.append(WandbLogger(named, log_dir=out, config=config))
         self.started = time.monotonic()
 
     @property
@@ -41,6 +68,10 @@ class RunLog:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._jsonl is not None:
             self._jsonl.log(metrics, step)
+        if self._sinks:
+            self._logged += 1
+            for sink in self._sinks:
+                sink.log({**metrics, "run/step": float(step)}, self._logged)
 
     def print(self, message: str) -> None:
         if self.enabled:
@@ -49,6 +80,9 @@ class RunLog:
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def plot_learning_curve(sft_history: Sequence[Mapping[str, float]], rl_history: Sequence[Mapping[str, float]],

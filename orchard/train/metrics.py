@@ -130,15 +130,19 @@ class WandbConfig:
     """online: stream to the W&B server; offline: write the run directory only (``wandb sync`` uploads it later,
     no network needed); disabled: log nothing."""
     run_name: str | None = None
-    """Run name shown in W&B; None: the name of the output directory."""
+    """Run name shown in W&B; None: the name of the output directory (a recipe run's: its output_dir)."""
+    group: str | None = None
+    """W&B group of the run; None: no group (a recipe run's: its output_dir's parent, e.g. the seeds of one
+    benchmark)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.project, str) or not self.project:
             raise ValueError(f"project must be a non-empty str, got {self.project!r}")
         if self.mode not in get_args(WandbMode):
             raise ValueError(f"mode must be one of {', '.join(get_args(WandbMode))}, got {self.mode!r}")
-        if self.run_name is not None and not isinstance(self.run_name, str):
-            raise ValueError(f"run_name must be a str or None, got {type(self.run_name).__name__}")
+        for name in ("run_name", "group"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a str or None, got {type(getattr(self, name)).__name__}")
 
 
 class WandbLogger:
@@ -150,7 +154,7 @@ class WandbLogger:
 
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(project=cfg.project, name=cfg.run_name or Path(log_dir).name, mode=cfg.mode,
-                               config=dict(config or {}), dir=str(log_dir))
+                               group=cfg.group, config=dict(config or {}), dir=str(log_dir))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         _check(metrics, step)
