@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._uvicorn import quiet_shutdown_cancellations
 from orchard.env.backends.base import Backend
 
 API_KEY_ENV = "ORCHARD_ENV_API_KEY"
@@ -155,6 +156,7 @@ def _server(root_dir: Path, api_key: str, backend: str, options: dict[str, Any],
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="websockets-sansio",
                             timeout_keep_alive=30, backlog=4096, lifespan="on",
                             timeout_graceful_shutdown=5)  # don't wait out a long `wait: true` exec on SIGTERM
+    quiet_shutdown_cancellations()
     return uvicorn.Server(config)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._uvicorn import quiet_shutdown_cancellations
 
 READY_PREFIX = "ORCHARD_MODEL_URL="
 
@@ -129,7 +130,9 @@ def run_app(app: Any, host: str, port: int, log_level: str = "warning") -> None:
         import uvicorn
 
     sock = _bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off")
+    quiet_shutdown_cancellations()
+    server = uvicorn.Server(config)
 
     async def main() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -56,6 +56,7 @@ with requires_extra("rollout"):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
+from orchard._uvicorn import quiet_shutdown_cancellations
 from orchard.rollout.engine import (
     Completion,
     Engine,
@@ -816,6 +817,7 @@ def serve_in_thread(
         import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    quiet_shutdown_cancellations()  # a request cut off when the block ends is no error of the app
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="orchard-uvicorn", daemon=True)
     thread.start()

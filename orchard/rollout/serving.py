@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._uvicorn import quiet_shutdown_cancellations
 
 __all__ = ["serve_app"]
 
@@ -28,8 +29,10 @@ def _quiet_server(app: Any, shutdown_timeout_s: int) -> Any:
         def capture_signals(self) -> Iterator[None]:
             yield
 
-    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
-                                 timeout_graceful_shutdown=shutdown_timeout_s))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=shutdown_timeout_s)
+    quiet_shutdown_cancellations()
+    return Server(config)
 
 
 @contextlib.asynccontextmanager
@@ -40,7 +43,8 @@ async def serve_app(
 
     The server is an asyncio task of the caller's loop, so an engine behind the app runs on that loop too.
     ``port=0`` picks a free port. Leaving the block stops the server: requests still in flight (e.g. of a child
-    that was killed) get up to ``shutdown_timeout_s`` (default 30) to finish, then are cancelled.
+    that was killed) get up to ``shutdown_timeout_s`` (default 30) to finish, then are cancelled, quietly
+    (`quiet_shutdown_cancellations`).
     """
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
