@@ -79,7 +79,7 @@ def run_launches(launches: Sequence[Launch], *, jobs: int, t0: float, stop_on_fa
         while pending and len(running) < jobs:
             launch = pending.pop(0)
             if launch.run_dir is not None:
-                from orchard.stages.recipe_run import prepare_output_dir
+                from orchard.stages.run_files import prepare_output_dir
 
                 moved = prepare_output_dir(launch.run_dir, "move")
                 if moved is not None:

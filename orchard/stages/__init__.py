@@ -46,7 +46,7 @@ from orchard.stages.config import (
 )
 from orchard.stages.distill import OPD_TERMS, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, success_row
-from orchard.stages.recipe_run import EXISTING_RUN_CHOICES, RecipeRun, prepare_output_dir, previous_run
+from orchard.stages.recipe_run import RecipeRun
 from orchard.stages.report import (
     RUN_LOGGERS,
     RunLog,
@@ -57,6 +57,7 @@ from orchard.stages.report import (
     write_results,
 )
 from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
+from orchard.stages.run_files import EXISTING_RUN_CHOICES, prepare_output_dir, previous_run
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts

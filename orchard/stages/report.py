@@ -199,7 +199,7 @@ def recipe_main(config_cls: type, run: Callable[[Any], Awaitable[Any]], argv: Se
     args = parser.parse_args(argv)
     cfg = load_config(config_cls, args.config, args.overrides, derived=derived)
     if not args.show_config and getattr(cfg, "existing", "refuse") == "refuse" and hasattr(cfg, "output_dir"):
-        from orchard.stages.recipe_run import previous_run, refusal
+        from orchard.stages.run_files import previous_run, refusal
 
         if previous_run(cfg.output_dir):  # before any work, as one line (RecipeRun would refuse it too)
             raise ConfigError(refusal(cfg.output_dir))

@@ -1,4 +1,5 @@
-"""What a recipe run writes besides its metrics, so a researcher can read and reuse it: every trajectory the run's
+"""The files of a recipe run: its ``output_dir`` made ready without destroying a previous run (`prepare_output_dir`),
+and what it writes besides its metrics, so a researcher can read and reuse it: every trajectory the run's
 harnesses played, by phase, and the SFT data exactly as it trained (`RecipeRun.saving`, `RecipeRun.sft`)::
 
     <output_dir>/trajectories/<phase>.jsonl.gz      # one `Trajectory` a line (orchard.data.read_jsonl reads it)
@@ -20,8 +21,61 @@ from typing import Any
 
 from orchard.data import RenderedSample, Trajectory, to_token_dataset, write_jsonl
 from orchard.rollout.rollouts import Rollouts
+from orchard.stages.ranks import barrier
 
-__all__ = ["SavingRollouts", "append_trajectories", "save_sft_data"]
+__all__ = ["EXISTING_RUN_CHOICES", "SavingRollouts", "append_trajectories", "prepare_output_dir", "previous_run",
+           "refusal", "save_sft_data"]
+
+EXISTING_RUN_CHOICES = ("refuse", "move", "resume")
+"""What a recipe may do with an ``output_dir`` that holds a run already (`prepare_output_dir`)."""
+RUN_MARKERS = ("metrics.jsonl", "results.json")
+"""Files whose presence means a directory holds a run."""
+
+
+def prepare_output_dir(output_dir: str | Path, existing: str = "refuse", *, is_main: bool = True) -> Path | None:
+    """Make ``output_dir`` ready for a new run without destroying a previous one (`RecipeRun`'s
+    ``existing``). Returns where the previous run was moved (``"move"``, rank 0), else None.
+
+    Raises:
+        ValueError: ``existing`` is not one of `EXISTING_RUN_CHOICES`; or it is ``"refuse"`` and the directory holds
+            a run (the message names the files found and the choices).
+    """
+    if existing not in EXISTING_RUN_CHOICES:
+        raise ValueError(f"existing must be one of {list(EXISTING_RUN_CHOICES)}, got {existing!r}")
+    out = Path(output_dir)
+    if not previous_run(out) or existing == "resume":
+        return None
+    if existing == "refuse":
+        raise ValueError(refusal(out))
+    barrier()  # every rank has looked before rank 0 moves it (the others then see an empty directory)
+    moved = None
+    if is_main:
+        moved = _free_sibling(out)
+        out.rename(moved)
+    barrier()
+    return moved
+
+
+def previous_run(output_dir: str | Path) -> list[str]:
+    """The files of `RUN_MARKERS` that ``output_dir`` holds (empty: no run there)."""
+    return [name for name in RUN_MARKERS if (Path(output_dir) / name).exists()]
+
+
+def refusal(output_dir: str | Path) -> str:
+    """Why a run will not start in ``output_dir`` (it holds a previous one), with the user's choices."""
+    out = Path(output_dir)
+    return (f"output_dir {str(out)!r} holds a previous run ({', '.join(previous_run(out))}); choose another "
+            f"output_dir, or existing=move to move it aside to {str(_free_sibling(out))!r}, or existing=resume to "
+            f"continue it")
+
+
+def _free_sibling(out: Path) -> Path:
+    """``<out>.<n>`` for the first ``n`` from 1 that does not exist."""
+    n = 1
+    while out.with_name(f"{out.name}.{n}").exists():
+        n += 1
+    return out.with_name(f"{out.name}.{n}")
+
 
 
 def append_trajectories(trajectories: Sequence[Trajectory], path: str | Path, **metadata: Any) -> int:
