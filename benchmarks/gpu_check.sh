@@ -40,10 +40,20 @@ if compgen -G "$WHEELS_DIR/*.whl" > /dev/null; then
 fi
 
 # === section: log-probs without the logits (issue 4) ========================================================
-# 1. the fused path's tests, including the cuda ones that CPU CI skips
+# 0. the section is about the GPU: where torch cannot see one, its CUDA tests would skip and pytest still pass
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "the log-probs section needs a CUDA device: torch here cannot see one (torch.cuda.is_available() is False)" \
+        | tee "$OUT/logprobs_cuda_missing.txt"
+    status=1
+fi
+# 1. the fused path's tests, including the cuda ones that CPU CI skips; on the device a skipped one is a failure
 "$PYTHON" -m pytest tests/losses/test_fused.py tests/losses/test_fused_loss.py tests/train/test_action_logprobs.py -q -p no:cacheprovider \
-    2>&1 | tee "$OUT/logprobs_tests.txt"
+    -rs 2>&1 | tee "$OUT/logprobs_tests.txt"
 ((PIPESTATUS[0] == 0)) || status=1
+if grep -q "^SKIPPED" "$OUT/logprobs_tests.txt"; then
+    echo "a log-probs test skipped on the device (listed above)" | tee -a "$OUT/logprobs_tests.txt"
+    status=1
+fi
 
 # 2. the benchmark at the issue's GPU size, N = 65,536, H = 4096, bf16, and N = 16,384 where the naive path
 #    still fits, so there is a ratio to it; Liger-Kernel's fused linear cross-entropy runs beside ours when

@@ -49,6 +49,13 @@ REAL_SMOKE = [
 ]
 
 
+def assert_trained(step, *, groups=1):
+    """An RL step's metrics row shows an optimizer step with signal: at least ``groups`` groups whose rewards
+    differ, their sequences in the batch, a nonzero gradient and a nonzero learning rate (so the weights moved)."""
+    assert step["rl/groups_with_signal"] >= groups and step["rl/sequences"] > 0, step
+    assert step["grad_norm"] > 0 and step["lr"] > 0, step
+
+
 def real_files(real):
     """The overrides that read the real instance from disk: its JSONL as every pool, its clone under repo_root."""
     return [f"instances.path={real.path}", f"instances.rl_path={real.path}", f"instances.heldout_path={real.path}",
@@ -114,7 +121,13 @@ def test_swe_rl_and_rerank_smoke(tmp_path):
     # 1 held-out instance x 2 candidates; the pool is the RL stage's scored rollouts, at most 8 per instance.
     assert report["rerank/n"] == 2 and report["value/candidates"] == 2
     assert 1 <= report["value/pool"] <= 8 - step["rl/env_errors"]
-    assert report["rerank/random"] <= report["rerank/oracle"] and len(rerank["history"]) == 2
+    # Known gap (issue 38): the untrained student resolves none of its 8 rollouts, so BAR finds no balanced set,
+    # both groups are dropped and no optimizer step happens; the outcome-GRPO smokes need a guide (a scripted
+    # teacher's resolved episodes in the groups) before they can assert a step with signal. Stated, not hidden:
+    assert step["rl/success_generated"] == 0 and step["rl/groups_with_signal"] == 0 and "grad_norm" not in step
+    # ... so every pool rollout failed: the value model learns negative returns (loss > 0, targets < 0), two steps
+    assert report["value/pool_success"] == 0 and len(rerank["history"]) == 2
+    assert all(h["value/loss"] > 0 and h["value/target_mean"] < 0 for h in rerank["history"]), rerank["history"]
     assert (out / "value_curves.png").stat().st_size > 5_000
 
 
@@ -138,15 +151,22 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
               if "rl/episodes" in json.loads(line)]
     if variant == "opd_js_grpo":
         assert "opd teacher: hidden 48 x 1 layers" in proc.stdout
-        # a different model than the student: the JS term is positive wherever a group trained
-        assert step["rl/groups_with_signal"] == 0 or step["loss/js_opd"] > 0
         assert (out / "opd_teacher" / "metrics.jsonl").exists()
+        # Known gap (issue 38), measured: 8 of 8 format errors, BAR drops both groups (no resolved rollout to
+        # balance), no optimizer step, so the JS term never runs here. The assertion used to be
+        # `groups_with_signal == 0 or loss > 0`, true either way; this one fails the day a step happens, when
+        # assert_trained(step) and `loss/js_opd > 0` replace it (the JS term with signal: the real-fix smoke).
+        assert step["rl/format_errors"] == 8 and step["rl/groups_with_signal"] == 0 and "grad_norm" not in step
     else:
         judge = summary["judge"]
         # every scored episode was judged once, and the programmatic judge never fails
         valid = step["rl/episodes"] - step["rl/env_errors"]
         assert judge == {"rl/judged": valid, "rl/judge_failures": 0, "rl/judge_unparseable": 0}
         assert step["rl/removed"] == 0
+        # None resolved (seed 0: 4 of 4 format errors), yet the rubric tells the rollouts apart: both groups train,
+        # which is what RPR is for (measured: groups 2/2, 12 sequences, grad norm 0.29, mean rubric 0.17)
+        assert step["rl/success"] == 0 and step["rl/judge_rubric_mean"] > 0
+        assert_trained(step, groups=2)
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -216,8 +236,8 @@ def test_swe_recipe_smoke_on_a_real_fix(tmp_path, build_real_swe):
     # the RL step trained a group of the RL pool's instance with signal: the student's JS divergence from the CPU
     # teacher (another model) on its own rollouts is positive, and the step had a gradient
     assert step["rl/episodes"] == 2 and step["rl/env_errors"] == 0
-    assert step["rl/groups_with_signal"] == 1 and step["rl/sequences"] > 0
-    assert step["opd/js"] > 0 and step["grad_norm"] > 0
+    assert_trained(step)
+    assert step["rl/groups_with_signal"] == 1 and step["opd/js"] > 0
     assert json.loads((out / "rl_summary.json").read_text())["steps"] == 1
 
 
