@@ -41,6 +41,18 @@ def test_a_real_pytest_9_summary_is_read_per_test():
     assert parse_test_results(PYTEST_9, ids, exit_code=1) == expected  # the failures explain the status
 
 
+@pytest.mark.parametrize("lines", [
+    ["PASSED t.py::a", "ERROR t.py::a - RuntimeError: teardown broke"],  # pytest's order under -rA
+    ["ERROR t.py::a - RuntimeError: teardown broke", "PASSED t.py::a"],  # the other order: no later line wins
+    ["ERROR t.py::a - RuntimeError: teardown broke", "XFAIL t.py::a - known bug"],
+])
+@pytest.mark.parametrize("exit_code", [None, 1])
+def test_a_test_reported_passed_and_error_failed_whatever_the_order(lines, exit_code):
+    output = "\n".join([HEADER, *lines, "PASSED t.py::b", "1 passed, 1 error in 0.10s"])
+    assert parse_test_results(output, ["t.py::a", "t.py::b"], exit_code=exit_code) == {"t.py::a": False,
+                                                                                       "t.py::b": True}
+
+
 @pytest.mark.parametrize("subtest_line", [
     "SUBFAILED[case] (i=1) tests/t.py::test_table - assert 1 != 1",  # pytest >= 9
     "SUBFAILED(i=1) tests/t.py::test_table",  # no message, no subtest name
