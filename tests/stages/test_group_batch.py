@@ -111,6 +111,9 @@ def test_passed_is_the_evaluation_rule_not_the_reward_sign():
     # A Claw verdict: not every check passed (reward -1) but the task score 0.8 >= 0.75 passes evaluation.
     assert traj(-1.0, passed=1.0).passed and not traj(1.0, passed=0.0).passed
     assert traj(1.0).passed and not traj(-1.0).passed and not traj(None, "env_error").passed
+    # the boundary: a reward of exactly 0 (the GUI's incomplete run, a partial score of nothing) is no pass, nor is a
+    # pass component of 0; the smallest positive reward is one
+    assert not traj(0.0).passed and not traj(1.0, passed=0.0).passed and traj(1e-9).passed
 
 
 def test_bar_reads_trajectories_without_key_functions():
