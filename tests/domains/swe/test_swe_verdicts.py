@@ -126,6 +126,18 @@ def test_an_expected_failure_passes_as_in_the_swe_bench_harness(tmp_path):
     assert parse_test_results(teardown, ["t.py::a"], exit_code=1) == {"t.py::a": False}
 
 
+def test_an_empty_test_id_is_refused_before_it_runs_every_test(tmp_path):
+    # `pytest -- ""` reads "" as the current directory and runs the whole suite: here 2 tests where 1 was asked
+    (tmp_path / "test_x.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "--", ""],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "PASSED test_x.py::test_a" in run.stdout and "PASSED test_x.py::test_b" in run.stdout
+    for ids in ([""], ["test_x.py::test_a", ""]):
+        with pytest.raises(ValueError, match="test_ids must be a sequence of non-empty str"):
+            pytest_argv(sys.executable, ids)
+    assert pytest_argv("python3", ["test_x.py::test_a"])[-2:] == ["--", "test_x.py::test_a"]
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: parse_test_results(None, ["t.py::a"]), "output"),
     (lambda: parse_test_results("", "t.py::a"), "test_ids"),
