@@ -147,10 +147,17 @@ def test_a_preparation_that_raises_anything_is_env_error_and_the_batch_is_kept(m
     assert not set(prepared) & set(left)  # every sandbox deleted, the failed episode's too
 
 
-def test_an_episode_the_program_reports_as_env_error_is_never_scored(monkeypatch):
-    # Episode 0 broke inside the program (its own env_error), 1 was played to the end, 2 was never reported
-    # and the program exited 0: only episode 1 is scored; 0 and 2 keep reward None, never the policy's -1.
-    program, sandbox_of = fake_program(reported={0, 1}, status=0, env_errors={0})
+def test_an_episode_the_program_reports_as_env_error_or_cuts_short_is_never_scored(monkeypatch):
+    # Episode 0 broke inside the program (its own env_error), 1 was played to the end, 2's report was cut
+    # mid-line by a crash (exit 1): only episode 1 is scored; 0 and 2 keep reward None, never the policy's -1.
+    reporting, sandbox_of = fake_program(reported={0, 1}, status=1, env_errors={0})
+
+    async def program(argv, env, timeout_s):
+        status, stderr = await reporting(argv, env, timeout_s)
+        with open(argv[argv.index("--out") + 1], "a") as out:
+            out.write(json.dumps({"session_id": f"{RUN_ID}-2", "termination_reason": "done"})[:30])
+        return status, stderr
+
     real_score = tool_rollout.score_sandbox
     scored = []
 
@@ -159,11 +166,11 @@ def test_an_episode_the_program_reports_as_env_error_is_never_scored(monkeypatch
         return await real_score(sandbox, instance, *args, **kwargs)
 
     trajectories, left = play(monkeypatch, program, score, group_size=3)
-    broken, played, unreported = trajectories
+    broken, played, cut = trajectories
     assert scored == [sandbox_of[f"{RUN_ID}-1"]]
     assert played.termination_reason == "done" and played.reward == -1.0  # nothing changed: not resolved
     assert broken.termination_reason == "env_error" and broken.reward is None and broken.reward_components == {}
     assert broken.metadata["error"] == "sandbox: SandboxGone: 404" and broken.metadata["tests"] == {}
-    assert unreported.termination_reason == "env_error" and unreported.reward is None
-    assert unreported.metadata["error"] == "program: no report (exit 0): "
+    assert cut.termination_reason == "env_error" and cut.reward is None
+    assert cut.metadata["error"] == "program: no report (exit 1): the program crashed"
     assert not [s for s in left if s in sandbox_of.values()]
