@@ -201,6 +201,7 @@ def test_teacher_rows_follow_the_shuffled_mini_batches(tmp_path, monkeypatch):
     for b in batches:
         torch.testing.assert_close(b["teacher_logprobs"], -b["input_ids"] / 10 * b["action_mask"])
     # the shuffle is not the identity: each epoch's rows, in order, are a permutation of the batch but not its order
-    rows = [tuple(r[m.bool()].tolist()) for b in batches for r, m in zip(b["input_ids"], b["attention_mask"])]
+    rows = [tuple(r[m.bool()].tolist())
+            for b in batches for r, m in zip(b["input_ids"], b["attention_mask"], strict=True)]
     for epoch in (rows[:6], rows[6:]):
         assert sorted(epoch) == sorted(given) and epoch != given
