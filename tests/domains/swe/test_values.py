@@ -193,6 +193,9 @@ def test_step_values_in_process(tokenizer):
     # the outcome the teacher is told can be given explicitly (e.g. for an unscored trajectory)
     unscored = trajectory([REPRODUCE, DONE], None)
     assert step_values(unscored, client_or_engine=estimator, resolved=False) == {0: 0.4, 1: 0.5, 2: 0.1}
+    # a reward of exactly 0 is no resolution: the teacher hears FAILED (reproduce +0.10, end min(0.1, 0.5) = 0.1),
+    # not RESOLVED (which would end at 1.0)
+    assert step_values(trajectory([REPRODUCE, DONE], 0.0), client_or_engine=estimator) == {0: 0.4, 1: 0.5, 2: 0.1}
     # an answer cut short is unparseable: None, not an error
     assert step_values(FAILED, client_or_engine=estimator, max_tokens=20) is None
 
