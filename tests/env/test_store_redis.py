@@ -24,7 +24,7 @@ from orchard.env.backends.local import LocalBackend
 from orchard.env.embedded import serve
 from orchard.env.errors import NotFoundError, WaitTimeoutError
 from orchard.env.orchestrator import CreateParams, CreateTakenOverError, ExecParams, Orchestrator
-from orchard.env.store import open_store
+from orchard.env.store import JobRecord, open_store
 from orchard.env.store.redis_store import RedisStore
 
 
@@ -241,6 +241,34 @@ async def _sweep(store: RedisStore) -> list[str]:
         return await store.mark_lost_jobs(time.time())
     finally:
         await store.close()
+
+
+async def test_a_replica_back_between_the_sweeps_read_and_its_write_keeps_its_job(redis_url, monkeypatch):
+    # The sweep reads the leases (replica "r" has none: dead), then "r" renews before the sweep writes the loss:
+    # the write must check the lease again, at write time, and leave the job running.
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    sweeper, owner = RedisStore(redis_url, prefix=prefix), RedisStore(redis_url, prefix=prefix)
+    try:
+        await owner.put_job(JobRecord(job_id="j", sandbox_id="s", command="c", replica="r", status="running",
+                                      started_at=5.0))
+        read_leases = sweeper._r.mget
+
+        async def then_r_comes_back(*args, **kwargs):
+            beats = await read_leases(*args, **kwargs)
+            await owner.register_replica("r", 0.3)
+            return beats
+
+        monkeypatch.setattr(sweeper._r, "mget", then_r_comes_back)
+        assert await sweeper.mark_lost_jobs(50.0) == []
+        job = await owner.get_job("j")
+        assert (job.status, job.completed_at, job.error) == ("running", None, None)
+        monkeypatch.setattr(sweeper._r, "mget", read_leases)
+        await asyncio.sleep(0.4)  # past r's 0.3 s lease, with no renewal: now it is dead at write time too
+        assert await sweeper.mark_lost_jobs(60.0) == ["j"]
+        assert (await owner.get_job("j")).status == "failed"
+    finally:
+        await sweeper.close()
+        await owner.close()
 
 
 class _HeldCreates:

@@ -142,6 +142,26 @@ def test_parser_rubric_ids_that_name_nothing():
     assert j.scorable and j.reward == pytest.approx(0.25)
 
 
+def test_parser_id_and_name_that_disagree_name_neither_dimension():
+    # "R1 Coverage" (R1 is fix_quality) and no R3: neither fix_quality (by the id) nor coverage (by the name) is read
+    ids = {k: v for k, v in RUBRIC_IDS.items() if k not in ("R1", "R3")}
+    j = parse_rubric_judgement(json.dumps({"R1 Coverage": 8, **ids}))
+    assert not j.scorable and j.missing == ("fix_quality", "coverage") and "fix_quality" not in j.scores
+    # an id with a name that is no dimension names nothing either: R3 (coverage) stays missing
+    j = parse_rubric_judgement(json.dumps({**{k: v for k, v in RUBRIC_IDS.items() if k != "R3"}, "R3 Banana": 8}))
+    assert not j.scorable and j.missing == ("coverage",) and j.extra == {"R3 Banana": 8}
+
+
+def test_parser_fraction_is_rescaled_onto_a_scale_not_starting_at_zero():
+    # scale 1..5: "3/4" -> 1 + 3/4 x (5 - 1) = 4.0 (not 3/4 x 5 = 3.75); "2/5" has the scale's own denominator: 2.
+    # reward: every other dimension 3 -> (3 - 1) / 4 = 0.5; self_test_relevance (w 0.18) (4 - 1) / 4 = 0.75,
+    # regression_guard (w 0.12) (2 - 1) / 4 = 0.25 -> 0.5 + 0.18 x 0.25 - 0.12 x 0.25 = 0.515
+    scores = {**dict.fromkeys(DIMS, 3), "self_test_relevance": "3/4", "regression_guard": "2/5"}
+    j = parse_rubric_judgement(json.dumps(scores), scale=(1, 5))
+    assert j.scores["self_test_relevance"] == 4.0 and j.scores["regression_guard"] == 2.0
+    assert j.scorable and j.reward == pytest.approx(0.515)
+
+
 def test_parser_fraction_is_rescaled():
     # "4/5" on a 0..10 scale -> 8
     j = parse_rubric_judgement(json.dumps({**SCORES, "self_test_relevance": "4/5"}))

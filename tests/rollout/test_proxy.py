@@ -407,3 +407,20 @@ def test_bad_record_dir_is_named(tokenizer, tmp_path):
         RecordingProxy(engine, tokenizer, record_dir=3)
     with pytest.raises(ValueError, match="session_id must be a non-empty string"):
         RecordingProxy(engine, tokenizer).end_session("")
+
+
+def test_the_session_key_is_the_path_then_the_header_then_the_user_field(tokenizer):
+    # the module's precedence: /sessions/{id}/v1 over X-Session-Id over the body's `user` over "default"
+    proxy = RecordingProxy(ScriptedEngine(tokenizer, lambda prompt: "ok"), tokenizer)
+    body = {"model": "orchard", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    with serve_in_thread(proxy.app) as url:
+        for path, headers, user in [
+            ("/sessions/p/v1", {"X-Session-Id": "h"}, "u"),  # -> p
+            ("/v1", {"X-Session-Id": "h"}, "u"),  # -> h
+            ("/v1", {"X-Session-Id": "h"}, None),  # -> h
+            ("/v1", {}, "u"),  # -> u
+            ("/v1", {}, None),  # -> default
+        ]:
+            sent = {**body, "user": user} if user else body
+            assert httpx.post(f"{url}{path}/chat/completions", json=sent, headers=headers).status_code == 200
+    assert {s: len(proxy.calls(s)) for s in sorted(proxy.sessions())} == {"default": 1, "h": 2, "p": 1, "u": 1}

@@ -66,6 +66,18 @@ def test_group_batch_advantages_by_hand():
         group_batch([flat], group_filter="some")
 
 
+def test_a_lone_trained_member_never_trains_even_without_dynamic_sampling():
+    # group_filter="none" lifts the signal rule, not the two-member floor: a lone member has no group to be
+    # relative to (its advantage 1 - 1 = 0, its std undefined). Only the flat pair trains: 2 sequences, advantage 0.
+    lone = RolloutGroup("c", (traj(1.0), traj(None, "env_error", samples=0), traj(-1.0, "time_budget")))
+    flat = RolloutGroup("b", (traj(-1.0), traj(-1.0)))
+    for rule in ("none", "all_equal"):
+        samples, advantages, stats = group_batch([lone, flat], group_filter=rule)
+        trained = 1.0 if rule == "none" else 0.0  # all_equal drops the flat pair as well
+        assert stats == {"rl/groups": 2.0, "rl/groups_with_signal": trained, "rl/sequences": 2 * trained}
+        assert advantages == [0.0] * int(2 * trained) and len(samples) == 2 * trained
+
+
 def test_dr_grpo_advantages_keep_the_reward_scale():
     # Score rewards 2 x 0.6 - 1 = 0.2 and 2 x 0.9 - 1 = 0.8: mean 0.5, so Dr.GRPO's advantages are -0.3 and +0.3,
     # where GRPO divides by the sample std 0.4243 and gives -0.7071 / +0.7071, as large as a win against a loss.
@@ -99,6 +111,9 @@ def test_passed_is_the_evaluation_rule_not_the_reward_sign():
     # A Claw verdict: not every check passed (reward -1) but the task score 0.8 >= 0.75 passes evaluation.
     assert traj(-1.0, passed=1.0).passed and not traj(1.0, passed=0.0).passed
     assert traj(1.0).passed and not traj(-1.0).passed and not traj(None, "env_error").passed
+    # the boundary: a reward of exactly 0 (the GUI's incomplete run, a partial score of nothing) is no pass, nor is a
+    # pass component of 0; the smallest positive reward is one
+    assert not traj(0.0).passed and not traj(1.0, passed=0.0).passed and traj(1e-9).passed
 
 
 def test_bar_reads_trajectories_without_key_functions():

@@ -12,11 +12,12 @@ from orchard.losses import js_opd_loss
 from orchard.rollout.engine import ScoreRequest
 from orchard.rollout.hf_engine import HFEngine
 from orchard.stages import RLConfig, RolloutConfig, rl_stage
+from orchard.stages import rl as rl_module
 from orchard.stages.distill import check_teacher, teacher_logprobs
 from orchard.train.action_logprobs import action_logprobs
 from orchard.train.objective import LossTerm
 from orchard.train.tiny import tiny_qwen3
-from orchard.train.trainer import OptimConfig, TrainConfig
+from orchard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 VOCAB = 97
 
@@ -170,3 +171,37 @@ def test_rl_stage_refuses_an_opd_objective_without_a_separate_teacher(tmp_path):
     with pytest.raises(ValueError, match="teacher must be a separate model"):
         asyncio.run(rl_stage(_model(1), engine, {"a": FixedRollouts()}, [0], cfg, rollout=RolloutConfig(),
                              pad_id=0, seed=0, output_dir=str(tmp_path), teacher=engine))
+
+
+def test_teacher_rows_follow_the_shuffled_mini_batches(tmp_path, monkeypatch):
+    # 3 tasks x 2 members = 6 samples in 3 mini-batches of 2, over 2 PPO epochs: seed 1 shuffles them (checked
+    # below), so a teacher row taken by position instead of by sample lands on another sample's tokens.
+    batches, given = [], []
+    real_step, real_train_batch = Trainer.train_step, rl_module._train_batch
+
+    def spy_step(self, batch):
+        batches.append({k: batch[k].clone() for k in ("input_ids", "attention_mask", "action_mask",
+                                                      "teacher_logprobs")})
+        return real_step(self, batch)
+
+    def spy_train_batch(trainer, reference, samples, *args):
+        given.extend(tuple(s.input_ids.tolist()) for s in samples)
+        return real_train_batch(trainer, reference, samples, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", spy_step)
+    monkeypatch.setattr(rl_module, "_train_batch", spy_train_batch)
+    cfg = RLConfig(steps=1, tasks_per_step=3, group_size=2, mini_batches=3, ppo_epochs=2, train=TrainConfig(
+        micro_batch_size=8, optim=OptimConfig(lr=1e-3, min_lr=1e-4),
+        objective=[LossTerm("policy"), LossTerm("k3_opd", 1.0)]))
+    asyncio.run(rl_stage(_model(1), WeightsEngine(), {"a": FixedRollouts()}, [0, 1, 2], cfg,
+                         rollout=RolloutConfig(), pad_id=0, seed=1, output_dir=str(tmp_path), teacher=ByIdScorer()))
+    assert len(given) == 6 and len(batches) == 6 and all(len(b["input_ids"]) == 2 for b in batches)
+    # ByIdScorer gives token c the log-prob -c / 10: a row [.., 42 (action), 17 (observation)] must read
+    # [.., -4.2, 0] whatever rows the shuffle put beside it
+    for b in batches:
+        torch.testing.assert_close(b["teacher_logprobs"], -b["input_ids"] / 10 * b["action_mask"])
+    # the shuffle is not the identity: each epoch's rows, in order, are a permutation of the batch but not its order
+    rows = [tuple(r[m.bool()].tolist())
+            for b in batches for r, m in zip(b["input_ids"], b["attention_mask"], strict=True)]
+    for epoch in (rows[:6], rows[6:]):
+        assert sorted(epoch) == sorted(given) and epoch != given

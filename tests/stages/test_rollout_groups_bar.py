@@ -7,6 +7,7 @@ import pytest
 
 from orchard.data import Trajectory
 from orchard.stages import RLConfig, RolloutConfig, rollout_groups
+from orchard.stages import rl as rl_module
 
 
 class Pool:
@@ -92,3 +93,14 @@ def test_bar_never_picks_a_timeout_the_group_drops():
     # Kept when the config keeps timeouts (drop_timeouts=False): the band is met, with the terminated positive 2
     # first and then timed-out 0 (truncated, earlier arrival).
     assert kept(Judged(timed_out={0, 1}), drop_timeouts=False) == ([0, 2, 3, 4], 8)
+
+
+def test_success_counts_the_kept_group_and_success_generated_the_whole_pool():
+    # BAR generated 3 passed + 5 failed and kept 2 passed + 2 failed: rl/success (what trains) = 2 / 4 = 0.5,
+    # rl/success_generated (every scored episode) = 3 / 8 = 0.375; without BAR the 4 members are both: 3 / 4.
+    for use_bar, success, generated_success, episodes in [(True, 0.5, 0.375, 8.0), (False, 0.75, 0.75, 4.0)]:
+        cfg = RLConfig(group_size=4, bar_n_max=8, bar_stride=8, use_bar=use_bar, tasks_per_step=1)
+        groups, generated = asyncio.run(rollout_groups({"bash": Pool()}, None, ["a"], ["bash"], cfg, RolloutConfig()))
+        stats = rl_module._rollout_stats(rl_module._rollout_counts(groups, generated))
+        assert (stats["rl/success"], stats["rl/success_generated"]) == (success, generated_success)
+        assert stats["rl/episodes"] == episodes

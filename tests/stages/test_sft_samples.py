@@ -1,12 +1,14 @@
 """SFT modes over a teacher's trajectories: resolved-only, all, and credit-assigned SFT from hindsight values; the
 SFT stage's context length."""
 
+import asyncio
+
 import pytest
 import torch
 
 from orchard.data import Message, RenderedSample, RenderReport, ToolCall, Trajectory
 from orchard.models import tiny_qwen3
-from orchard.stages import SFTConfig, curate_sft, sft_samples, sft_stage
+from orchard.stages import SFTConfig, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.train.trainer import OptimConfig, TrainConfig
 
 # [system, a0, a0, obs, a1, a1, obs, a2]: three steps (assistant turns), observations never supervised.
@@ -29,6 +31,34 @@ def test_resolved_and_all_modes():
     assert samples == good.samples and stats["sft/resolved"] == 1 and stats["sft/failed"] == 1
     samples, _ = sft_samples([good, bad, broken], mode="all")
     assert samples == [*good.samples, *bad.samples]  # never the environment failure
+
+
+def test_reward_zero_is_not_resolved():
+    # the boundary of "reward > 0": a 0.0 (e.g. a partial score that rounds to nothing) is a failure, not a demo
+    samples, stats = sft_samples([traj(0.0), traj(1e-9)])
+    assert stats["sft/resolved"] == 1 and stats["sft/failed"] == 1 and len(samples) == 1
+
+
+class ScriptedTeacherRollouts:
+    """A harness whose teacher episodes have the given rewards, in task order; records how it was called."""
+
+    def __init__(self, rewards):
+        self.rewards, self.calls = rewards, []
+
+    async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
+        self.calls.append((list(tasks), group_size, temperature))
+        return [traj(r, "env_error" if r is None else "done") for r in self.rewards]
+
+
+def test_demonstrations_keep_only_the_teachers_successes():
+    # harness a: rewards 1, -1, 0, None (env_error), 0.5 -> passed 2 (1 and 0.5); harness b: -1, -1, 1, 0, 1 ->
+    # passed 2; samples: one per passed episode, 2 + 2 = 4, never a failed, zero or broken episode's
+    a, b = ScriptedTeacherRollouts([1.0, -1.0, 0.0, None, 0.5]), ScriptedTeacherRollouts([-1.0, -1.0, 1.0, 0.0, 1.0])
+    samples, stats = asyncio.run(demonstrations({"a": a, "b": b}, "teacher", list(range(5))))
+    assert stats == {"sft/teacher_a_episodes": 5.0, "sft/teacher_a_passed": 2.0,
+                     "sft/teacher_b_episodes": 5.0, "sft/teacher_b_passed": 2.0}
+    assert len(samples) == 4
+    assert a.calls == b.calls == [(list(range(5)), 1, 0.0)]  # one greedy episode per task
 
 
 def test_credit_mode_supervises_only_the_runs_of_failed_trajectories():

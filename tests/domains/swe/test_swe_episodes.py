@@ -27,9 +27,10 @@ class NeverCalled:
         raise AssertionError("the model was called")
 
 
-def fake_program(reported, status=1):
+def fake_program(reported, status=1, env_errors=()):
     """A stand-in for the harness program: reports the episodes whose index is in ``reported`` as finished after
-    one turn, writes nothing for the rest, and exits with ``status``. Returns it and the episodes it read."""
+    one turn (those also in ``env_errors`` as the program's own ``env_error``, a sandbox that broke mid-episode),
+    writes nothing for the rest, and exits with ``status``. Returns it and the episodes it read."""
     seen = {}
 
     async def run(argv, env, timeout_s):
@@ -37,10 +38,14 @@ def fake_program(reported, status=1):
         with open(argv[argv.index("--out") + 1], "w") as out:
             for episode in episodes:
                 seen[episode["session_id"]] = episode["sandbox_id"]
-                if int(episode["session_id"].rsplit("-", 1)[1]) in reported:
+                index = int(episode["session_id"].rsplit("-", 1)[1])
+                if index in reported:
+                    broken = index in env_errors
                     out.write(json.dumps({
                         "session_id": episode["session_id"], "sandbox_id": episode["sandbox_id"],
-                        "termination_reason": "done", "steps": 1, "format_errors": 0, "tool_calls": 0,
+                        "termination_reason": "env_error" if broken else "done",
+                        "error": "sandbox: SandboxGone: 404" if broken else None,
+                        "steps": 1, "format_errors": 0, "tool_calls": 0,
                         "messages": [{"role": "user", "content": episode["prompt"]},
                                      {"role": "assistant", "content": "I changed nothing."}],
                         "wall_s": 0.1}) + "\n")
@@ -140,3 +145,32 @@ def test_a_preparation_that_raises_anything_is_env_error_and_the_batch_is_kept(m
     assert failed[0].metadata["session_id"] not in sandbox_of  # never handed to the program
     assert all(t.reward == -1.0 for t in played)
     assert not set(prepared) & set(left)  # every sandbox deleted, the failed episode's too
+
+
+def test_an_episode_the_program_reports_as_env_error_or_cuts_short_is_never_scored(monkeypatch):
+    # Episode 0 broke inside the program (its own env_error), 1 was played to the end, 2's report was cut
+    # mid-line by a crash (exit 1): only episode 1 is scored; 0 and 2 keep reward None, never the policy's -1.
+    reporting, sandbox_of = fake_program(reported={0, 1}, status=1, env_errors={0})
+
+    async def program(argv, env, timeout_s):
+        status, stderr = await reporting(argv, env, timeout_s)
+        with open(argv[argv.index("--out") + 1], "a") as out:
+            out.write(json.dumps({"session_id": f"{RUN_ID}-2", "termination_reason": "done"})[:30])
+        return status, stderr
+
+    real_score = tool_rollout.score_sandbox
+    scored = []
+
+    async def score(sandbox, instance, *args, **kwargs):
+        scored.append(sandbox.sandbox_id)
+        return await real_score(sandbox, instance, *args, **kwargs)
+
+    trajectories, left = play(monkeypatch, program, score, group_size=3)
+    broken, played, cut = trajectories
+    assert scored == [sandbox_of[f"{RUN_ID}-1"]]
+    assert played.termination_reason == "done" and played.reward == -1.0  # nothing changed: not resolved
+    assert broken.termination_reason == "env_error" and broken.reward is None and broken.reward_components == {}
+    assert broken.metadata["error"] == "sandbox: SandboxGone: 404" and broken.metadata["tests"] == {}
+    assert cut.termination_reason == "env_error" and cut.reward is None
+    assert cut.metadata["error"] == "program: no report (exit 1): the program crashed"
+    assert not [s for s in left if s in sandbox_of.values()]

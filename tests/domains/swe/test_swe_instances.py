@@ -6,6 +6,8 @@ import datetime
 import json
 
 import datasets
+import pyarrow
+import pyarrow.parquet
 import pytest
 
 from orchard.domains.swe.instances import SWEInstance, instance_from_row, load_instances, save_instances
@@ -95,6 +97,23 @@ def test_toy_files_round_trip_through_jsonl(tmp_path):
                     extras={"level": 2})
     save_instances([a, b], tmp_path / "toy.jsonl")
     assert load_instances(tmp_path / "toy.jsonl") == [a, b]
+
+
+def test_jsonl_rows_with_files_as_objects_keep_their_own_files(tmp_path):
+    # Written by hand (or by another tool) as JSON objects, not strings. Each instance keeps exactly its own files,
+    # an empty one ("pkg/__init__.py": "") included. A struct column (older `datasets` reading this JSONL, or the
+    # parquet below) merges the rows' paths into {"calc.py", "pkg/__init__.py", "pkg/core.py"}: each row reads
+    # the other's paths as None.
+    rows = [row(instance_id="octo__calc-1", files={"calc.py": "x = 1\n"}),
+            row(instance_id="octo__calc-2", files={"pkg/__init__.py": "", "pkg/core.py": "y = 2\n"})]
+    (tmp_path / "objects.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one, two = load_instances(tmp_path / "objects.jsonl")
+    assert one.files == {"calc.py": "x = 1\n"} and one.repo_dir is None
+    assert two.files == {"pkg/__init__.py": "", "pkg/core.py": "y = 2\n"}
+    # a parquet file another tool wrote from such rows holds a struct column: the same None paths, dropped
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "objects.parquet")
+    assert pyarrow.parquet.read_table(tmp_path / "objects.parquet").to_pylist()[0]["files"]["pkg/core.py"] is None
+    assert load_instances(tmp_path / "objects.parquet") == [one, two]
 
 
 def test_dates_that_datasets_reads_round_trip_through_save(tmp_path):

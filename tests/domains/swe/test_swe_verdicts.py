@@ -41,6 +41,18 @@ def test_a_real_pytest_9_summary_is_read_per_test():
     assert parse_test_results(PYTEST_9, ids, exit_code=1) == expected  # the failures explain the status
 
 
+@pytest.mark.parametrize("lines", [
+    ["PASSED t.py::a", "ERROR t.py::a - RuntimeError: teardown broke"],  # pytest's order under -rA
+    ["ERROR t.py::a - RuntimeError: teardown broke", "PASSED t.py::a"],  # the other order: no later line wins
+    ["ERROR t.py::a - RuntimeError: teardown broke", "XFAIL t.py::a - known bug"],
+])
+@pytest.mark.parametrize("exit_code", [None, 1])
+def test_a_test_reported_passed_and_error_failed_whatever_the_order(lines, exit_code):
+    output = "\n".join([HEADER, *lines, "PASSED t.py::b", "1 passed, 1 error in 0.10s"])
+    assert parse_test_results(output, ["t.py::a", "t.py::b"], exit_code=exit_code) == {"t.py::a": False,
+                                                                                       "t.py::b": True}
+
+
 @pytest.mark.parametrize("subtest_line", [
     "SUBFAILED[case] (i=1) tests/t.py::test_table - assert 1 != 1",  # pytest >= 9
     "SUBFAILED(i=1) tests/t.py::test_table",  # no message, no subtest name
@@ -112,6 +124,18 @@ def test_an_expected_failure_passes_as_in_the_swe_bench_harness(tmp_path):
     # an expected failure next to another outcome of the same test (its teardown raised) did not pass
     teardown = "\n".join([HEADER, "XFAIL t.py::a - known bug", "ERROR t.py::a - RuntimeError: teardown broke"])
     assert parse_test_results(teardown, ["t.py::a"], exit_code=1) == {"t.py::a": False}
+
+
+def test_an_empty_test_id_is_refused_before_it_runs_every_test(tmp_path):
+    # `pytest -- ""` reads "" as the current directory and runs the whole suite: here 2 tests where 1 was asked
+    (tmp_path / "test_x.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "--", ""],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "PASSED test_x.py::test_a" in run.stdout and "PASSED test_x.py::test_b" in run.stdout
+    for ids in ([""], ["test_x.py::test_a", ""]):
+        with pytest.raises(ValueError, match="test_ids must be a sequence of non-empty str"):
+            pytest_argv(sys.executable, ids)
+    assert pytest_argv("python3", ["test_x.py::test_a"])[-2:] == ["--", "test_x.py::test_a"]
 
 
 @pytest.mark.parametrize("call, message", [

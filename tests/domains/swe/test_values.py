@@ -96,6 +96,14 @@ def test_failed_trajectory_values_follow_the_prompt_rules():
     assert values[6] - values[5] < 0  # the regression loses it: not monotone
 
 
+def test_a_failed_end_below_the_hindsight_cap_keeps_the_lower_value():
+    # three rounds of edit (0 in a failed trajectory), pass (verify, 0), fail (regress, -0.15):
+    # 0.4 -> 0.25 (step 3) -> 0.10 (step 6) -> max(0.05, -0.05) = 0.05 (step 9, the floor); each regression lists
+    # the state before it (2, 5, 8); the failed end is min(0.1, 0.05) = 0.05, not the cap 0.1.
+    traj = trajectory([WRONG_FIX, PASS, FAIL] * 3 + [DONE], -1.0)
+    assert values_of(traj) == {0: 0.4, 2: 0.4, 3: 0.25, 5: 0.25, 6: 0.1, 8: 0.1, 9: 0.05, 10: 0.05}
+
+
 def test_a_failure_that_does_not_touch_the_issue_is_no_reproduction():
     # a failing run about a missing package names neither `inventory/items.py` nor `cheapest`: no key step.
     traj = trajectory([UNRELATED_FAILURE, DONE], -1.0)
@@ -185,6 +193,9 @@ def test_step_values_in_process(tokenizer):
     # the outcome the teacher is told can be given explicitly (e.g. for an unscored trajectory)
     unscored = trajectory([REPRODUCE, DONE], None)
     assert step_values(unscored, client_or_engine=estimator, resolved=False) == {0: 0.4, 1: 0.5, 2: 0.1}
+    # a reward of exactly 0 is no resolution: the teacher hears FAILED (reproduce +0.10, end min(0.1, 0.5) = 0.1),
+    # not RESOLVED (which would end at 1.0)
+    assert step_values(trajectory([REPRODUCE, DONE], 0.0), client_or_engine=estimator) == {0: 0.4, 1: 0.5, 2: 0.1}
     # an answer cut short is unparseable: None, not an error
     assert step_values(FAILED, client_or_engine=estimator, max_tokens=20) is None
 
