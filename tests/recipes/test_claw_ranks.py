@@ -1,4 +1,5 @@
-"""The Claw recipe, unchanged, on 2 CPU ranks (gloo, DeepSpeed ZeRO-2): rank 0 writes every output, rank 1 none.
+"""The Claw recipe, unchanged, on 2 CPU ranks (gloo, DeepSpeed ZeRO-2): rank 0 writes every output, rank 1 none but
+the trajectories of the episodes it played.
 
 The two ranks are started the way ``torchrun --nproc_per_node 2`` starts them (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) but each with its own ``output_dir``, so whatever rank 1 wrote
@@ -36,7 +37,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(560)
-def test_claw_recipe_on_two_ranks_writes_only_from_rank_0(tmp_path, deepspeed_cpu_comm_op):
+def test_claw_recipe_on_two_ranks_writes_only_from_rank_0_but_its_episodes(tmp_path, deepspeed_cpu_comm_op):
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "recipes/claw.py"), "--config",
@@ -54,8 +55,15 @@ def test_claw_recipe_on_two_ranks_writes_only_from_rank_0(tmp_path, deepspeed_cp
                 p.wait()
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    assert not (tmp_path / "rank1").exists()
+    # Rank 1 writes only the episodes it played, each rank to files of its own (no collective in a rollout call)
+    rank1 = [p.relative_to(tmp_path / "rank1").as_posix() for p in (tmp_path / "rank1").rglob("*") if p.is_file()]
+    assert rank1 and all(name.startswith("trajectories/") and name.endswith(".rank1.jsonl.gz") for name in rank1)
     out = tmp_path / "rank0"
+    from orchard.data import read_jsonl
+
+    # the RL step's 4 episodes, split between the ranks' files
+    assert len(read_jsonl(out / "trajectories" / "rl.rank0.jsonl.gz")) + \
+        len(read_jsonl(tmp_path / "rank1" / "trajectories" / "rl.rank1.jsonl.gz")) == 4
     for name in ("metrics.jsonl", "results.json", "learning_curve.png", "sft_model", "rl_model",
                  "sft/metrics.jsonl", "rl/metrics.jsonl"):
         assert (out / name).exists(), name
