@@ -1,12 +1,12 @@
 """Optional dependencies: a missing one fails with the extra that installs it.
 
-The core install (``pip install orchard``) is the algorithms on torch and numpy; every other third-party package
+The core install (``pip install orchard-rl``) is the algorithms on torch and numpy; every other third-party package
 belongs to an extra (``setup.cfg``). Import sites of optional packages wrap their imports::
 
     with requires_extra("env"):
         from fastapi import FastAPI
 
-so that ``import orchard.env.server`` without fastapi says ``pip install 'orchard[env]'`` instead of a bare
+so that ``import orchard.env.server`` without fastapi says ``pip install 'orchard-rl[env]'`` instead of a bare
 ``No module named 'fastapi'``. The imports stay ordinary import statements (type checkers and linters see them).
 """
 
@@ -38,6 +38,6 @@ def requires_extra(extra: str) -> Iterator[None]:
             raise
         raise ModuleNotFoundError(
             f"this part of orchard needs the package {missing!r}, which is not installed; "
-            f"install it with: pip install 'orchard[{extra}]'",
+            f"install it with: pip install 'orchard-rl[{extra}]'",
             name=exc.name,
         ) from exc

@@ -99,7 +99,7 @@ def test_a_missing_extra_keeps_the_command_listed_and_names_the_extra():
     assert "env" in listed.stdout and "serve-model" in listed.stdout
     out = orchard_cmd("env", "serve", "--port", "0", prelude=prelude)
     assert out.returncode == 1
-    assert out.stderr.count("\n") == 1 and "pip install 'orchard[env]'" in out.stderr
+    assert out.stderr.count("\n") == 1 and "pip install 'orchard-rl[env]'" in out.stderr
 
 
 def test_an_unexpected_error_is_one_line_with_the_way_to_the_traceback(monkeypatch, capsys):

@@ -77,7 +77,7 @@ def test_a_missing_package_names_its_extra(missing, module, extra):
     assert out.returncode == 0, out.stderr
     name, message = out.stdout.splitlines()
     assert name == missing  # callers that test exc.name keep working
-    assert f"pip install 'orchard[{extra}]'" in message and repr(missing) in message
+    assert f"pip install 'orchard-rl[{extra}]'" in message and repr(missing) in message
 
 
 def test_the_value_model_loads_lazily_and_names_the_train_extra():
@@ -88,7 +88,7 @@ def test_the_value_model_loads_lazily_and_names_the_train_extra():
         "except ModuleNotFoundError as exc:\n    print(exc)\n"
     )
     assert out.returncode == 0, out.stderr
-    assert "pip install 'orchard[train]'" in out.stdout
+    assert "pip install 'orchard-rl[train]'" in out.stdout
 
 
 def test_requires_extra_passes_other_errors_through():
@@ -151,8 +151,8 @@ def test_every_import_is_declared_and_every_declared_package_is_imported():
     wanted = {DISTRIBUTION.get(name, name).lower() for name in imported - set(TRANSITIVE) - OPTIONAL}
     assert wanted - declared == set()
     assert {TRANSITIVE[name] for name in imported & set(TRANSITIVE)} <= declared
-    # nothing declared that nothing imports (extras that name other extras are the orchard[...] lines)
-    assert declared - wanted - {"orchard"} == set()
+    # nothing declared that nothing imports (extras that name other extras are the orchard-rl[...] lines)
+    assert declared - wanted - {"orchard-rl"} == set()
 
 
 def test_extras_compose_and_dev_has_everything_the_tests_import():
@@ -161,8 +161,8 @@ def test_extras_compose_and_dev_has_everything_the_tests_import():
     cfg.read(ROOT / "setup.cfg")
     extras = cfg["options.extras_require"]
     # [all] is every extra a site names except the CUDA-only [gpu]; [dev] installs [all]
-    assert set(re.findall(r"orchard\[([^\]]+)\]", extras["all"])[0].split(",")) == set(EXTRAS) - {"gpu", "all"}
-    assert "orchard[all]" in extras["dev"]
+    assert set(re.findall(r"orchard-rl\[([^\]]+)\]", extras["all"])[0].split(",")) == set(EXTRAS) - {"gpu", "all"}
+    assert "orchard-rl[all]" in extras["dev"]
     below_all = set().union(*(groups[name] for name in set(EXTRAS) - {"gpu", "all"}), groups["core"], groups["dev"])
     # the tests' own helpers, and the recipes and benchmarks they import as scripts do
     ours = {"_box", "claw", "swe", "train_helpers", "_seeds", "gui_learning"}

@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        "otherwise): their commands then reach the host's network and files")
     serve.add_argument("--store", default=os.environ.get(STORE_ENV) or "sqlite",
                        help="where the state lives: sqlite (a file in the state directory) or redis://host:port/db, "
-                       f"shared by every replica started with the same URL (pip install 'orchard[redis]'); "
+                       f"shared by every replica started with the same URL (pip install 'orchard-rl[redis]'); "
                        f"${STORE_ENV} sets the default")
     serve.add_argument("--shared", action="append", default=[], help=SHARED_HELP)
     serve.add_argument("--max-concurrent-execs", type=int, default=64, help="execs running at once")

@@ -1,4 +1,4 @@
-"""`VLLMEngine`: the `Engine` interface over vLLM's offline ``LLM`` (GPU extra: ``pip install orchard[gpu]``).
+"""`VLLMEngine`: the `Engine` interface over vLLM's offline ``LLM`` (GPU extra: ``pip install orchard-rl[gpu]``).
 
 vLLM is imported inside the constructor, so this module imports without it. Requests go to ``LLM.generate`` with
 token-id prompts and ``SamplingParams(logprobs=0)`` (the sampled token's log-prob only), run in a worker thread
@@ -46,7 +46,7 @@ class VLLMEngine:
         try:
             import vllm
         except ImportError as exc:  # the GPU extra is optional
-            raise ImportError("VLLMEngine needs vLLM: pip install 'orchard[gpu]'") from exc
+            raise ImportError("VLLMEngine needs vLLM: pip install 'orchard-rl[gpu]'") from exc
         self._vllm = vllm
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         self.llm = vllm.LLM(model=model, **llm_kwargs)

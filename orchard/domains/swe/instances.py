@@ -277,7 +277,7 @@ def _read_rows(path: Path, split: str) -> list[dict[str, Any]]:
         import datasets
     except ImportError as exc:  # pragma: no cover - datasets is part of the data extra
         raise ImportError("loading SWE instances from files needs the 'datasets' package (pip install "
-                          "orchard[data])") from exc
+                          "orchard-rl[data])") from exc
     if not path.exists():
         raise ValueError(f"source {str(path)!r} does not exist")
     if path.is_dir():
