@@ -11,7 +11,8 @@ float field also takes a string that spells a number, since YAML 1.1 reads ``1e-
 dataclass fields are reached with dots (``optim.lr``). Every value is checked against the field's annotation and a
 mismatch raises ``ConfigError`` (a ``ValueError``) whose message starts with the dotted key, the expected type
 and the value received. Unknown keys are errors too (one line, with a did-you-mean), so a typo never silently falls
-back to a default.
+back to a default. Later sources merge into earlier ones field by field through nested dataclasses only: any other
+value, a dict included, replaces the earlier one whole, so ``optim.lr_multipliers={}`` clears the YAML's factors.
 
 Validation happens at load time, before any work: after building each (nested) dataclass ``load_config`` calls its
 ``validate()`` method if it has one; a ``ValueError`` raised there or in ``__post_init__`` whose message starts with
@@ -19,7 +20,7 @@ one of the class's field names is re-raised as ``ConfigError`` with the dotted p
 (``steps must be an int >= 1, got -3`` inside ``rl`` becomes ``rl.steps must be an int >= 1, got -3``). Fields a
 recipe computes itself are declared with ``derived={"rl.train.total_steps": "rl.steps"}``: setting one in YAML or
 an override is rejected up front. ``format_config(cfg)`` prints the resolved config (what will run), one line per
-field with its value and doc line::
+field with its value and doc line (a derived key with what it is derived from instead of a value)::
 
     cfg = load_config(ClawConfig, args.config, args.overrides, derived=DERIVED)
     print(format_config(cfg, derived=DERIVED))
@@ -152,7 +153,8 @@ def load_config(
 ) -> T:
     """Build ``cls`` from its defaults, then the YAML file (if given), then the ``key=value`` overrides.
 
-    Later sources win key by key; nested dataclasses merge field by field. Each dataclass is validated as it is
+    Later sources win key by key; nested dataclasses merge field by field, and any other value (a dict included)
+    replaces the earlier one whole: ``optim.lr_multipliers={}`` leaves no factor. Each dataclass is validated as it is
     built (``__post_init__``, then ``validate()`` if defined; see the module docstring), so the whole config is
     checked before a recipe does any work.
 
@@ -184,7 +186,7 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(loaded).__name__}")
         data = loaded
-    _deep_merge(data, parse_overrides(overrides))
+    _merge_fields(cls, data, parse_overrides(overrides))
     for key, source in derived_from.items():
         if _has_key(data, key):
             hint = f"is derived from {source}; set that instead" if source else "is derived by the recipe; leave it out"
@@ -198,8 +200,9 @@ def format_config(cfg: Any, *, derived: Mapping[str, str] | Iterable[str] = ()) 
     Shows what will run: the instance's values (defaults, then YAML, then overrides, as ``load_config`` built it),
     not the class defaults that ``format_help`` lists; a nested dataclass field's values come from the instance
     even where a recipe's ``default_factory`` differs from the nested class's own defaults. Values are written as
-    YAML flow values, so a line can be pasted back as an override (``rl.train.optim.lr=1.0e-06``). Keys in
-    ``derived`` are marked ``(derived from ...)``: their shown value is a placeholder the recipe replaces.
+    YAML flow values, so a line can be pasted back as an override (``rl.train.optim.lr=1.0e-06``). A key in
+    ``derived`` has no value of its own until the recipe computes it: its line says ``(derived from ...)`` where
+    the value would be, not the field's placeholder default.
     """
     if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
         raise ValueError(f"cfg must be a dataclass instance, got {cfg!r}")
@@ -246,7 +249,8 @@ def _config_rows(obj: Any, prefix: str, derived: Mapping[str, str], rows: list[t
             continue
         if key in derived:
             source = derived[key]
-            doc = f"(derived{' from ' + source if source else ''}) {doc}".rstrip()
+            rows.append((f"{key}: (derived {'from ' + source if source else 'by the recipe'})", doc))
+            continue
         rows.append((f"{key}: {_flow_yaml(value)}", doc))
 
 
@@ -266,10 +270,15 @@ def _flow_yaml(value: Any) -> str:
     return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
-def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+def _merge_fields(cls: type, base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """Merge ``extra`` into ``base`` (raw values of dataclass ``cls``), recursing into nested dataclass fields
+    only: a dict-valued field is a value, replaced whole, so a later ``{}`` can clear it."""
+    hints = get_type_hints(cls)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
+        tp = hints.get(key) if isinstance(key, str) else None
+        nested = dataclasses.is_dataclass(tp) and isinstance(tp, type)
+        if nested and isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge_fields(tp, base[key], value)
         else:
             base[key] = value
 
@@ -342,7 +351,7 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, root: type) -> T:
             default = _default_of(f)
             merged = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else {}
             if isinstance(sub, Mapping):
-                _deep_merge(merged, sub)
+                _merge_fields(tp, merged, sub)
             else:
                 merged = sub
             kwargs[name] = _build(tp, merged, prefix=key + ".", root=root)
