@@ -74,11 +74,12 @@ def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None
     args = [a for a in args if a != "--debug"]
     if debug:
         return int(main(args) or 0)
-    previous = _quiet_interrupts()
+    said: list[bool] = []
+    previous = _quiet_interrupts(said)
     try:
         return int(main(args) or 0)
     except KeyboardInterrupt:
-        if previous is None:  # not the main thread: no handler said it yet
+        if not said:  # raised by the code, or signals could not be handled here (not the main thread)
             print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
@@ -97,15 +98,17 @@ def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None
             signal.signal(signal.SIGINT, previous)
 
 
-def _quiet_interrupts() -> Any:
-    """On SIGINT, say ``interrupted`` and stop writing to stderr, then raise ``KeyboardInterrupt`` as Python does:
-    the run unwinds (servers stop, files close), but the cancelled requests and tasks it ends may log tracebacks
-    that are no one's error. Returns the handler it replaced (None where signals cannot be set: not the main
-    thread)."""
+def _quiet_interrupts(said: list[bool]) -> Any:
+    """On SIGINT, say ``interrupted`` (and append to ``said``) and stop writing to stderr, then raise
+    ``KeyboardInterrupt`` as Python does: the run unwinds (servers stop, files close), but the cancelled requests
+    and tasks it ends may log tracebacks that are no one's error. Returns the handler it replaced (None where
+    signals cannot be set: not the main thread)."""
 
     def interrupted(signum: int, frame: Any) -> None:
-        print("interrupted", file=sys.stderr, flush=True)
-        _to_devnull(sys.stderr)
+        if not said:
+            print("interrupted", file=sys.stderr, flush=True)
+            said.append(True)
+            _to_devnull(sys.stderr)
         signal.default_int_handler(signum, frame)
 
     try:
