@@ -12,7 +12,8 @@ dataclass fields are reached with dots (``optim.lr``). Every value is checked ag
 mismatch raises ``ConfigError`` (a ``ValueError``) whose message starts with the dotted key, the expected type
 and the value received. Unknown keys are errors too (one line, with a did-you-mean), so a typo never silently falls
 back to a default. Later sources merge into earlier ones field by field through nested dataclasses only: any other
-value, a dict included, replaces the earlier one whole, so ``optim.lr_multipliers={}`` clears the YAML's factors.
+value, a dict included, replaces the earlier one whole, so ``optim.lr_multipliers={}`` clears the YAML's factors;
+a dotted key into a mapping (``model.vllm_kwargs.max_model_len=8192``) sets that one entry and keeps the others.
 
 Validation happens at load time, before any work: after building each (nested) dataclass ``load_config`` calls its
 ``validate()`` method if it has one; a ``ValueError`` raised there or in ``__post_init__`` whose message starts with
@@ -116,8 +117,17 @@ def format_help(cls: type, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=[x, y]"]`` -> ``{"a": {"b": 1}, "c": ["x", "y"]}``; values are parsed as YAML."""
+class _Entries(dict):  # type: ignore[type-arg]
+    """The entries a dotted override sets inside a mapping-valued field (``model.vllm_kwargs.max_model_len=...``):
+    merged into the field's earlier mapping, where a value given for the field itself replaces it."""
+
+
+def parse_overrides(overrides: Iterable[str], cls: type | None = None) -> dict[str, Any]:
+    """``["a.b=1", "c=[x, y]"]`` -> ``{"a": {"b": 1}, "c": ["x", "y"]}``; values are parsed as YAML.
+
+    With the config dataclass ``cls``, a dotted key that reaches past a field into its mapping value (``c.x=1``
+    for a ``dict`` field ``c``) yields the entries to set in that mapping, which `load_config` merges into the
+    field's earlier value instead of replacing it."""
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
     tree: dict[str, Any] = {}
@@ -135,8 +145,11 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"overrides entry {item!r}: value is not valid YAML ({detail})") from None
         node = tree
         parts = key.split(".")
+        tp: Any = cls
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
+            tp = get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) and isinstance(tp, type) else None
+            nested = tp is None or (dataclasses.is_dataclass(tp) and isinstance(tp, type))
+            child = node.setdefault(part, {} if cls is None or nested else _Entries())
             if not isinstance(child, dict):
                 raise ConfigError(f"overrides key {key!r} conflicts with an earlier override of {part!r}")
             node = child
@@ -154,7 +167,8 @@ def load_config(
     """Build ``cls`` from its defaults, then the YAML file (if given), then the ``key=value`` overrides.
 
     Later sources win key by key; nested dataclasses merge field by field, and any other value (a dict included)
-    replaces the earlier one whole: ``optim.lr_multipliers={}`` leaves no factor. Each dataclass is validated as it is
+    replaces the earlier one whole: ``optim.lr_multipliers={}`` leaves no factor (a dotted override into a mapping,
+    ``model.vllm_kwargs.max_model_len=8192``, sets one entry and keeps the rest). Each dataclass is validated as it is
     built (``__post_init__``, then ``validate()`` if defined; see the module docstring), so the whole config is
     checked before a recipe does any work.
 
@@ -186,7 +200,7 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(loaded).__name__}")
         data = loaded
-    _merge_fields(cls, data, parse_overrides(overrides))
+    _merge_fields(cls, data, parse_overrides(overrides, cls))
     for key, source in derived_from.items():
         if _has_key(data, key):
             hint = f"is derived from {source}; set that instead" if source else "is derived by the recipe; leave it out"
@@ -270,15 +284,18 @@ def _flow_yaml(value: Any) -> str:
     return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
-def _merge_fields(cls: type, base: dict[str, Any], extra: Mapping[str, Any]) -> None:
-    """Merge ``extra`` into ``base`` (raw values of dataclass ``cls``), recursing into nested dataclass fields
-    only: a dict-valued field is a value, replaced whole, so a later ``{}`` can clear it."""
-    hints = get_type_hints(cls)
+def _merge_fields(cls: type | None, base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """Merge ``extra`` into ``base`` (raw values of dataclass ``cls``; None: inside a mapping-valued field),
+    recursing into nested dataclass fields and into the `_Entries` of dotted overrides only: any other value, a
+    mapping included, replaces the earlier one whole, so a later ``{}`` clears a field."""
+    hints = get_type_hints(cls) if cls is not None else {}
     for key, value in extra.items():
         tp = hints.get(key) if isinstance(key, str) else None
         nested = dataclasses.is_dataclass(tp) and isinstance(tp, type)
-        if nested and isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge_fields(tp, base[key], value)
+        if (nested or isinstance(value, _Entries)) and isinstance(value, dict) and isinstance(base.get(key), dict):
+            if isinstance(value, _Entries):
+                base[key] = dict(base[key])  # the earlier mapping may be a default's: change a copy
+            _merge_fields(tp if nested else None, base[key], value)
         else:
             base[key] = value
 
@@ -357,7 +374,12 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, root: type) -> T:
             kwargs[name] = _build(tp, merged, prefix=key + ".", root=root)
             continue
         if name in data:
-            kwargs[name] = _coerce(data[name], tp, key, root)
+            value = data[name]
+            if isinstance(value, _Entries) and isinstance(_default_of(f), Mapping):
+                # entries set by dotted overrides, over the field's default mapping
+                value, entries = dict(_default_of(f)), value
+                _merge_fields(None, value, entries)
+            kwargs[name] = _coerce(value, tp, key, root)
         elif _default_of(f) is dataclasses.MISSING:
             raise ConfigError(f"{key} is required ({_type_name(tp)}) but was not given")
     try:

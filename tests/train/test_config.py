@@ -271,6 +271,13 @@ def test_a_dict_field_is_replaced_whole_so_it_can_be_cleared(tmp_path: Path) -> 
     cleared = load_config(Scaled, y, ["optim.lr_multipliers={}", "factors={}"])
     assert (cleared.optim.lr_multipliers, cleared.factors, cleared.optim.lr) == ({}, {}, 0.5)
     assert load_config(Scaled, y, ["optim.lr_multipliers={embed: 3}"]).optim.lr_multipliers == {"embed": 3.0}
+    # A dotted key into the mapping sets one entry and keeps the others, over the YAML's and over a default.
+    assert load_config(Scaled, y, ["optim.lr_multipliers.embed=3"]).optim.lr_multipliers == {
+        "^model[.]norm[.]weight$": 300.0, "embed": 3.0}
+    assert load_config(Scaled, None, ["factors.head=2"]).factors == {"norm": 30.0, "head": 2.0}
+    assert load_config(Scaled, None, ["optim.lr_multipliers.embed=3"]).optim.lr_multipliers == {"head": 2.0,
+                                                                                               "embed": 3.0}
+    assert Scaled().factors == {"norm": 30.0}  # the default's mapping itself is untouched
     # from YAML too: an explicit {} over a non-empty default
     y.write_text("factors: {}\noptim: {lr_multipliers: {}}\n")
     assert (load_config(Scaled, y).factors, load_config(Scaled, y).optim.lr_multipliers) == ({}, {})
