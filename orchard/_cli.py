@@ -12,6 +12,12 @@ What counts as the user's mistake, printed as ``error: <message>`` on stderr wit
   with a pointer to ``--help``;
 - a ``FileNotFoundError`` whose file name the user wrote in an argument (``--config x.yaml``, ``model.path=/m``).
 
+Two ends that are no one's mistake are quiet too:
+
+- Ctrl-C (``KeyboardInterrupt``) prints ``interrupted`` and exits 130 (128 + SIGINT, the shells' convention);
+- a reader that closed the pipe early (``--show-config | head``) ends the run with exit status 141 (128 + SIGPIPE,
+  what a program killed by that signal reports) and nothing on stderr.
+
 Anything else is a bug and propagates with its traceback. ``--debug`` anywhere in ``argv`` (removed before
 ``main`` sees it) or ``ORCHARD_DEBUG=1`` lets every exception propagate, the user's mistakes included.
 """
@@ -20,9 +26,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from orchard.train.config import ConfigError
 
@@ -30,6 +37,10 @@ __all__ = ["UsageError", "UsageErrorParser", "run_main"]
 
 EXIT_USAGE = 2
 """The exit status of a usage error (argparse's and the shells' convention)."""
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+"""The exit status after Ctrl-C: 130."""
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+"""The exit status after the reader of stdout went away: 141."""
 
 
 class UsageError(Exception):
@@ -63,16 +74,60 @@ def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None
     args = [a for a in args if a != "--debug"]
     if debug:
         return int(main(args) or 0)
+    said: list[bool] = []
+    previous = _quiet_interrupts(said)
     try:
         return int(main(args) or 0)
+    except KeyboardInterrupt:
+        if not said:  # raised by the code, or signals could not be handled here (not the main thread)
+            print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: into the closed pipe that would be a second BrokenPipeError and
+        # an "Exception ignored" message (the Python docs' recipe).
+        _to_devnull(sys.stdout)
+        return EXIT_BROKEN_PIPE
     except (ConfigError, UsageError) as exc:
         return _one_line(str(exc))
     except FileNotFoundError as exc:
         if exc.filename is None or not any(str(exc.filename) in a for a in args):
             raise
         return _one_line(f"{exc.strerror or 'no such file'}: {str(exc.filename)!r}")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _quiet_interrupts(said: list[bool]) -> Any:
+    """On SIGINT, say ``interrupted`` (and append to ``said``) and stop writing to stderr, then raise
+    ``KeyboardInterrupt`` as Python does: the run unwinds (servers stop, files close), but the cancelled requests
+    and tasks it ends may log tracebacks that are no one's error. Returns the handler it replaced (None where
+    signals cannot be set: not the main thread)."""
+
+    def interrupted(signum: int, frame: Any) -> None:
+        if not said:
+            print("interrupted", file=sys.stderr, flush=True)
+            said.append(True)
+            _to_devnull(sys.stderr)
+        signal.default_int_handler(signum, frame)
+
+    try:
+        return signal.signal(signal.SIGINT, interrupted)
+    except ValueError:
+        return None
 
 
 def _one_line(message: str) -> int:
     print(f"error: {' '.join(message.split())}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _to_devnull(stream: Any) -> None:
+    """Point ``stream``'s file descriptor at /dev/null (a stream without one, a test's capture, is left alone)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

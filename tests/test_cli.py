@@ -90,6 +90,17 @@ def test_a_port_in_use_is_one_line():
                          "Address already in use\n"
 
 
+def test_an_unreachable_redis_store_is_one_line(capsys):
+    # Before, the service started and its start-up failed in a 40-line traceback of the Redis client and uvicorn.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    assert main(["env", "serve", "--store", f"redis://127.0.0.1:{port}/0", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"orchard env: error: cannot reach the Redis store (--store): Error 111 connecting to " \
+                  f"127.0.0.1:{port}. Connection refused.\n"
+
+
 def test_a_missing_extra_keeps_the_command_listed_and_names_the_extra():
     # Without httpx (the env extra), `orchard.env.cli` cannot be imported: `orchard --help` still works and
     # `orchard env serve` says what to install, in one line.

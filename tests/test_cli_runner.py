@@ -214,3 +214,26 @@ def test_only_the_projects_parser_changes(capsys: pytest.CaptureFixture[str]) ->
     assert run_main(sub_main, ["go", "--n", "3"]) == 0
     assert run_main(sub_main, []) == 2
     assert capsys.readouterr().err == "error: the following arguments are required: command (see tool --help)\n"
+
+
+def test_an_interrupt_and_a_closed_pipe_end_quietly(capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    from orchard._cli import run_main
+
+    def interrupted(argv: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    def piped(argv: list[str]) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    handler = signal.getsignal(signal.SIGINT)
+    # 130 = 128 + SIGINT and 141 = 128 + SIGPIPE, the statuses a shell reports for a process those signals end
+    assert (run_main(interrupted, []), capsys.readouterr()) == (130, ("", "interrupted\n"))
+    assert (run_main(piped, []), capsys.readouterr()) == (141, ("", ""))
+    assert signal.getsignal(signal.SIGINT) is handler  # run_main's own SIGINT handler is gone after it
+    # --debug: both propagate, with their tracebacks
+    with pytest.raises(KeyboardInterrupt):
+        run_main(interrupted, ["--debug"])
+    with pytest.raises(BrokenPipeError):
+        run_main(piped, ["--debug"])

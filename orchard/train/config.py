@@ -11,7 +11,9 @@ float field also takes a string that spells a number, since YAML 1.1 reads ``1e-
 dataclass fields are reached with dots (``optim.lr``). Every value is checked against the field's annotation and a
 mismatch raises ``ConfigError`` (a ``ValueError``) whose message starts with the dotted key, the expected type
 and the value received. Unknown keys are errors too (one line, with a did-you-mean), so a typo never silently falls
-back to a default.
+back to a default. Later sources merge into earlier ones field by field through nested dataclasses only: any other
+value, a dict included, replaces the earlier one whole, so ``optim.lr_multipliers={}`` clears the YAML's factors;
+a dotted key into a mapping (``model.vllm_kwargs.max_model_len=8192``) sets that one entry and keeps the others.
 
 Validation happens at load time, before any work: after building each (nested) dataclass ``load_config`` calls its
 ``validate()`` method if it has one; a ``ValueError`` raised there or in ``__post_init__`` whose message starts with
@@ -19,7 +21,7 @@ one of the class's field names is re-raised as ``ConfigError`` with the dotted p
 (``steps must be an int >= 1, got -3`` inside ``rl`` becomes ``rl.steps must be an int >= 1, got -3``). Fields a
 recipe computes itself are declared with ``derived={"rl.train.total_steps": "rl.steps"}``: setting one in YAML or
 an override is rejected up front. ``format_config(cfg)`` prints the resolved config (what will run), one line per
-field with its value and doc line::
+field with its value and doc line (a derived key with what it is derived from instead of a value)::
 
     cfg = load_config(ClawConfig, args.config, args.overrides, derived=DERIVED)
     print(format_config(cfg, derived=DERIVED))
@@ -115,8 +117,17 @@ def format_help(cls: type, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=[x, y]"]`` -> ``{"a": {"b": 1}, "c": ["x", "y"]}``; values are parsed as YAML."""
+class _Entries(dict):  # type: ignore[type-arg]
+    """The entries a dotted override sets inside a mapping-valued field (``model.vllm_kwargs.max_model_len=...``):
+    merged into the field's earlier mapping, where a value given for the field itself replaces it."""
+
+
+def parse_overrides(overrides: Iterable[str], cls: type | None = None) -> dict[str, Any]:
+    """``["a.b=1", "c=[x, y]"]`` -> ``{"a": {"b": 1}, "c": ["x", "y"]}``; values are parsed as YAML.
+
+    With the config dataclass ``cls``, a dotted key that reaches past a field into its mapping value (``c.x=1``
+    for a ``dict`` field ``c``) yields the entries to set in that mapping, which `load_config` merges into the
+    field's earlier value instead of replacing it."""
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
     tree: dict[str, Any] = {}
@@ -134,8 +145,11 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"overrides entry {item!r}: value is not valid YAML ({detail})") from None
         node = tree
         parts = key.split(".")
+        tp: Any = cls
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
+            tp = get_type_hints(tp).get(part) if dataclasses.is_dataclass(tp) and isinstance(tp, type) else None
+            nested = tp is None or (dataclasses.is_dataclass(tp) and isinstance(tp, type))
+            child = node.setdefault(part, {} if cls is None or nested else _Entries())
             if not isinstance(child, dict):
                 raise ConfigError(f"overrides key {key!r} conflicts with an earlier override of {part!r}")
             node = child
@@ -152,7 +166,9 @@ def load_config(
 ) -> T:
     """Build ``cls`` from its defaults, then the YAML file (if given), then the ``key=value`` overrides.
 
-    Later sources win key by key; nested dataclasses merge field by field. Each dataclass is validated as it is
+    Later sources win key by key; nested dataclasses merge field by field, and any other value (a dict included)
+    replaces the earlier one whole: ``optim.lr_multipliers={}`` leaves no factor (a dotted override into a mapping,
+    ``model.vllm_kwargs.max_model_len=8192``, sets one entry and keeps the rest). Each dataclass is validated as it is
     built (``__post_init__``, then ``validate()`` if defined; see the module docstring), so the whole config is
     checked before a recipe does any work.
 
@@ -184,7 +200,7 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(loaded).__name__}")
         data = loaded
-    _deep_merge(data, parse_overrides(overrides))
+    _merge_fields(cls, data, parse_overrides(overrides, cls))
     for key, source in derived_from.items():
         if _has_key(data, key):
             hint = f"is derived from {source}; set that instead" if source else "is derived by the recipe; leave it out"
@@ -198,8 +214,9 @@ def format_config(cfg: Any, *, derived: Mapping[str, str] | Iterable[str] = ()) 
     Shows what will run: the instance's values (defaults, then YAML, then overrides, as ``load_config`` built it),
     not the class defaults that ``format_help`` lists; a nested dataclass field's values come from the instance
     even where a recipe's ``default_factory`` differs from the nested class's own defaults. Values are written as
-    YAML flow values, so a line can be pasted back as an override (``rl.train.optim.lr=1.0e-06``). Keys in
-    ``derived`` are marked ``(derived from ...)``: their shown value is a placeholder the recipe replaces.
+    YAML flow values, so a line can be pasted back as an override (``rl.train.optim.lr=1.0e-06``). A key in
+    ``derived`` has no value of its own until the recipe computes it: its line says ``(derived from ...)`` where
+    the value would be, not the field's placeholder default.
     """
     if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
         raise ValueError(f"cfg must be a dataclass instance, got {cfg!r}")
@@ -246,7 +263,8 @@ def _config_rows(obj: Any, prefix: str, derived: Mapping[str, str], rows: list[t
             continue
         if key in derived:
             source = derived[key]
-            doc = f"(derived{' from ' + source if source else ''}) {doc}".rstrip()
+            rows.append((f"{key}: (derived {'from ' + source if source else 'by the recipe'})", doc))
+            continue
         rows.append((f"{key}: {_flow_yaml(value)}", doc))
 
 
@@ -266,10 +284,18 @@ def _flow_yaml(value: Any) -> str:
     return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
-def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+def _merge_fields(cls: type | None, base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """Merge ``extra`` into ``base`` (raw values of dataclass ``cls``; None: inside a mapping-valued field),
+    recursing into nested dataclass fields and into the `_Entries` of dotted overrides only: any other value, a
+    mapping included, replaces the earlier one whole, so a later ``{}`` clears a field."""
+    hints = get_type_hints(cls) if cls is not None else {}
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
+        tp = hints.get(key) if isinstance(key, str) else None
+        nested = dataclasses.is_dataclass(tp) and isinstance(tp, type)
+        if (nested or isinstance(value, _Entries)) and isinstance(value, dict) and isinstance(base.get(key), dict):
+            if isinstance(value, _Entries):
+                base[key] = dict(base[key])  # the earlier mapping may be a default's: change a copy
+            _merge_fields(tp if nested else None, base[key], value)
         else:
             base[key] = value
 
@@ -342,13 +368,18 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, root: type) -> T:
             default = _default_of(f)
             merged = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else {}
             if isinstance(sub, Mapping):
-                _deep_merge(merged, sub)
+                _merge_fields(tp, merged, sub)
             else:
                 merged = sub
             kwargs[name] = _build(tp, merged, prefix=key + ".", root=root)
             continue
         if name in data:
-            kwargs[name] = _coerce(data[name], tp, key, root)
+            value = data[name]
+            if isinstance(value, _Entries) and isinstance(_default_of(f), Mapping):
+                # entries set by dotted overrides, over the field's default mapping
+                value, entries = dict(_default_of(f)), value
+                _merge_fields(None, value, entries)
+            kwargs[name] = _coerce(value, tp, key, root)
         elif _default_of(f) is dataclasses.MISSING:
             raise ConfigError(f"{key} is required ({_type_name(tp)}) but was not given")
     try:

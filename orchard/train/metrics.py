@@ -9,6 +9,7 @@ the one device sync per step), so loggers never touch tensors.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import time
@@ -29,6 +30,7 @@ __all__ = [
     "WandbConfig",
     "WandbLogger",
     "build_loggers",
+    "check_logger_names",
     "read_jsonl_metrics",
 ]
 
@@ -204,6 +206,15 @@ class MultiLogger:
             logger.close()
 
 
+def check_logger_names(names: Sequence[str], arg: str = "names") -> None:
+    """``ValueError`` naming ``arg``, the closest valid name and all of them, for a name not in ``LOGGER_NAMES``."""
+    unknown = [n for n in names if n not in LOGGER_NAMES]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), LOGGER_NAMES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{arg} has unknown logger {unknown[0]!r}; {hint}valid: {', '.join(LOGGER_NAMES)}")
+
+
 def build_loggers(
     names: Sequence[str],
     out_dir: str | Path,
@@ -220,9 +231,7 @@ def build_loggers(
     the run's config, its files under ``out_dir/wandb``. A logger whose package is missing raises
     ``ModuleNotFoundError`` naming the extra to install.
     """
-    unknown = [n for n in names if n not in LOGGER_NAMES]
-    if unknown:
-        raise ValueError(f"names has unknown logger {unknown[0]!r}; valid: {', '.join(LOGGER_NAMES)}")
+    check_logger_names(names)
     if wandb is not None and not isinstance(wandb, WandbConfig):
         raise ValueError(f"wandb must be a WandbConfig or None, got {type(wandb).__name__}")
     out = Path(out_dir)

@@ -29,6 +29,8 @@ Metrics of a term keep the loss's own keys (``clip/low_frac``); ``loss/<term>`` 
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +78,12 @@ class TermSpec:
     """Batch key of the mask whose global token count normalises the term."""
     needs: tuple[str, ...] = ()
     """Batch keys the term reads besides its mask."""
+    loss: str | Callable[..., Any] | None = None
+    """The loss ``fn`` hands a term's ``kwargs`` to (a function, or its name in ``orchard.losses``):
+    ``check_objective`` checks the kwargs against its keyword parameters, so a misspelt one is a config error, not
+    a ``TypeError`` at the first step with signal. None leaves them unchecked."""
+    sets: tuple[str, ...] = ("agg", "normalizer")
+    """Keyword parameters of ``loss`` that ``fn`` passes itself: a term's kwargs may not name them."""
 
     def __call__(self, logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kwargs: Any) -> Any:
         return self.fn(logprobs, batch, normalizer, **kwargs)
@@ -117,12 +125,39 @@ def check_objective(objective: list[LossTerm], batch_keys: set[str] | None = Non
         spec = _spec(term.name, f"objective[{i}].name")
         if not isinstance(term.weight, (int, float)) or not torch.isfinite(torch.tensor(float(term.weight))):
             raise ValueError(f"objective[{i}].weight must be a finite number, got {term.weight!r}")
+        _check_kwargs(spec, term, f"objective[{i}].kwargs")
         if batch_keys is not None:
             missing = [k for k in (spec.mask_key, *spec.needs) if k not in batch_keys]
             if missing:
                 raise ValueError(
                     f"objective[{i}] ({term.name!r}) needs batch key {missing[0]!r}; batch has {sorted(batch_keys)}"
                 )
+
+
+def _check_kwargs(spec: TermSpec, term: LossTerm, arg: str) -> None:
+    if not isinstance(term.kwargs, Mapping):
+        raise ValueError(f"{arg} must be a mapping of keyword arguments, got {term.kwargs!r}")
+    if spec.loss is None:
+        return
+    loss = spec.loss
+    if isinstance(loss, str):
+        import orchard.losses
+
+        loss = getattr(orchard.losses, loss)
+    name = getattr(loss, "__name__", repr(loss))
+    params = inspect.signature(loss).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    # The loss's leading positional parameters are the tensors the term reads from the batch.
+    takes = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in spec.sets]
+    for key in term.kwargs:
+        if key in spec.sets:
+            raise ValueError(f"{arg} sets {key!r}, which the {term.name} term passes to {name} itself")
+        if key not in takes:
+            close = difflib.get_close_matches(str(key), takes, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{arg} has {key!r}, which {name} (the {term.name} term) does not take; {hint}"
+                             f"it takes: {', '.join(takes) or 'nothing'}")
 
 
 def objective_loss(
@@ -211,10 +246,11 @@ def _kl(logprobs: Tensor, batch: Mapping[str, Tensor], normalizer: float, **kw: 
                       normalizer=normalizer, **kw)
 
 
-LOSS_TERMS.register("sft", TermSpec(_sft))
-LOSS_TERMS.register("credit_sft", TermSpec(_credit_sft, mask_key="sft_mask"))
-LOSS_TERMS.register("policy", TermSpec(_policy, mask_key="policy_mask", needs=("old_logprobs", "advantages")))
-LOSS_TERMS.register("k2_opd", TermSpec(_opd("k2_opd_loss"), needs=("teacher_logprobs",)))
-LOSS_TERMS.register("k3_opd", TermSpec(_opd("k3_opd_loss"), needs=("teacher_logprobs",)))
-LOSS_TERMS.register("js_opd", TermSpec(_opd("js_opd_loss"), needs=("teacher_logprobs",)))
-LOSS_TERMS.register("kl", TermSpec(_kl, needs=("ref_logprobs",)))
+LOSS_TERMS.register("sft", TermSpec(_sft, loss="sft_loss"))
+LOSS_TERMS.register("credit_sft", TermSpec(_credit_sft, mask_key="sft_mask", loss="sft_loss"))
+LOSS_TERMS.register("policy", TermSpec(_policy, mask_key="policy_mask", needs=("old_logprobs", "advantages"),
+                                       loss="policy_loss", sets=("agg", "normalizer", "rollout_logprobs")))
+LOSS_TERMS.register("k2_opd", TermSpec(_opd("k2_opd_loss"), needs=("teacher_logprobs",), loss="k2_opd_loss"))
+LOSS_TERMS.register("k3_opd", TermSpec(_opd("k3_opd_loss"), needs=("teacher_logprobs",), loss="k3_opd_loss"))
+LOSS_TERMS.register("js_opd", TermSpec(_opd("js_opd_loss"), needs=("teacher_logprobs",), loss="js_opd_loss"))
+LOSS_TERMS.register("kl", TermSpec(_kl, needs=("ref_logprobs",), loss="kl_penalty"))

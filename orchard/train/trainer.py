@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from orchard.train import checkpoint as ckpt
 from orchard.train.engine import DeepSpeedTrainEngine, PlainEngine, TrainEngine, ds_config, load_ds_config
 from orchard.train.lora import LoraAdapters, LoraConfig, add_lora, merge_lora, merged_weights
-from orchard.train.metrics import MultiLogger, WandbConfig, build_loggers
+from orchard.train.metrics import MultiLogger, WandbConfig, build_loggers, check_logger_names
 from orchard.train.objective import (
     LossTerm,
     check_objective,
@@ -71,7 +71,8 @@ class OptimConfig:
     lr_multipliers: dict[str, float] = field(default_factory=dict)
     """Per-parameter learning-rate factors: ``{regex: factor}``; a parameter whose name (``named_parameters``)
     matches a regex (``re.search``, first match in order) trains at ``factor x`` the scheduled lr, e.g.
-    ``{"^model\\.norm\\.weight$": 30}`` for the final norm, whose scale is the logits' inverse temperature."""
+    ``{"^model\\.norm\\.weight$": 30}`` for the final norm, whose scale is the logits' inverse temperature. A YAML
+    value or an override replaces the whole mapping (no merge): ``lr_multipliers={}`` clears it."""
 
 
 @dataclass
@@ -125,6 +126,7 @@ class TrainConfig:
         if self.zero_stage not in (2, 3):
             raise ValueError(f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
         check_objective(self.objective)
+        check_logger_names(self.loggers, "loggers")
         if self.lora.enabled and self.engine == "deepspeed" and self.zero_stage == 3:
             raise ValueError("lora.enabled needs the plain engine or ZeRO-2: merging an adapter into a ZeRO-3 "
                              "partitioned base weight is not supported (set zero_stage=2)")

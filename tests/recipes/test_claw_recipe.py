@@ -4,6 +4,8 @@ steps, evaluation, table, metrics and plot."""
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +151,13 @@ CONFIG = ("--config", str(ROOT / "recipes/configs/claw_tiny.yaml"))
     ("rl.start_temperature.validation_per_template=0", "rl.start_temperature.validation_per_template must be an "
                                                        "int >= 1, got 0"),
     ("rl.start_temperature.attempts=-1", "rl.start_temperature.attempts must be an int >= 0, got -1"),
+    # caught before the base evaluation, not when the RL trainer is built
+    ("rl.train.loggers=[jsonl, tensorbord]", "rl.train.loggers has unknown logger 'tensorbord'; did you mean "
+                                             "'tensorboard'? valid: jsonl, tensorboard, wandb, progress"),
+    # caught before any work, not at the first optimizer step with signal (or never)
+    ("rl.train.objective=[{name: policy, kwargs: {eps_hgih: 0.3}}]",
+     "rl.train.objective[0].kwargs has 'eps_hgih', which policy_loss (the policy term) does not take; did you mean "
+     "'eps_high'? it takes: eps_low, eps_high, dual_clip, tis_threshold, is_mode, ratio_level, validate"),
 ])
 def test_config_mistakes_are_one_line_before_any_work(override, message, recipe_main):
     # in process (the recipe's main under run_main, as its __main__ calls it): a subprocess per case costs a torch
@@ -185,8 +194,57 @@ def test_show_config_prints_the_resolved_config_and_exits(recipe_main):
     assert [ln.split("#")[0].strip() for ln in lines if ln.startswith(("rl.steps:", "rl.train.global_batch_size:",
                                                                         "rl.train.optim.lr:", "sft.epochs:"))] == [
         "sft.epochs: 16.0", "rl.steps: 5", "rl.train.global_batch_size: 64", "rl.train.optim.lr: 0.0001"]
-    assert "(derived from rl.steps x rl.ppo_epochs x rl.mini_batches)" in out
+    # A derived key shows what it is derived from where its value would be, never the placeholder it holds.
+    derived = {ln.split("#")[0].strip() for ln in lines if "(derived" in ln}
+    assert derived == {"sft.train.total_steps: (derived from sft.epochs)", "sft.train.seed: (derived from seed)",
+                       "sft.train.output_dir: (derived from output_dir)",
+                       "rl.train.total_steps: (derived from rl.steps x rl.ppo_epochs x rl.mini_batches)",
+                       "rl.train.seed: (derived from seed)", "rl.train.output_dir: (derived from output_dir)",
+                       "rl.train.checkpoint_every: (derived from rl.checkpoint_every)",
+                       "rl.train.resume: (derived from rl.resume)"}
+    assert "runs/train" not in out  # TrainConfig's placeholder output_dir
     assert "eval base" not in out and "stage  harness" not in out  # it did not run
+
+
+def test_lr_multipliers_from_the_yaml_can_be_cleared(recipe_main):
+    # claw_tiny.yaml sets rl.train.optim.lr_multipliers; an override {} clears it (a mapping is replaced, not merged)
+    def shown(*overrides):
+        status, out, err = recipe_main("claw", *CONFIG, "--show-config", *overrides)
+        assert status == 0, err
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("rl.train.optim.lr_multipliers:")]
+        return line.split("#")[0].strip()
+
+    assert shown() == "rl.train.optim.lr_multipliers: {'^model[.]norm[.]weight$': 300.0}"
+    assert shown("rl.train.optim.lr_multipliers={}") == "rl.train.optim.lr_multipliers: {}"
+    assert shown("rl.train.optim.lr_multipliers={lm_head: 2}") == "rl.train.optim.lr_multipliers: {lm_head: 2.0}"
+
+
+def test_show_config_into_a_closed_pipe_ends_quietly():
+    # `--show-config | head -1`: the reader is gone before the config is printed. Before, a BrokenPipeError's
+    # traceback and an "Exception ignored" message; now nothing on stderr and status 141 (128 + SIGPIPE).
+    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes/claw.py"), *CONFIG, "--show-config"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the recipe's imports are done: its first write meets a closed pipe
+    _, err = proc.communicate(timeout=300)
+    assert (proc.returncode, err) == (141, "")
+
+
+def test_ctrl_c_during_a_run_is_one_line_and_status_130(tmp_path):
+    # Ctrl-C signals the terminal's whole process group: the recipe and the servers and programs it started.
+    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes/claw.py"), *CONFIG, f"output_dir={tmp_path / 'run'}",
+                             "eval.progress_interval_s=0.5", "threads=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if "eval base:" in line:  # the base evaluation's episodes are in flight
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (proc.returncode, err) == (130, "interrupted\n")
+    assert "stage  harness" not in out  # it stopped
 
 
 def test_the_rl_pool_is_filtered_to_tasks_of_useful_difficulty(tmp_path, scripted_rollouts, recipe_module):

@@ -193,8 +193,11 @@ def test_format_config_shows_the_resolved_instance(tmp_path: Path) -> None:
     assert steps_line.endswith("# Optimizer steps of the stage; sets train.total_steps.")
     assert len({ln.index("  # ") for ln in lines}) == 1
     assert any(ln.startswith("rl.train:") and ln.endswith("# Trainer settings.") for ln in lines)
+    # A derived key says what it comes from where its value would be, not the placeholder default (1) it holds.
     (derived_line,) = [ln for ln in lines if ln.startswith("rl.train.total_steps:")]
-    assert "# (derived from rl.steps) Optimizer steps." in derived_line
+    assert derived_line.split("  # ") == ["rl.train.total_steps: (derived from rl.steps)".ljust(
+        derived_line.index("  # ")), "Optimizer steps."]
+    assert format_config(cfg, derived=["rl.train.total_steps"]).count("rl.train.total_steps: (derived by the recipe)") == 1
     # Each value line pasted back as an override rebuilds the same config.
     values = [ln.split("  # ")[0].rstrip() for ln in lines]
     overrides = [v.replace(": ", "=", 1) for v in values if not v.endswith(":")]
@@ -247,3 +250,65 @@ def test_config_file_errors_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is not valid YAML") as info:
         load_config(Recipe, bad)
     assert "\n" not in str(info.value)
+
+
+@dataclass
+class Scaled:
+    """A config whose dict field has a non-empty default."""
+
+    factors: dict[str, float] = field(default_factory=lambda: {"norm": 30.0})
+    """Factors by name."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr_multipliers={"head": 2.0}))
+    """Optimizer."""
+
+
+def test_a_dict_field_is_replaced_whole_so_it_can_be_cleared(tmp_path: Path) -> None:
+    y = tmp_path / "s.yaml"
+    y.write_text("optim:\n  lr: 0.5\n  lr_multipliers: {'^model[.]norm[.]weight$': 300}\n")
+    # The YAML's mapping replaces the factory's {"head": 2.0} instead of joining it.
+    assert load_config(Scaled, y).optim.lr_multipliers == {"^model[.]norm[.]weight$": 300.0}
+    # An override {} clears the YAML's entry; the nested dataclass still merges field by field (lr stays).
+    cleared = load_config(Scaled, y, ["optim.lr_multipliers={}", "factors={}"])
+    assert (cleared.optim.lr_multipliers, cleared.factors, cleared.optim.lr) == ({}, {}, 0.5)
+    assert load_config(Scaled, y, ["optim.lr_multipliers={embed: 3}"]).optim.lr_multipliers == {"embed": 3.0}
+    # A dotted key into the mapping sets one entry and keeps the others, over the YAML's and over a default.
+    assert load_config(Scaled, y, ["optim.lr_multipliers.embed=3"]).optim.lr_multipliers == {
+        "^model[.]norm[.]weight$": 300.0, "embed": 3.0}
+    assert load_config(Scaled, None, ["factors.head=2"]).factors == {"norm": 30.0, "head": 2.0}
+    assert load_config(Scaled, None, ["optim.lr_multipliers.embed=3"]).optim.lr_multipliers == {"head": 2.0,
+                                                                                               "embed": 3.0}
+    assert Scaled().factors == {"norm": 30.0}  # the default's mapping itself is untouched
+    # from YAML too: an explicit {} over a non-empty default
+    y.write_text("factors: {}\noptim: {lr_multipliers: {}}\n")
+    assert (load_config(Scaled, y).factors, load_config(Scaled, y).optim.lr_multipliers) == ({}, {})
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("loggers=[jsonl, tensorbord]", "loggers has unknown logger 'tensorbord'; did you mean 'tensorboard'? valid: "
+                                    "jsonl, tensorboard, wandb, progress"),
+    ("loggers=[mlflow]", "loggers has unknown logger 'mlflow'; valid: jsonl, tensorboard, wandb, progress"),
+    ("objective=[{name: policy, kwargs: {eps_hgih: 0.3}}]",
+     "objective[0].kwargs has 'eps_hgih', which policy_loss (the policy term) does not take; did you mean "
+     "'eps_high'? it takes: eps_low, eps_high, dual_clip, tis_threshold, is_mode, ratio_level, validate"),
+    ("objective=[{name: sft}, {name: js_opd, kwargs: {lambda: 0.3}}]",
+     "objective[1].kwargs has 'lambda', which js_opd_loss (the js_opd term) does not take; did you mean 'lam'? "
+     "it takes: lam, validate"),
+    ("objective=[{name: sft, kwargs: {beta: 0.3}}]",
+     "objective[0].kwargs has 'beta', which sft_loss (the sft term) does not take; it takes: validate"),
+    ("objective=[{name: kl, kwargs: {normalizer: 3}}]",
+     "objective[0].kwargs sets 'normalizer', which the kl term passes to kl_penalty itself"),
+    ("objective=[{name: policy, kwargs: {rollout_logprobs: null}}]",
+     "objective[0].kwargs sets 'rollout_logprobs', which the policy term passes to policy_loss itself"),
+])
+def test_logger_names_and_loss_arguments_are_checked_when_the_config_loads(override: str, message: str) -> None:
+    # Before, a misspelt logger failed when the trainer was built (after a recipe's base evaluation) and a
+    # misspelt loss argument at the first step with signal: a TypeError, or nothing in a run without signal.
+    with pytest.raises(ConfigError) as raised:
+        load_config(TrainConfig, None, [override])
+    assert str(raised.value) == message
+    # every keyword the losses take passes, each term's own
+    ok = load_config(TrainConfig, None, ["loggers=[jsonl, progress]", "objective=[{name: policy, kwargs: "
+                                         "{eps_low: 0.1, dual_clip: 3.0, is_mode: mask}}, {name: kl, kwargs: "
+                                         "{kind: k2}}, {name: js_opd, kwargs: {lam: 0.1}}]"])
+    assert [t.kwargs for t in ok.objective] == [{"eps_low": 0.1, "dual_clip": 3.0, "is_mode": "mask"},
+                                                {"kind": "k2"}, {"lam": 0.1}]

@@ -43,11 +43,14 @@ def __getattr__(name: str) -> Any:
 
 def open_store(store: str, default_path: str | Path) -> StateStore:
     """The store `store` names: "sqlite" (the embedded default, a file at `default_path`) or a
-    `redis://host:port/db` URL (shared by the replicas that use the same URL)."""
+    `redis://host:port/db` URL (shared by the replicas that use the same URL), which must answer: an unreachable
+    Redis raises ``ConnectionError`` here, in one line."""
     if store == "sqlite":
         return SQLiteStore(default_path)
     if isinstance(store, str) and store.startswith(("redis://", "rediss://", "unix://")):
         from orchard.env.store.redis_store import RedisStore
 
-        return RedisStore(store)
+        shared = RedisStore(store)
+        shared.check_reachable()
+        return shared
     raise ValueError(f"store must be 'sqlite' or a redis://host:port/db URL, got {store!r}")

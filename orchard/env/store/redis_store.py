@@ -382,5 +382,19 @@ class RedisStore:
     async def delete_idempotency_before(self, before: float) -> int:
         return int(await self._delete_before(keys=[self._idem_created], args=[repr(before)]))
 
+    def check_reachable(self, timeout_s: float = 5.0) -> None:
+        """Raise ``ConnectionError`` (an ``OSError``, one line) unless the server answers a PING within
+        ``timeout_s``: a service whose store is down says so before it starts, not in its start-up's traceback.
+        The message names the host and port, never the URL (it may hold a password)."""
+        import redis
+
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            client.ping()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise ConnectionError(f"cannot reach the Redis store (--store): {' '.join(str(exc).split())}") from None
+        finally:
+            client.close()
+
     async def close(self) -> None:
         await self._r.aclose()
