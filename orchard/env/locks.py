@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from types import TracebackType
 
+from orchard._retry import backoff_s
 from orchard.env.store.base import StateStore
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class StoreLock:
         store: where the lock lives (`StateStore.acquire_lock`).
         name: the lock's name; one holder at a time across every process using the store.
         lease_s: seconds the lock stays held without a renewal. Must be > 0.
-        poll_s: first wait between attempts while another holder has it (doubles, jittered, up to 0.5 s).
+        poll_s: first wait between attempts while another holder has it (doubles, jittered, up to 0.5 s or
+            `poll_s` if longer; `orchard._retry.backoff_s`).
         outage_s: how long taking the lock waits for an unreachable store before the store's error is
             raised. Default 0: at once.
 
@@ -60,7 +61,7 @@ class StoreLock:
         self._renewer: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> StoreLock:
-        wait, unreachable_since = self.poll_s, None
+        tries, unreachable_since = 0, None
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -77,8 +78,9 @@ class StoreLock:
                 unreachable_since = None
             if token is not None:
                 break
-            await asyncio.sleep(wait * random.uniform(0.5, 1.0))  # jitter: waiters do not retry in lockstep
-            wait = min(2 * wait, 0.5)
+            # jittered: waiters do not retry in lockstep
+            await asyncio.sleep(backoff_s(tries, base_s=self.poll_s, max_s=max(self.poll_s, 0.5)))
+            tries += 1
         self.token, self.lost = token, False
         self._stop = asyncio.Event()
         self._renewer = asyncio.create_task(self._renew_forever(token, self._stop))

@@ -13,10 +13,12 @@ the sample; it is never turned into a silent 0.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -197,55 +199,121 @@ def _number(value: object, lo: float, hi: float) -> float | None:
     return None
 
 
-def _json_candidates(text: str) -> list[str]:
-    """The whole text, fenced blocks, then every balanced top-level ``{...}`` span (string-aware), in order."""
-    out = [text.strip()]
-    out += [m.group(1) for m in re.finditer(r"```[A-Za-z0-9_-]*\s*\n?(.*?)```", text, re.DOTALL)]
-    depth, start, in_str, esc = 0, -1, False, False
-    for i, ch in enumerate(text):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"' and depth > 0:
-            in_str = True
-        elif ch == "{":
-            if depth == 0:
-                start = i
-            depth += 1
-        elif ch == "}" and depth > 0:
-            depth -= 1
-            if depth == 0:
-                out.append(text[start : i + 1])
-    return out
-
-
-def _loads(candidate: str) -> object:
-    for attempt in (candidate, re.sub(r",\s*([}\]])", r"\1", candidate)):
-        try:
-            return json.loads(attempt)
-        except ValueError:
-            continue
-    return None
+_FENCE = re.compile(r"```[A-Za-z0-9_-]*\s*\n?(.*?)```", re.DOTALL)
+_OPENER = re.compile(r"[\[{]")
+_TRAILING_COMMA = re.compile(r",\s*[}\]]")
+_STRING = r'"(?:[^"\\]|\\.)*"'
+_STRING_OR_TRAILING_COMMA = re.compile(rf",(?=\s*[}}\]])|{_STRING}", re.DOTALL)
+_BRACKET = re.compile(r"[{}\[\]]")
+_STRING_OR_BRACKET = re.compile(rf"[{{}}\[\]]|{_STRING}", re.DOTALL)
+_DECODER = json.JSONDecoder()
 
 
 def find_json(text: str) -> list[object]:
-    """Every JSON value a judge's free-form answer holds, in the order :func:`parse_rubric_judgement` tries them.
+    """Every JSON value a judge's free-form answer holds, each once, in the order its readers try them (the first
+    that fits wins in :func:`parse_rubric_judgement` and the domain parsers built on this).
 
-    The whole text, then each fenced code block, then each balanced top-level ``{...}`` span (string-aware), each
-    parsed with trailing commas tolerated; the candidates that do not parse are left out. Never raises on text.
+    The order: the whole text; then each fenced code block (```` ```json ... ``` ````, any or no language tag);
+    then each object or array embedded in prose, left to right (``Scores: {...} -- hope this helps``). A value
+    inside one already found is not listed again; one inside a span that does not parse is (``[see {...}]``).
+    Each is read as strict JSON, else with trailing commas dropped (``{"a": 1,}``; a ``",}"`` inside a string
+    stays), else as a Python literal (``{'a': 1}``, ``True`` / ``None``), kept only when that is an object or
+    an array JSON can hold (tuples read as arrays, non-string keys as their JSON text). What does not parse
+    (truncated JSON, prose in braces) is left out, so an answer without JSON gives ``[]``; braces and quotes
+    inside strings are text. Never raises on text; a span nested past the interpreter's recursion limit is skipped
+    and, if never closed, ends the search.
     """
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")
-    found = []
-    for cand in _json_candidates(text):
-        obj = _loads(cand)
-        if obj is not None:
-            found.append(obj)
+    found: list[object] = []
+    seen: set[str] = set()
+    for value in _json_values(text):
+        key = json.dumps(value, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            found.append(value)
     return found
+
+
+def _json_values(text: str) -> Iterator[object]:
+    """The values :func:`find_json` lists, duplicates included."""
+    for candidate in [text, *(m.group(1) for m in _FENCE.finditer(text))]:
+        value = _loads(candidate.strip())
+        if value is not None:
+            yield value
+    closers: dict[int, int] | None = None  # computed on the first embedded span that strict JSON rejects
+    i = 0
+    while (m := _OPENER.search(text, i)) is not None:
+        i = m.start()
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError) as err:
+            closers = _closing_brackets(text) if closers is None else closers
+            close = closers.get(i)
+            if isinstance(err, RecursionError):
+                if close is None:
+                    return  # each opener after it would recurse as deep again: quadratic time for nothing
+                value, i = None, close + 1
+            else:
+                value = None if close is None else _loads(text[i : close + 1])
+                i = i + 1 if close is None or value is None else close + 1
+        if value is not None:
+            yield value
+
+
+def _closing_brackets(text: str) -> dict[int, int]:
+    """``{index of an opening bracket: index of its closing one}`` for every balanced ``{...}`` / ``[...]`` of
+    ``text``; double-quoted strings inside brackets are skipped (a quote in the prose around them opens none), and a
+    closer that matches nothing open leaves every open span unclosed."""
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    i = 0
+    while (m := (_STRING_OR_BRACKET if stack else _BRACKET).search(text, i)) is not None:
+        token, i = m.group(), m.end()
+        if token in ("{", "["):
+            stack.append(m.start())
+        elif token in ("}", "]"):
+            if stack and text[stack[-1]] == ("{" if token == "}" else "["):
+                pairs[stack.pop()] = m.start()
+            else:
+                stack.clear()
+    return pairs
+
+
+def _loads(candidate: str) -> object:
+    """The value ``candidate`` holds read as strict JSON, else with trailing commas dropped, else as a Python
+    literal; ``None`` when none reads."""
+    try:
+        return json.loads(candidate)
+    except (ValueError, RecursionError):
+        pass
+    if _TRAILING_COMMA.search(candidate):
+        try:
+            return json.loads(_drop_trailing_commas(candidate))
+        except (ValueError, RecursionError):
+            pass
+    return _python_literal(candidate) if "'" in candidate else None
+
+
+def _drop_trailing_commas(candidate: str) -> str:
+    """``candidate`` without the commas that directly precede a ``}`` or ``]``, commas inside strings kept."""
+    return _STRING_OR_TRAILING_COMMA.sub(lambda m: m.group() if m.group() != "," else "", candidate)
+
+
+def _python_literal(candidate: str) -> object:
+    """A Python ``dict`` / ``list`` / ``tuple`` literal as the JSON value it spells, else ``None``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an invalid escape such as "\d" in a string warns
+            value = ast.literal_eval(candidate)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if not isinstance(value, (dict, list, tuple)):
+        return None
+    try:
+        return json.loads(json.dumps(value))
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 _NAME_KEYS = ("dimension", "name", "criterion", "aspect")
@@ -294,8 +362,8 @@ def parse_rubric_judgement(
 ) -> RubricJudgement:
     """Read per-dimension scores from a judge's free-form answer; never raises on malformed answers.
 
-    Accepted: JSON (bare, inside a code fence, or embedded in prose; trailing commas tolerated), keys in any case
-    or spacing (``"Self-test Relevance"``, ``"self_test_relevance"``) or as the rubric ids of the paper's grading
+    Accepted: JSON as :func:`find_json` reads it (bare, fenced or in prose; trailing commas and single quotes
+    tolerated), keys in any case or spacing (``"Self-test Relevance"``, ``"self_test_relevance"``) or as the rubric ids of the paper's grading
     prompt, ``"R1"`` ... ``"R7"`` (``Rk`` is the k-th dimension of ``weights``: R1 Fix Quality ... R7
     Verification integrity for :data:`RPR_WEIGHTS`), alone or with the name (``"R1 Fix Quality"``; an id and a
     name that disagree name nothing), values as numbers, numeric strings,
@@ -320,8 +388,7 @@ def parse_rubric_judgement(
     dims = tuple(w)
     items: dict[str, object] | None = None
     extra: dict[str, object] = {}
-    for cand in _json_candidates(text):
-        obj = _loads(cand)
+    for obj in find_json(text):
         items = _dimension_items(obj, dims)
         if items:
             if isinstance(obj, Mapping):

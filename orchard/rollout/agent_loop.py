@@ -39,6 +39,7 @@ from dataclasses import replace
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._retry import backoff_s
 
 with requires_extra("rollout"):
     import httpx
@@ -151,7 +152,8 @@ class AgentLoop:
         concurrency: rollouts in flight at once in `run_many`. Default 8.
         start_jitter_s: each rollout of `run_many` first sleeps uniform(0, start_jitter_s), so a large batch does
             not hit the sandbox service and the engine in one burst. Default 1.0.
-        retry_backoff_s: base of the exponential backoff (with full jitter) between retries. Default 0.5.
+        retry_backoff_s: base of the backoff between retries (`orchard._retry.backoff_s`: retry k waits
+            uniform(c/2, c), c = min(10, retry_backoff_s * 2**k) seconds). Default 0.5.
         progress: show a progress bar in `run_many`. Default True.
         seed: seeds the start jitter and the retry backoff (not the sampling: see `run` and `run_many`).
     """
@@ -250,7 +252,7 @@ class AgentLoop:
     # ---- calls with timeouts and retries ------------------------------------------------------------------------
 
     def _backoff(self, attempt: int) -> float:
-        return self._rng.uniform(0, self.retry_backoff_s * 2**attempt)
+        return backoff_s(attempt, base_s=self.retry_backoff_s, rng=self._rng)
 
     async def _env_call(
         self, what: str, make: Callable[[], Awaitable[Any]], deadline: float | None, retries: int = 0

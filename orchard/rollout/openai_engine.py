@@ -24,11 +24,11 @@ served by ``orchard serve-model --allow-weight-updates``). vLLM's server has no 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Sequence
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._retry import backoff_s
 
 with requires_extra("rollout"):
     import httpx
@@ -51,7 +51,8 @@ class OpenAIEngine:
     model: the model name sent with each request (``/v1/models`` lists it).
     api_key: sent as ``Authorization: Bearer``; None sends none.
     timeout_s: per HTTP call. Default 600.
-    retries: extra attempts on connection errors and 408/429/5xx, with exponential backoff and jitter. Default 3.
+    retries: extra attempts on connection errors and 408/429/5xx, with exponential backoff and jitter
+        (`orchard._retry.backoff_s`, base 0.25 s). Default 3.
     max_connections: concurrent HTTP connections. Default 256.
     """
 
@@ -98,7 +99,7 @@ class OpenAIEngine:
                     return response.json()
                 if response.status_code not in _RETRY_STATUSES or final:
                     raise RuntimeError(f"POST {path} answered {response.status_code}: {response.text[:500]}")
-            await asyncio.sleep(random.uniform(0, 0.25 * 2**attempt))
+            await asyncio.sleep(backoff_s(attempt, base_s=0.25))
         raise AssertionError("unreachable")
 
     async def _one(self, request: GenerateRequest) -> GenerateResult:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import secrets
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._retry import backoff_s
 from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.rollout.session import SESSION_HEADER
 
@@ -187,9 +187,9 @@ async def chat_completion(http: Any, model_url: str, body: Mapping[str, Any], *,
                           api_key: str | None, deadline: float, timeout_s: float, retries: int) -> dict[str, Any]:
     """One chat completion for an episode's session; returns the reply message (a dict).
 
-    Transport failures and 5xx answers are retried ``retries`` times with jittered backoff; a 4xx is not (the
-    request is wrong). Raises `OutOfTime` when ``deadline`` (``time.monotonic()``) passes, `ModelCallFailed`
-    when no usable answer came.
+    Transport failures and 5xx answers are retried ``retries`` times with jittered backoff
+    (``orchard._retry.backoff_s``, base 0.5 s); a 4xx is not (the request is wrong). Raises `OutOfTime` when
+    ``deadline`` (``time.monotonic()``) passes, `ModelCallFailed` when no usable answer came.
     """
     with requires_extra("rollout"):
         import httpx
@@ -223,7 +223,7 @@ async def chat_completion(http: Any, model_url: str, body: Mapping[str, Any], *,
             if r.status_code < 500:  # the request is wrong; asking again will not help
                 break
         if attempt < retries:
-            await asyncio.sleep(random.uniform(0, 0.5 * 2**attempt))
+            await asyncio.sleep(backoff_s(attempt, base_s=0.5))
     raise ModelCallFailed(f"model: {error}")
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._retry import SYSTEM_RANDOM, backoff_s
 
 with requires_extra("env"):
     import httpx
@@ -52,7 +53,8 @@ def resolve_settings(base_url: str | None, api_key: str | None) -> tuple[str, st
 class RetryPolicy:
     """Exponential backoff with jitter for connection errors and 502/503/504.
 
-    Attempt k (0-based) waits uniform(c/2, c) with c = min(backoff_max_s, backoff_base_s * 2**k); a 503's
+    Attempt k (0-based) waits uniform(c/2, c) with c = min(backoff_max_s, backoff_base_s * 2**k)
+    (`orchard._retry.backoff_s`); a 503's
     `Retry-After` replaces c/2..c with retry_after + uniform(0, 0.25 * retry_after).
     """
 
@@ -67,11 +69,9 @@ class RetryPolicy:
             raise ValueError(f"backoff times must be >= 0, got {self.backoff_base_s!r}, {self.backoff_max_s!r}")
 
     def delay(self, attempt: int, retry_after_s: float | None = None, rng: random.Random | None = None) -> float:
-        uniform = rng.uniform if rng is not None else random.uniform
         if retry_after_s is not None:
-            return retry_after_s + uniform(0.0, 0.25 * retry_after_s)
-        cap = min(self.backoff_max_s, self.backoff_base_s * 2**attempt)
-        return uniform(cap / 2, cap)
+            return retry_after_s + (rng or SYSTEM_RANDOM).uniform(0.0, 0.25 * retry_after_s)
+        return backoff_s(attempt, base_s=self.backoff_base_s, max_s=self.backoff_max_s, rng=rng)
 
 
 def parse_retry_after(value: str | None) -> float | None:

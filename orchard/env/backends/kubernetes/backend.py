@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchard._extras import requires_extra
+from orchard._retry import backoff_s
 from orchard.env.agent.core import validate_env
 from orchard.env.backends.base import (
     BackendError,
@@ -111,7 +112,8 @@ def retry_delay(error: BaseException, attempt: int, *, base_s: float = 0.2, max_
 
     429 and 5xx answers and transport errors (timeouts, refused or reset connections) are retried; a
     `Retry-After` the server sent wins over the backoff (capped at `max_s`). Backoff: `base_s * 2**attempt`
-    capped at `max_s`, jittered into its upper half (attempt 0 -> 0.1..0.2 s, attempt 3 -> 0.8..1.6 s).
+    capped at `max_s`, jittered into its upper half (`orchard._retry.backoff_s`: attempt 0 -> 0.1..0.2 s,
+    attempt 3 -> 0.8..1.6 s).
     """
     if isinstance(error, ApiException):
         if error.status not in RETRYABLE_STATUS:
@@ -123,12 +125,6 @@ def retry_delay(error: BaseException, attempt: int, *, base_s: float = 0.2, max_
     elif not isinstance(error, urllib3.exceptions.HTTPError | OSError | TimeoutError):
         return None
     return backoff_s(attempt, base_s=base_s, max_s=max_s)
-
-
-def backoff_s(attempt: int, *, base_s: float = 0.2, max_s: float = 10.0) -> float:
-    """`base_s * 2**attempt` capped at `max_s`, jittered into its upper half (attempt 0 -> 0.1..0.2 s)."""
-    delay = min(base_s * 2**attempt, max_s)
-    return delay * (0.5 + secrets.randbelow(1001) / 2000)
 
 
 def _refusal(error: BaseException) -> str | None:
@@ -557,7 +553,7 @@ class KubernetesBackend:
                 self._check_not_lost(sandbox_id)
                 if not isinstance(e, AGENT_RETRYABLE) or attempt == AGENT_RETRIES or name in self._deleting:
                     raise BackendError(f"sandbox {sandbox_id}: its agent at {ip} did not answer: {_chain(e)}") from e
-                delay = backoff_s(attempt)
+                delay = backoff_s(attempt, base_s=0.2)
                 logger.warning("sandbox %s: %s %s to its agent: %s; retry %d in %.2fs", sandbox_id, method,
                                path, _chain(e), attempt + 1, delay)
                 await asyncio.sleep(delay)
