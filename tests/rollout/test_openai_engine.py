@@ -68,7 +68,7 @@ def test_parse_choice_from_token_id_labels_and_errors():
 def test_vllm_engine_says_how_to_install():
     from orchard.rollout.vllm_engine import VLLMEngine
 
-    with pytest.raises(ImportError, match=r"orchard\[gpu\]"):
+    with pytest.raises(ImportError, match=r"orchard-rl\[gpu\]"):
         VLLMEngine("some/model")
 
 

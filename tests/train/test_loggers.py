@@ -104,7 +104,7 @@ def test_a_missing_logger_package_names_its_extra(tmp_path: Path, monkeypatch: p
     for module in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
         monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.setitem(sys.modules, package, None)
-    with pytest.raises(ModuleNotFoundError, match=rf"pip install 'orchard\[{name}\]'") as exc:
+    with pytest.raises(ModuleNotFoundError, match=rf"pip install 'orchard-rl\[{name}\]'") as exc:
         build_loggers(["jsonl", name], tmp_path, total_steps=1)
     assert "\n" not in str(exc.value)  # one line
 
