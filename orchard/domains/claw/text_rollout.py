@@ -42,45 +42,29 @@ _run_program = partial(run_program, PROGRAM)
 """Runs the program (``orchard.rollout.program.run_program`` of this module); a test may put a spy here."""
 
 
-async def run_text_episodes(
-    tasks: Sequence[ClawTask],
-    *,
-    client: Any,
-    proxy: RecordingProxy,
-    proxy_url: str | None = None,
-    env_url: str | None = None,
-    env_key: str | None = None,
-    group_size: int = 1,
-    concurrency: int = 8,
-    max_steps: int = 6,
-    max_tokens: int = 96,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_format_errors: int = 3,
-    max_time_s: float = 600.0,
-    exec_timeout_s: float = 30.0,
-    program_timeout_s: float | None = None,
-    run_id: str | None = None,
-    keep_sessions: bool = False,
-    seed: int | None = None,
-) -> list[Trajectory]:
+async def run_text_episodes(tasks: Sequence[ClawTask], *, client: Any, proxy: RecordingProxy, max_steps: int = 6,
+                            max_tokens: int = 96, exec_timeout_s: float = 30.0, **options: Any) -> list[Trajectory]:
     """Play ``group_size`` episodes of every task through the text-harness program; verify; return them.
 
-    `orchard.rollout.program_runner.run_program_episodes` with the text harness's part; its keywords, with the text
-    harness's defaults (``max_steps`` 6, ``max_tokens`` 96, ``exec_timeout_s`` 30 per command and per set-up).
-    Episode ``i`` plays ``tasks[i // group_size]``; its proxy session and its sandbox are both named
-    ``f"{run_id}-{i}"``. Results come in that order, one `Trajectory` each: reward +1 when every check passed, else
-    -1 (the verifier's RL reward; None for ``env_error``), ``reward_components`` the verdict's parts (``passed`` is
-    the evaluation's task-score rule, which `Trajectory.passed` reads), ``samples`` the proxy's training samples
-    (one per recorded call), and ``metadata`` with ``harness="text"``, ``session_id``, ``group_index``, ``steps``,
-    ``format_errors``, ``tool_calls``, ``error``, ``wall_s`` and ``recorded_calls``.
+    `orchard.rollout.program_runner.run_program_episodes` with the text harness's part. Episode ``i`` plays
+    ``tasks[i // group_size]``; its proxy session and its sandbox are both named ``f"{run_id}-{i}"``. Results come
+    in that order, one `Trajectory` each: reward +1 when every check passed, else -1 (the verifier's RL reward; None
+    for ``env_error``), ``reward_components`` the verdict's parts (``passed`` is the evaluation's task-score rule,
+    which `Trajectory.passed` reads), ``samples`` the proxy's training samples (one per recorded call), and
+    ``metadata`` with ``harness="text"``, ``session_id``, ``group_index``, ``steps``, ``format_errors``,
+    ``tool_calls``, ``error``, ``wall_s`` and ``recorded_calls``.
 
     Args:
         tasks: the tasks (`ClawTask`), at least one.
         client: an ``orchard.env.AsyncSandboxClient``; sandboxes are created, prepared, verified and deleted here.
         proxy: the `RecordingProxy` in front of the policy; its samples become `Trajectory.samples`.
-        proxy_url, env_url, env_key, group_size, concurrency, ..., seed: as in `run_program_episodes` (the
-            service's key travels to the child in `KEY_ENV`).
+        max_steps: assistant turns per episode (``step_budget``). Default 6.
+        max_tokens: per model call. Default 96.
+        exec_timeout_s: per command in a sandbox, and the limit of preparing one. Default 30.
+        **options: the rest of `run_program_episodes`'s keywords (``proxy_url``, ``env_url``, ``env_key``,
+            ``group_size``, ``concurrency``, ``temperature``, ``top_p``, ``max_format_errors``, ``max_time_s``,
+            ``program_timeout_s``, ``run_id``, ``keep_sessions``, ``seed``), with its defaults. The service's key
+            travels to the child in `KEY_ENV`.
     """
     check_tasks(tasks, ClawTask)
     program = HarnessProgram(
@@ -91,12 +75,8 @@ async def run_text_episodes(
         prepare_timeout_s=exec_timeout_s, prepare_errors=ENV_ERRORS,
         score=lambda sandbox, task: verify_sandbox(sandbox, task, timeout=exec_timeout_s),
         score_timeout_s=exec_timeout_s + 30, score_errors=VERIFY_ERRORS, score_step="verify")
-    return await run_program_episodes(
-        program, tasks, client=client, proxy=proxy, proxy_url=proxy_url, env_url=env_url, env_key=env_key,
-        group_size=group_size, concurrency=concurrency, max_steps=max_steps, max_tokens=max_tokens,
-        temperature=temperature, top_p=top_p, max_format_errors=max_format_errors, max_time_s=max_time_s,
-        exec_timeout_s=exec_timeout_s, program_timeout_s=program_timeout_s, run_id=run_id,
-        keep_sessions=keep_sessions, seed=seed)
+    return await run_program_episodes(program, tasks, client=client, proxy=proxy, max_steps=max_steps,
+                                      max_tokens=max_tokens, exec_timeout_s=exec_timeout_s, **options)
 
 
 class ClawTextRollouts(ProxyRollouts):
@@ -104,17 +84,14 @@ class ClawTextRollouts(ProxyRollouts):
     (`orchard.rollout.rollouts.ProxyRollouts`), each trajectory's per-call samples chained by prefix.
 
     Args:
-        client: the ``AsyncSandboxClient``; env_url / env_key: the service as the program reaches it (default the
-            client's).
+        client: the ``AsyncSandboxClient``.
         tokenizer: the policy's chat tokenizer (the proxy records token ids with it).
-        **kwargs: the rest of `run_text_episodes`'s keywords (``concurrency``, ``max_steps``, ``max_tokens``,
-            ``max_time_s``, ...).
+        **kwargs: the rest of `run_text_episodes`'s keywords (``env_url`` / ``env_key``: the service as the program
+            reaches it, default the client's; ``concurrency``, ``max_steps``, ``max_tokens``, ``max_time_s``, ...).
     """
 
-    def __init__(self, client: Any, tokenizer: Any, *, env_url: str | None = None, env_key: str | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(partial(run_text_episodes, client=client, env_url=env_url, env_key=env_key), tokenizer,
-                         **kwargs)
+    def __init__(self, client: Any, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(partial(run_text_episodes, client=client), tokenizer, **kwargs)
 
 
 def summarize_text_episodes(trajectories: Sequence[Trajectory]) -> dict[str, float]:

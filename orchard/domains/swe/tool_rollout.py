@@ -48,41 +48,19 @@ def _verdict_metadata(verdict: Any) -> dict[str, Any]:
             "patch": verdict.patch if verdict is not None else ""}
 
 
-async def run_swe_episodes(
-    instances: Sequence[SWEInstance],
-    *,
-    client: Any,
-    proxy: RecordingProxy,
-    convention: str = "tool",
-    proxy_url: str | None = None,
-    env_url: str | None = None,
-    env_key: str | None = None,
-    group_size: int = 1,
-    concurrency: int = 8,
-    max_steps: int = 30,
-    max_tokens: int = 2048,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_format_errors: int = 3,
-    max_time_s: float = 600.0,
-    exec_timeout_s: float = 60.0,
-    test_timeout_s: float = 300.0,
-    max_output_chars: int = MAX_OUTPUT_CHARS,
-    program_timeout_s: float | None = None,
-    run_id: str | None = None,
-    keep_sessions: bool = False,
-    seed: int | None = None,
-) -> list[Trajectory]:
+async def run_swe_episodes(instances: Sequence[SWEInstance], *, client: Any, proxy: RecordingProxy,
+                           convention: str = "tool", exec_timeout_s: float = 60.0, test_timeout_s: float = 300.0,
+                           max_output_chars: int = MAX_OUTPUT_CHARS, **options: Any) -> list[Trajectory]:
     """Play ``group_size`` episodes of every instance through the harness program; score; return them.
 
-    `orchard.rollout.program_runner.run_program_episodes` with the SWE harness's part; its keywords, and the SWE
-    harness's own. Episode ``i`` plays ``instances[i // group_size]``; its proxy session is named
-    ``f"{run_id}-{i}"`` and its sandbox is whichever ``client.create()`` gives (the program is told its id). One
-    `Trajectory` each, in that order: reward +1 resolved / -1 not (None for ``env_error``), ``reward_components``
-    the verdict's (`SWEVerdict.components`), ``tools`` the tool convention's schemas, ``samples`` the proxy's (one
-    per recorded call), ``metadata`` with ``harness`` (the convention), ``session_id``, ``group_index``,
-    ``steps``, ``format_errors``, ``tool_calls``, ``tests`` (per decisive test: passed), ``patch`` (the agent's
-    diff), ``error``, ``wall_s`` and ``recorded_calls``.
+    `orchard.rollout.program_runner.run_program_episodes` with the SWE harness's part. Episode ``i`` plays
+    ``instances[i // group_size]``; its proxy session is named ``f"{run_id}-{i}"`` and its sandbox is whichever
+    ``client.create()`` gives (the program is told its id). One `Trajectory` each, in that order: reward +1
+    resolved / -1 not (None for ``env_error``), ``reward_components`` the verdict's (`SWEVerdict.components`),
+    ``tools`` the tool convention's schemas, ``samples`` the proxy's (one per recorded call), ``metadata`` with
+    ``harness`` (the convention), ``session_id``, ``group_index``, ``steps``, ``format_errors``, ``tool_calls``,
+    ``tests`` (per decisive test: passed), ``patch`` (the agent's diff), ``error``, ``wall_s`` and
+    ``recorded_calls``.
 
     Args:
         instances: the tasks, at least one.
@@ -93,8 +71,11 @@ async def run_swe_episodes(
         exec_timeout_s: per command in a sandbox (and per set-up command). Default 60.
         test_timeout_s: the scoring test run's limit. Default 300.
         max_output_chars: observations keep their head and tail beyond this. Default 10 000.
-        proxy_url, env_url, env_key, group_size, concurrency, ..., seed: as in `run_program_episodes` (the
-            service's key travels to the child in `KEY_ENV`).
+        **options: the rest of `run_program_episodes`'s keywords (``proxy_url``, ``env_url``, ``env_key``,
+            ``group_size``, ``concurrency``, ``max_steps``, ``max_tokens``, ``temperature``, ``top_p``,
+            ``max_format_errors``, ``max_time_s``, ``program_timeout_s``, ``run_id``, ``keep_sessions``, ``seed``),
+            with its defaults (``max_steps`` 30, ``max_tokens`` 2048). The service's key travels to the child in
+            `KEY_ENV`.
     """
     check_tasks(instances, SWEInstance, "instances")
     if convention not in ("tool", "bash"):
@@ -111,12 +92,8 @@ async def run_swe_episodes(
         argv=("--convention", convention, "--max-output-chars", str(max_output_chars)),
         counts={"max_output_chars": max_output_chars}, seconds={"test_timeout_s": test_timeout_s},
         tools=TOOL_SCHEMAS if convention == "tool" else None, metadata=_verdict_metadata)
-    return await run_program_episodes(
-        program, instances, client=client, proxy=proxy, proxy_url=proxy_url, env_url=env_url, env_key=env_key,
-        group_size=group_size, concurrency=concurrency, max_steps=max_steps, max_tokens=max_tokens,
-        temperature=temperature, top_p=top_p, max_format_errors=max_format_errors, max_time_s=max_time_s,
-        exec_timeout_s=exec_timeout_s, program_timeout_s=program_timeout_s, run_id=run_id,
-        keep_sessions=keep_sessions, seed=seed)
+    return await run_program_episodes(program, instances, client=client, proxy=proxy,
+                                      exec_timeout_s=exec_timeout_s, **options)
 
 
 class SWEToolRollouts(ProxyRollouts):
@@ -124,19 +101,18 @@ class SWEToolRollouts(ProxyRollouts):
     (`orchard.rollout.rollouts.ProxyRollouts`), each trajectory's per-call samples chained by prefix.
 
     Args:
-        client: the ``AsyncSandboxClient``; env_url / env_key: the service as the program reaches it.
+        client: the ``AsyncSandboxClient``.
         tokenizer: the policy's chat tokenizer (the proxy records token ids with it).
         convention: "tool" (OpenHands', default) or "bash" (mini-swe-agent's; `SWEBashRollouts`).
-        **kwargs: the rest of `run_swe_episodes`'s keywords (``concurrency``, ``max_steps``, ``max_time_s``, ...).
+        **kwargs: the rest of `run_swe_episodes`'s keywords (``env_url`` / ``env_key``: the service as the program
+            reaches it; ``concurrency``, ``max_steps``, ``max_time_s``, ...).
     """
 
-    def __init__(self, client: Any, tokenizer: Any, *, convention: str = "tool", env_url: str | None = None,
-                 env_key: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, client: Any, tokenizer: Any, *, convention: str = "tool", **kwargs: Any) -> None:
         if convention not in ("tool", "bash"):
             raise ValueError(f"convention must be 'tool' or 'bash', got {convention!r}")
         self.convention = convention
-        super().__init__(partial(run_swe_episodes, client=client, convention=convention, env_url=env_url,
-                                 env_key=env_key), tokenizer, **kwargs)
+        super().__init__(partial(run_swe_episodes, client=client, convention=convention), tokenizer, **kwargs)
 
 
 class SWEBashRollouts(SWEToolRollouts):
