@@ -13,7 +13,7 @@ The service's key travels to the child in an environment variable (``program_env
 An episode the program never reported (it crashed, or ran past its time) is simply absent from ``read_results``:
 the launcher marks it ``env_error``.
 
-Both sides are written once here for every domain. The launcher's batch (sandboxes, episodes file, proxy, program,
+The launcher's batch (sandboxes, episodes file, proxy, program,
 verdicts) is `orchard.rollout.program_runner.run_program_episodes`; the program's episode loop (model calls through
 the proxy, step and format-error accounting) is `play_episode`, its command line `harness_parser` and
 `harness_main`. A domain gives only its prompts, its tools (an ``actor`` that acts on each reply) and its verdicts.
@@ -41,9 +41,9 @@ from orchard._extras import requires_extra
 from orchard.env import AsyncSandboxClient, RetryPolicy, SandboxError
 from orchard.rollout.session import SESSION_HEADER
 
-__all__ = ["SESSION_HEADER", "Actor", "HarnessSettings", "ModelCallFailed", "OutOfTime", "Turn", "bounded", "chat_completion",
-           "chat_url", "check_engine_or_url", "check_launch", "harness_main", "harness_parser", "play_all",
-           "play_episode", "program_env", "read_episodes", "read_results", "run_program", "text_reply"]
+__all__ = ["SESSION_HEADER", "Actor", "HarnessSettings", "ModelCallFailed", "OutOfTime", "Turn", "bounded",
+           "chat_completion", "chat_url", "check_engine_or_url", "check_launch", "harness_main", "harness_parser",
+           "play_all", "play_episode", "program_env", "read_episodes", "read_results", "run_program", "text_reply"]
 
 
 class ModelCallFailed(RuntimeError):
