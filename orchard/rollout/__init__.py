@@ -12,6 +12,9 @@ Names load lazily (``orchard --help`` imports this package's CLI and must stay f
   `ShellHarness`, `parse_tool_calls`, `ParsedOutput`
 - one interface for every harness path: `Rollouts`, `AgentLoopRollouts`; `JudgedRolloutsBase` (a judge over
   every batch, for a domain to subclass)
+- harness programs (an outside program that reaches the model only through the proxy), one runner for every
+  domain: `run_program_episodes` and a domain's `HarnessProgram` (`program_runner`); the program's episode loop
+  `play_episode` (`program`)
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ _EXPORTS = {
     "Rollouts": "rollouts",
     "AgentLoopRollouts": "rollouts",
     "JudgedRolloutsBase": "rollouts",
+    "run_program_episodes": "program_runner",
+    "HarnessProgram": "program_runner",
+    "play_episode": "program",
     "AgentLoop": "agent_loop",
     "PromptBuilder": "agent_loop",
     "Harness": "harness",

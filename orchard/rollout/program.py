@@ -12,12 +12,19 @@ file, runs the program, and reads one JSON result per episode back::
 The service's key travels to the child in an environment variable (``program_env``), never on its command line.
 An episode the program never reported (it crashed, or ran past its time) is simply absent from ``read_results``:
 the launcher marks it ``env_error``.
+
+The launcher's batch (sandboxes, episodes file, proxy, program,
+verdicts) is `orchard.rollout.program_runner.run_program_episodes`; the program's episode loop (model calls through
+the proxy, step and format-error accounting) is `play_episode`, its command line `harness_parser` and
+`harness_main`. A domain gives only its prompts, its tools (an ``actor`` that acts on each reply) and its verdicts.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -25,16 +32,18 @@ import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchard._extras import requires_extra
 from orchard._retry import backoff_s
-from orchard.env import AsyncSandboxClient, RetryPolicy
+from orchard.env import AsyncSandboxClient, RetryPolicy, SandboxError
 from orchard.rollout.session import SESSION_HEADER
 
-__all__ = ["SESSION_HEADER", "ModelCallFailed", "OutOfTime", "chat_completion", "chat_url", "check_engine_or_url",
-           "check_launch", "play_all", "program_env", "read_episodes", "read_results", "run_program"]
+__all__ = ["SESSION_HEADER", "Actor", "HarnessSettings", "ModelCallFailed", "OutOfTime", "Turn", "bounded",
+           "chat_completion", "chat_url", "check_engine_or_url", "check_launch", "harness_main", "harness_parser",
+           "play_all", "play_episode", "program_env", "read_episodes", "read_results", "run_program", "text_reply"]
 
 
 class ModelCallFailed(RuntimeError):
@@ -225,6 +234,194 @@ async def chat_completion(http: Any, model_url: str, body: Mapping[str, Any], *,
         if attempt < retries:
             await asyncio.sleep(backoff_s(attempt, base_s=0.5))
     raise ModelCallFailed(f"model: {error}")
+
+
+@dataclass(frozen=True)
+class HarnessSettings:
+    """How a harness program plays every episode: the options every program's command line takes. A domain
+    subclasses it with its own defaults and options (`orchard.domains.claw.text_harness.Settings`); `harness_parser`
+    takes the command line's defaults from it."""
+
+    model_url: str
+    model_key: str | None = None
+    model: str = "orchard"
+    max_steps: int = 30
+    max_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_format_errors: int = 3
+    max_time_s: float = 600.0
+    model_timeout_s: float = 300.0
+    model_retries: int = 2
+    exec_timeout_s: float = 60.0
+
+
+@dataclass
+class Turn:
+    """What a harness made of one model reply: the messages that follow the reply (its observations), the tool
+    calls it ran, whether the reply was malformed (a format error) and whether it ended the episode (``done``)."""
+
+    observations: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: int = 0
+    malformed: bool = False
+    finished: bool = False
+
+
+Actor = Callable[[dict[str, Any], float], Awaitable[Turn]]
+"""``await act(reply, deadline)``: one model reply (its message) acted on in the episode's sandbox."""
+
+
+def text_reply(reply: Mapping[str, Any]) -> dict[str, Any]:
+    """The assistant message of a harness that parses text: the reply's content. A reply the server parsed into
+    tool calls has none, so to such a harness it is malformed."""
+    return {"role": "assistant", "content": reply.get("content") or ""}
+
+
+async def bounded(coro: Any, exec_timeout_s: float, deadline: float) -> Any:
+    """A sandbox call under min(its own limit + 30 s, the episode's time left); the deadline gives `OutOfTime`."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        coro.close()
+        raise OutOfTime
+    try:
+        return await asyncio.wait_for(coro, min(left, exec_timeout_s + 30))
+    except asyncio.TimeoutError as exc:
+        if time.monotonic() >= deadline:
+            raise OutOfTime from exc
+        raise
+
+
+async def play_episode(http: Any, env: AsyncSandboxClient, settings: HarnessSettings, episode: Mapping[str, Any],
+                       *, system: str, actor: Callable[[Any], Actor], request: Mapping[str, Any] | None = None,
+                       assistant: Callable[[Mapping[str, Any]], dict[str, Any]] = text_reply,
+                       env_failures: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
+    """Play one episode of a harness program to its end; returns its result line. Never raises for model or sandbox
+    failures (they give ``env_error``)::
+
+        messages = [system, user prompt]; act = actor(the episode's sandbox)
+        repeat up to settings.max_steps:
+            reply = chat_completion(...)   # through the proxy: X-Session-Id is the episode's session
+            messages += [assistant(reply)]; turn = await act(reply, deadline); messages += turn.observations
+            turn.finished -> done; settings.max_format_errors malformed turns in a row -> format_error
+        a sandbox or model failure -> env_error; out of steps -> step_budget; out of settings.max_time_s -> time_budget
+
+    Args:
+        http: an ``httpx.AsyncClient``; env: the sandbox service's client.
+        settings: the program's options; episode: one line of the episodes file.
+        system: the system prompt.
+        actor: ``actor(sandbox)`` gives the episode's `Actor` (it may keep the episode's state, e.g. an editor's).
+        request: added to every request's body (the tool schemas, ``tool_choice``).
+        assistant: the reply as the assistant message kept in the conversation (default `text_reply`).
+        env_failures: the domain's own errors that fail the environment, beyond the sandbox client's, timeouts,
+            ``OSError`` and httpx's.
+    """
+    with requires_extra("rollout"):
+        import httpx
+
+    failures = (SandboxError, ConnectionError, asyncio.TimeoutError, OSError, httpx.HTTPError, *env_failures)
+    t0 = time.monotonic()
+    deadline = t0 + settings.max_time_s
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                      {"role": "user", "content": episode["prompt"]}]
+    out: dict[str, Any] = {"session_id": episode["session_id"], "sandbox_id": episode["sandbox_id"],
+                           "termination_reason": "step_budget", "steps": 0, "format_errors": 0,
+                           "tool_calls": 0, "error": None}
+    consecutive = 0
+    try:
+        sandbox = await asyncio.wait_for(env.sandbox(episode["sandbox_id"]), settings.exec_timeout_s)
+        act = actor(sandbox)
+        for _ in range(settings.max_steps):
+            body = {"model": settings.model, "messages": messages, "max_tokens": settings.max_tokens,
+                    "temperature": settings.temperature, "top_p": settings.top_p, **(request or {})}
+            reply = await chat_completion(http, settings.model_url, body,
+                                          session_id=episode["session_id"], api_key=settings.model_key,
+                                          deadline=deadline, timeout_s=settings.model_timeout_s,
+                                          retries=settings.model_retries)
+            out["steps"] += 1
+            messages.append(assistant(reply))
+            turn = await act(reply, deadline)
+            messages += turn.observations
+            out["tool_calls"] += turn.tool_calls
+            if turn.finished:
+                out["termination_reason"] = "done"
+                break
+            out["format_errors"] += turn.malformed
+            consecutive = consecutive + 1 if turn.malformed else 0
+            if consecutive >= settings.max_format_errors:
+                out["termination_reason"] = "format_error"
+                break
+    except OutOfTime:
+        out["termination_reason"] = "time_budget"
+    except ModelCallFailed as exc:
+        out["termination_reason"], out["error"] = "env_error", str(exc)
+    except failures as exc:
+        out["termination_reason"], out["error"] = "env_error", f"sandbox: {type(exc).__name__}: {exc}"
+    out["messages"] = messages
+    out["wall_s"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def harness_parser(prog: str, description: str, settings_type: type[HarnessSettings]) -> argparse.ArgumentParser:
+    """The command line every harness program takes, its defaults ``settings_type``'s; a domain adds its own."""
+    default = {f.name: f.default for f in dataclasses.fields(settings_type)}
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--model-url", required=True, help="OpenAI-compatible base URL (with or without /v1)")
+    p.add_argument("--model-key-env", default=None, help="environment variable holding the model's API key")
+    p.add_argument("--model", default=default["model"], help="the request's model field")
+    p.add_argument("--env-url", required=True, help="sandbox service URL")
+    p.add_argument("--env-key-env", required=True,
+                   help="environment variable holding the sandbox service key (empty: the service has none)")
+    p.add_argument("--episodes", required=True, help="JSONL: session_id, sandbox_id, prompt")
+    p.add_argument("--out", required=True, help="JSONL written here, one line per episode")
+    p.add_argument("--concurrency", type=int, default=8)
+    for name, kind in [("max_steps", int), ("max_tokens", int), ("temperature", float), ("top_p", float),
+                       ("max_format_errors", int), ("max_time_s", float), ("model_timeout_s", float),
+                       ("exec_timeout_s", float)]:
+        text = "wall-clock budget of one episode" if name == "max_time_s" else None
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default[name], help=text)
+    return p
+
+
+def harness_main(parser: argparse.ArgumentParser, argv: list[str] | None, settings_type: type[HarnessSettings],
+                 run_episode: Callable[[Any, AsyncSandboxClient, Any, dict[str, Any]], Awaitable[dict[str, Any]]],
+                 check: Callable[[argparse.Namespace], str | None] | None = None) -> int:
+    """A harness program's ``main``: check the command line (``check`` gives the domain's own error, or None),
+    read the episodes, play them all with ``run_episode(http, env, settings, episode)`` and write their results.
+    Exit status 0 when every episode has a line, 2 (``parser.error``) for unusable arguments or input."""
+    args = parser.parse_args(argv)
+    for name in ("concurrency", "max_steps", "max_tokens", "max_format_errors"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    error = check(args) if check is not None else None
+    if error:
+        parser.error(error)
+    for name in ("max_time_s", "model_timeout_s", "exec_timeout_s"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.temperature >= 0 or not 0 < args.top_p <= 1:
+        parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
+    if args.env_key_env not in os.environ:  # set but empty: a service without a key
+        parser.error(f"--env-key-env names {args.env_key_env!r}, which is not set in the environment")
+    env_key = os.environ[args.env_key_env] or None
+    model_key = os.environ.get(args.model_key_env) if args.model_key_env else None
+    if args.model_key_env and not model_key:
+        parser.error(f"--model-key-env names {args.model_key_env!r}, which is not set in the environment")
+    try:
+        chat_url(args.model_url)
+        episodes = read_episodes(args.episodes)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    settings = settings_type(model_key=model_key, **{  # type: ignore[arg-type]
+        f.name: getattr(args, f.name) for f in dataclasses.fields(settings_type)
+        if f.name != "model_key" and hasattr(args, f.name)})
+
+    async def play(http: Any, env: AsyncSandboxClient, episode: dict[str, Any]) -> dict[str, Any]:
+        return await run_episode(http, env, settings, episode)
+
+    counts = asyncio.run(play_all(episodes, play, env_url=args.env_url, env_key=env_key, out_path=args.out,
+                                  concurrency=args.concurrency))
+    print(json.dumps({"episodes": len(episodes), "termination": counts}), file=sys.stderr)
+    return 0
 
 
 def check_engine_or_url(model: object, tokenizer: Any, name: str = "judge") -> Any:
