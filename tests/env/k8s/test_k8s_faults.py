@@ -22,12 +22,6 @@ def service(cluster: Cluster):
     assert cluster.leftovers() == {}
 
 
-@pytest.fixture(scope="module")
-def client(service):
-    with SandboxClient(service.url, service.api_key) as c:
-        yield c
-
-
 def backend_health(service) -> dict:
     r = httpx.get(service.url + "/resources", headers={"X-API-Key": service.api_key}, timeout=30)
     return r.json()["backend_health"]

@@ -10,7 +10,7 @@ import pytest
 from conftest import NAMESPACE, Cluster, k8s_service
 from test_k8s_faults import _replica, backend_health, eventually, new_id
 
-from orchard.env import ConflictError, SandboxClient
+from orchard.env import ConflictError
 from orchard.env.backends.base import BackendError, ExecRequest, SandboxSpec
 from orchard.env.backends.kubernetes.manifests import object_name
 
@@ -21,12 +21,6 @@ def service(cluster: Cluster):
     with k8s_service(cluster, reap_interval_s=0.2) as svc:
         yield svc
     assert cluster.leftovers() == {}
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with SandboxClient(service.url, service.api_key) as c:
-        yield c
 
 
 def objects_of(cluster: Cluster, name: str) -> list[str]:
