@@ -259,6 +259,9 @@ def test_keepalive_thread_sends_heartbeats(service):
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     from orchard.env import SandboxClient
+    # Ctrl-C as at a terminal, whatever the test runner left: a runner started in the background of a shell
+    # without job control passes SIGINT on ignored, and the signal would then never arrive
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     client = SandboxClient(sys.argv[1], sys.argv[2])
     leaked = client.create()              # never deleted by the script: atexit must do it
     ids = [leaked.sandbox_id]

@@ -689,10 +689,19 @@ def _rlimits(
 def _child_preexec(
     rlimits: list[tuple[int, int]], *, ctty: bool, run_as: tuple[int, int] | None
 ) -> Callable[[], None]:
-    """A function run in the child between fork and exec: drop to `run_as`, apply the rlimits, and take
-    stdin as controlling terminal if `ctty`."""
+    """A function run in the child between fork and exec: every signal back to its default disposition, drop to
+    `run_as`, apply the rlimits, and take stdin as controlling terminal if `ctty`.
+
+    The defaults matter because an ignored signal stays ignored across exec: a service started in the background
+    of a shell without job control ignores SIGINT and SIGQUIT, and without the reset a terminal's Ctrl-C would
+    not stop the sandbox's foreground command (the compiled box and `box.py` reset them for execs the same way).
+    """
 
     def preexec() -> None:
+        for signum in signal.valid_signals():
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                with contextlib.suppress(OSError, ValueError):
+                    signal.signal(signum, signal.SIG_DFL)
         if run_as is not None:
             os.setgroups([])
             os.setgid(run_as[1])
