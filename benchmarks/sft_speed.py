@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -254,6 +255,9 @@ def main() -> None:
         return
     if args.batch % args.micro:
         p.error(f"--batch ({args.batch}) must be a multiple of --micro ({args.micro})")
+    missing = [name for name in ("trl", "peft") if importlib.util.find_spec(name) is None]
+    if missing:  # checked before the orchard arm, not after it has run for minutes
+        p.error(f"{' and '.join(missing)} not installed: pip install 'orchard-rl[bench]'")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     samples, pad_id = claw_demonstrations(args.model, args.max_len)
