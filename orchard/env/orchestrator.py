@@ -16,9 +16,11 @@ still in flight, is attached to the same job. The key and the job are written in
 retry that races the first request cannot start a second job.
 
 Restart. State lives in the store. On `start()` the orchestrator reconciles it with `backend.list_ids()`: live
-sandboxes are kept, records of sandboxes the backend no longer holds are dropped, sandboxes the store does not
-know are deleted (but not by a store that holds no sandbox at all: see below), and jobs that were queued or running when the previous process died are marked `failed` with
-`error` starting with "lost:". A lost job is never re-run: the command may have had side effects, and running
+sandboxes are kept, a ready sandbox the backend no longer holds is marked `failed` with a `status_message`
+starting with "lost:" (its client learns why on its next call; the reaper removes it as any other), other
+records of sandboxes the backend no longer holds are dropped, sandboxes the store does not know are deleted (but
+not by a store that holds no sandbox at all: see below), and jobs that were queued or running when the previous
+process died are marked `failed` with `error` starting with "lost:". A lost job is never re-run: the command may have had side effects, and running
 it twice would break the exactly-once promise. Then the reaper runs once, so what expired while the orchestrator
 was down is deleted straight away.
 
@@ -113,8 +115,11 @@ logger = logging.getLogger(__name__)
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 STORE_OUTAGE_ERROR = "store unavailable: the state store stayed unreachable for {seconds:g} s; the command was not run"
 """The `error` of a job that an outage of the store kept from running (formatted with `store_outage_s`)."""
+LOST_WHILE_DOWN = "lost: the backend no longer holds this sandbox (it went while no replica of the service ran)"
+"""The `status_message` of a ready sandbox that `reconcile` finds gone from the backend."""
+__all__ = ["LOST_JOB_ERROR", "LOST_WHILE_DOWN", "STORE_OUTAGE_ERROR", "CreateParams", "CreateTakenOverError",
+           "ExecParams", "Orchestrator"]
 _T = TypeVar("_T")
-__all__ = ["LOST_JOB_ERROR", "STORE_OUTAGE_ERROR", "CreateParams", "CreateTakenOverError", "ExecParams", "Orchestrator"]
 
 
 class CreateTakenOverError(ConflictError):
@@ -352,8 +357,8 @@ class Orchestrator:
     async def reconcile(self) -> dict[str, list[str]]:
         """Make the store agree with the backend after a restart. Returns what it did, by kind."""
         now = self.clock()
-        report: dict[str, list[str]] = {"lost_jobs": [], "dropped": [], "orphans_deleted": [], "orphans_kept": [],
-                                        "kept": []}
+        report: dict[str, list[str]] = {"lost_jobs": [], "dropped": [], "failed": [], "orphans_deleted": [],
+                                        "orphans_kept": [], "kept": []}
         report["lost_jobs"] = await self.store.mark_lost_jobs(now)
         live = set(await self.backend.list_ids())
         known = {record.sandbox_id: record for record in await self.store.list_sandboxes()}
@@ -364,6 +369,15 @@ class Orchestrator:
             elif record.status == "pending":
                 outcome = await self._settle_create(record, live)
                 report["dropped" if outcome == "dropped" else "kept"].append(sandbox_id)
+            elif sandbox_id not in live and record.status == "ready":
+                # gone while no replica watched (a pod deleted, a workspace removed): its client is told why
+                # on its next call, as for a loss seen live, instead of a 404 for a sandbox it made
+                record.status, record.status_message = "failed", LOST_WHILE_DOWN
+                if await self.store.put_sandbox_if(record, status="ready", replica=record.replica):
+                    logger.warning("sandbox %s failed: %s", sandbox_id, LOST_WHILE_DOWN)
+                    report["failed"].append(sandbox_id)
+            elif sandbox_id not in live and record.status == "failed":
+                report["kept"].append(sandbox_id)  # its client learns why; its delete or TTL removes the record
             elif sandbox_id not in live:
                 await self.store.delete_sandbox(sandbox_id)
                 report["dropped"].append(sandbox_id)

@@ -28,6 +28,7 @@ from orchard.env.errors import (
     WaitTimeoutError,
 )
 from orchard.env.orchestrator import (
+    LOST_WHILE_DOWN,
     CreateParams,
     CreateTakenOverError,
     ExecParams,
@@ -492,3 +493,35 @@ def test_sqlite_store_reads_match_its_file_after_any_writes(ops):
         await store.close()
 
     asyncio.run(run())
+
+
+async def test_a_ready_sandbox_gone_while_no_replica_ran_fails_with_the_reason(root):
+    # "gone" is removed from the backend while the service is down (a pod deleted, a workspace removed). Before
+    # the fix the restart dropped its record, so its client got a 404 for a sandbox it made and never learned
+    # why; now it is failed, says why on every call, and is deleted like any failed sandbox.
+    first = Orchestrator(LocalBackend(f"{root}/sandboxes"), SQLiteStore(f"{root}/state.sqlite3"), clock=Clock())
+    await first.start(reaper=False)
+    for sandbox_id in ("gone", "kept"):
+        await first.create_sandbox(CreateParams(sandbox_id=sandbox_id))
+    await first.close()  # the sandboxes outlive it, as they outlive a service that stops
+    outside = LocalBackend(f"{root}/sandboxes")
+    await outside.delete("gone")
+    await outside.close()
+    backend = LocalBackend(f"{root}/sandboxes")
+    orch = Orchestrator(backend, SQLiteStore(f"{root}/state.sqlite3"), clock=Clock())
+    await orch.start(reaper=False)
+    try:
+        gone = await orch.get_sandbox("gone")
+        assert (gone.status, gone.status_message) == ("failed", LOST_WHILE_DOWN)
+        assert (await orch.get_sandbox("kept")).status == "ready"
+        with pytest.raises(ConflictError, match="is failed, not ready: lost: the backend no longer holds"):
+            await orch.submit_exec("gone", ExecParams(command="true"))
+        report = await orch.reconcile()  # a second start keeps the failed record and its reason
+        assert "gone" in report["kept"] and report["failed"] == []
+        assert (await orch.get_sandbox("gone")).status_message == LOST_WHILE_DOWN
+        await orch.delete_sandbox("gone")
+        with pytest.raises(NotFoundError):
+            await orch.get_sandbox("gone")
+        await orch.delete_sandbox("kept")
+    finally:
+        await orch.close()
