@@ -226,12 +226,12 @@ def direct_real_reward(instance: Any, root: Path, python: str, bundle: str) -> b
 async def real_side(instance: Any, args: Any, url: str, key: str, root: Path, bundle: str) -> dict[str, Any]:
     """The real repository's reward both ways, interleaved (a direct sample, then a service one: load that
     drifts during the run falls on both); the base built once on the host before timing."""
-    from orchard.domains.swe.sandbox import GIT_ENV, base_tree, prepare_sandbox, pytest_env, score_sandbox
+    from orchard.domains.swe.sandbox import GIT_ENV, base_archive, prepare_sandbox, pytest_env, score_sandbox
     from orchard.env import AsyncSandboxClient
 
     out: dict[str, Any] = {"direct": [], "service": [], "ready": []}
     start = time.perf_counter()
-    base_tree(instance)
+    base_archive(instance)
     out["host_build"] = time.perf_counter() - start
     async with AsyncSandboxClient(url, key) as client:
         env = pytest_env()

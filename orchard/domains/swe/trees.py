@@ -403,10 +403,14 @@ def _overlay(base: BaseTree, patch: str, test_patch: str) -> bytes | None:
     if not all(_fits_the_base(base, path) for path in touched):
         return None
     in_base = [path for path in touched if base.kinds.get(path) in ("file", "link")]
+    # git apply runs in the base's repository as in `scored_tree`: the same attributes (.gitattributes, read
+    # from the index where the file is not taken out) convert line ends the same way
+    git_dir = [name for name in base.kinds if name == ".git" or name.startswith(".git/")]
     with tempfile.TemporaryDirectory(prefix="orchard-swe-score-") as tmp:
         work, original = Path(tmp) / "repo", Path(tmp) / "base"
         work.mkdir()
-        _extract(base, in_base, original)
+        _extract(base, [*in_base, *git_dir], original)
+        (original / ".git").rename(work / ".git")
         for path in in_base:
             _copy_entry(original / path, work / path)
         apply = _git_apply(work, os.path.realpath(tmp))
@@ -467,8 +471,8 @@ def _final_state(work: Path, path: str) -> str:
 
 
 def _extract(base: BaseTree, paths: list[str], into: Path) -> None:
-    """The base's members ``paths`` (files and links) unpacked under ``into``: the archive is read only up to
-    the last of them."""
+    """The base's members ``paths`` unpacked under ``into`` (made here): the archive is read only up to the last
+    of them."""
     wanted = set(paths)
     into.mkdir()
     if not wanted:
