@@ -19,7 +19,7 @@ import zlib
 
 import pytest
 
-from orchard.domains.swe import sandbox as swe_sandbox
+from orchard.domains.swe import trees
 from orchard.domains.swe.generator import make_instance
 from orchard.domains.swe.sandbox import (
     GIT_ENV,
@@ -482,7 +482,7 @@ def test_a_patch_that_inflates_past_the_cap_is_the_policys_failure_and_never_app
             applied.append(kwargs.get("input", ""))
         return run(argv, *args, **kwargs)
 
-    monkeypatch.setattr(swe_sandbox.subprocess, "run", recording)
+    monkeypatch.setattr(trees.subprocess, "run", recording)  # where the host's git apply runs
 
     async def main():
         async with AsyncSandboxClient(service.url, service.api_key) as client, await client.create() as raw:
