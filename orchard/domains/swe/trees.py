@@ -166,13 +166,17 @@ class BaseTree:
 
     body: bytes
     """The gzipped tar's members without the end-of-archive blocks, so that more members may follow
-    (`scored_archive`); `archive` is the whole archive."""
+    (`scored_archive`); `archive` is the whole archive. Each member is a gzip member of its own (`spans`), so
+    that one file is taken out without inflating the others (a gzip stream of many members reads as one).
+    """
     commit: str
     """The base commit's hash."""
     kinds: Mapping[str, str]
     """Every member's path -> ``"dir"``, ``"file"`` or ``"link"``."""
     sizes: Mapping[str, int]
     """Every regular file's path -> its size, bytes."""
+    spans: Mapping[str, tuple[int, int]]
+    """Every member's path -> where its gzip member starts and ends in ``body``."""
 
     @property
     def archive(self) -> bytes:
@@ -213,22 +217,31 @@ def _build_base(plain: bytes) -> BaseTree:
         git("repack", "-a", "-d", "-q", "-n")
         kinds: dict[str, str] = {}
         sizes: dict[str, int] = {}
-
-        def owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            kinds[info.name] = "dir" if info.isdir() else "link" if info.issym() else "file"
-            if info.isreg():
-                sizes[info.name] = info.size
-            return info
-
+        starts: list[int] = []
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as tar:
+
+            def owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                # a float time takes a PAX header of its own: twice the headers for the service to read
+                info.mtime = int(info.mtime)
+                kinds[info.name] = "dir" if info.isdir() else "link" if info.issym() else "file"
+                starts.append(tar.offset)  # called just before the member is written
+                if info.isreg():
+                    sizes[info.name] = info.size
+                return info
+
             for entry in sorted(work.iterdir()):
                 tar.add(entry, entry.name, filter=owned_by_nobody)
             members_end = tar.offset  # before close() writes the end-of-archive blocks
-    body = gzip.compress(buffer.getbuffer()[:members_end], compresslevel=6, mtime=0)
-    return BaseTree(body, commit, kinds, sizes)
+    raw, parts, spans, at = buffer.getbuffer(), [], {}, 0
+    for name, start, end in zip(kinds, starts, [*starts[1:], members_end], strict=True):
+        parts.append(gzip.compress(raw[start:end], compresslevel=6, mtime=0))
+        spans[name] = (at, at + len(parts[-1]))
+        at += len(parts[-1])
+    del raw  # the buffer can be freed
+    return BaseTree(b"".join(parts), commit, kinds, sizes, spans)
 
 
 def base_tree(instance: SWEInstance) -> BaseTree:
@@ -471,17 +484,11 @@ def _final_state(work: Path, path: str) -> str:
 
 
 def _extract(base: BaseTree, paths: list[str], into: Path) -> None:
-    """The base's members ``paths`` unpacked under ``into`` (made here): the archive is read only up to the last
-    of them."""
-    wanted = set(paths)
+    """The base's members ``paths`` unpacked under ``into`` (made here), each inflated from its own gzip member:
+    nothing else of the base is read."""
     into.mkdir()
-    if not wanted:
-        return
-    with tarfile.open(fileobj=io.BytesIO(base.archive), mode="r:gz") as tar:
-        for member in tar:
-            if member.name in wanted:
-                tar.extract(member, into, filter="tar")
-                wanted.discard(member.name)
-                if not wanted:
-                    return
-    raise RuntimeError(f"the base archive lacks {sorted(wanted)[:3]} that its index names")
+    for name in paths:
+        start, end = base.spans[name]
+        member = gzip.decompress(base.body[start:end])
+        with tarfile.open(fileobj=io.BytesIO(member), mode="r:") as tar:
+            tar.extractall(into, filter="tar")

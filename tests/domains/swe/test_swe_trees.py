@@ -5,6 +5,7 @@ the very base it was prepared with."""
 
 import asyncio
 import dataclasses
+import gzip
 import io
 import os
 import shutil
@@ -258,3 +259,13 @@ def test_a_base_tree_is_one_archive_whose_members_can_be_followed():
     assert ".git/HEAD" in names and all(base.kinds[name] in ("file", "link") for name in names)
     assert dict(base.sizes) == {
         name: len(entry[1]) for name, entry in files_of(base.archive).items() if entry[0] == "file"}
+    # each member is a gzip member of its own: one is read without inflating the others
+    whole = files_of(base.archive)
+    for name, (start, end) in base.spans.items():
+        with tarfile.open(fileobj=io.BytesIO(gzip.decompress(base.body[start:end])), mode="r:") as tar:
+            [member] = tar.getmembers()
+            assert member.name == name and not member.pax_headers  # integer times: no PAX header each
+            if member.isreg():
+                assert tar.extractfile(member).read() == whole[name][1]
+    assert sorted(base.spans.values()) == sorted(base.spans.values(), key=lambda span: span[0])
+    assert max(end for _, end in base.spans.values()) == len(base.body)
