@@ -3,9 +3,10 @@ it (`score_sandbox`), through the async sandbox client (``orchard.env.AsyncSandb
 
 Before the episode: the instance's repository (its ``files``, or its ``repo_dir`` without ``.git``) is put in the
 sandbox's workspace (its working directory, ``/workspace`` under bubblewrap) with its git repository of one
-commit (so ``git diff`` against it is the agent's patch) already built: `base_archive` runs ``git init`` and the
-commit on this host once per instance (cached by instance id and content hash), and the service's archive
-upload unpacks it through its file layer, so no process starts in the sandbox for it.
+commit (so ``git diff`` against it is the agent's patch) already built: `base_tree` runs ``git init`` and the
+commit on this host once per snapshot (cached under a key that reads none of the repository's files, see
+`orchard.domains.swe.trees`), and the service's archive upload unpacks it through its file layer, so no process
+starts in the sandbox for it. The base is remembered for the sandbox, and its scoring uses it again.
 And ``python3 -m pytest`` works: where the image's python has no pytest (the host image here: the development
 virtualenv's interpreter lies under a home the sandbox's uid cannot enter), pytest and its dependencies (pure
 Python) come as one zip with their bytecode (`pytest_bundle`), put on the sandbox user's path by a ``.pth`` file
@@ -22,11 +23,12 @@ After the episode (`score_sandbox`), as SWE-bench's harness does, only the agent
 
 1. the patch is the workspace's diff from the base commit (``git add -A; git diff --cached --binary``, so new
    files count; ``__pycache__`` and ``.pytest_cache`` are excluded), and the workspace is emptied;
-2. on this host (`scored_tree`), the base with the patch applied (so a rewritten history, hooks or files outside
-   the diff change nothing);
+2. on this host (`scored_archive`), the base the sandbox was prepared with, with the patch applied (so a
+   rewritten history, hooks or files outside the diff change nothing);
 3. the test files ``test_patch`` touches are reset to their base version (a patch that edited the tests loses
    those edits), then ``test_patch`` is applied, and the tree goes into the emptied workspace by the archive
-   upload;
+   upload (the base's archive as it was built, followed by the files the patches touch: only those are
+   unpacked and patched here);
 4. ``FAIL_TO_PASS`` + ``PASS_TO_PASS`` run with one pytest under a timeout, with the user site directory off
    (pytest comes from the image, or from the service's read-only shared folder, or from a copy of the zip in the
    command's own ``/tmp`` whose SHA-256 matches this process's bundle, else from a fresh copy sent with the
@@ -46,9 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
-import gzip
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -56,25 +56,42 @@ import io
 import marshal
 import os
 import re
-import shutil
-import subprocess
 import sys
 import tarfile
-import tempfile
 import threading
 import zipfile
-import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchard.domains.swe.instances import SWEInstance
+from orchard.domains.swe.patches import patch_write_bound, patched_paths
 from orchard.domains.swe.testrun import PYTEST_ENV, parse_test_results, pytest_argv
+from orchard.domains.swe.trees import (
+    BASE_CACHE_BYTES,
+    EXCLUDE,
+    GIT_ENV,
+    MAX_PATCH_WRITE_BYTES,
+    RECENT_CHANGE_S,
+    BaseTree,
+    PatchTooLargeError,
+    base_archive,
+    base_tree,
+    repository_archive,
+    scored_archive,
+    scored_tree,
+)
 from orchard.env.backends.base import SHARED_MOUNT
 from orchard.env.errors import BadRequestError, PathError
 from orchard.rollout.harness import EnvironmentFailure
+
+__all__ = [
+    "BASE_CACHE_BYTES", "EXCLUDE", "GIT_ENV", "MAX_PATCH_BYTES", "MAX_PATCH_WRITE_BYTES", "PYTHON", "RECENT_CHANGE_S",
+    "SHARED_PYTEST", "WORKSPACE", "BaseTree", "PatchTooLargeError", "SWEVerdict", "base_archive", "base_tree",
+    "patch_write_bound", "patched_paths", "prepare_sandbox", "pytest_bundle", "pytest_env", "repository_archive",
+    "sandbox_options", "score_sandbox", "scored_archive", "scored_tree", "write_pytest_bundle",
+]
 
 WORKSPACE = "/workspace"
 """The sandbox's workspace as the file API names it (its working directory: the repository's root)."""
@@ -82,33 +99,15 @@ WORKSPACE = "/workspace"
 PYTHON = "python3"
 """The interpreter inside the sandbox (as the Claw domain: the image's ``python3`` on PATH)."""
 
-GIT_ENV = {"GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "orchard",
-           "GIT_AUTHOR_EMAIL": "orchard@localhost", "GIT_COMMITTER_NAME": "orchard",
-           "GIT_COMMITTER_EMAIL": "orchard@localhost", "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
-           "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
-"""Our git commands read no configuration the agent could have written (``~/.gitconfig``: aliases, hooks), and
-the base commit's identity and date are fixed, so its hash depends on the files only."""
-
-EXCLUDE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
-"""Never part of the agent's patch (``.git/info/exclude``, not a file of the repository)."""
 
 MAX_PATCH_BYTES = 16 << 20
 """A larger diff is not scored (not resolved): no repository fix is 16 MiB."""
-
-MAX_PATCH_WRITE_BYTES = 256 << 20
-"""A patch that may write more when applied (`patch_write_bound`) is not applied on this host and not resolved:
-``git diff --binary`` deflates, so 16 MiB of diff can stand for many GiB of files (a file of zeros). A quarter of
-the archive upload's 1 GiB cap on the scored tree, so the base, the patch and ``test_patch`` fit under it; no
-repository fix writes 256 MiB."""
 
 _BUNDLE = "orchard-pytest"
 """The zip in the sandbox user's site directory, and the ``.pth`` file there that puts it on ``sys.path``."""
 
 SHARED_PYTEST = "orchard-pytest"
 """The name of the service's shared folder that holds `pytest_bundle` (see `write_pytest_bundle`)."""
-
-BASE_CACHE_BYTES = 256 << 20
-"""`base_archive` keeps the most recently used archives up to this many bytes in all."""
 
 _INPUTS = """set -o pipefail
 t=$(mktemp -d) || exit 1
@@ -199,118 +198,6 @@ class SWEVerdict:
         return {"resolved": float(self.resolved), "fail_to_pass": fraction(self.fail_to_pass),
                 "pass_to_pass": fraction(self.pass_to_pass), "patch_applied": float(self.patch_applied),
                 "empty_patch": float(not self.patch.strip())}
-
-
-@contextlib.contextmanager
-def _gzipped_tar(buffer: io.BytesIO, level: int) -> Iterator[tarfile.TarFile]:
-    """A tar written gzipped into ``buffer`` with a fixed gzip time (tarfile's ``w:gz`` stamps the current second
-    in the header, so the same files would give other bytes, and `base_archive`'s cache key another hash)."""
-    with gzip.GzipFile(fileobj=buffer, mode="wb", compresslevel=level, mtime=0) as stream, \
-            tarfile.open(fileobj=stream, mode="w") as tar:
-        yield tar
-
-
-def repository_archive(instance: SWEInstance) -> bytes:
-    """The repository at the base commit as a gzipped tar (sorted, fixed times; a ``repo_dir``'s ``.git`` left
-    out, symlinks kept as links)."""
-    if not isinstance(instance, SWEInstance):
-        raise ValueError(f"instance must be a SWEInstance, got {type(instance).__name__}")
-    buffer = io.BytesIO()
-    with _gzipped_tar(buffer, 6) as tar:
-        if instance.files is not None:
-            for path in sorted(instance.files):
-                data = instance.files[path].encode()
-                info = tarfile.TarInfo(path)
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
-        else:
-            root = Path(instance.repo_dir or "")
-            if not root.is_dir():
-                raise ValueError(f"instance.repo_dir {instance.repo_dir!r} is not a directory")
-            for path in sorted(root.rglob("*")):
-                rel = path.relative_to(root)
-                if rel.parts[0] == ".git" or not (path.is_file() or path.is_symlink()):
-                    continue
-                info = tar.gettarinfo(str(path), rel.as_posix())
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                info.mtime = 0
-                if info.isreg():
-                    with path.open("rb") as handle:
-                        tar.addfile(info, handle)
-                else:
-                    tar.addfile(info)
-    return buffer.getvalue()
-
-
-_BASES: OrderedDict[tuple[str, str], tuple[bytes, str]] = OrderedDict()
-"""`base_archive`'s cache: (instance id, SHA-256 of the repository archive) -> (archive with ``.git``, commit)."""
-_BASES_LOCK = threading.Lock()
-
-
-def _build_base(plain: bytes) -> tuple[bytes, str]:
-    """Unpack ``plain`` (a `repository_archive`) here, commit it as the sandbox used to, and tar the result."""
-    with tempfile.TemporaryDirectory(prefix="orchard-swe-base-") as tmp:
-        work = Path(tmp) / "repo"
-        work.mkdir()
-        with tarfile.open(fileobj=io.BytesIO(plain), mode="r:gz") as tar:
-            tar.extractall(work, filter="tar")
-        # Nothing of this process's git environment (GIT_DIR, GIT_INDEX_FILE, a global config) may leak in.
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, **GIT_ENV}
-
-        def git(*args: str) -> str:
-            run = subprocess.run(["git", *args], cwd=work, env=env, capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"building the base commit on this host failed: git {args[0]}: "
-                                   f"{run.stderr[-300:]}")
-            return run.stdout
-
-        git("init", "-q", "--template=", ".")  # an empty template: no sample hooks
-        (work / ".git" / "info").mkdir(exist_ok=True)
-        (work / ".git" / "info" / "exclude").write_text(EXCLUDE)
-        git("add", "-A")
-        git("-c", "commit.gpgsign=false", "-c", "core.logAllRefUpdates=false", "commit", "-q", "--no-verify",
-            "--allow-empty", "-m", "base")
-        commit = git("rev-parse", "HEAD").strip()
-        # One pack instead of a loose object (and often a directory) per file: the sandbox gets a few members
-        git("repack", "-a", "-d", "-q", "-n")
-
-        def owned_by_nobody(info: tarfile.TarInfo) -> tarfile.TarInfo:
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            return info
-
-        buffer = io.BytesIO()
-        with _gzipped_tar(buffer, 6) as tar:
-            for entry in sorted(work.iterdir()):
-                tar.add(entry, entry.name, filter=owned_by_nobody)
-    return buffer.getvalue(), commit
-
-
-def base_archive(instance: SWEInstance) -> tuple[bytes, str]:
-    """The repository at its base commit with its git repository, as a gzipped tar, and the commit's hash.
-
-    Built on this host once per instance (``git init``, ``git add -A``, one commit with `GIT_ENV`'s fixed identity
-    and date, so the hash depends on the files alone) and cached by instance id and the SHA-256 of its
-    `repository_archive`: an instance whose files changed, or another instance under the same id, gets its own
-    build, never another's (most recently used first, up to `BASE_CACHE_BYTES`). The sandbox only unpacks it.
-
-    Raises:
-        ValueError: ``instance`` is not a SWEInstance.
-        RuntimeError: this host's git failed.
-    """
-    plain = repository_archive(instance)
-    key = (instance.instance_id, hashlib.sha256(plain).hexdigest())
-    with _BASES_LOCK:
-        if key in _BASES:
-            _BASES.move_to_end(key)
-            return _BASES[key]
-    built = _build_base(plain)
-    with _BASES_LOCK:
-        _BASES[key] = built
-        while sum(len(archive) for archive, _ in _BASES.values()) > BASE_CACHE_BYTES and len(_BASES) > 1:
-            _BASES.popitem(last=False)
-    return built
 
 
 def _pytest_distributions() -> list[importlib.metadata.Distribution]:
@@ -499,6 +386,41 @@ async def _run(sandbox: Any, command: list[str] | str, what: str, *, timeout: fl
 _UPLOAD_TOO_LARGE = "unpacks to more than max_bytes"
 """The archive upload's refusal of a tree beyond its cap (1 GiB), a ``BadRequestError``."""
 
+_PREPARED: OrderedDict[tuple[str, str], tuple[str, BaseTree]] = OrderedDict()
+"""(service, sandbox id) -> (instance id, the base `prepare_sandbox` put there), taken by `score_sandbox`: the
+scoring applies the patch to the very base the agent started from, and looks nothing up again. The most recent
+`_PREPARED_MAX` (a sandbox that is never scored leaves its entry until then)."""
+_PREPARED_MAX = 256
+_PREPARED_LOCK = threading.Lock()  # episodes may run on the event loops of several threads
+
+
+def _sandbox_key(sandbox: Any) -> tuple[str, str] | None:
+    ident = getattr(sandbox, "sandbox_id", None)
+    if not isinstance(ident, str):
+        return None
+    return str(getattr(getattr(sandbox, "client", None), "base_url", "")), ident
+
+
+def _remember_base(sandbox: Any, instance: SWEInstance, base: BaseTree) -> None:
+    key = _sandbox_key(sandbox)
+    if key is not None:
+        with _PREPARED_LOCK:
+            _PREPARED[key] = (instance.instance_id, base)
+            _PREPARED.move_to_end(key)
+            while len(_PREPARED) > _PREPARED_MAX:
+                _PREPARED.popitem(last=False)
+
+
+async def _prepared_base(sandbox: Any, instance: SWEInstance) -> BaseTree:
+    """The base `prepare_sandbox` put in ``sandbox`` for ``instance``; built (or looked up) again when this
+    process did not prepare it."""
+    key = _sandbox_key(sandbox)
+    with _PREPARED_LOCK:
+        entry = _PREPARED.pop(key, None) if key is not None else None
+    if entry is not None and entry[0] == instance.instance_id:
+        return entry[1]
+    return await asyncio.to_thread(base_tree, instance)
+
 
 async def _upload_tree(sandbox: Any, tree: bytes) -> bool:
     """Unpack ``tree`` (a gzipped tar) in the workspace through the archive upload, no process in the sandbox;
@@ -514,7 +436,7 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
                           python: str = PYTHON) -> str:
     """Put ``instance``'s repository at its base commit in the sandbox's workspace, with git and pytest.
 
-    The repository (`base_archive`: the files and their ``.git``, built on this host once per instance) goes in
+    The repository (`base_tree`: the files and their ``.git``, built on this host once per snapshot) goes in
     through the service's archive upload, which starts no process in the sandbox. No command follows when the
     image has pytest, or when the service shares it and the sandbox was created with `pytest_env`; else one
     (a ``.pth`` in the user site naming the shared copy, or pytest itself on its standard input when the image
@@ -539,7 +461,8 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
         raise ValueError(f"timeout must be > 0, got {timeout!r}")
     facts = await _image_facts(sandbox, python, timeout)
     key = _facts_key(sandbox, python)
-    archive, commit = await asyncio.to_thread(base_archive, instance)  # git on this host the first time
+    base = await asyncio.to_thread(base_tree, instance)  # git on this host the first time
+    archive = base.archive
     members: dict[str, bytes] = {} if await _upload_tree(sandbox, archive) else {"tree.tar.gz": archive}
     env = {**GIT_ENV, "ORCHARD_SITE": facts.user_site, "ORCHARD_PYTHON": python}
     if facts.has_pytest or _pytest_on_path(sandbox, facts.shared_pytest):
@@ -549,207 +472,16 @@ async def prepare_sandbox(sandbox: Any, instance: SWEInstance, *, timeout: float
     else:
         members["pytest.zip"] = await asyncio.to_thread(pytest_bundle)  # built once, seconds: off the loop
     if not members and "ORCHARD_PYTEST" not in env:
-        return commit
+        _remember_base(sandbox, instance, base)
+        return base.commit
     if not facts.has_pytest and key not in _CHECKED:
         env["ORCHARD_CHECK"] = "1"
     await _run(sandbox, ["bash", "-c", _PREPARE], "preparing the repository and pytest", timeout=timeout,
                stdin=_inputs(**members), env=env)
     if "ORCHARD_CHECK" in env:
         _CHECKED.add(key)
-    return commit
-
-
-_C_ESCAPES = {b"a": 7, b"b": 8, b"t": 9, b"n": 10, b"v": 11, b"f": 12, b"r": 13, b'"': 34, b"\\": 92}
-
-
-def _git_path(text: str) -> str:
-    """A path as git writes it in a diff's headers: verbatim, or in double quotes with C escapes (``\\t``, and
-    ``\\303\\251`` per byte of a non-ASCII name) when it holds a quote, a backslash, a control character or
-    (``core.quotePath``, git's default) a byte above 127."""
-    if len(text) < 2 or text[0] != '"' or text[-1] != '"':
-        return text
-
-    def byte(escape: re.Match[bytes]) -> bytes:
-        code = escape[1]
-        return bytes([int(code, 8) if code[0] in b"01234567" else _C_ESCAPES.get(code, code[0])])
-
-    raw = re.sub(rb"\\([0-7]{1,3}|.)", byte, text[1:-1].encode("utf-8", "surrogateescape"))
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def _diff_git_names(rest: str) -> list[str]:
-    """The two names of a ``diff --git`` line after its prefix: each quoted, or plain. Plain names may hold
-    spaces (git does not quote them), so they are read as git apply does: a/NAME b/NAME with equal halves; a
-    rename's differing names come from its ``rename from`` / ``rename to`` lines instead."""
-    quoted = re.fullmatch(r'("(?:[^"\\]|\\.)*"|\S+) ("(?:[^"\\]|\\.)*"|\S+)', rest)
-    if quoted and '"' in rest:
-        return [_git_path(name)[2:] for name in quoted.groups()]
-    half = (len(rest) - 1) // 2
-    if len(rest) % 2 == 1 and rest[half] == " " and rest[:2] == "a/" and rest[half + 1:half + 3] == "b/" \
-            and rest[2:half] == rest[half + 3:]:
-        return [rest[2:half]]
-    return [name[2:] for name in quoted.groups()] if quoted else []
-
-
-def patched_paths(test_patch: str) -> list[str]:
-    """The paths a ``git diff`` touches (old and new names), in order of appearance; git's quoted names
-    (non-ASCII, control characters) unquoted, and names with spaces read whole."""
-    paths: list[str] = []
-    for line in test_patch.splitlines():
-        if line.startswith("diff --git "):
-            names = _diff_git_names(line[len("diff --git "):])
-        else:
-            header = re.match(r"^(?:rename|copy) (?:from|to) (.+)$", line)
-            names = [_git_path(header[1])] if header else []
-        paths += [p for p in dict.fromkeys(names) if p and p not in paths]
-    return paths
-
-
-def _base85_line(line: str) -> bytes | None:
-    """The bytes of one line of a git binary hunk: a length character (A-Z: 1-26, a-z: 27-52), then base85
-    (the alphabet of Python's ``b85``); None when malformed."""
-    if not line or not line[0].isascii() or not line[0].isalpha():
-        return None
-    size = ord(line[0]) - (ord("A") - 1 if line[0].isupper() else ord("a") - 27)
-    try:
-        return base64.b85decode(line[1:])[:size]
-    except ValueError:
-        return None
-
-
-def _delta_result_size(lines: list[str]) -> int | None:
-    """The result size a git binary delta declares: its header (after zlib) is two varints, 7 bits a byte,
-    least significant first, the source's size and the result's; None when it cannot be read (git apply then
-    refuses the hunk too)."""
-    deflated = b""
-    for line in lines:  # the header is the first bytes inflated: a few lines carry it
-        chunk = _base85_line(line)
-        if chunk is None:
-            break
-        deflated += chunk
-    try:
-        header = zlib.decompressobj().decompress(deflated, 20)
-    except zlib.error:
-        return None
-    sizes, value, shift = [], 0, 0
-    for byte in header:
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            sizes.append(value)
-            value = shift = 0
-            if len(sizes) == 2:
-                return sizes[1]
-    return None
-
-
-_BOUND_CEILING = 1 << 62
-"""Where `patch_write_bound` stops counting."""
-
-
-def patch_write_bound(patch: str, base_sizes: Mapping[str, int] | None = None) -> int:
-    """An upper bound on the bytes ``git apply`` writes for ``patch``, read from the patch alone (nothing is
-    inflated but a delta's header): its text (a text hunk adds at most its lines to a file), plus each binary
-    hunk's result (a ``literal <n>``: git inflates it into exactly n bytes; a ``delta <n>``: the result size in
-    its header, since a few bytes of delta can copy its source many times over; n when the header cannot be
-    read), plus for each copy (``copy from``) its source: its size in ``base_sizes`` plus everything counted
-    before it (which the patch may have written there). Both hunks of a binary patch count (git applies one).
-    The count stops at 2**62 bytes (more than any disk holds).
-
-    Args:
-        patch: a ``git diff --binary``.
-        base_sizes: path -> size, bytes, of the files the patch applies to (copies of unknown paths count only
-            what the patch wrote before them). Default: none known.
-
-    Raises:
-        ValueError: ``patch`` is not a string, or ``base_sizes`` not a mapping.
-    """
-    if not isinstance(patch, str):
-        raise ValueError(f"patch must be a str, got {type(patch).__name__}")
-    if base_sizes is not None and not isinstance(base_sizes, Mapping):
-        raise ValueError(f"base_sizes must be a mapping of path to size or None, got {type(base_sizes).__name__}")
-    sizes = base_sizes or {}
-    lines = patch.splitlines()
-    bound = len(patch.encode("utf-8", "surrogateescape"))
-    for i, line in enumerate(lines):
-        hunk = re.fullmatch(r"(literal|delta) ([0-9]+)", line)
-        copy = re.fullmatch(r"copy from (.+)", line)
-        if hunk:
-            # a number of thousands of digits is no size (and int() refuses to read it)
-            declared = int(hunk[2]) if len(hunk[2]) <= 18 else _BOUND_CEILING
-            result = _delta_result_size(lines[i + 1:i + 65]) if hunk[1] == "delta" else None
-            bound += declared if result is None else result
-        elif copy:
-            bound += int(sizes.get(_git_path(copy[1]), 0)) + bound
-        # a chain of copies doubles the count each time: past any size, it stays a small int
-        bound = min(bound, _BOUND_CEILING)
-    return bound
-
-
-class PatchTooLargeError(Exception):
-    """`scored_tree`: the agent's patch may write more than `MAX_PATCH_WRITE_BYTES` (the policy's failure)."""
-
-
-def scored_tree(base: bytes, patch: str, test_patch: str) -> bytes | None:
-    """The tree the tests run in (steps 2 and 3, on this host): the base (`base_archive`) with the agent's
-    ``patch`` applied, the files ``test_patch`` touches reset to the base, then ``test_patch`` applied; as a
-    gzipped tar, or None when ``patch`` does not apply.
-
-    Raises:
-        ValueError: ``base`` is not bytes, or a patch not a string.
-        PatchTooLargeError: ``patch`` may write more than `MAX_PATCH_WRITE_BYTES` (`patch_write_bound`, with the
-            base's file sizes); checked before anything is unpacked or applied on this host.
-        EnvironmentFailure: ``test_patch`` does not apply to the base with the agent's patch undone on its
-            files (the instance's fault, not the policy's), or names a path outside the repository.
-    """
-    if not isinstance(base, bytes):
-        raise ValueError(f"base must be bytes (a base_archive), got {type(base).__name__}")
-    for name, value in (("patch", patch), ("test_patch", test_patch)):
-        if not isinstance(value, str):
-            raise ValueError(f"{name} must be a str, got {type(value).__name__}")
-    with tempfile.TemporaryDirectory(prefix="orchard-swe-score-") as tmp:
-        work = Path(tmp) / "repo"
-        work.mkdir()
-        with tarfile.open(fileobj=io.BytesIO(base), mode="r:gz") as tar:
-            members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
-            bound = patch_write_bound(patch, {name: m.size for name, m in members.items() if m.isreg()})
-            if bound > MAX_PATCH_WRITE_BYTES:
-                raise PatchTooLargeError(f"the patch may write {bound} bytes when applied, more than "
-                                         f"MAX_PATCH_WRITE_BYTES={MAX_PATCH_WRITE_BYTES}")
-            tar.extractall(work, filter="tar")
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, **GIT_ENV}
-
-            def apply(diff: str) -> subprocess.CompletedProcess[str]:
-                # --binary as the sandbox's diff was taken; the patch is data, never a path of ours
-                return subprocess.run(["git", "apply", "--binary", "-"], cwd=work, env=env, input=diff, text=True,
-                                      capture_output=True)
-
-            if patch.strip() and apply(patch).returncode != 0:
-                return None
-            for path in patched_paths(test_patch):
-                if path.startswith("/") or ".." in Path(path).parts:
-                    raise EnvironmentFailure(f"test_patch names a path outside the repository: {path!r}")
-                target = work
-                for part in Path(path).parts:
-                    # never through a link the agent made (it could point anywhere on this host): the link goes
-                    if target.is_symlink() or (target.exists() and not target.is_dir()):
-                        target.unlink()
-                    target = target / part
-                if target.is_symlink() or target.is_file():
-                    target.unlink()
-                elif target.is_dir():
-                    shutil.rmtree(target)
-                if path in members:
-                    tar.extract(members[path], work, filter="tar")
-        if test_patch.strip():
-            run = apply(test_patch)
-            if run.returncode != 0:
-                raise EnvironmentFailure(f"test_patch does not apply to the base: {run.stderr[-300:]}")
-        buffer = io.BytesIO()
-        with _gzipped_tar(buffer, 1) as out:
-            for entry in sorted(work.iterdir()):
-                out.add(entry, entry.name)
-        return buffer.getvalue()
+    _remember_base(sandbox, instance, base)
+    return base.commit
 
 
 async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 300.0, *,
@@ -757,7 +489,8 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     """Score the finished episode in its sandbox: the agent's patch against the hidden tests (see the module).
 
     Two commands and an upload: the diff, taken with the workspace emptied in the same command; the patched
-    tree (`scored_tree`, built on this host) through the archive upload; the tests, whose limit is
+    tree (`scored_archive`: the base this process prepared the sandbox with, or else `base_tree` of the
+    instance, and the touched files patched on this host) through the archive upload; the tests, whose limit is
     ``timeout_s + setup_timeout_s`` (our reading of "the tests run with a timeout": a slow start never eats
     the tests' time). A tree the upload refuses (a link the agent made that leaves the repository) is unpacked
     by a third command with tar. When pytest is neither in the image nor shared, the test command takes the
@@ -805,14 +538,14 @@ async def score_sandbox(sandbox: Any, instance: SWEInstance, timeout_s: float = 
     patch_ok = taken.exit_code == 0 and not taken.stdout_truncated
     patch = taken.stdout if patch_ok else ""
     facts = await _image_facts(sandbox, python, setup_timeout_s)
-    archive, _ = await asyncio.to_thread(base_archive, instance)
+    base = await _prepared_base(sandbox, instance)
 
     def unscored(reason: str) -> SWEVerdict:
         return SWEVerdict(False, dict.fromkeys(instance.FAIL_TO_PASS, False),
                           dict.fromkeys(instance.PASS_TO_PASS, False), patch, False, {"reason": reason})
 
     try:
-        tree = await asyncio.to_thread(scored_tree, archive, patch, instance.test_patch) if patch_ok else None
+        tree = await asyncio.to_thread(scored_archive, base, patch, instance.test_patch) if patch_ok else None
     except PatchTooLargeError as exc:
         return unscored(str(exc))
     if tree is None:

@@ -19,13 +19,14 @@ import zlib
 
 import pytest
 
-from orchard.domains.swe import sandbox as swe_sandbox
+from orchard.domains.swe import trees
 from orchard.domains.swe.generator import make_instance
 from orchard.domains.swe.sandbox import (
     GIT_ENV,
     MAX_PATCH_WRITE_BYTES,
     SHARED_PYTEST,
     base_archive,
+    base_tree,
     patch_write_bound,
     patched_paths,
     prepare_sandbox,
@@ -228,7 +229,7 @@ def test_one_command_prepares_two_score_and_the_agent_cannot_fake_the_run(servic
 def test_the_base_commit_is_built_once_per_instance_on_the_host(tmp_path):
     instance = make_instance("graph", 2, level=1)
     archive, commit = base_archive(instance)
-    assert base_archive(instance)[0] is archive  # cached: the same bytes, no second git run
+    assert base_tree(instance) is base_tree(instance)  # cached: the same build, no second git run
     # the hash git gives these files committed as the sandbox did before (fixed identity and date)
     repo = tmp_path / "repo"
     with tarfile.open(fileobj=io.BytesIO(repository_archive(instance))) as tar:
@@ -251,10 +252,11 @@ def test_the_cache_holds_whatever_the_clock_says(monkeypatch):
     # key (the archive's hash) missed and git ran again for nearly every sandbox
     instance = make_instance("graph", 3, level=1)
     monkeypatch.setattr(time, "time", lambda: 1_000_000_000.0)
-    plain, (archive, _) = repository_archive(instance), base_archive(instance)
+    plain, base = repository_archive(instance), base_tree(instance)
+    archive = base.archive
     monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)
     assert repository_archive(instance) == plain
-    assert base_archive(instance)[0] is archive
+    assert base_tree(instance) is base
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         names = tar.getnames()
     # the objects in one pack: no directory and file per loose object for the sandbox to write
@@ -480,7 +482,7 @@ def test_a_patch_that_inflates_past_the_cap_is_the_policys_failure_and_never_app
             applied.append(kwargs.get("input", ""))
         return run(argv, *args, **kwargs)
 
-    monkeypatch.setattr(swe_sandbox.subprocess, "run", recording)
+    monkeypatch.setattr(trees.subprocess, "run", recording)  # where the host's git apply runs
 
     async def main():
         async with AsyncSandboxClient(service.url, service.api_key) as client, await client.create() as raw:
