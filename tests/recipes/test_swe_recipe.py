@@ -299,25 +299,31 @@ def test_rpr_trains_the_all_failed_groups_bar_would_drop(swe):
 
 
 def test_paper_config_loads_with_the_papers_setting(tmp_path, swe):
-    checkpoint = tmp_path / "Qwen3-30B-A3B-Thinking"
+    checkpoint, teacher = tmp_path / "Qwen3.5-35B-A3B", tmp_path / "Qwen3.5-397B-A17B"
     checkpoint.mkdir()
-    cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe.yaml", [f"model.path={checkpoint}"],
-                      derived=swe.DERIVED)
+    teacher.mkdir()
+    cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe.yaml",
+                      [f"model.path={checkpoint}", f"rl.teacher.tokenizer={teacher}"], derived=swe.DERIVED)
     assert (cfg.model.path, cfg.model.engine, cfg.model.dtype) == (str(checkpoint), "vllm", "bfloat16")
-    assert cfg.model.vllm_kwargs["max_model_len"] == 65536
+    assert cfg.model.vllm_kwargs["max_model_len"] == 131072  # evaluation and rollouts at 128K
     assert (cfg.sft_mode, cfg.sft.epochs, cfg.sft.max_len) == ("credit", 5, 65536)  # 64K context, left truncation
+    assert (cfg.sandbox_cpu, cfg.sandbox_memory) == ("2", "8Gi")  # 2 vCPU / 8 GiB per sandbox
     train = cfg.sft.train
     assert (train.global_batch_size, train.engine, train.zero_stage) == (128, "deepspeed", 3)
     assert (train.optim.lr, train.optim.min_lr) == (1e-5, 1e-6)  # the cosine's peak and floor
     assert cfg.instances.path and cfg.instances.heldout_path and cfg.env_url.startswith("https://")
     assert cfg.instances.rl_path not in (None, cfg.instances.path) and cfg.instances.repo_root  # RL apart from SFT
     assert (cfg.teacher.attempts, cfg.values.eps, cfg.eval.harnesses) == (5, 0.05, ["bash", "tool", "eval"])
-    rl = cfg.rl  # part 2: JS + GRPO with BAR from the task filter's instances, the teacher served by URL
-    assert (rl.variant, rl.steps, rl.tasks_per_step * rl.group_size, rl.use_bar) == ("opd_js_grpo", 150, 128, True)
-    assert (rl.bar_n_max, rl.bar_stride, rl.bar_rho_min, rl.bar_rho_max) == (16, 16, 0.375, 0.625)
+    rl = cfg.rl  # part 2: JS + GRPO without BAR from the task filter's instances, the teacher served by URL
+    assert (rl.variant, rl.steps, rl.tasks_per_step * rl.group_size, rl.use_bar) == ("opd_js_grpo", 150, 128, False)
+    assert (rl.bar_n_max, rl.bar_stride, rl.bar_rho_min, rl.bar_rho_max) == (16, 16, 0.375, 0.625)  # opd_js_grpo_bar
     assert [t.name for t in rl.train.objective] == ["policy", "js_opd"] and rl.teacher.url.startswith("http")
+    assert (rl.teacher.model, rl.teacher.tokenizer) == ("Qwen3.5-397B-A17B", str(teacher))
     assert (rl.train.global_batch_size, rl.train.optim.lr, rl.train.optim.min_lr) == (128, 1e-6, 1e-7)
     assert (rl.filter.attempts, rl.filter.high, cfg.value_model.candidates) == (8, 0.5, 6)
+    assert cfg.value_model.backbone.endswith("-4B")  # the paper's value backbone size
+    # student and teachers of one family: the paper's student is Qwen3.5-35B-A3B, never a Qwen3 beside a Qwen3.5
+    assert "Qwen3.5" in cfg.model.path and "Qwen3.5" in rl.teacher.model and "Qwen3.5" in cfg.value_model.backbone
 
 
 def test_judge_step_stats_by_hand(swe):
