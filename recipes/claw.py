@@ -239,7 +239,7 @@ async def teacher_phase(cfg: ClawConfig, trained: dict[str, Rollouts], tokenizer
     recognises a task by its request)."""
     t = cfg.teacher
     if t.url is not None:
-        teacher: Any = stages.url_teacher(t, tokenizer, student_name=f"model.path ({cfg.model.path})")
+        teacher: Any = stages.url_teacher(t, tokenizer, student_name="model.path")
         temperature, max_tokens = t.temperature, None
     else:
         tasks = list({task.prompt: task for task in reversed(tasks)}.values())[::-1]
@@ -302,6 +302,9 @@ async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, mode
 
 async def run(cfg: ClawConfig) -> dict[str, Any]:
     ranks = init_ranks()
+    if cfg.teacher.url is not None and cfg.sft.enabled:  # the teacher answers the student's ids: checked first
+        stages.check_tokenizers(cfg.model.path, cfg.teacher.tokenizer, key="teacher.tokenizer",
+                                student_name="model.path")
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                            existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
                            config=config_to_dict(cfg), ranks=ranks)

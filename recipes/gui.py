@@ -225,7 +225,7 @@ async def teacher_phase(cfg: GUIConfig, client: SandboxClient, train: list[GUITa
                                          images=cfg.images)
         return (played, *load_policy(cfg.model, corpus(played), seed=cfg.seed))
     model, tokenizer = load_policy(cfg.model, [], seed=cfg.seed)
-    teacher = stages.url_teacher(t, tokenizer, student_name=f"model.path ({cfg.model.path})")
+    teacher = stages.url_teacher(t, tokenizer, student_name="model.path")
     try:
         played, _ = await stages.sample_teacher({"gui": gui_harness(cfg, client, tokenizer, max(cfg.step_budgets))},
                                                 teacher, train, attempts=t.attempts, temperature=t.temperature)
@@ -242,6 +242,9 @@ def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
 
 
 async def run(cfg: GUIConfig) -> dict[str, Any]:
+    if cfg.teacher.url is not None:  # the teacher answers the student's ids: checked before any work
+        stages.check_tokenizers(cfg.model.path, cfg.teacher.tokenizer, key="teacher.tokenizer",
+                                student_name="model.path")
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                            existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
                            config=config_to_dict(cfg))

@@ -454,7 +454,7 @@ async def teacher_phase(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer:
     from ``teacher.url``'s model at ``teacher.temperature``, or the scripted teacher (it replays the gold patch)."""
     t = cfg.teacher
     if t.url is not None:
-        teacher: Any = stages.url_teacher(t, tokenizer, student_name=f"model.path ({cfg.model.path})")
+        teacher: Any = stages.url_teacher(t, tokenizer, student_name="model.path")
         temperature = t.temperature
     else:
         teacher = SWETeacherEngine(tokenizer, train, failure_rate=t.failure_rate, seed=cfg.seed)
@@ -471,16 +471,18 @@ def teacher_name(cfg: SWEConfig) -> str:
     return f"the teacher {t.model} at {t.url}" if t.url is not None else "the scripted teacher (gold-patch replay)"
 
 
-def check_teacher_tokenizers(cfg: SWEConfig, tokenizer: Any) -> None:
+def check_teacher_tokenizers(cfg: SWEConfig, student: Any) -> None:
     """A `ConfigError` naming both unless every teacher that exchanges token ids with the student (``teacher.url``
-    for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant) has the student's tokenizer."""
-    student = f"model.path ({cfg.model.path})"
-    if (cfg.sft.enabled or RL_VARIANTS[cfg.rl.variant].teacher) and cfg.teacher.tokenizer is not None:
-        stages.check_tokenizers(tokenizer, cfg.teacher.tokenizer, key="teacher", student_name=student)
+    for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant) has the student's tokenizer (``student``:
+    the tokenizer, or model.path to load it from)."""
+    opd = cfg.rl.enabled and RL_VARIANTS[cfg.rl.variant].teacher
+    if cfg.teacher.url is not None and (cfg.sft.enabled or opd):
+        stages.check_tokenizers(student, cfg.teacher.tokenizer, key="teacher.tokenizer", student_name="model.path")
     t = cfg.rl.teacher
-    if cfg.rl.enabled and RL_VARIANTS[cfg.rl.variant].teacher and (t.url or t.path) is not None:
-        stages.check_tokenizers(tokenizer, t.tokenizer if t.url is not None else str(t.path), key="rl.teacher",
-                                student_name=student)
+    if opd and t.url is not None:
+        stages.check_tokenizers(student, t.tokenizer, key="rl.teacher.tokenizer", student_name="model.path")
+    elif opd and t.path is not None:
+        stages.check_tokenizers(student, t.path, key="rl.teacher.path", student_name="model.path")
 
 
 async def hindsight_values(cfg: SWEConfig, trajectories: list[Any], tokenizer: Any) -> dict[int, Any]:
@@ -655,13 +657,16 @@ async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts]
 
 async def run(cfg: SWEConfig) -> dict[str, Any]:
     train, rl_pool, heldout = instance_pools(cfg)  # a bad file or snapshot stops the run before it writes anything
+    if cfg.model.path is not None:  # a checkpoint's tokenizer meets its teachers' before the run writes anything
+        check_teacher_tokenizers(cfg, cfg.model.path)
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                            existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
                            config=config_to_dict(cfg))
     out, log = run.out, run.log
     unique = {i.instance_id: i for i in [*train, *rl_pool, *heldout]}
     model, tokenizer = load_policy(cfg.model, corpus(list(unique.values())), seed=cfg.seed)
-    check_teacher_tokenizers(cfg, tokenizer)  # before any episode: a teacher must read and write the student's ids
+    if cfg.model.path is None:  # a tiny student's tokenizer, trained just now, before any episode
+        check_teacher_tokenizers(cfg, tokenizer)
     engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
     trajectories: list[Any] = []
     dropped: dict[str, float] = {}

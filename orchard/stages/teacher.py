@@ -84,31 +84,45 @@ def load_tokenizer(name: str) -> Any:
 def url_teacher(cfg: TeacherConfig, student_tokenizer: Any, *, key: str = "teacher",
                 student_name: str = "the student") -> Any:
     """The teacher at ``cfg.url`` as an engine (`OpenAIEngine`), once ``cfg.tokenizer`` is checked to be the
-    student's: a `ConfigError` (one ``error:`` line at the command line) naming ``<key>.tokenizer`` and both
-    tokenizers otherwise.
+    student's (`check_tokenizers`: a `ConfigError` naming ``<key>.tokenizer`` and both tokenizers otherwise).
 
     Args:
         cfg: a `TeacherConfig` with ``url`` set.
-        student_tokenizer: the policy's tokenizer (the harnesses render with it).
-        key: the config key the message names (``teacher``, ``rl.teacher``).
-        student_name: how the message names the student's tokenizer (its path).
+        student_tokenizer: the policy's tokenizer (the harnesses render with it), or its name (`load_tokenizer`).
+        key: the config key of the teacher (``teacher``, ``rl.teacher``), for the message.
+        student_name: how the message names the student's tokenizer (its config key and path).
     """
     if not isinstance(cfg, TeacherConfig) or cfg.url is None or cfg.tokenizer is None:
         raise ValueError(f"cfg must be a TeacherConfig with url and tokenizer set, got {cfg!r:.200}")
-    check_tokenizers(student_tokenizer, cfg.tokenizer, key=key, student_name=student_name)
+    check_tokenizers(student_tokenizer, cfg.tokenizer, key=f"{key}.tokenizer", student_name=student_name)
     from orchard.rollout.openai_engine import OpenAIEngine
 
     return OpenAIEngine(cfg.url, model=cfg.model, api_key=os.environ.get(TEACHER_API_KEY_ENV) or None)
 
 
-def check_tokenizers(student_tokenizer: Any, teacher_tokenizer: str, *, key: str, student_name: str) -> None:
-    """`ConfigError` naming ``<key>.tokenizer`` and both tokenizers unless the one named ``teacher_tokenizer`` is the
-    student's (`orchard.data.tokenizer.check_same_tokenizer`)."""
+def check_tokenizers(student: Any, teacher: Any, *, key: str, student_name: str = "the student") -> None:
+    """A `ConfigError` (one ``error:`` line at the command line) whose message starts with ``key`` and names both
+    tokenizers unless ``teacher`` is ``student`` (`orchard.data.tokenizer.check_same_tokenizer`: vocabulary and
+    special tokens).
+
+    Args:
+        student, teacher: tokenizers, or names `load_tokenizer` loads ('tiny', a local HF directory, a named
+            checkpoint).
+        key: the config key that gave the teacher's tokenizer (``teacher.tokenizer``, ``rl.teacher.path``).
+        student_name: how the message names the student's (``model.path``).
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty config key, got {key!r}")
+    names = {}
+    loaded = []
+    for role, tok in (("student", student), ("teacher", teacher)):
+        names[role] = f" ({tok})" if isinstance(tok, str) else ""
+        loaded.append(load_tokenizer(tok) if isinstance(tok, str) else tok)
     try:
-        check_same_tokenizer(student_tokenizer, load_tokenizer(teacher_tokenizer), student_name=student_name,
-                             teacher_name=f"{key}.tokenizer ({teacher_tokenizer})")
+        check_same_tokenizer(*loaded, student_name=f"{student_name}{names['student']}",
+                             teacher_name=f"{key}{names['teacher']}")
     except TokenizerMismatch as exc:
-        raise ConfigError(f"{key}.tokenizer: {exc}") from exc
+        raise ConfigError(f"{key}: {exc}") from exc
 
 
 async def sample_teacher(harnesses: Mapping[str, Rollouts], teacher: Any, tasks: Sequence[Any], *, attempts: int,
