@@ -237,18 +237,11 @@ async def teacher_phase(cfg: ClawConfig, trained: dict[str, Rollouts], tokenizer
     """``teacher.attempts`` teacher episodes per task through each trained harness, failures kept: ``teacher.url``'s
     model at ``teacher.temperature``, or the scripted teacher, greedy, on one task per distinct request (it
     recognises a task by its request)."""
-    t = cfg.teacher
-    if t.url is not None:
-        teacher: Any = stages.url_teacher(t, tokenizer, student_name="model.path")
-        temperature, max_tokens = t.temperature, None
-    else:
+    if cfg.teacher.url is None:
         tasks = list({task.prompt: task for task in reversed(tasks)}.values())[::-1]
-        teacher, temperature, max_tokens = TeacherEngine(tokenizer, tasks), 0.0, SCRIPTED_MAX_TOKENS
-    try:
-        return await stages.sample_teacher(trained, teacher, tasks, attempts=t.attempts, temperature=temperature,
-                                           max_tokens=max_tokens)
-    finally:
-        await teacher.close()
+    return await stages.teacher_phase(cfg.teacher, trained, tasks, student_tokenizer=tokenizer,
+                                      scripted=lambda: TeacherEngine(tokenizer, tasks),
+                                      scripted_max_tokens=SCRIPTED_MAX_TOKENS)
 
 
 async def rl_tasks(cfg: ClawConfig, trained: dict[str, Rollouts], engine: Any, pool: list[ClawTask],

@@ -92,6 +92,12 @@ class TeacherConfig(stages.TeacherConfig):
     """Share of the scripted teacher's attempts that go wrong (distracted, wrong value, done early); the scripted
     teacher is a program that knows each task's hidden answer and reads the text view, not a model (url null)."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.failure_rate, bool) or not isinstance(self.failure_rate, (int, float)) \
+                or not 0 <= self.failure_rate <= 1:
+            raise ValueError(f"failure_rate must be a number in [0, 1], got {self.failure_rate!r}")
+        super().__post_init__()
+
 
 @dataclass
 class JudgeConfig:
@@ -225,12 +231,8 @@ async def teacher_phase(cfg: GUIConfig, client: SandboxClient, train: list[GUITa
                                          images=cfg.images)
         return (played, *load_policy(cfg.model, corpus(played), seed=cfg.seed))
     model, tokenizer = load_policy(cfg.model, [], seed=cfg.seed)
-    teacher = stages.url_teacher(t, tokenizer, student_name="model.path")
-    try:
-        played, _ = await stages.sample_teacher({"gui": gui_harness(cfg, client, tokenizer, max(cfg.step_budgets))},
-                                                teacher, train, attempts=t.attempts, temperature=t.temperature)
-    finally:
-        await teacher.close()
+    played, _ = await stages.teacher_phase(t, {"gui": gui_harness(cfg, client, tokenizer, max(cfg.step_budgets))},
+                                           train, student_tokenizer=tokenizer)
     return played, model, tokenizer
 
 

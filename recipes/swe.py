@@ -452,18 +452,10 @@ async def teacher_phase(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer:
                         train: list[SWEInstance]) -> tuple[list[Any], dict[str, float]]:
     """``teacher.attempts`` teacher trajectories per train instance through each trained harness, failures kept:
     from ``teacher.url``'s model at ``teacher.temperature``, or the scripted teacher (it replays the gold patch)."""
-    t = cfg.teacher
-    if t.url is not None:
-        teacher: Any = stages.url_teacher(t, tokenizer, student_name="model.path")
-        temperature = t.temperature
-    else:
-        teacher = SWETeacherEngine(tokenizer, train, failure_rate=t.failure_rate, seed=cfg.seed)
-        temperature = 0.0
-    try:
-        return await stages.sample_teacher(trained, teacher, train, attempts=t.attempts, temperature=temperature,
-                                           max_tokens=None if t.url is not None else SCRIPTED_MAX_TOKENS)
-    finally:
-        await teacher.close()
+    return await stages.teacher_phase(cfg.teacher, trained, train, student_tokenizer=tokenizer,
+                                      scripted=lambda: SWETeacherEngine(tokenizer, train, seed=cfg.seed,
+                                                                        failure_rate=cfg.teacher.failure_rate),
+                                      scripted_max_tokens=SCRIPTED_MAX_TOKENS)
 
 
 def teacher_name(cfg: SWEConfig) -> str:

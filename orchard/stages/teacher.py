@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,8 @@ from orchard.data.tokenizer import TokenizerMismatch, check_same_tokenizer
 from orchard.rollout.rollouts import Rollouts
 from orchard.train.config import ConfigError
 
-__all__ = ["TEACHER_API_KEY_ENV", "TeacherConfig", "check_tokenizers", "load_tokenizer", "sample_teacher", "url_teacher"]
+__all__ = ["TEACHER_API_KEY_ENV", "TeacherConfig", "check_tokenizers", "load_tokenizer", "sample_teacher",
+           "teacher_phase", "url_teacher"]
 
 TEACHER_API_KEY_ENV = "TEACHER_API_KEY"
 """The environment variable whose value a URL teacher is sent as its bearer key (unset: none)."""
@@ -163,3 +164,36 @@ async def sample_teacher(harnesses: Mapping[str, Rollouts], teacher: Any, tasks:
         stats[f"sft/teacher_{name}_passed"] = float(sum(t.valid and (t.reward or 0) > 0 for t in got))
         stats[f"sft/teacher_{name}_env_errors"] = float(sum(t.is_env_error for t in got))
     return trajectories, stats
+
+
+async def teacher_phase(cfg: TeacherConfig, harnesses: Mapping[str, Rollouts], tasks: Sequence[Any], *,
+                        student_tokenizer: Any, scripted: Callable[[], Any] | None = None,
+                        scripted_max_tokens: int | None = None, key: str = "teacher",
+                        ) -> tuple[list[Trajectory], dict[str, float]]:
+    """A recipe's teacher phase: ``cfg.attempts`` episodes per task through each harness, every one kept
+    (`sample_teacher`), from ``cfg.url``'s model (`url_teacher`: its tokenizer checked first) at ``cfg.temperature``,
+    or with ``cfg.url`` null from the domain's scripted teacher (``scripted()``, an `Engine`), greedy, its turns up
+    to ``scripted_max_tokens``; the teacher is closed afterwards.
+
+    Args:
+        cfg: the recipe's `TeacherConfig`.
+        harnesses, tasks: as `sample_teacher`.
+        student_tokenizer: the policy's tokenizer.
+        scripted: builds the domain's scripted teacher; required when ``cfg.url`` is None.
+        scripted_max_tokens: the scripted teacher's turn budget (None: each harness's own).
+        key: the teacher's config key, for messages.
+    """
+    if not isinstance(cfg, TeacherConfig):
+        raise ValueError(f"cfg must be a TeacherConfig, got {type(cfg).__name__}")
+    if cfg.url is not None:
+        teacher = url_teacher(cfg, student_tokenizer, key=key, student_name="model.path")
+        temperature, max_tokens = cfg.temperature, None
+    elif scripted is None or not callable(scripted):
+        raise ValueError(f"scripted must build the domain's scripted teacher when {key}.url is null, got {scripted!r}")
+    else:
+        teacher, temperature, max_tokens = scripted(), 0.0, scripted_max_tokens
+    try:
+        return await sample_teacher(harnesses, teacher, tasks, attempts=cfg.attempts, temperature=temperature,
+                                    max_tokens=max_tokens)
+    finally:
+        await teacher.close()

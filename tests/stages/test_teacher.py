@@ -9,7 +9,7 @@ import pytest
 from orchard.data import Trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.rollout.openai_engine import OpenAIEngine
-from orchard.stages import TeacherConfig, check_tokenizers, sample_teacher, url_teacher
+from orchard.stages import TeacherConfig, check_tokenizers, sample_teacher, teacher_phase, url_teacher
 from orchard.train.config import ConfigError
 
 
@@ -109,3 +109,32 @@ def test_check_tokenizers_loads_names_and_names_the_key():
         check_tokenizers("tiny", build_chat_tokenizer(vision=True), key="teacher.tokenizer")
     with pytest.raises(ValueError, match="key must be a non-empty config key"):
         check_tokenizers("tiny", "tiny", key="")
+
+
+class Scripted:
+    """A scripted teacher's stand-in that knows whether it was closed."""
+
+    closed = False
+
+    async def close(self):
+        self.closed = True
+
+
+def test_teacher_phase_plays_the_scripted_teacher_greedily_and_closes_it():
+    played, built = Played(), []
+
+    def scripted():
+        built.append(Scripted())
+        return built[-1]
+
+    trajectories, stats = asyncio.run(teacher_phase(TeacherConfig(attempts=3), {"bash": played}, ["a"],
+                                                    student_tokenizer=None, scripted=scripted,
+                                                    scripted_max_tokens=4096))
+    assert len(built) == 1 and built[0].closed
+    assert played.calls == [{"engine": built[0], "tasks": ["a"], "group_size": 3, "temperature": 0.0,
+                             "max_tokens": 4096}]
+    assert len(trajectories) == 3 and stats["sft/teacher_bash_episodes"] == 3.0
+    with pytest.raises(ValueError, match="scripted must build the domain's scripted teacher when teacher.url is null"):
+        asyncio.run(teacher_phase(TeacherConfig(), {"bash": played}, ["a"], student_tokenizer=None))
+    with pytest.raises(ValueError, match="cfg must be a TeacherConfig"):
+        asyncio.run(teacher_phase({"url": None}, {"bash": played}, ["a"], student_tokenizer=None))
