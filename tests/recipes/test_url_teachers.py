@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.models import tiny_qwen3
 from orchard.models.pretrained import load_chat_tokenizer
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.server import build_app, serve_in_thread
 from orchard.stages.policy import save_policy
 from orchard.train.config import load_config
-from orchard.train.tiny import tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def served():
     model = tiny_qwen3(tokenizer, seed=1, hidden_size=48, intermediate_size=144, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=12).eval()
     engine = Recorded(HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=16, seed=0))
-    with serve_in_thread(build_app(engine, tokenizer, model_name="big-teacher", max_model_len=4096)) as url:
+    with serve_in_thread(build_app(engine, tokenizer, model_name="big-teacher", max_model_len=32768)) as url:
         yield url, engine
 
 

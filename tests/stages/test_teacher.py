@@ -3,6 +3,7 @@ attempt, and `url_teacher` refusing a served model whose tokenizer is not the st
 
 import asyncio
 import math
+import re
 
 import pytest
 
@@ -95,8 +96,9 @@ def test_url_teacher_checks_the_tokenizer_then_speaks_openai(tmp_path):
     other = build_chat_tokenizer(["SELECT name FROM users WHERE id = 1;\n" * 50], vocab_size=1100)
     other.save_pretrained(tmp_path / "other")
     cfg = TeacherConfig(url="http://127.0.0.1:9/v1", tokenizer=str(tmp_path / "other"))
-    with pytest.raises(ConfigError, match=rf"^rl\.teacher\.tokenizer: model\.path and rl\.teacher\.tokenizer "
-                                          rf"\({tmp_path / 'other'}\) must share one tokenizer .*vocabularies differ"):
+    with pytest.raises(ConfigError, match=r"^rl\.teacher\.tokenizer: model\.path and rl\.teacher\.tokenizer "
+                                          rf"\({re.escape(str(tmp_path / 'other'))}\) must share one tokenizer "
+                                          r".*vocabularies differ"):
         url_teacher(cfg, student, key="rl.teacher", student_name="model.path")
     with pytest.raises(ValueError, match="cfg must be a TeacherConfig with url and tokenizer set"):
         url_teacher(TeacherConfig(), student)
