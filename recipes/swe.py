@@ -265,7 +265,9 @@ class ValueModelConfig:
     enabled: bool = True
     """Train the value model on the run's verified train rollouts and rerank held-out candidates."""
     backbone: str | None = None
-    """Local causal-LM checkpoint of the value backbone; null: this run's SFT model (a fresh tiny one without SFT)."""
+    """Local causal-LM checkpoint of the value backbone (the paper: 4B), checked before any work to have the
+    student's tokenizer (it reads the student's rollouts); null: this run's SFT model (a fresh tiny one without
+    SFT)."""
     candidates: int = 6
     """Candidates per held-out instance from the final policy, whose rollouts are not in the pool (the paper: 6)."""
     harness: str = "bash"
@@ -464,9 +466,9 @@ def teacher_name(cfg: SWEConfig) -> str:
 
 
 def check_teacher_tokenizers(cfg: SWEConfig, student: Any) -> None:
-    """A `ConfigError` naming both unless every teacher that exchanges token ids with the student (``teacher.url``
-    for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant) has the student's tokenizer (``student``:
-    the tokenizer, or model.path to load it from)."""
+    """A `ConfigError` naming both unless every model that exchanges token ids with the student (``teacher.url``
+    for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant; the value backbone, which reads the
+    student's rollouts) has the student's tokenizer (``student``: the tokenizer, or model.path to load it from)."""
     opd = cfg.rl.enabled and RL_VARIANTS[cfg.rl.variant].teacher
     if cfg.teacher.url is not None and (cfg.sft.enabled or opd):
         stages.check_tokenizers(student, cfg.teacher.tokenizer, key="teacher.tokenizer", student_name="model.path")
@@ -475,6 +477,9 @@ def check_teacher_tokenizers(cfg: SWEConfig, student: Any) -> None:
         stages.check_tokenizers(student, t.tokenizer, key="rl.teacher.tokenizer", student_name="model.path")
     elif opd and t.path is not None:
         stages.check_tokenizers(student, t.path, key="rl.teacher.path", student_name="model.path")
+    if cfg.value_model.enabled and cfg.value_model.backbone is not None:
+        stages.check_tokenizers(student, cfg.value_model.backbone, key="value_model.backbone",
+                                student_name="model.path")
 
 
 async def hindsight_values(cfg: SWEConfig, trajectories: list[Any], tokenizer: Any) -> dict[int, Any]:

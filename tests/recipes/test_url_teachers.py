@@ -183,6 +183,20 @@ def test_the_opd_teacher_checkpoint_with_another_tokenizer_is_refused_before_any
     assert err.count("\n") == 1 and not out.exists()
 
 
+def test_a_value_backbone_with_another_tokenizer_is_refused_before_any_work(student, tmp_path, recipe_main):
+    other = build_chat_tokenizer(vision=True)
+    backbone = tmp_path / "value-4B"
+    save_policy(tiny_qwen3(other, seed=3, hidden_size=32, intermediate_size=96, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8), other, backbone)
+    out = tmp_path / "run"
+    status, _, err = recipe_main("swe", "--config", str(ROOT / "recipes/configs/swe_tiny.yaml"), f"output_dir={out}",
+                                 f"model.path={student}", f"value_model.backbone={backbone}")
+    assert status == 2
+    assert err.startswith(f"error: value_model.backbone: model.path ({student}) and value_model.backbone "
+                          f"({backbone}) must share one tokenizer"), err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", ["swe", "claw", "gui"])
 def test_a_url_teacher_needs_a_checkpoint_student(name, recipe_main):
     status, _, err = recipe_main(name, "--config", str(ROOT / f"recipes/configs/{name}_tiny.yaml"),
