@@ -116,9 +116,12 @@ def check_tokenizers(student: Any, teacher: Any, *, key: str, student_name: str 
         raise ValueError(f"key must be a non-empty config key, got {key!r}")
     names = {}
     loaded = []
-    for role, tok in (("student", student), ("teacher", teacher)):
+    for role, tok, what in (("student", student, student_name), ("teacher", teacher, key)):
         names[role] = f" ({tok})" if isinstance(tok, str) else ""
-        loaded.append(load_tokenizer(tok) if isinstance(tok, str) else tok)
+        try:
+            loaded.append(load_tokenizer(tok) if isinstance(tok, str) else tok)
+        except (OSError, ValueError) as exc:  # a path that holds no tokenizer is the user's mistake, one line
+            raise ConfigError(f"{key}: cannot load the tokenizer of {what} {tok!r}: {exc}") from exc
     try:
         check_same_tokenizer(*loaded, student_name=f"{student_name}{names['student']}",
                              teacher_name=f"{key}{names['teacher']}")

@@ -140,3 +140,9 @@ def test_teacher_phase_plays_the_scripted_teacher_greedily_and_closes_it():
         asyncio.run(teacher_phase(TeacherConfig(), {"bash": played}, ["a"], student_tokenizer=None))
     with pytest.raises(ValueError, match="cfg must be a TeacherConfig"):
         asyncio.run(teacher_phase({"url": None}, {"bash": played}, ["a"], student_tokenizer=None))
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_one_config_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^value_model\.backbone: cannot load the tokenizer of value_model\.backbone"):
+        check_tokenizers(build_chat_tokenizer(), str(tmp_path / "empty"), key="value_model.backbone")
