@@ -9,7 +9,9 @@
 
 The wording is ours; the rules are the paper's: the value teacher may not answer a monotone rise (where the
 trajectory went wrong, its values rise, then fall at that step), and the grader counts submitting without
-verification as a fault. Transcripts number the agent's decision steps (its assistant
+verification as a fault. Our reading: the no-monotone-rise rule is stated for every trajectory, resolved ones
+included (a resolved trajectory's detour dips too), since a failed one, which starts at 0.3-0.5 and ends below 0.2,
+could never rise monotonically anyway. Transcripts number the agent's decision steps (its assistant
 turns) from 1; state ``k`` is the state after step ``k`` and state 0 the start, so an ``N``-step trajectory has
 states ``0..N`` as ``interpolate_step_values(values, N)`` expects. Long observations keep their head and tail
 (:func:`orchard.rewards.compress_observation`); a long output of a file view or a directory listing is replaced
