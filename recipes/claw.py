@@ -227,11 +227,6 @@ def claw_harnesses(cfg: ClawConfig, tokenizer: Any, client: AsyncSandboxClient) 
     }
 
 
-def teacher_name(cfg: ClawConfig) -> str:
-    t = cfg.teacher
-    return f"the teacher {t.model} at {t.url}" if t.url is not None else "the scripted teacher"
-
-
 async def teacher_phase(cfg: ClawConfig, trained: dict[str, Rollouts], tokenizer: Any, tasks: list[ClawTask],
                         ) -> tuple[list[Any], dict[str, float]]:
     """``teacher.attempts`` teacher episodes per task through each trained harness, failures kept: ``teacher.url``'s
@@ -315,7 +310,7 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                 samples = [s for t in played if t.valid and (t.reward or 0) > 0 for s in t.samples]
                 run.log.log(stats, 0)
                 await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={
-                    "source": f"{teacher_name(cfg)}'s {cfg.teacher.attempts} episode(s) per train task through "
+                    "source": f"{cfg.teacher.describe()}'s {cfg.teacher.attempts} episode(s) per train task through "
                               f"{sorted(trained)} (trajectories/sft_teacher.jsonl.gz, failures kept)",
                     "kept": "episodes with reward > 0",
                     "mask": "every token the teacher generated (assistant content, tool calls, end of turn); "

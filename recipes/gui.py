@@ -276,7 +276,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
             run.log.log(stats, 0)
             run.log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
             await run.sft(model, tokenizer, engine, samples, sft_config(cfg, len(samples)), provenance={
-                "source": f"{'the scripted teacher' if cfg.teacher.url is None else cfg.teacher.model}'s "
+                "source": f"{cfg.teacher.describe()}'s "
                           f"{len(teacher)} rollouts of the train tasks, judged "
                           "(trajectories/sft_teacher.jsonl.gz)",
                 "kept": "curate_sft: passed rollouts, at most tasks.max_tasks_per_site tasks per site",

@@ -96,6 +96,7 @@ from orchard.value import ValueModel
 
 HARNESSES = ("bash", "tool", "eval")
 SCRIPTED_MAX_TOKENS = 4096  # the scripted teacher's edit turns quote whole hunks: more than a policy turn's budget
+SCRIPTED = "the scripted teacher (gold-patch replay)"
 TRAINABLE = ("bash", "tool")
 
 
@@ -460,11 +461,6 @@ async def teacher_phase(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer:
                                       scripted_max_tokens=SCRIPTED_MAX_TOKENS)
 
 
-def teacher_name(cfg: SWEConfig) -> str:
-    t = cfg.teacher
-    return f"the teacher {t.model} at {t.url}" if t.url is not None else "the scripted teacher (gold-patch replay)"
-
-
 def check_teacher_tokenizers(cfg: SWEConfig, student: Any) -> None:
     """A `ConfigError` naming both unless every model that exchanges token ids with the student (``teacher.url``
     for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant; the value backbone, which reads the
@@ -693,7 +689,8 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
             log.log(stats, 0)
             log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
             await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={
-                "source": f"{teacher_name(cfg)}'s {cfg.teacher.attempts} attempts per train instance through "
+                "source": f"{cfg.teacher.describe(SCRIPTED)}'s {cfg.teacher.attempts} attempts per train instance "
+                          f"through "
                           f"{cfg.harnesses} (trajectories/sft_teacher.jsonl.gz)"
                           + (", curated (stages.curate_sft)" if cfg.sft.curate else ""),
                 "mode": cfg.sft_mode,

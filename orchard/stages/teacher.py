@@ -69,6 +69,10 @@ class TeacherConfig:
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
 
+    def describe(self, scripted: str = "the scripted teacher") -> str:
+        """How a run's provenance and log name this teacher: its model and URL, or ``scripted``."""
+        return f"the teacher {self.model} at {self.url}" if self.url is not None else scripted
+
 
 def load_tokenizer(name: str) -> Any:
     """``tiny`` (the offline chat tokenizer of ``orchard serve-model --model tiny``), a local HF directory or a named

@@ -25,7 +25,7 @@ def test_another_vocabulary_is_refused_naming_both(base):
     other = build_chat_tokenizer(["def cheapest(items): return min(items, key=price)\n" * 40], vocab_size=1100)
     with pytest.raises(TokenizerMismatch, match=r"^Qwen3-30B-A3B and Qwen3\.5-397B-A17B must share one tokenizer "
                                                 r"\(their token ids are exchanged as they are\): vocabularies differ "
-                                                r"\(1024 vs 1100 tokens"):
+                                                rf"\({len(base)} vs {len(other)} tokens"):
         check_same_tokenizer(base, other, student_name="Qwen3-30B-A3B", teacher_name="Qwen3.5-397B-A17B")
 
 

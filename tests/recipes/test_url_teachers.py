@@ -102,7 +102,7 @@ def test_swe_teacher_phase_samples_the_served_model(student, served, recipe_modu
     kept_failures(trajectories, train, 2)
     assert stats == {"sft/teacher_bash_episodes": 2.0, "sft/teacher_bash_passed": 0.0,
                      "sft/teacher_bash_env_errors": 0.0}
-    assert swe.teacher_name(cfg) == f"the teacher big-teacher at {url}/v1"
+    assert cfg.teacher.describe() == f"the teacher big-teacher at {url}/v1"  # what the SFT provenance names
 
 
 def test_claw_teacher_phase_samples_the_served_model(student, served, recipe_module):
@@ -163,7 +163,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_work(name, stude
     assert status == 2
     assert err.startswith(f"error: teacher.tokenizer: model.path ({student}) and teacher.tokenizer "
                           f"({tmp_path / 'other'}) must share one tokenizer (their token ids are exchanged as they "
-                          f"are): vocabularies differ (1024 vs 1100 tokens"), err
+                          f"are): vocabularies differ ("), err
     assert err.count("\n") == 1 and not out.exists()
 
 
