@@ -145,7 +145,7 @@ def test_gui_teacher_phase_samples_the_served_model(student, served, recipe_modu
     train, _ = gui.task_pools(cfg)
     before = len(engine.returned)
     with serve() as (service_url, key), SandboxClient(service_url, key) as client:
-        trajectories, model, tokenizer = asyncio.run(gui.teacher_phase(cfg, client, train))
+        trajectories, _model, tokenizer = asyncio.run(gui.teacher_phase(cfg, client, train))
     assert from_the_endpoint(trajectories, engine) <= len(engine.returned) - before
     assert tokenizer.get_vocab() == build_chat_tokenizer().get_vocab()  # the student's, loaded from model.path
     assert len(trajectories) == 2 and all(t.task_id == train[0].task_id for t in trajectories)
