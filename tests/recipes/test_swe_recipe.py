@@ -175,7 +175,7 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
                        "'opd_js_grpo_bar', 'rpr'], got 'ppo'"),
     ("teacher.url=ftp://teacher", "teacher.url must be an http(s) URL or null, got 'ftp://teacher'"),
     ("teacher.attempts=0", "teacher.attempts must be an int >= 1, got 0"),
-    ("teacher.temperature=-1", "teacher.temperature must be a finite number >= 0, got -1"),
+    ("teacher.temperature=-1", "teacher.temperature must be a finite number >= 0, got -1.0"),
     ("teacher.tokenizer=no/such/dir", "teacher.tokenizer must be 'tiny', a local HF directory or a named checkpoint "
                                       "(smollm2-135m-instruct), got 'no/such/dir' (no such directory)"),
     ("teacher.url=http://teacher:8000/v1", "teacher.tokenizer must name the served model's tokenizer when url is set "
@@ -185,7 +185,7 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
                                           "set: OPD scores the student's token ids, so it is checked to be the "
                                           "student's before any work"),
     ("sandbox_memory=8GB", "sandbox_memory must be a quantity string like '8Gi' or '512Mi' or null, got '8GB'"),
-    ("sandbox_cpu=0", "sandbox_cpu must be a quantity string like '2' or '500m' or null, got 0"),
+    ("sandbox_cpu='0'", "sandbox_cpu must be a quantity string like '2' or '500m' or null, got '0'"),
     ("rl.use_bar=false", "rl.use_bar is derived from rl.variant; set that instead"),
     ("sft_mode=credits", "sft_mode must be one of ['resolved', 'all', 'credit'], got 'credits'"),
     ("harnesses=[eval]", "harnesses must be a non-empty list among ['bash', 'tool'], got ['eval']"),
@@ -295,29 +295,36 @@ def test_bar_groups_report_the_choice_bar_made_by_hand(swe):
 
 
 def test_js_with_grpo_runs_without_bar_as_the_paper_ran_it_and_its_bar_row_is_apart(swe):
+    asked = []
+
     async def one_resolved(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         # 1 of every 8 rollouts resolves the task: outcome +1, the others -1
+        asked.append(group_size)
         return [Trajectory(task_id=str(task), reward=r, reward_components={"outcome": r})
                 for task in tasks for r in (1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0)[:group_size]]
 
     def kept(variant):
+        asked.clear()
         cfg = swe.SWERLConfig(variant=variant, group_size=4, bar_n_max=8, bar_stride=8, tasks_per_step=1)
         groups, _ = asyncio.run(rollout_groups({"bash": one_resolved}, None, ["a"], ["bash"], cfg,
                                                RolloutConfig()))
-        return cfg, [len(g.trajectories) for g in groups if g.trajectories]
+        [group] = [g.trajectories for g in groups if g.trajectories]
+        return cfg, sum(asked), group
 
-    plain, kept_plain = kept("opd_js_grpo")
-    with_bar, kept_bar = kept("opd_js_grpo_bar")
+    plain, generated_plain, group_plain = kept("opd_js_grpo")
+    with_bar, generated_bar, group_bar = kept("opd_js_grpo_bar")
     # The same objective, JS (lambda 0.5) + GRPO (0.2 / 0.28), in both rows.
     for cfg in (plain, with_bar):
         assert [(t.name, t.weight, t.kwargs) for t in cfg.train.objective] == [
             ("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28}), ("js_opd", 1.0, {"lam": 0.5})]
     assert (plain.use_bar, with_bar.use_bar) == (False, True)
     assert plain.group_filter == with_bar.group_filter != "none"  # the GRPO term needs a group with signal
-    # Plain groups: the 4 rollouts asked for train, 1 resolved of 4. BAR (N 4 of up to 8, band [0.375, 0.625]): 1
-    # resolved of 8 cannot make 2 of 4, so the group is dropped.
-    assert kept_plain == [4]
-    assert kept_bar == []
+    # Plain groups: the 4 rollouts asked for, trained as they came, none chosen by BAR.
+    assert generated_plain == 4 and len(group_plain) == 4
+    assert not any("bar" in t.metadata for t in group_plain)
+    # BAR: a stride of 8 drawn, 4 of them chosen (1 resolved of 8 cannot make the band's 2 of 4: the relaxed choice).
+    assert generated_bar == 8 and len(group_bar) == 4
+    assert all(t.metadata["bar"]["kept"] for t in group_bar)
 
 
 def test_rpr_trains_the_all_failed_groups_bar_would_drop(swe):
