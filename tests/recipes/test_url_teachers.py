@@ -141,14 +141,14 @@ def test_gui_teacher_phase_samples_the_served_model(student, served, recipe_modu
     url, engine = served
     cfg = load_config(gui.GUIConfig, ROOT / "recipes/configs/gui_tiny.yaml", [
         *url_overrides(student, url), "tasks.templates=[shop_price]", "tasks.train_per_template=1",
-        "step_budgets=[2]", "rollout.max_tokens=12"], derived=gui.DERIVED)
+        "step_budgets=[2]", "rollout.max_tokens=12", "rl.enabled=false"], derived=gui.DERIVED)
     train, _ = gui.task_pools(cfg)
     before = len(engine.returned)
     with serve() as (service_url, key), SandboxClient(service_url, key) as client:
         trajectories, _model, tokenizer = asyncio.run(gui.teacher_phase(cfg, client, train))
     assert from_the_endpoint(trajectories, engine) <= len(engine.returned) - before
     assert tokenizer.get_vocab() == build_chat_tokenizer().get_vocab()  # the student's, loaded from model.path
-    assert len(trajectories) == 2 and all(t.task_id == train[0].task_id for t in trajectories)
+    assert len(trajectories) == 2 and all(t.task_id == str(train[0].id) for t in trajectories)
     assert all(not t.passed for t in trajectories)  # failures kept (the judge scores them later)
 
 
