@@ -33,7 +33,7 @@ from _seeds import Launch, add_run_arguments, machine, mean_std, publish, run_la
 from orchard.train.metrics import read_jsonl_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("grpo_bar", "opd_k2", "opd_k3", "opd_js", "opd_js_grpo", "rpr")
+VARIANTS = ("grpo_bar", "opd_k2", "opd_k3", "opd_js", "opd_js_grpo", "opd_js_grpo_bar", "rpr")
 QUICK = ["instances.templates=[inventory, ledger]", "instances.train_per_template=2", "instances.levels=[1]",
          "teacher.attempts=3", "sft.epochs=1", "rollout.max_steps=4", "rollout.max_tokens=48", "rl.steps=2",
          "rl.tasks_per_step=2", "rl.filter.attempts=4", "value_model.steps=10", "eval.harnesses=[bash, tool]"]

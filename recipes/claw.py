@@ -1,7 +1,9 @@
 """Orchard-Claw: train a personal-assistant agent (mail, calendar, inventory, files) with SFT, then GRPO.
 
-Stages (`orchard.stages`): held-out evaluation of the base model -> SFT on the scripted teacher's episodes through
-both harnesses (inputs masked) -> evaluation -> optionally (``rl.start_temperature.search``) the policy's best
+Stages (`orchard.stages`): held-out evaluation of the base model -> SFT on the teacher's episodes through both
+harnesses that passed (inputs masked; every episode kept on disk): ``teacher.url``'s model (any OpenAI-compatible
+endpoint sharing the student's tokenizer), or by default the scripted teacher (a program that holds each task's
+plan, not a model) -> evaluation -> optionally (``rl.start_temperature.search``) the policy's best
 sampling temperature on a validation split folded into its weights, evaluated as "sft_best_t" -> GRPO on the train
 split (+1 when every check of the task passed, -1 otherwise; group-relative advantages; clipped policy loss
 0.2 / 0.28; optionally Balanced Adaptive Rollout, and the paper's task filter first, `rl.filter`: RL only on pool
@@ -65,6 +67,7 @@ from orchard.train.config import config_to_dict
 from orchard.train.metrics import WandbConfig
 
 HARNESSES = ("react", "text")
+SCRIPTED_MAX_TOKENS = 4096  # the scripted teacher's turns are not held to a policy turn's budget
 DERIVED = stages.derived_keys("sft", "rl")
 
 
@@ -79,6 +82,13 @@ class TasksConfig:
     rl_pool_per_template: int = 0
     """Train-split tasks per template that RL draws from (0: train_per_template). A larger pool holds the SFT
     tasks and fresh ones of the same templates, never a held-out task."""
+
+
+@dataclass
+class TeacherConfig(stages.TeacherConfig):
+    attempts: int = 1
+    """Teacher episodes per SFT task and harness, failures kept (a URL teacher samples; the scripted one plays one
+    fixed plan per task, so more attempts repeat it: our choice of 1 for it; 5 is the paper's count for SWE)."""
 
 
 @dataclass
@@ -140,6 +150,9 @@ class ClawConfig:
     """Policy model."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     """Task pool."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of the SFT episodes: a model by URL, or (url null) the scripted one (a program that holds each
+    task's plan and plays it, not a model)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Episode settings."""
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -161,6 +174,9 @@ class ClawConfig:
         for key in ("train_per_template", "heldout_per_template"):
             if getattr(self.tasks, key) < 1:
                 raise ValueError(f"tasks.{key} must be >= 1, got {getattr(self.tasks, key)}")
+        if self.teacher.url is not None and self.model.path is None:
+            raise ValueError("teacher.url needs model.path: a tiny student's tokenizer is trained in the run, so no "
+                             "served teacher can share it")
         if self.tasks.rl_pool_per_template < 0:
             raise ValueError(f"tasks.rl_pool_per_template must be >= 0, got {self.tasks.rl_pool_per_template}")
         pool = len(TEMPLATES) - len(self.tasks.heldout_templates)
@@ -209,6 +225,18 @@ def claw_harnesses(cfg: ClawConfig, tokenizer: Any, client: AsyncSandboxClient) 
         "text": ClawTextRollouts(client, tokenizer, concurrency=r.concurrency, max_steps=r.max_steps,
                                  max_tokens=r.max_tokens, max_time_s=r.max_time_s),
     }
+
+
+async def teacher_phase(cfg: ClawConfig, trained: dict[str, Rollouts], tokenizer: Any, tasks: list[ClawTask],
+                        ) -> tuple[list[Any], dict[str, float]]:
+    """``teacher.attempts`` teacher episodes per task through each trained harness, failures kept: ``teacher.url``'s
+    model at ``teacher.temperature``, or the scripted teacher, greedy, on one task per distinct request (it
+    recognises a task by its request)."""
+    if cfg.teacher.url is None:
+        tasks = list({task.prompt: task for task in reversed(tasks)}.values())[::-1]
+    return await stages.teacher_phase(cfg.teacher, trained, tasks, student_tokenizer=tokenizer,
+                                      scripted=lambda: TeacherEngine(tokenizer, tasks),
+                                      scripted_max_tokens=SCRIPTED_MAX_TOKENS)
 
 
 async def rl_tasks(cfg: ClawConfig, trained: dict[str, Rollouts], engine: Any, pool: list[ClawTask],
@@ -262,6 +290,9 @@ async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, mode
 
 async def run(cfg: ClawConfig) -> dict[str, Any]:
     ranks = init_ranks()
+    if cfg.teacher.url is not None and cfg.sft.enabled:  # the teacher answers the student's ids: checked first
+        stages.check_tokenizers(cfg.model.path, cfg.teacher.tokenizer, key="teacher.tokenizer",
+                                student_name="model.path")
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                            existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
                            config=config_to_dict(cfg), ranks=ranks)
@@ -274,16 +305,14 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
             trained = {h: harnesses[h] for h in cfg.harnesses}
             await run.evaluate("base", 0, harnesses, engine, heldout)
             if cfg.sft.enabled:
-                # The teacher recognises a task by its request: it demonstrates one task per distinct request.
-                demo_tasks = list({t.prompt: t for t in reversed(train_tasks)}.values())[::-1]
-                teacher = TeacherEngine(tokenizer, demo_tasks)
                 run.phase = "sft_teacher"
-                samples, stats = await stages.demonstrations(trained, teacher, demo_tasks)
+                played, stats = await teacher_phase(cfg, trained, tokenizer, train_tasks)
+                samples = [s for t in played if t.valid and (t.reward or 0) > 0 for s in t.samples]
                 run.log.log(stats, 0)
                 await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={
-                    "source": f"the scripted teacher's greedy episodes of {len(demo_tasks)} train tasks through "
-                              f"{sorted(trained)} (trajectories/sft_teacher.jsonl.gz)",
-                    "kept": "episodes with reward > 0 (stages.demonstrations)",
+                    "source": f"{cfg.teacher.describe()}'s {cfg.teacher.attempts} episode(s) per train task through "
+                              f"{sorted(trained)} (trajectories/sft_teacher.jsonl.gz, failures kept)",
+                    "kept": "episodes with reward > 0",
                     "mask": "every token the teacher generated (assistant content, tool calls, end of turn); "
                             "react: the episode rendered whole; text: each recorded call, chained by prefix"})
                 await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)

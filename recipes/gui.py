@@ -1,9 +1,10 @@
 """Orchard-GUI: train a browser agent (the 13 tools over Chromium in sandboxes) with SFT, then multi-turn GRPO.
 
-Stages (`orchard.stages`, the domain `orchard.domains.gui`): the scripted teacher plays 4 rollouts per train task
-(failures kept), the two-stage judge scores them -> held-out evaluation of the base model -> SFT curation (the
-shortest judged success per task, at most K tasks per website) and SFT with one target assistant turn per
-serialized prefix -> evaluation -> multi-turn GRPO (+1 when every turn is well formed and the judge confirms
+Stages (`orchard.stages`, the domain `orchard.domains.gui`): the teacher plays 4 rollouts per train task
+(failures kept; ``teacher.url``'s model through the policy's GUI harness, or by default the scripted teacher, a
+program that knows each task's hidden answer, not a model), the two-stage judge scores them -> held-out evaluation
+of the base model -> SFT curation (the shortest judged success per task, at most K tasks per website) and SFT with
+one target assistant turn per serialized prefix -> evaluation -> multi-turn GRPO (+1 when every turn is well formed and the judge confirms
 completion, -1 after repeated format failures, 0 otherwise; the trajectory's advantage on all its assistant
 tokens; dynamic sampling drops groups whose rewards are all 0 or all positive; clipping 0.2 / 0.28, no KL), one
 RL stage per step budget of the curriculum (15 then 30 turns) -> evaluation. Held-out success is the task's
@@ -84,11 +85,18 @@ class TasksConfig:
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(stages.TeacherConfig):
     attempts: int = ATTEMPTS_PER_TASK
-    """Teacher rollouts per train task (the paper: 4)."""
+    """Teacher rollouts per train task, failures kept (the paper: 4)."""
     failure_rate: float = DEFAULT_FAILURE_RATE
-    """Share of the scripted teacher's attempts that go wrong (distracted, wrong value, done early)."""
+    """Share of the scripted teacher's attempts that go wrong (distracted, wrong value, done early); the scripted
+    teacher is a program that knows each task's hidden answer and reads the text view, not a model (url null)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.failure_rate, bool) or not isinstance(self.failure_rate, (int, float)) \
+                or not 0 <= self.failure_rate <= 1:
+            raise ValueError(f"failure_rate must be a number in [0, 1], got {self.failure_rate!r}")
+        super().__post_init__()
 
 
 @dataclass
@@ -132,7 +140,8 @@ class GUIConfig:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     """Task pool."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    """The scripted teacher."""
+    """The teacher of the SFT rollouts: a model by URL through the policy's GUI harness, or (url null) the scripted
+    one."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The two-stage judge of teacher and RL rollouts."""
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_steps=30, max_tokens=256,
@@ -165,8 +174,9 @@ class GUIConfig:
             raise ValueError(f"judge.images must be one of {list(IMAGE_MODES)}, got {self.judge.images!r}")
         if self.sft_warmup_fraction is not None and not 0 <= self.sft_warmup_fraction < 1:
             raise ValueError(f"sft_warmup_fraction must be in [0, 1) or null, got {self.sft_warmup_fraction!r}")
-        if self.teacher.attempts < 1:
-            raise ValueError(f"teacher.attempts must be >= 1, got {self.teacher.attempts}")
+        if self.teacher.url is not None and self.model.path is None:
+            raise ValueError("teacher.url needs model.path: a tiny student's tokenizer is trained on the scripted "
+                             "teacher's episodes, so no served teacher can share it")
         pool = len(self.tasks.templates or TEMPLATES) * self.tasks.train_per_template
         if self.rl.enabled and self.rl.tasks_per_step > pool:
             raise ValueError(f"rl.tasks_per_step must be <= the RL task pool ({pool} tasks), "
@@ -200,6 +210,32 @@ def sft_config(cfg: GUIConfig, samples: int) -> SFTConfig:
     return replace(cfg.sft, train=replace(cfg.sft.train, optim=optim))
 
 
+def gui_harness(cfg: GUIConfig, client: SandboxClient, tokenizer: Any, max_steps: int) -> Any:
+    """The policy's GUI `Rollouts` at a step budget (a fresh one draws its episodes' seeds from cfg.seed anew)."""
+    r = cfg.rollout
+    return gui_rollouts(client, tokenizer, max_steps=max_steps, images=cfg.images, max_tokens=r.max_tokens,
+                        seed=cfg.seed, concurrency=r.concurrency, max_time_s=r.max_time_s,
+                        max_prompt_tokens=cfg.max_prompt_tokens)
+
+
+async def teacher_phase(cfg: GUIConfig, client: SandboxClient, train: list[GUITask],
+                        ) -> tuple[list[Trajectory], Any, Any]:
+    """``teacher.attempts`` teacher rollouts per train task (failures kept) and the policy ``(model, tokenizer)``.
+    With ``teacher.url``: the policy first, then the served model through the policy's own GUI harness at the
+    curriculum's longest budget, sampled at ``teacher.temperature``. Else the scripted teacher plays first, and a
+    tiny policy's tokenizer is trained on its episodes' text."""
+    t = cfg.teacher
+    if t.url is None:
+        played = await asyncio.to_thread(teacher_trajectories, client, train, attempts=t.attempts, seed=cfg.seed,
+                                         failure_rate=t.failure_rate, max_steps=max(cfg.step_budgets),
+                                         images=cfg.images)
+        return (played, *load_policy(cfg.model, corpus(played), seed=cfg.seed))
+    model, tokenizer = load_policy(cfg.model, [], seed=cfg.seed)
+    played, _ = await stages.teacher_phase(t, {"gui": gui_harness(cfg, client, tokenizer, max(cfg.step_budgets))},
+                                           train, student_tokenizer=tokenizer)
+    return played, model, tokenizer
+
+
 def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
     """The judge (a URL, or the programmatic judge in process) and the keywords of its calls."""
     if cfg.judge.url is not None:
@@ -208,6 +244,9 @@ def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
 
 
 async def run(cfg: GUIConfig) -> dict[str, Any]:
+    if cfg.teacher.url is not None:  # the teacher answers the student's ids: checked before any work
+        stages.check_tokenizers(cfg.model.path, cfg.teacher.tokenizer, key="teacher.tokenizer",
+                                student_name="model.path")
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                            existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
                            config=config_to_dict(cfg))
@@ -215,20 +254,15 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
     judge, judge_kwargs = make_judge(cfg)
     with sandbox_service(cfg.env_url) as env, SandboxClient(*env) as client:
         # the teacher's 4 rollouts per task, judged like RL rollouts (captcha runs removed, counted)
-        teacher = await asyncio.to_thread(teacher_trajectories, client, train, attempts=cfg.teacher.attempts,
-                                          seed=cfg.seed, failure_rate=cfg.teacher.failure_rate,
-                                          max_steps=max(cfg.step_budgets), images=cfg.images)
+        teacher, model, tokenizer = await teacher_phase(cfg, client, train)
         judged = await judge_gui_trajectories(judge, teacher, tasks=train, **judge_kwargs)
         run.phase = "sft_teacher"
         run.save_trajectories(teacher)
-        model, tokenizer = load_policy(cfg.model, corpus(teacher), seed=cfg.seed)
         engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
         r = cfg.rollout
 
         def rollouts(max_steps: int) -> Any:
-            return gui_rollouts(client, tokenizer, max_steps=max_steps, images=cfg.images, max_tokens=r.max_tokens,
-                                seed=cfg.seed, concurrency=r.concurrency, max_time_s=r.max_time_s,
-                                max_prompt_tokens=cfg.max_prompt_tokens)
+            return gui_harness(cfg, client, tokenizer, max_steps)
 
         # a fresh Rollouts per evaluation: each draws its episodes' seeds from cfg.seed anew
         await run.evaluate("base", 0, run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
@@ -242,7 +276,8 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
             run.log.log(stats, 0)
             run.log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
             await run.sft(model, tokenizer, engine, samples, sft_config(cfg, len(samples)), provenance={
-                "source": f"the scripted teacher's {len(teacher)} rollouts of the train tasks, judged "
+                "source": f"{cfg.teacher.describe()}'s "
+                          f"{len(teacher)} rollouts of the train tasks, judged "
                           "(trajectories/sft_teacher.jsonl.gz)",
                 "kept": "curate_sft: passed rollouts, at most tasks.max_tasks_per_site tasks per site",
                 "mask": "one sample per assistant turn (sft_turn_samples): that turn's tokens"})

@@ -1,9 +1,10 @@
 """Orchard-SWE: repository-level issue resolution in sandboxes; credit-assigned SFT, then RL and a value reranker.
 
 Stages (`orchard.stages`): held-out evaluation of the base model on three harnesses (bash-only, tool calling, and a
-third convention held out of training) -> the scripted teacher's trajectories (a script that replays each task's
-gold patch, with seeded mistakes; not a model), 5 per task through each trained harness, failures kept (the
-paper's) -> curation (``sft.curate``: those over ``sft.max_len`` and those with
+third convention held out of training) -> the teacher's trajectories, 5 per task through each trained harness,
+failures kept (the paper's): ``teacher.url``'s model (any OpenAI-compatible endpoint sharing the student's
+tokenizer, sampled at ``teacher.temperature``), or by default the scripted teacher (a program that replays each
+task's gold patch, with seeded mistakes; not a model) -> curation (``sft.curate``: those over ``sft.max_len`` and those with
 undefined, invalid or unparseable tool calls dropped) -> hindsight values of the failed ones from a value teacher behind the
 engine / OpenAI interface -> SFT in ``sft.mode``: resolved-only, all, or credit (resolved trajectories whole, failed
 ones only on the steps whose TD credit is >= 0.05) -> held-out evaluation (resolve rate, pass@k) on the three
@@ -21,21 +22,25 @@ Single machine (CPU, a tiny random Qwen3, an offline tokenizer, seeded toy insta
 
     python recipes/swe.py --config recipes/configs/swe_tiny.yaml [key=value ...]
 
-Multi-GPU, the paper's setting (Qwen3-30B-A3B-Thinking from a local path; vLLM over this node's GPUs; the trainer a
+Multi-GPU, the paper's setting (the student Qwen3.5-35B-A3B from a local path; vLLM over this node's GPUs; the trainer a
 single-process DeepSpeed ZeRO-3 engine; instances in the SWE-bench schema on disk, SFT, RL and held-out files apart,
 each instance's repository a local clone or git worktree at its base_commit under ``instances.repo_root``
 (``<repo_root>/<instance_id>``, checked before the run); a sandbox service already running on Kubernetes; a value
-teacher served by URL) — this is the launch line as it stands:
+teacher and the OPD teacher served by URL, the latter checked to share the student's tokenizer; ``teacher.url``,
+``teacher.model`` and ``teacher.tokenizer`` make a served model the trajectory teacher too) — this is the launch
+line as it stands:
 
     SANDBOX_API_KEY=... python recipes/swe.py --config recipes/configs/swe.yaml \\
-        model.path=/models/Qwen3-30B-A3B-Thinking instances.path=/data/swe-gym-sft.jsonl \\
+        model.path=/models/Qwen3.5-35B-A3B rl.teacher.tokenizer=/models/Qwen3.5-397B-A17B \\
+        instances.path=/data/swe-gym-sft.jsonl \\
         instances.rl_path=/data/swe-gym-rl.jsonl instances.heldout_path=/data/swe-bench-verified.jsonl \\
         instances.repo_root=/data/repos env_url=https://sandboxes.example values.url=http://value-teacher:8000/v1
 
 RL variants (``rl.variant``): ``grpo_bar``; on-policy distillation from ``rl.teacher`` (``opd_k2``, ``opd_k3``,
-``opd_js``, and ``opd_js_grpo``, the paper's best: a teacher served by URL, a local checkpoint, or at CPU scale a
-larger tiny model trained longer on the scripted teacher's resolved trajectories, never the student); ``rpr``: GRPO +
-BAR on outcome + rubric process reward from ``rl.judge`` (an LLM judge by URL, or the programmatic stand-in).
+``opd_js``, ``opd_js_grpo``, the paper's best, without BAR as the paper ran it, and ``opd_js_grpo_bar``, the same
+with BAR: a teacher served by URL, a local checkpoint, or at CPU scale a larger tiny model trained longer on the
+scripted teacher's resolved trajectories, never the student); ``rpr``: GRPO on plain groups on outcome + rubric
+process reward from ``rl.judge`` (an LLM judge by URL, or the programmatic stand-in).
 
 Rollouts and training share this one process; several ranks under ``deepspeed`` / ``torchrun`` are not supported
 yet.
@@ -63,10 +68,11 @@ from orchard.domains.swe.harness import SWEEvalHarness
 from orchard.domains.swe.instances import SWEInstance, check_snapshots, load_instances
 from orchard.domains.swe.judge import JudgedRollouts, ScriptedJudge
 from orchard.domains.swe.sandbox import SHARED_PYTEST, patched_paths, sandbox_options, write_pytest_bundle
-from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine, teacher_trajectories
+from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
 from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
 from orchard.env import AsyncSandboxClient, AsyncSandboxPool
+from orchard.env.orchestrator import parse_cpu, parse_memory_mb
 from orchard.models import tiny_qwen3
 from orchard.rollout.hf_engine import HFEngine
 from orchard.rollout.openai_engine import OpenAIEngine
@@ -89,6 +95,8 @@ from orchard.train.objective import LossTerm
 from orchard.value import ValueModel
 
 HARNESSES = ("bash", "tool", "eval")
+SCRIPTED_MAX_TOKENS = 4096  # the scripted teacher's edit turns quote whole hunks: more than a policy turn's budget
+SCRIPTED = "the scripted teacher (gold-patch replay)"
 TRAINABLE = ("bash", "tool")
 
 
@@ -109,18 +117,20 @@ JS = LossTerm("js_opd", 1.0, {"lam": 0.5})  # JS on-policy distillation, lambda 
 
 # rl.variant -> the composition. The OPD rows score every rollout batch with rl.teacher (rl_stage(teacher=)); the
 # RPR row judges every rollout (JudgedRollouts: reward = outcome + rubric_weight * rubric, judge failures removed
-# from the loss). Pure OPD runs without BAR and without the group filter (no outcome term to balance or to need
-# signal); the GRPO rows on the outcome keep both: our reading of the paper's tables. RPR runs on plain groups with
-# the group filter: BAR balances resolved against unresolved rollouts and drops a group with no resolved one, which
-# is exactly the group whose only signal is the rubric (our reading: the process reward is there to teach those).
+# from the loss). The OPD rows run without BAR, JS + GRPO included, as the paper ran its distillation rows; the pure
+# OPD rows also without the group filter (no outcome term to need signal). opd_js_grpo_bar is the same objective on
+# BAR's groups, a row of its own. grpo_bar keeps BAR and the filter. RPR runs on plain groups with the group filter:
+# BAR balances resolved against unresolved rollouts and drops a group with no resolved one, which is exactly the
+# group whose only signal is the rubric (our reading: the process reward is there to teach those).
 RL_VARIANTS: dict[str, RLVariant] = {
-    #              objective                             reward     BAR    teacher judge
-    "grpo_bar":    RLVariant((POLICY,),                  "outcome", True),
-    "opd_k2":      RLVariant((LossTerm("k2_opd", 1.0),), "outcome", False, True),
-    "opd_k3":      RLVariant((LossTerm("k3_opd", 1.0),), "outcome", False, True),
-    "opd_js":      RLVariant((JS,),                      "outcome", False, True),
-    "opd_js_grpo": RLVariant((POLICY, JS),               "outcome", True,  True),
-    "rpr":         RLVariant((POLICY,),                  "outcome", False, False,  True),  # the judge folds R in
+    #                  objective                             reward     BAR    teacher judge
+    "grpo_bar":        RLVariant((POLICY,),                  "outcome", True),
+    "opd_k2":          RLVariant((LossTerm("k2_opd", 1.0),), "outcome", False, True),
+    "opd_k3":          RLVariant((LossTerm("k3_opd", 1.0),), "outcome", False, True),
+    "opd_js":          RLVariant((JS,),                      "outcome", False, True),
+    "opd_js_grpo":     RLVariant((POLICY, JS),               "outcome", False, True),
+    "opd_js_grpo_bar": RLVariant((POLICY, JS),               "outcome", True,  True),
+    "rpr":             RLVariant((POLICY,),                  "outcome", False, False,  True),  # the judge folds R in
 }
 # The variant sets these; the config loader refuses them.
 DERIVED = {**stages.derived_keys("sft", "rl"), "rl.use_bar": "rl.variant", "rl.reward": "rl.variant",
@@ -152,11 +162,18 @@ class InstancesConfig:
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(stages.TeacherConfig):
     attempts: int = ATTEMPTS_PER_TASK
     """Teacher trajectories per task and harness, failures kept (the paper: 5)."""
     failure_rate: float = 0.3
-    """Share of the scripted teacher's attempts that go wrong (wrong file, partial fix, regression, untested)."""
+    """Share of the scripted teacher's attempts that go wrong (wrong file, partial fix, regression, untested); the
+    scripted teacher is a program that replays each task's gold patch, not a model (url null)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.failure_rate, bool) or not isinstance(self.failure_rate, (int, float)) \
+                or not 0 <= self.failure_rate <= 1:
+            raise ValueError(f"failure_rate must be a number in [0, 1], got {self.failure_rate!r}")
+        super().__post_init__()
 
 
 @dataclass
@@ -176,6 +193,9 @@ class OPDTeacherConfig:
     the student's tokenizer: the paper's Qwen3.5-397B-A17B; null: ``path``, or a teacher trained here."""
     model: str = "orchard"
     """Model name sent to the teacher server."""
+    tokenizer: str | None = None
+    """The served teacher's tokenizer ('tiny', a local HF directory or a named checkpoint); required with url. Before
+    any work it is checked to be the student's (vocabulary and special tokens), as is ``path``'s."""
     path: str | None = None
     """Local HF checkpoint of the teacher (scored in process); null with url null: at CPU scale a larger tiny model
     than the student, trained longer on the teacher corpus (the scripted teacher's resolved trajectories)."""
@@ -185,6 +205,13 @@ class OPDTeacherConfig:
     """Layers of the CPU teacher."""
     epochs: float = 6.0
     """SFT epochs of the CPU teacher on the resolved teacher trajectories."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None and self.tokenizer is None:
+            raise ValueError("tokenizer must name the served teacher's tokenizer when url is set: OPD scores the "
+                             "student's token ids, so it is checked to be the student's before any work")
+        if self.url is not None or self.tokenizer is not None:  # the shared checks of a teacher by URL
+            stages.TeacherConfig(url=self.url, model=self.model, tokenizer=self.tokenizer)
 
 
 @dataclass
@@ -203,8 +230,9 @@ class JudgeConfig:
 class SWERLConfig(RLConfig):
     variant: str = "grpo_bar"
     """The RL composition, a row of RL_VARIANTS: grpo_bar (GRPO + BAR on the outcome); opd_k2, opd_k3, opd_js (on-
-    policy distillation from rl.teacher), opd_js_grpo (JS + GRPO, the paper's best), rpr (GRPO on outcome +
-    rubric process reward from rl.judge, on plain groups: BAR would drop the all-failed groups the rubric grades).
+    policy distillation from rl.teacher), opd_js_grpo (JS + GRPO on plain groups, the paper's best, run without BAR
+    as the paper ran it), opd_js_grpo_bar (the same on BAR's groups, its own row), rpr (GRPO on outcome + rubric
+    process reward from rl.judge, on plain groups: BAR would drop the all-failed groups the rubric grades).
     It sets use_bar, reward, train.objective (and group_filter none for pure OPD)."""
     filter: TaskFilterConfig = field(default_factory=TaskFilterConfig)
     """The task filter before RL."""
@@ -238,7 +266,9 @@ class ValueModelConfig:
     enabled: bool = True
     """Train the value model on the run's verified train rollouts and rerank held-out candidates."""
     backbone: str | None = None
-    """Local causal-LM checkpoint of the value backbone; null: this run's SFT model (a fresh tiny one without SFT)."""
+    """Local causal-LM checkpoint of the value backbone (the paper: 4B), checked before any work to have the
+    student's tokenizer (it reads the student's rollouts); null: this run's SFT model (a fresh tiny one without
+    SFT)."""
     candidates: int = 6
     """Candidates per held-out instance from the final policy, whose rollouts are not in the pool (the paper: 6)."""
     harness: str = "bash"
@@ -281,6 +311,11 @@ class SWEConfig:
     """Most sandboxes kept created and started ahead for one stage (a warm pool per stage, sized to the episodes
     the stage plays at once: held-out tasks x attempts, train tasks x teacher attempts, RL tasks per step x N, ...,
     up to this); its idle ones are deleted when the stage ends. 0: every sandbox created on the spot."""
+    sandbox_cpu: str | None = None
+    """CPU every sandbox is requested with (a Kubernetes quantity: "2", "500m"; the paper: 2 vCPU); null: the
+    service's default."""
+    sandbox_memory: str | None = None
+    """Memory every sandbox is requested with ("8Gi"; the paper: 8 GiB); null: the service's default."""
     harnesses: list[str] = field(default_factory=lambda: ["bash", "tool"])
     """Harnesses whose teacher trajectories train the model (bash and / or tool)."""
     threads: int = 0
@@ -290,7 +325,8 @@ class SWEConfig:
     instances: InstancesConfig = field(default_factory=InstancesConfig)
     """Task pool."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    """The scripted teacher."""
+    """The teacher of the SFT trajectories: a model by URL, or (url null) the scripted one that replays the gold
+    patch."""
     values: ValuesConfig = field(default_factory=ValuesConfig)
     """Hindsight values for credit-assigned SFT."""
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_steps=12, max_tokens=256,
@@ -335,6 +371,19 @@ class SWEConfig:
             raise ValueError(f"value_model.candidates must be >= 2, got {self.value_model.candidates}")
         if isinstance(self.env_pool, bool) or not isinstance(self.env_pool, int) or self.env_pool < 0:
             raise ValueError(f"env_pool must be an int >= 0, got {self.env_pool!r}")
+        for name, parse, like in (("sandbox_cpu", parse_cpu, "'2' or '500m'"),
+                                  ("sandbox_memory", parse_memory_mb, "'8Gi' or '512Mi'")):
+            value = getattr(self, name)
+            try:  # a bad quantity is refused here, not by the service mid-run
+                ok = value is None or (isinstance(value, str) and parse(value) is not None)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{name} must be a quantity string like {like} or null, got {value!r}")
+        for key, url in (("teacher", self.teacher.url), ("rl.teacher", self.rl.teacher.url)):
+            if url is not None and self.model.path is None:
+                raise ValueError(f"{key}.url needs model.path: a tiny student's tokenizer is trained in the run, so "
+                                 f"no served teacher can share it")
 
 
 def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance], list[SWEInstance]]:
@@ -365,7 +414,7 @@ async def swe_sandboxes(cfg: SWEConfig) -> AsyncIterator[PooledSandboxes]:
     and the per-stage warm pools the harnesses draw from (`warm`)."""
     with sandbox_service(cfg.env_url, shared={SHARED_PYTEST: write_pytest_bundle}) as env:
         async with AsyncSandboxClient(*env) as client:
-            yield PooledSandboxes(client)
+            yield PooledSandboxes(client, cpu=cfg.sandbox_cpu, memory=cfg.sandbox_memory)
 
 
 def warm(sandboxes: PooledSandboxes, cfg: SWEConfig, episodes: int) -> AbstractAsyncContextManager[AsyncSandboxPool]:
@@ -400,6 +449,33 @@ def corpus(instances: list[SWEInstance]) -> list[str]:
             texts += [t for t in map(i.read, touched) if t is not None]
             texts.append(i.patch)
     return texts
+
+
+async def teacher_phase(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any,
+                        train: list[SWEInstance]) -> tuple[list[Any], dict[str, float]]:
+    """``teacher.attempts`` teacher trajectories per train instance through each trained harness, failures kept:
+    from ``teacher.url``'s model at ``teacher.temperature``, or the scripted teacher (it replays the gold patch)."""
+    return await stages.teacher_phase(cfg.teacher, trained, train, student_tokenizer=tokenizer,
+                                      scripted=lambda: SWETeacherEngine(tokenizer, train, seed=cfg.seed,
+                                                                        failure_rate=cfg.teacher.failure_rate),
+                                      scripted_max_tokens=SCRIPTED_MAX_TOKENS)
+
+
+def check_teacher_tokenizers(cfg: SWEConfig, student: Any) -> None:
+    """A `ConfigError` naming both unless every model that exchanges token ids with the student (``teacher.url``
+    for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant; the value backbone, which reads the
+    student's rollouts) has the student's tokenizer (``student``: the tokenizer, or model.path to load it from)."""
+    opd = cfg.rl.enabled and RL_VARIANTS[cfg.rl.variant].teacher
+    if cfg.teacher.url is not None and (cfg.sft.enabled or opd):
+        stages.check_tokenizers(student, cfg.teacher.tokenizer, key="teacher.tokenizer", student_name="model.path")
+    t = cfg.rl.teacher
+    if opd and t.url is not None:
+        stages.check_tokenizers(student, t.tokenizer, key="rl.teacher.tokenizer", student_name="model.path")
+    elif opd and t.path is not None:
+        stages.check_tokenizers(student, t.path, key="rl.teacher.path", student_name="model.path")
+    if cfg.value_model.enabled and cfg.value_model.backbone is not None:
+        stages.check_tokenizers(student, cfg.value_model.backbone, key="value_model.backbone",
+                                student_name="model.path")
 
 
 async def hindsight_values(cfg: SWEConfig, trajectories: list[Any], tokenizer: Any) -> dict[int, Any]:
@@ -574,12 +650,16 @@ async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts]
 
 async def run(cfg: SWEConfig) -> dict[str, Any]:
     train, rl_pool, heldout = instance_pools(cfg)  # a bad file or snapshot stops the run before it writes anything
+    if cfg.model.path is not None:  # a checkpoint's tokenizer meets its teachers' before the run writes anything
+        check_teacher_tokenizers(cfg, cfg.model.path)
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                            existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
                            config=config_to_dict(cfg))
     out, log = run.out, run.log
     unique = {i.instance_id: i for i in [*train, *rl_pool, *heldout]}
     model, tokenizer = load_policy(cfg.model, corpus(list(unique.values())), seed=cfg.seed)
+    if cfg.model.path is None:  # a tiny student's tokenizer, trained just now, before any episode
+        check_teacher_tokenizers(cfg, tokenizer)
     engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
     trajectories: list[Any] = []
     dropped: dict[str, float] = {}
@@ -590,11 +670,11 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
             await run.evaluate("base", 0, run.saving(harnesses), engine, heldout)
         row = RL_VARIANTS[cfg.rl.variant]
         cpu_teacher = cfg.rl.enabled and row.teacher and cfg.rl.teacher.url is None and cfg.rl.teacher.path is None
-        if cfg.sft.enabled or cpu_teacher:  # the scripted teacher's corpus: SFT's data, the CPU OPD teacher's
-            teacher = SWETeacherEngine(tokenizer, train, failure_rate=cfg.teacher.failure_rate, seed=cfg.seed)
+        if cfg.sft.enabled or cpu_teacher:  # the teacher's corpus: SFT's data, the CPU OPD teacher's
             async with warm(sandboxes, cfg, len(train) * cfg.teacher.attempts):
-                trajectories = [t for h in cfg.harnesses for t in await teacher_trajectories(
-                    harnesses[h], teacher, train, attempts=cfg.teacher.attempts)]
+                trajectories, stats = await teacher_phase(cfg, {h: harnesses[h] for h in cfg.harnesses}, tokenizer,
+                                                          train)
+            log.log(stats, 0)
             run.phase = "sft_teacher"
             run.save_trajectories(trajectories)
             # curated once: SFT and the CPU OPD teacher learn from the same corpus
@@ -609,7 +689,8 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
             log.log(stats, 0)
             log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
             await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={
-                "source": f"the scripted teacher's {cfg.teacher.attempts} attempts per train instance through "
+                "source": f"{cfg.teacher.describe(SCRIPTED)}'s {cfg.teacher.attempts} attempts per train instance "
+                          f"through "
                           f"{cfg.harnesses} (trajectories/sft_teacher.jsonl.gz)"
                           + (", curated (stages.curate_sft)" if cfg.sft.curate else ""),
                 "mode": cfg.sft_mode,

@@ -272,3 +272,57 @@ def ensure_tool_template(tokenizer: Any, *, source: str = "the tokenizer", warn:
         print(f"warning: {source}: its chat template cannot render tools; using orchard's ChatML tool template",
               file=sys.stderr)
     return True
+
+
+class TokenizerMismatch(ValueError):
+    """Two tokenizers that must be the same (a student and the teacher that reads or writes its token ids) differ."""
+
+
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    """The special tokens a token-id exchange depends on: the named ones' ids, and every added token's text and
+    whether it is special."""
+    out: dict[str, Any] = {name: getattr(tokenizer, name, None) for name in _SPECIAL_IDS}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out["added"] = {int(i): (str(t), bool(getattr(t, "special", False))) for i, t in added.items()}
+    return out
+
+
+def check_same_tokenizer(student: Any, teacher: Any, *, student_name: str = "the student",
+                         teacher_name: str = "the teacher") -> None:
+    """``TokenizerMismatch`` (a ``ValueError``) naming both tokenizers unless ``teacher`` has ``student``'s
+    vocabulary (every token string to the same id) and special tokens (bos / eos / pad / unk ids, every added token's
+    text and special flag).
+
+    A teacher exchanges token ids with the student: on-policy distillation scores the student's ids as they are,
+    and a teacher sampled through the student's harnesses is sent prompts rendered with the student's tokenizer and
+    answers ids that train the student. Different vocabularies make both silently wrong, so the paper's student and
+    teacher share one (Qwen3.5-35B-A3B and Qwen3.5-397B-A17B); the chat template is not compared (the harness renders
+    with the student's).
+
+    Args:
+        student, teacher: transformers tokenizers (``get_vocab()``).
+        student_name, teacher_name: how the message names each (a path, a model name).
+    """
+    for name, tok in (("student", student), ("teacher", teacher)):
+        if not callable(getattr(tok, "get_vocab", None)):
+            raise ValueError(f"{name} must be a transformers tokenizer with get_vocab(), got {type(tok).__name__}")
+    if student is teacher:
+        return
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    problem = None
+    if ours != theirs:
+        differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
+        problem = (f"vocabularies differ ({len(ours)} vs {len(theirs)} tokens, {len(differ)} tokens with another id or "
+                   f"missing, e.g. {differ[:3]!r})")
+    else:
+        s, t = _special_tokens(student), _special_tokens(teacher)
+        differ = [k for k in s if s[k] != t[k]]
+        if differ:
+            problem = "special tokens differ: " + "; ".join(
+                f"{k} {s[k]!r:.80} vs {t[k]!r:.80}" for k in differ)
+    if problem is not None:
+        raise TokenizerMismatch(f"{student_name} and {teacher_name} must share one tokenizer (their token ids are "
+                                f"exchanged as they are): {problem}")

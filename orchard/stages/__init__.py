@@ -11,6 +11,10 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
 - configs: `RolloutConfig`, `EvalConfig`, `SFTConfig`, `RLConfig`, `TaskFilterConfig` (typed, a doc line per field), `derived_keys`
 - evaluation: `evaluate`, `success_row` (success, pass@k, pass^k, tasks, env errors), `format_table` (in
   `orchard.stages.report`, importable from `orchard.stages.evaluate` too)
+- the teacher phase (`orchard.stages.teacher`): `TeacherConfig` (a teacher by URL, or the domain's scripted one;
+  attempts, temperature), `url_teacher` (an OpenAI-compatible endpoint as an engine, its tokenizer checked to be
+  the student's), `sample_teacher` (attempts per task through the policy's harnesses, failures kept),
+  `teacher_phase` (either teacher, played and closed), `check_tokenizers`
 - SFT: `demonstrations` (a teacher through the same harnesses), `curate_sft` (the paper's curation: over the
   context limit, invalid or unparseable calls), `sft_samples` (resolved-only, all, or credit-assigned SFT from
   hindsight step values), `sft_stage`
@@ -61,6 +65,7 @@ from orchard.stages.run_files import EXISTING_RUN_CHOICES, prepare_output_dir, p
 from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
+from orchard.stages.teacher import TeacherConfig, check_tokenizers, sample_teacher, teacher_phase, url_teacher
 from orchard.stages.temperature import (
     TEMPERATURE_GRID,
     TemperatureSearch,
@@ -91,11 +96,13 @@ __all__ = [
     "SFTConfig",
     "TaskFilterConfig",
     "TaskFilterResult",
+    "TeacherConfig",
     "TemperatureSearch",
     "ValueRerankResult",
     "bar_candidate",
     "best_temperature",
     "check_temperatures",
+    "check_tokenizers",
     "curate_sft",
     "demonstrations",
     "derived_keys",
@@ -112,6 +119,7 @@ __all__ = [
     "recipe_main",
     "rl_stage",
     "rollout_groups",
+    "sample_teacher",
     "sandbox_service",
     "search_temperature",
     "sft_samples",
@@ -119,7 +127,9 @@ __all__ = [
     "split_attempts",
     "success_row",
     "teacher_logprobs",
+    "teacher_phase",
     "trajectory_reward",
+    "url_teacher",
     "value_rerank_stage",
     "write_results",
 ]

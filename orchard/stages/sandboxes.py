@@ -69,12 +69,20 @@ class PooledSandboxes:
 
     Args:
         client: the ``AsyncSandboxClient`` that creates every sandbox (``base_url`` and ``api_key`` are its).
+        cpu, memory: the resources every sandbox is requested with (``client.create``'s ``cpu`` / ``memory``,
+            Kubernetes quantities such as ``"2"`` and ``"8Gi"``), added to each request and to each stage's pool
+            unless the request names its own; None: the service's defaults.
     """
 
-    def __init__(self, client: AsyncSandboxClient) -> None:
+    def __init__(self, client: AsyncSandboxClient, *, cpu: str | None = None, memory: str | None = None) -> None:
         if not isinstance(client, AsyncSandboxClient):
             raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
+        for name, value in (("cpu", cpu), ("memory", memory)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a Kubernetes quantity string or None, got {value!r}")
         self.client = client
+        self.resources = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v is not None}
+        """What every request is made with unless it names its own."""
         self.pool: AsyncSandboxPool | None = None
         """The current stage's pool (None between stages)."""
 
@@ -87,7 +95,9 @@ class PooledSandboxes:
         return self.client.api_key
 
     async def create(self, **options: Any) -> AsyncSandbox:
-        """A sandbox as ``client.create(**options)`` gives, from the stage's pool when it makes such ones."""
+        """A sandbox as ``client.create(**options)`` gives (with the run's ``resources``), from the stage's pool when
+        it makes such ones."""
+        options = {**self.resources, **options}
         pool = self.pool
         if pool is not None and {**_CLIENT_DEFAULTS, **options} == {**_CLIENT_DEFAULTS, **pool.create_options}:
             return await pool.acquire()
@@ -101,7 +111,7 @@ class PooledSandboxes:
         every sandbox created on the spot). One stage at a time."""
         if self.pool is not None:
             raise RuntimeError("a stage already holds a pool: stages do not nest")
-        pool = AsyncSandboxPool(self.client, size, **create_options)
+        pool = AsyncSandboxPool(self.client, size, **{**self.resources, **create_options})
         pool.start()
         self.pool = pool
         try:

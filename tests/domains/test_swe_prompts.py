@@ -63,7 +63,11 @@ def test_value_prompt_states_the_outcome_and_the_rules() -> None:
     msgs = value_estimation_messages(_messages([("ls", "a.py"), ("pytest", "1 failed")]), resolved=False)
     assert [m["role"] for m in msgs] == ["system", "user"]
     system, user = msgs[0]["content"], msgs[1]["content"]
-    assert "between 0.3 and 0.5" in system and "below 0.2" in system and "need not increase" in system
+    assert "between 0.3 and 0.5" in system and "below 0.2" in system
+    # The paper's prompt forbids a monotone rise: where the trajectory went wrong, a rise then a fall at that step.
+    rules = " ".join(system.split())
+    assert "Do not give monotonically increasing values" in rules
+    assert "rises while the agent makes progress and then falls at the step that went wrong" in rules
     assert "interpolated" in system
     assert "has 3 steps (states 0 to 3)" in user and "did NOT resolve" in user
     assert "RESOLVED" in value_estimation_messages(_messages([]), resolved=True)[1]["content"]
@@ -130,6 +134,7 @@ def test_grading_prompt_rules_and_dimensions() -> None:
     rules = " ".join(system.split())
     assert "for not running the hidden tests" in rules and "for a fix that differs from the reference fix" in rules
     assert "errors and tracebacks it met while exploring" in rules and "responded to the evidence" in rules
+    assert "submitting without verification" in rules  # a fault the paper's grading rules name
     assert "Reference" not in user and "reference block" not in system  # no reference given
     assert "### Step 1" in user and "Observation:\n1 failed" in user
 

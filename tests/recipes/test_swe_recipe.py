@@ -152,11 +152,11 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
     if variant == "opd_js_grpo":
         assert "opd teacher: hidden 48 x 1 layers" in proc.stdout
         assert (out / "opd_teacher" / "metrics.jsonl").exists()
-        # Known gap (issue 38), measured: 8 of 8 format errors, BAR drops both groups (no resolved rollout to
-        # balance), no optimizer step, so the JS term never runs here. The assertion used to be
-        # `groups_with_signal == 0 or loss > 0`, true either way; this one fails the day a step happens, when
-        # assert_trained(step) and `loss/js_opd > 0` replace it (the JS term with signal: the real-fix smoke).
-        assert step["rl/format_errors"] == 8 and step["rl/groups_with_signal"] == 0 and "grad_norm" not in step
+        # Known gap (issue 38), measured: plain groups without BAR (the paper's JS + GRPO row), 2 tasks x 2
+        # rollouts, 4 of 4 format errors, both groups all -1 and dropped by the group filter, no optimizer step, so
+        # the JS term never runs here. This fails the day a step happens, when assert_trained(step) and
+        # `loss/js_opd > 0` replace it (the JS term with signal: the real-fix smoke).
+        assert step["rl/format_errors"] == 4 and step["rl/groups_with_signal"] == 0 and "grad_norm" not in step
     else:
         judge = summary["judge"]
         # every scored episode was judged once, and the programmatic judge never fails
@@ -172,7 +172,20 @@ def test_swe_rl_variant_smoke(tmp_path, variant):
 @pytest.mark.parametrize(("override", "message"), [
     ("rl.judge.rubric_weight=2", "rl.judge.rubric_weight must be in [0, 1], got 2.0"),
     ("rl.variant=ppo", "rl.variant must be one of ['grpo_bar', 'opd_k2', 'opd_k3', 'opd_js', 'opd_js_grpo', "
-                       "'rpr'], got 'ppo'"),
+                       "'opd_js_grpo_bar', 'rpr'], got 'ppo'"),
+    ("teacher.url=ftp://teacher", "teacher.url must be an http(s) URL or null, got 'ftp://teacher'"),
+    ("teacher.attempts=0", "teacher.attempts must be an int >= 1, got 0"),
+    ("teacher.temperature=-1", "teacher.temperature must be a finite number >= 0, got -1.0"),
+    ("teacher.tokenizer=no/such/dir", "teacher.tokenizer must be 'tiny', a local HF directory or a named checkpoint "
+                                      "(smollm2-135m-instruct), got 'no/such/dir' (no such directory)"),
+    ("teacher.url=http://teacher:8000/v1", "teacher.tokenizer must name the served model's tokenizer when url is set "
+                                           "('tiny', a local HF directory or a named checkpoint): it is checked to be "
+                                           "the student's"),
+    ("rl.teacher.url=http://opd:8000/v1", "rl.teacher.tokenizer must name the served teacher's tokenizer when url is "
+                                          "set: OPD scores the student's token ids, so it is checked to be the "
+                                          "student's before any work"),
+    ("sandbox_memory=8GB", "sandbox_memory must be a quantity string like '8Gi' or '512Mi' or null, got '8GB'"),
+    ("sandbox_cpu='0'", "sandbox_cpu must be a quantity string like '2' or '500m' or null, got '0'"),
     ("rl.use_bar=false", "rl.use_bar is derived from rl.variant; set that instead"),
     ("sft_mode=credits", "sft_mode must be one of ['resolved', 'all', 'credit'], got 'credits'"),
     ("harnesses=[eval]", "harnesses must be a non-empty list among ['bash', 'tool'], got ['eval']"),
@@ -281,6 +294,39 @@ def test_bar_groups_report_the_choice_bar_made_by_hand(swe):
     assert swe.bar_groups([[dead]]) == [{"step": 1, "pool_positive_ratio": None, "kept_positive_ratio": None}]
 
 
+def test_js_with_grpo_runs_without_bar_as_the_paper_ran_it_and_its_bar_row_is_apart(swe):
+    asked = []
+
+    async def one_resolved(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
+        # 1 of every 8 rollouts resolves the task: outcome +1, the others -1
+        asked.append(group_size)
+        return [Trajectory(task_id=str(task), reward=r, reward_components={"outcome": r})
+                for task in tasks for r in (1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0)[:group_size]]
+
+    def kept(variant):
+        asked.clear()
+        cfg = swe.SWERLConfig(variant=variant, group_size=4, bar_n_max=8, bar_stride=8, tasks_per_step=1)
+        groups, _ = asyncio.run(rollout_groups({"bash": one_resolved}, None, ["a"], ["bash"], cfg,
+                                               RolloutConfig()))
+        [group] = [g.trajectories for g in groups if g.trajectories]
+        return cfg, sum(asked), group
+
+    plain, generated_plain, group_plain = kept("opd_js_grpo")
+    with_bar, generated_bar, group_bar = kept("opd_js_grpo_bar")
+    # The same objective, JS (lambda 0.5) + GRPO (0.2 / 0.28), in both rows.
+    for cfg in (plain, with_bar):
+        assert [(t.name, t.weight, t.kwargs) for t in cfg.train.objective] == [
+            ("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28}), ("js_opd", 1.0, {"lam": 0.5})]
+    assert (plain.use_bar, with_bar.use_bar) == (False, True)
+    assert plain.group_filter == with_bar.group_filter != "none"  # the GRPO term needs a group with signal
+    # Plain groups: the 4 rollouts asked for, trained as they came, none chosen by BAR.
+    assert generated_plain == 4 and len(group_plain) == 4
+    assert not any("bar" in t.metadata for t in group_plain)
+    # BAR: a stride of 8 drawn, 4 of them chosen (1 resolved of 8 cannot make the band's 2 of 4: the relaxed choice).
+    assert generated_bar == 8 and len(group_bar) == 4
+    assert all(t.metadata["bar"]["kept"] for t in group_bar)
+
+
 def test_rpr_trains_the_all_failed_groups_bar_would_drop(swe):
     async def unresolved(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
         # None resolved; the judge graded their processes 0.8, 0.2, 0.6, 0.4 (reward = -1 + 0.5 x rubric).
@@ -299,25 +345,31 @@ def test_rpr_trains_the_all_failed_groups_bar_would_drop(swe):
 
 
 def test_paper_config_loads_with_the_papers_setting(tmp_path, swe):
-    checkpoint = tmp_path / "Qwen3-30B-A3B-Thinking"
+    checkpoint, teacher = tmp_path / "Qwen3.5-35B-A3B", tmp_path / "Qwen3.5-397B-A17B"
     checkpoint.mkdir()
-    cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe.yaml", [f"model.path={checkpoint}"],
-                      derived=swe.DERIVED)
+    teacher.mkdir()
+    cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe.yaml",
+                      [f"model.path={checkpoint}", f"rl.teacher.tokenizer={teacher}"], derived=swe.DERIVED)
     assert (cfg.model.path, cfg.model.engine, cfg.model.dtype) == (str(checkpoint), "vllm", "bfloat16")
-    assert cfg.model.vllm_kwargs["max_model_len"] == 65536
+    assert cfg.model.vllm_kwargs["max_model_len"] == 131072  # evaluation and rollouts at 128K
     assert (cfg.sft_mode, cfg.sft.epochs, cfg.sft.max_len) == ("credit", 5, 65536)  # 64K context, left truncation
+    assert (cfg.sandbox_cpu, cfg.sandbox_memory) == ("2", "8Gi")  # 2 vCPU / 8 GiB per sandbox
     train = cfg.sft.train
     assert (train.global_batch_size, train.engine, train.zero_stage) == (128, "deepspeed", 3)
     assert (train.optim.lr, train.optim.min_lr) == (1e-5, 1e-6)  # the cosine's peak and floor
     assert cfg.instances.path and cfg.instances.heldout_path and cfg.env_url.startswith("https://")
     assert cfg.instances.rl_path not in (None, cfg.instances.path) and cfg.instances.repo_root  # RL apart from SFT
     assert (cfg.teacher.attempts, cfg.values.eps, cfg.eval.harnesses) == (5, 0.05, ["bash", "tool", "eval"])
-    rl = cfg.rl  # part 2: JS + GRPO with BAR from the task filter's instances, the teacher served by URL
-    assert (rl.variant, rl.steps, rl.tasks_per_step * rl.group_size, rl.use_bar) == ("opd_js_grpo", 150, 128, True)
-    assert (rl.bar_n_max, rl.bar_stride, rl.bar_rho_min, rl.bar_rho_max) == (16, 16, 0.375, 0.625)
+    rl = cfg.rl  # part 2: JS + GRPO without BAR from the task filter's instances, the teacher served by URL
+    assert (rl.variant, rl.steps, rl.tasks_per_step * rl.group_size, rl.use_bar) == ("opd_js_grpo", 150, 128, False)
+    assert (rl.bar_n_max, rl.bar_stride, rl.bar_rho_min, rl.bar_rho_max) == (16, 16, 0.375, 0.625)  # opd_js_grpo_bar
     assert [t.name for t in rl.train.objective] == ["policy", "js_opd"] and rl.teacher.url.startswith("http")
+    assert (rl.teacher.model, rl.teacher.tokenizer) == ("Qwen3.5-397B-A17B", str(teacher))
     assert (rl.train.global_batch_size, rl.train.optim.lr, rl.train.optim.min_lr) == (128, 1e-6, 1e-7)
     assert (rl.filter.attempts, rl.filter.high, cfg.value_model.candidates) == (8, 0.5, 6)
+    assert cfg.value_model.backbone.endswith("-4B")  # the paper's value backbone size
+    # student and teachers of one family: the paper's student is Qwen3.5-35B-A3B, never a Qwen3 beside a Qwen3.5
+    assert "Qwen3.5" in cfg.model.path and "Qwen3.5" in rl.teacher.model and "Qwen3.5" in cfg.value_model.backbone
 
 
 def test_judge_step_stats_by_hand(swe):

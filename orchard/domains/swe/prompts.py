@@ -7,7 +7,11 @@
   :func:`orchard.rewards.parse_rubric_judgement`): an evidence-based judge scores the seven rubric dimensions
   R1-R7 of :data:`orchard.rewards.RPR_WEIGHTS` on 0..10, the reward is :func:`orchard.rewards.rubric_reward`.
 
-The wording is ours; the rules are the paper's. Transcripts number the agent's decision steps (its assistant
+The wording is ours; the rules are the paper's: the value teacher may not answer a monotone rise (where the
+trajectory went wrong, its values rise, then fall at that step), and the grader counts submitting without
+verification as a fault. Our reading: the no-monotone-rise rule is stated for every trajectory, resolved ones
+included (a resolved trajectory's detour dips too), since a failed one, which starts at 0.3-0.5 and ends below 0.2,
+could never rise monotonically anyway. Transcripts number the agent's decision steps (its assistant
 turns) from 1; state ``k`` is the state after step ``k`` and state 0 the start, so an ``N``-step trajectory has
 states ``0..N`` as ``interpolate_step_values(values, N)`` expects. Long observations keep their head and tail
 (:func:`orchard.rewards.compress_observation`); a long output of a file view or a directory listing is replaced
@@ -154,7 +158,9 @@ Rules:
   lead). The states in between are interpolated linearly; do not list every step.
 - Values are numbers in [0, 1]. The start is usually between 0.3 and 0.5: the task is open.
 - If the trajectory failed, the final state is below 0.2. If it succeeded, the final state is high.
-- Values need not increase: a step that loses ground lowers the value.
+- Do not give monotonically increasing values. Where the trajectory went wrong (a wrong lead followed, a passing
+  test broken, a fix left unverified), the value rises while the agent makes progress and then falls at the step
+  that went wrong: give that step a lower value than the state before it.
 
 Answer with JSON only: {"values": [{"state": 0, "value": 0.4, "why": "..."}, ...]}."""
 
@@ -296,7 +302,8 @@ Rules:
 - Base every score on evidence in the transcript: the commands the agent ran and the outputs it saw. Quote or
   point to that evidence.
 - Judge how the agent responded to the evidence: ignoring a failing check, claiming success that no output
-  shows, or editing a test to make it pass are faults.
+  shows, submitting without verification (no run of the changed code or of its tests after the last edit), or
+  editing a test to make it pass are faults.
 - Do not penalise the agent for not running the hidden tests (it cannot see them), for a fix that differs
   from the reference fix, or for errors and tracebacks it met while exploring.
 - Elided observations were long; judge from what is shown and the command that produced them.
