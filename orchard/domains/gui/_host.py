@@ -108,6 +108,7 @@ _SETTLED_JS = """() => {
   return [opened, document.title];
 }"""
 
+_NEXT_FRAMES_JS = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(() => done(true))))"
 
 # Chromium keeps only the last --disable-features / --enable-features switch, so ours repeat Playwright's own
 # (1.65's chromiumSwitches; tests/domains/gui/test_gui_browser.py checks that none is lost).
@@ -303,6 +304,9 @@ class Host:
             dx = {"left": -1, "right": 1}.get(direction, 0) * amount * self.width
             dy = {"up": -1, "down": 1}.get(direction, 0) * amount * self.height
             mouse.wheel(dx, dy)
+            # the wheel event is handled before the page scrolls (a frame later): the observation waits for two
+            # frames, which a screenshot used to wait for by itself
+            page.evaluate(_NEXT_FRAMES_JS)
         elif name == "goto_url":
             self.goto(page, args["url"])
         elif name == "go_back":

@@ -97,12 +97,14 @@ def browser_jail(workdir: str, playwright_path: str | None) -> list[str]:
     """The bubblewrap command (run inside the sandbox, before the host's own) that confines the browser host,
     the Playwright driver and Chromium to what they need.
 
-    Bound read-only: /usr, /etc, /bin, /sbin and /lib* (each if the image has it; merged-/usr links resolve to
-    their folders), `playwright_path`, and the sandbox's /proc (a fresh one would need a pid namespace whose
-    /proc the kernel refuses under a root-started sandbox; processes outside the jail's user namespace stay
-    closed to it all the same, `/proc/<pid>/root` included); /dev as the sandbox has it; a fresh /tmp; and
-    ``workdir/HOST_DIR`` read-write (the host, the sites, the lock, the log, the screenshot file), `workdir` the
-    working directory. Nothing of the network changes: the jail keeps the sandbox's network namespace.
+    Bound read-only: /usr, /etc (the system's configuration the browser reads: fonts, certificates, name
+    resolution, the dynamic linker's cache), /bin, /sbin and /lib* (each if the image has it; merged-/usr links
+    resolve to their folders), `playwright_path`, and the sandbox's /proc (a fresh one would need a pid
+    namespace whose /proc the kernel refuses under a root-started sandbox; processes outside the jail's user
+    namespace stay closed to it all the same, `/proc/<pid>/root` included); /dev as the sandbox has it; a
+    fresh /tmp; and ``workdir/HOST_DIR`` read-write (the host, the sites, the lock, the log, the screenshot
+    file), `workdir` the working directory. Nothing of the network changes: the jail keeps the sandbox's
+    network namespace.
 
     Args:
         workdir: the sandbox's working directory (absolute), where `HOST_DIR` lies.

@@ -145,7 +145,7 @@ def test_screenshots_are_asked_per_call_or_by_the_session_default():
 def test_the_jail_binds_only_what_the_browser_needs():
     argv = browser_jail("/workspace", "/opt/orchard/gui-site")
     assert argv[0] == "bwrap" and argv[-1] == "--"
-    binds = [(argv[i], argv[i + 1]) for i, a in enumerate(argv) if a in ("--bind", "--ro-bind", "--ro-bind-try",
+    binds = [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a in ("--bind", "--ro-bind", "--ro-bind-try",
                                                                         "--dev-bind")]
     assert ("/opt/orchard/gui-site", "/opt/orchard/gui-site") in binds
     assert ("/workspace/.orchard-gui", "/workspace/.orchard-gui") in binds  # the host's folder, not the workspace
