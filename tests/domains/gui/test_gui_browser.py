@@ -473,3 +473,14 @@ def test_the_browser_sees_no_host_file_that_a_sandbox_command_sees(client, block
             assert not (root / session._cwd.lstrip("/") / "notes.txt").exists()
     finally:
         shutil.rmtree(folder)
+
+
+def test_a_failed_start_says_why(client):
+    # the jail cannot bind a Playwright folder that does not exist: bubblewrap's own words, not only "exited"
+    with pytest.raises(SandboxError, match=r"the browser host exited .*Can't find source path /nonexistent-playwright"):
+        BrowserSession.open(client, playwright_path="/nonexistent-playwright")
+    # the "host" image's python3 (the system's) has no Playwright: the message names the variable and the setup
+    # command
+    with pytest.raises(SandboxError, match="ORCHARD_GUI_PLAYWRIGHT_PATH") as raised:
+        BrowserSession.open(client, playwright_path=None)
+    assert "bash scripts/setup" in str(raised.value)
