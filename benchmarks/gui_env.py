@@ -1,26 +1,31 @@
-"""What does a GUI tool step cost through the sandbox service, and how many browsers fit at once?
+"""What does a GUI tool step cost through the sandbox service, against raw Playwright, and how many browsers fit?
 
-1. One tool step (a click, then the screenshot the agent sees) on the same page, two ways, in the same run,
-   in pairs of one step each way with both browsers open, the order within a pair alternating (so a load that
-   drifts weighs on both alike, and neither way always goes second):
+1. One tool step on the same page (a click on the settings page's "Newsletter" box, which changes the page but
+   does not navigate), two ways, in the same run, in pairs of one step each way with both browsers open, the
+   order within a pair alternating (so a load that drifts weighs on both alike, and neither way always goes
+   second):
 
-    direct    Playwright in this process drives a local Chromium on the sites served here      the baseline
-    service   BrowserSession.step("click", ...) in a sandbox of the embedded service           what a user pays
-              (JSON over the sandbox terminal, the host in the sandbox, the same click and screenshot, the
-              PNG back raw after the answer's JSON line, the tabs' titles the agent also sees)
+    raw       Playwright in this process, nothing of ours: `chromium.launch` with Playwright's defaults, the     the baseline
+              page served here over HTTP, `page.mouse.click`, then the observation's reads
+    service   BrowserSession.step("click", ...) in a sandbox of the embedded service (JSON over the sandbox      what a user pays
+              terminal, the host in its jail in the sandbox, its settle check, the tabs' titles)
 
-   Both wait on page events (the host's settle: the page's own submit/unload/new-tab events, then load), never on
-   a fixed sleep; the paper's environment sleeps 0.5-5 s after each action. Target: service <= 1.2 x direct,
-   as the median over pairs of service / direct (a pair's two steps meet the same load), with a bootstrap
-   95 % interval of that median and the quartiles of the pairs' ratios as the spread; the ratio of the two
-   ways' medians is printed beside it.
+   for both kinds of step a policy takes:
+
+    text      the text view and the tab's title, no screenshot (a text-only policy: the CPU recipe)
+    image     the screenshot (PNG) and the tab's title, no text view (a vision policy)
+
+   Target: service <= 1.2 x raw, as the median over pairs of service / raw (a pair's two steps meet the same
+   load), with a bootstrap 95 % interval of that median and the quartiles of the pairs' ratios as the spread;
+   the ratio of the two ways' medians is printed beside it. A text step must take no screenshot: its
+   observation's screenshot is checked empty on every step.
 
 2. Browsers alive at once: open `--browsers` sessions one after another, keep them all open, and take each
    sandbox's memory as the proportional set size (PSS, shared pages split among their users) of its uid's
    processes, from /proc/<pid>/smaps_rollup, also by process kind. Target: >= 8 browsers at <= 250 MiB each.
 
-    python benchmarks/gui_env.py                    # 100 pairs, 8 browsers
-    python benchmarks/gui_env.py --browsers 0       # the step only
+    python benchmarks/gui_env.py                    # 100 pairs of each kind, 8 browsers
+    python benchmarks/gui_env.py --browsers 0       # the steps only
 """
 
 from __future__ import annotations
@@ -32,17 +37,21 @@ import random
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from orchard.domains.gui import BrowserSession
+from orchard.domains.gui._host import _TEXT_VIEW_JS
 from orchard.domains.gui.sites import Sites, serve_sites
 from orchard.env import SandboxClient
 from orchard.env.embedded import serve
 
 REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
 PAGE = "/forms/settings"
 # the "Newsletter" checkbox of the settings page: a click that changes the page but does not navigate
 TARGET = "Newsletter"
+KINDS = ("text", "image")
 
 
 def machine() -> str:
@@ -67,44 +76,49 @@ def ms(samples: list[float], q: int) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[q - 1] * 1000
 
 
-def pairs(client: SandboxClient, n: int) -> tuple[list[float], list[float]]:
-    """`n` timed pairs of one step each way (after 3 untimed), the way that goes first alternating from pair
-    to pair, both browsers open at once: a load that changes during the run weighs on both ways alike."""
+def pairs(client: SandboxClient, n: int) -> dict[str, tuple[list[float], list[float]]]:
+    """For each kind of step, `n` timed pairs of one step each way (after 3 untimed), the way that goes first
+    alternating from pair to pair, both browsers open at once: a load that changes during the run weighs on
+    both ways alike. Returns kind -> (service seconds, raw seconds)."""
     from playwright.sync_api import sync_playwright
 
-    from orchard.domains.gui._host import Host
-
     server = serve_sites(Sites(0), 0)
-    with BrowserSession.open(client, seed=0, text_view=True) as browser, sync_playwright() as pw:
+    times: dict[str, tuple[list[float], list[float]]] = {}
+    with BrowserSession.open(client, seed=0, text_view=True, screenshots=False) as browser, \
+            sync_playwright() as pw:
         x, y = centre(browser.reset(BrowserSession.url(PAGE)).text, TARGET)
-        host = Host(pw, "/usr/bin/chromium", 1280, 720)
-        host.goto(host.page, f"http://127.0.0.1:{server.server_address[1]}{PAGE}")
+        raw_browser = pw.chromium.launch(executable_path=CHROMIUM)
+        page = raw_browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(f"http://127.0.0.1:{server.server_address[1]}{PAGE}")
 
-        def service_step() -> float:
+        def service_step(kind: str) -> float:
             start = time.perf_counter()
-            obs = browser.step("click", {"x": x, "y": y}, text_view=False)
+            obs = browser.step("click", {"x": x, "y": y}, text_view=kind == "text", screenshot=kind == "image")
             took = time.perf_counter() - start
-            assert obs.error is None and obs.screenshot, obs.error
+            assert obs.error is None and obs.env_error is None, obs.error or obs.env_error
+            assert (kind == "text") == (obs.text is not None) and (kind == "image") == bool(obs.screenshot)
             return took
 
-        def direct_step() -> float:
+        def raw_step(kind: str) -> float:
             start = time.perf_counter()
-            host.page.mouse.click(x, y)
-            host.settle(1)
-            host.page.screenshot(type="png")
+            page.mouse.click(x, y)
+            if kind == "text":
+                page.evaluate(_TEXT_VIEW_JS)
+            else:
+                page.screenshot(type="png")
+            page.title()
             return time.perf_counter() - start
 
-        service, direct = [], []
-        for i in range(n + 3):
-            if i % 2:
-                d, s = direct_step(), service_step()
-            else:
-                s, d = service_step(), direct_step()
-            service.append(s)
-            direct.append(d)
-        host.browser.close()
+        for kind in KINDS:
+            service, raw = [], []
+            for i in range(n + 3):
+                ways: list[tuple[list[float], Callable[[str], float]]] = [(service, service_step), (raw, raw_step)]
+                for samples, step in ways[::-1] if i % 2 else ways:
+                    samples.append(step(kind))
+            times[kind] = service[3:], raw[3:]
+        raw_browser.close()
     server.shutdown()
-    return service[3:], direct[3:]
+    return times
 
 
 def process_kind(argv: list[str]) -> str:
@@ -137,11 +151,11 @@ def pss_by_kind(uid: int) -> dict[str, float]:
     return kinds
 
 
-def pair_ratios(service: list[float], direct: list[float], resamples: int = 2000) -> dict[str, float]:
-    """The median of the pairs' service / direct ratios, their quartiles (how much one pair's ratio scatters)
+def pair_ratios(service: list[float], raw: list[float], resamples: int = 2000) -> dict[str, float]:
+    """The median of the pairs' service / raw ratios, their quartiles (how much one pair's ratio scatters)
     and a 95 % bootstrap interval of the median (how well the pairs pin it down: pairs resampled with
     replacement, seeded)."""
-    ratios = [s / d for s, d in zip(service, direct, strict=True)]
+    ratios = [s / r for s, r in zip(service, raw, strict=True)]
     q25, median, q75 = statistics.quantiles(ratios, n=4, method="inclusive")
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
@@ -151,24 +165,29 @@ def pair_ratios(service: list[float], direct: list[float], resamples: int = 2000
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=100, help="timed pairs of one step each way")
+    parser.add_argument("--pairs", type=int, default=100, help="timed pairs of one step each way, per kind")
     parser.add_argument("--browsers", type=int, default=8, help="browsers to keep open at once (0: skip part 2)")
     args = parser.parse_args()
     if args.pairs < 4:
-        raise ValueError(f"--pairs must be >= 4 (quartiles), got {args.pairs}")
+        parser.error(f"--pairs must be >= 4 (quartiles), got {args.pairs}")
     if args.browsers < 0:
-        raise ValueError(f"--browsers must be >= 0, got {args.browsers}")
+        parser.error(f"--browsers must be >= 0, got {args.browsers}")
     print(machine())
     with serve(reap_interval_s=1.0) as (url, key), SandboxClient(url, key) as client:
-        service, direct = pairs(client, args.pairs)
-        r = pair_ratios(service, direct)
-        print(f"\none tool step (click + screenshot), {args.pairs} pairs of one step each way, ms")
-        print(f"{'way':<10}{'p25':>8}{'p50':>8}{'p75':>8}{'p90':>8}")
-        for name, samples in (("direct", direct), ("service", service)):
-            print(f"{name:<10}" + "".join(f"{ms(samples, q):>8.1f}" for q in (25, 50, 75, 90)))
-        print(f"service / direct, median of the pairs' ratios: {r['median']:.2f} x (95 % interval {r['lo']:.2f} - "
-              f"{r['hi']:.2f}; pairs' quartiles {r['q25']:.2f} - {r['q75']:.2f}; ratio of the p50s "
-              f"{statistics.median(service) / statistics.median(direct):.2f} x; target <= 1.2)")
+        times = pairs(client, args.pairs)
+        print(f"\none tool step (a click, then the observation), {args.pairs} pairs of one step each way, ms")
+        print(f"{'step':<8}{'way':<10}{'p25':>8}{'p50':>8}{'p75':>8}{'p90':>8}")
+        for kind in KINDS:
+            service, raw = times[kind]
+            for name, samples in (("raw", raw), ("service", service)):
+                print(f"{kind:<8}{name:<10}" + "".join(f"{ms(samples, q):>8.1f}" for q in (25, 50, 75, 90)))
+        for kind in KINDS:
+            service, raw = times[kind]
+            r = pair_ratios(service, raw)
+            print(f"{kind}: service / raw Playwright, median of the pairs' ratios: {r['median']:.2f} x (95 % interval "
+                  f"{r['lo']:.2f} - {r['hi']:.2f}; pairs' quartiles {r['q25']:.2f} - {r['q75']:.2f}; ratio of the "
+                  f"p50s {statistics.median(service) / statistics.median(raw):.2f} x; target <= 1.2)")
+        print("text steps took no screenshot (each observation's screenshot checked empty)")
         print(f"load avg at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
         if args.browsers == 0:
             return

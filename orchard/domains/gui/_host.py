@@ -1,10 +1,15 @@
 """The browser host: one process inside a GUI sandbox that serves the sites and drives Chromium with Playwright.
 
 Standard library and Playwright only: `BrowserSession` uploads this file and `sites.py` into the sandbox and
-runs `python3 _host.py ...` there as a sandbox terminal (the service's PTY), under the sandbox's isolation. The
-site server (a thread), the Playwright driver and Chromium are all its descendants, so they share one network
-namespace (loopback only, unless the sandbox has network) and die together with the terminal: the terminal's
-bubblewrap ends its pid namespace when the session closes or the sandbox is deleted.
+runs `python3 _host.py ...` there as a sandbox terminal (the service's PTY), under the sandbox's isolation and,
+inside it, a narrower bubblewrap of the browser's own (`session.browser_jail`). The Playwright driver and
+Chromium are its descendants and die together with the terminal: the terminal's bubblewrap ends its pid
+namespace when the session closes or the sandbox is deleted.
+
+The sites listen on no socket: the browser context routes every request for the sites' origin (`--origin`,
+``http://127.0.0.1:8000``) to `sites.Sites.handle` in this process and fulfils it from there. Nothing else can
+reach them, with the sandbox's network on (a host process on the shared loopback) or off, and any number of
+sandboxes use the same origin at once.
 
 Protocol over the terminal, which the host puts in raw mode first (no echo, no newline translation: 8-bit
 clean): the client writes one JSON object per line, `{"op": ...}`; the host answers each with one line
@@ -16,10 +21,11 @@ service's reader, and a 110 KB screenshot took 50-80 ms that way, 12-17 ms with 
 the answer frames go to the terminal: the host keeps a private copy of it and points its own stdout and stderr
 (which Chromium and the Playwright driver inherit) at a log file.
 
-Requests: `observe {text_view}`, `tool {name, arguments, text_view}`, `reset {url, text_view, fresh_state}`,
-`state`, `close`.
+Requests: `observe {text_view, screenshot}`, `tool {name, arguments, text_view, screenshot}`,
+`reset {url, text_view, screenshot, fresh_state}`, `state`, `close`.
 An answer carries either an observation (`tabs`, `active`, `viewport`, optional `text`, `error` for an invalid
-or failed action; its screenshot is the payload) or `state`; `env_error` says the browser itself is gone.
+or failed action; its screenshot, when asked (`screenshot`, default true), is the payload) or `state`;
+`env_error` says the browser itself is gone.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import fcntl
 import json
 import math
 import os
+import re
 import sys
 import termios
 import tty
 from typing import Any
+from urllib.parse import urlsplit
 
 FRAME_MARK = "\x1eORCHARD-GUI "
 INLINE_PAYLOAD_MAX = 65536
@@ -100,6 +108,7 @@ _SETTLED_JS = """() => {
   return [opened, document.title];
 }"""
 
+_NEXT_FRAMES_JS = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(() => done(true))))"
 
 # Chromium keeps only the last --disable-features / --enable-features switch, so ours repeat Playwright's own
 # (1.65's chromiumSwitches; tests/domains/gui/test_gui_browser.py checks that none is lost).
@@ -137,12 +146,18 @@ resident; the driver allocates little besides the screenshots, which go to the l
 class Host:
     """The browser, its tabs and the sites of one sandbox."""
 
-    def __init__(self, playwright: Any, chromium: str, width: int, height: int) -> None:
+    def __init__(self, playwright: Any, chromium: str, width: int, height: int, sites: Any = None,
+                 origin: str = "") -> None:
+        """`sites` (a `sites.Sites`), when given, answers every request for `origin` (scheme://host:port)."""
         self.width, self.height = width, height
         self.browser = playwright.chromium.launch(executable_path=chromium, chromium_sandbox=False,
                                                   args=list(CHROMIUM_ARGS))
         self.context = self.browser.new_context(viewport={"width": width, "height": height})
         self.context.add_init_script(_WATCH_JS)
+        if sites is not None:
+            # a regular expression, not a predicate: the driver matches it, so requests for other origins (the
+            # network, when the sandbox has one) are not stopped on their way to this process
+            self.context.route(re.compile("^" + re.escape(origin) + "/"), lambda route: _fulfil(route, sites))
         self.active = 0
         self.context.new_page()
 
@@ -170,9 +185,11 @@ class Host:
             page.bring_to_front()
             return page.screenshot(type="png")
 
-    def observe(self, text_view: bool, titles: dict[Any, str] | None = None) -> tuple[dict[str, Any], bytes]:
-        """The observation without its screenshot, and the screenshot (PNG). `titles`: tabs' titles read just
-        before (by `settle`), not asked again."""
+    def observe(self, text_view: bool, titles: dict[Any, str] | None = None,
+                screenshot: bool = True) -> tuple[dict[str, Any], bytes]:
+        """The observation without its screenshot, and the screenshot (PNG; b"" unless `screenshot`: a text-only
+        policy never sees it, and taking one costs more than the rest of a step). `titles`: tabs' titles read
+        just before (by `settle`), not asked again."""
         page = self.page
         tabs = []
         for p in self.pages:
@@ -184,10 +201,10 @@ class Host:
                     title = ""
             tabs.append({"url": p.url, "title": title})
         obs: dict[str, Any] = {"tabs": tabs, "active": self.active, "viewport": [self.width, self.height]}
-        screenshot = self._screenshot(page)
+        png = self._screenshot(page) if screenshot else b""
         if text_view:
             obs["text"] = page.evaluate(_TEXT_VIEW_JS)
-        return obs, screenshot
+        return obs, png
 
     def settle(self, tabs_before: int) -> dict[Any, str]:
         """Wait on page events, never a fixed time: the navigation an action started (if any) until its page has
@@ -287,6 +304,9 @@ class Host:
             dx = {"left": -1, "right": 1}.get(direction, 0) * amount * self.width
             dy = {"up": -1, "down": 1}.get(direction, 0) * amount * self.height
             mouse.wheel(dx, dy)
+            # the wheel event is handled before the page scrolls (a frame later): the observation waits for two
+            # frames, which a screenshot used to wait for by itself
+            page.evaluate(_NEXT_FRAMES_JS)
         elif name == "goto_url":
             self.goto(page, args["url"])
         elif name == "go_back":
@@ -327,6 +347,18 @@ class Host:
             extra.close()
         self.active = 0
         self.goto(self.page, url)
+
+
+def _fulfil(route: Any, sites: Any) -> None:
+    """Answer one request for the sites from `sites.handle`, as their HTTP server would."""
+    request = route.request
+    parts = urlsplit(request.url)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    try:
+        status, page = sites.handle(request.method, target, request.post_data_buffer or b"")
+    except Exception as exc:  # a request the sites cannot answer must not leave the page waiting forever
+        status, page = 500, f"{type(exc).__name__}: {exc}".encode()
+    route.fulfill(status=status, body=page, content_type="text/html; charset=utf-8")
 
 
 class ToolError(Exception):
@@ -384,6 +416,7 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                 send({"env_error": launch_error or "the browser is gone (crashed or killed)"})
                 continue
             text_view = bool(request.get("text_view", text_default))
+            screenshot = bool(request.get("screenshot", True))
             error, titles = None, {}
             try:
                 if op == "tool":
@@ -402,18 +435,18 @@ def _serve(host: Host | None, sites: Any, send: Any, launch_error: str | None, t
                     continue
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             try:
-                obs, screenshot = host.observe(text_view, titles)
+                obs, png = host.observe(text_view, titles, screenshot)
             except Exception as exc:
                 send({"env_error": f"cannot observe the browser: {type(exc).__name__}: {str(exc)[:300]}"})
                 continue
             obs["error"] = error
-            send({"observation": obs}, screenshot)
+            send({"observation": obs}, png)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--origin", default="http://127.0.0.1:8000", help="the sites' origin (no trailing /)")
     parser.add_argument("--width", type=int, default=1280)
     parser.add_argument("--height", type=int, default=720)
     parser.add_argument("--chromium", default="/usr/bin/chromium")
@@ -453,22 +486,25 @@ def main(argv: list[str] | None = None) -> None:
     import sites as sites_module
 
     sites = sites_module.Sites(args.seed)
-    sites_module.serve_sites(sites, args.port)
     try:
         from playwright.sync_api import sync_playwright
     except ImportError as exc:
-        send({"hello": False, "env_error": f"playwright is not importable in the sandbox: {exc}"})
+        send({"hello": False, "env_error": (
+            f"playwright is not importable in the sandbox ({exc}; PYTHONPATH="
+            f"{os.environ.get('PYTHONPATH', '')!r}): run `bash scripts/setup` (as root it installs Playwright for "
+            "sandboxes in /opt/orchard/gui-site and records it), or set ORCHARD_GUI_PLAYWRIGHT_PATH to a folder "
+            "holding Playwright that sandboxes can read")})
         return
     # the driver inherits this process's environment
     os.environ["NODE_OPTIONS"] = f"{os.environ.get('NODE_OPTIONS', '')} {NODE_OPTIONS}".strip()
     with sync_playwright() as playwright:
         host, launch_error = None, None
         try:
-            host = Host(playwright, args.chromium, args.width, args.height)
+            host = Host(playwright, args.chromium, args.width, args.height, sites, args.origin)
         except Exception as exc:
             launch_error = f"Chromium did not start: {type(exc).__name__}: {str(exc)[:500]}"
         send({"hello": host is not None, "uid": os.getuid(), "pid": os.getpid(), "env_error": launch_error,
-              "base_url": f"http://127.0.0.1:{args.port}"})
+              "base_url": args.origin})
         if host is not None:
             _serve(host, sites, send, launch_error, args.text_view)
             try:

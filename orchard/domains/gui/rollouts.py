@@ -71,20 +71,24 @@ class BrowserSandboxes:
 
     Args:
         client: the synchronous sandbox client (the session's terminal is synchronous).
+        screenshots: the browsers take a screenshot for every observation (True: the policy sees images) or
+            none (False: a text-only policy, whose steps need only the text view). Default True.
         **session_kwargs: the rest of `BrowserSession.open`'s keywords (``viewport``, ``image``, ...).
     """
 
-    def __init__(self, client: SandboxClient, **session_kwargs: Any) -> None:
+    def __init__(self, client: SandboxClient, *, screenshots: bool = True, **session_kwargs: Any) -> None:
         if not isinstance(client, SandboxClient):
             raise ValueError(f"client must be a SandboxClient, got {type(client).__name__}")
+        if not isinstance(screenshots, bool):
+            raise ValueError(f"screenshots must be a bool, got {screenshots!r}")
         for name in ("seed", "text_view"):
             if name in session_kwargs:
                 raise ValueError(f"session_kwargs may not set {name!r}: the task and the harness set it")
-        self.client, self.session_kwargs = client, session_kwargs
+        self.client, self.screenshots, self.session_kwargs = client, screenshots, session_kwargs
 
     async def create(self, *, seed: int) -> BrowserSandbox:
         browser = await asyncio.to_thread(BrowserSession.open, self.client, seed=seed, text_view=True,
-                                          **self.session_kwargs)
+                                          screenshots=self.screenshots, **self.session_kwargs)
         return BrowserSandbox(browser)
 
 
@@ -176,6 +180,9 @@ def gui_rollouts(client: SandboxClient, tokenizer: Any, *, max_steps: int = 15, 
     """
     if "one_call_per_turn" in loop_kwargs:
         raise ValueError("loop_kwargs may not set 'one_call_per_turn': a GUI turn is exactly one action")
-    return AgentLoopRollouts(BrowserSandboxes(client, **dict(session_kwargs or {})),
+    if "screenshots" in (session_kwargs or {}):
+        raise ValueError("session_kwargs may not set 'screenshots': images sets it")
+    # a text-only policy never sees a screenshot, and taking one costs more than the rest of a step
+    return AgentLoopRollouts(BrowserSandboxes(client, screenshots=images, **dict(session_kwargs or {})),
                              GUIHarness(max_steps=max_steps, images=images), tokenizer, max_tokens=max_tokens,
                              seed=seed, one_call_per_turn=True, **loop_kwargs)

@@ -17,7 +17,8 @@ promotion page with more such links and none back (only `go_back` returns). The 
 environmental failure: it cannot be passed (every answer "fails"), and every time it is shown or answered
 `SiteState.captcha_hits` counts it, so a run that met it is recognisable and can be removed from the loss.
 
-Routes (one server on loopback inside the sandbox's network namespace):
+Routes (answered in the sandbox by the browser context itself, `_host`; `serve_sites` serves them over HTTP for a
+browser outside any sandbox):
     /shop/                  search (q), filters (category, color, max_price), sort (price_asc, price_desc, rating)
     /shop/product/<id>      a product page with an "Add to cart" form (quantity)
     /shop/cart              the cart, remove buttons, a checkout form
@@ -431,7 +432,8 @@ class Sites:
 
 
 def serve_sites(sites: Sites, port: int) -> ThreadingHTTPServer:
-    """Serve `sites` on 127.0.0.1:`port` from a daemon thread; returns the server (`shutdown()` ends it)."""
+    """Serve `sites` on 127.0.0.1:`port` from a daemon thread; returns the server (`shutdown()` ends it). For a
+    browser outside any sandbox (tests, the benchmark's raw Playwright): nothing in a sandbox listens."""
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, status: int, page: bytes) -> None:

@@ -331,7 +331,8 @@ def teacher_trajectories(client: SandboxClient, tasks: Iterable[GUITask], *, att
     tasks = list(tasks)
     out: dict[tuple[str, int], Trajectory] = {}
     for site_seed in sorted({t.site_seed for t in tasks}):
-        with BrowserSession.open(client, seed=site_seed, text_view=True, **session_kwargs) as browser:
+        with BrowserSession.open(client, seed=site_seed, text_view=True, screenshots=images,
+                                 **session_kwargs) as browser:
             for task in (t for t in tasks if t.site_seed == site_seed):
                 for a in range(attempts):
                     trajectory = teacher_episode(browser, task, attempt=a, seed=seed, failure_rate=failure_rate,

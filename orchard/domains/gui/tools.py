@@ -60,7 +60,7 @@ class Observation:
     """What the policy sees after an action.
 
     Attributes:
-        screenshot: the active tab's viewport as PNG bytes (b"" when `env_error` is set).
+        screenshot: the active tab's viewport as PNG bytes (b"" when `env_error` is set or none was asked for).
         viewport: (width, height) in pixels; coordinates of the tools refer to it.
         tabs: every tab's (url, title), in tab order.
         active: the 0-based index of the active tab.

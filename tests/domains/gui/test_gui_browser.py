@@ -8,14 +8,17 @@ their own, so at most two are alive at once.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import re
 import shutil
 import signal
 import struct
+import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +26,7 @@ import pytest
 
 from orchard.domains.gui import BROWSER_MEMORY, BrowserSession
 from orchard.domains.gui._host import _TEXT_VIEW_JS, CHROMIUM_ARGS, INLINE_PAYLOAD_MAX, Host
+from orchard.domains.gui.session import browser_jail, default_playwright_path
 from orchard.domains.gui.sites import Sites, serve_sites, shop_catalog
 from orchard.env import SandboxClient, SandboxError
 from orchard.env.embedded import serve
@@ -124,16 +128,17 @@ def test_the_screenshot_crosses_the_terminal_raw_or_as_a_file_when_large(browser
     assert png > INLINE_PAYLOAD_MAX and terminal < 2000
 
 
-def test_a_click_that_stays_on_the_page_asks_the_page_once(monkeypatch):
+def test_a_click_asks_the_page_once_and_a_text_only_step_takes_no_screenshot(monkeypatch):
     """Settled, the opened-tab count reset and the title in one round trip (were: the check, a reset, and a
-    title read per tab); the host in this process, its page calls counted."""
+    title read per tab), and no screenshot unless asked (was: one every step, discarded by a text-only policy);
+    the host in this process, its page calls counted."""
     _require_browser()
     from playwright.sync_api import Page, sync_playwright
 
     server = serve_sites(Sites(7), 0)
     url = f"http://127.0.0.1:{server.server_address[1]}/forms/settings"
     calls = []
-    for name in ("evaluate", "wait_for_function", "title"):
+    for name in ("evaluate", "wait_for_function", "title", "screenshot"):
         original = getattr(Page, name)
         monkeypatch.setattr(Page, name, lambda self, *a, _n=name, _o=original, **k: calls.append(_n) or _o(self, *a, **k))
     try:
@@ -145,11 +150,15 @@ def test_a_click_that_stays_on_the_page_asks_the_page_once(monkeypatch):
             calls.clear()
             titles = host.run_tool("click", {"x": x, "y": y})
             obs, _ = host.observe(False, titles)
-            assert calls == ["evaluate"]
+            assert calls == ["evaluate", "screenshot"]
             assert obs["tabs"] == [{"url": url, "title": "Settings"}]
             newsletter = [next(line for line in text.splitlines() if line.startswith('[checkbox] "Newsletter"'))
                           for text in (before, host.page.evaluate(_TEXT_VIEW_JS))]
             assert newsletter[0] != newsletter[1]  # the click did act: the box flipped
+            # a text-only step (the CPU recipe's): the settled check and the text view, no screenshot
+            calls.clear()
+            obs, png = host.observe(True, host.run_tool("click", {"x": x, "y": y}), screenshot=False)
+            assert calls == ["evaluate", "evaluate"] and png == b"" and '[checkbox] "Newsletter"' in obs["text"]
             host.browser.close()
     finally:
         server.shutdown()
@@ -393,3 +402,85 @@ def test_delete_and_timeout_leave_no_browser_process(client):
     assert wait_no_processes(uid, timeout=30.0) == []
     assert session.step("wait", {"seconds": 0}).env_error is not None
     session.close()
+
+
+def test_a_text_only_step_sends_no_screenshot(browser, monkeypatch):
+    downloads = []
+    download = browser.sandbox.download
+    monkeypatch.setattr(browser.sandbox, "download", lambda path: downloads.append(path) or download(path))
+    browser.reset(SHOP, screenshot=False)  # the shop's screenshot (~110 KB) would come through a download
+    obs = browser.step("scroll", {"direction": "down", "amount": 0.5}, screenshot=False)
+    assert obs.error is None and obs.screenshot == b"" and '[heading] "Shop"' not in obs.text
+    assert downloads == [] and browser.observe().screenshot[:8] == b"\x89PNG\r\n\x1a\n"  # the session's default
+    assert downloads != []
+
+
+def test_the_sites_are_private_to_each_sandbox_with_the_network_on(client):
+    # Two browsers whose sandboxes share the host's network at once (the second could not start while the first's
+    # site server held the host's 127.0.0.1:8000), each with its own cart, and a host process that posts to the
+    # sites' address changes neither (it could fill the first's cart).
+    sessions = []
+    try:
+        for _ in range(2):
+            sessions.append(BrowserSession.open(client, seed=7, text_view=True, block_network=False))
+        for session, product in zip(sessions, (3, 4), strict=True):
+            obs = session.step("goto_url", {"url": BrowserSession.url(f"/shop/product/{product}")})
+            x, y = at(obs, "button", "Add to cart")
+            assert session.step("click", {"x": x, "y": y}).tabs[0][1] == "Cart"
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with contextlib.suppress(OSError):  # refused, as a rule; whatever answers there is not a sandbox's sites
+            direct.open(BrowserSession.url("/shop/cart/add"), data=b"id=5&quantity=9", timeout=10).read()
+        assert [s.site_state()["cart"] for s in sessions] == [[{"id": 3, "quantity": 1}], [{"id": 4, "quantity": 1}]]
+    finally:
+        for session in sessions:
+            session.close()
+
+
+@pytest.mark.parametrize("block_network", [True, False], ids=["network-off", "network-on"])
+def test_the_browser_sees_no_host_file_that_a_sandbox_command_sees(client, block_network):
+    # A world-readable host file (as a checkout's files are) outside the sandbox's own /tmp: a sandbox command
+    # reads it on the "host" image; the browser's jail does not hold it, for a plain read, a read through another
+    # process's /proc/<pid>/root, or Chromium opening it as a file:// URL (which the tools' URL check refuses).
+    folder = Path(tempfile.mkdtemp(prefix="orchard-gui-", dir="/var/tmp"))
+    marker = f"host-secret-{os.getpid()}-{block_network}"
+    secret = folder / "secret.html"
+    try:
+        folder.chmod(0o755)
+        secret.write_text(f"<p>{marker}</p>")
+        secret.chmod(0o644)
+        with BrowserSession.open(client, block_network=block_network) as session:
+            sandbox = session.sandbox
+            sandbox.upload("notes.txt", marker)  # the workspace, beyond the host's folder, is out of reach too
+            jail = browser_jail(session._cwd, default_playwright_path())
+            dump = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=/tmp/dump-profile",
+                    "--dump-dom", f"file://{secret}"]
+            outside = sandbox.exec(["cat", str(secret)], timeout=60)
+            assert outside.exit_code == 0 and marker in outside.stdout, outside.stderr
+            assert marker in sandbox.exec(dump, timeout=120).stdout  # the way of reading works outside the jail
+            probe = (f"cat {secret} notes.txt; ls -a; for root in /proc/[0-9]*/root; do cat \"$root{secret}\" "
+                     f"\"$root{session._cwd}/notes.txt\"; done")
+            inside = sandbox.exec([*jail, "sh", "-c", probe], timeout=60)
+            assert "No such file" in inside.stderr and marker not in inside.stdout, inside.stdout
+            assert inside.stdout.split() == [".", "..", ".orchard-gui"]  # the workspace holds only the host's folder
+            dumped = sandbox.exec([*jail, *dump], timeout=120)
+            # Chromium ran in the jail and found no such file
+            assert "net::ERR_FILE_NOT_FOUND" in dumped.stderr and marker not in dumped.stdout, dumped.stderr[-2000:]
+            # the session's own browser runs in that jail: its root holds neither file
+            [pid] = [int(p.split()[0]) for p in sandbox_processes(session.uid) if p.split()[1] == "chromium"
+                     and b"--type=" not in Path(f"/proc/{p.split()[0]}/cmdline").read_bytes()]
+            root = Path(f"/proc/{pid}/root")
+            assert (root / "usr").is_dir() and not (root / secret.relative_to("/")).exists()
+            assert not (root / session._cwd.lstrip("/") / "notes.txt").exists()
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_failed_start_says_why(client):
+    # the jail cannot bind a Playwright folder that does not exist: bubblewrap's own words, not only "exited"
+    with pytest.raises(SandboxError, match=r"the browser host exited .*Can't find source path /nonexistent-playwright"):
+        BrowserSession.open(client, playwright_path="/nonexistent-playwright")
+    # the "host" image's python3 (the system's) has no Playwright: the message names the variable and the setup
+    # command
+    with pytest.raises(SandboxError, match="ORCHARD_GUI_PLAYWRIGHT_PATH") as raised:
+        BrowserSession.open(client, playwright_path=None)
+    assert "bash scripts/setup" in str(raised.value)

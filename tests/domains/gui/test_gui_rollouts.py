@@ -14,6 +14,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -220,3 +221,16 @@ def test_arguments_are_checked(client, tokenizer):
         gui_rollouts(client, tokenizer, one_call_per_turn=False)
     with pytest.raises(ValueError, match="task must be a GUITask"):
         GUIHarness().sandbox_spec({"id": "x"})
+
+
+def test_a_text_only_policy_browser_takes_no_screenshots(client, tokenizer, monkeypatch):
+    # the browsers of a text-only policy (images=False, the CPU recipe) are opened without screenshots, those of
+    # a vision policy with them (what a step then takes is counted in test_gui_browser)
+    opened = []
+    monkeypatch.setattr(BrowserSession, "open", staticmethod(
+        lambda c, **kwargs: opened.append(kwargs) or SimpleNamespace(sandbox=SimpleNamespace(sandbox_id="s"))))
+    for images in (False, True):
+        asyncio.run(gui_rollouts(client, tokenizer, images=images).client.create(seed=3))
+    assert [(k["seed"], k["screenshots"]) for k in opened] == [(3, False), (3, True)]
+    with pytest.raises(ValueError, match="may not set 'screenshots': images sets it"):
+        gui_rollouts(client, tokenizer, session_kwargs={"screenshots": True})

@@ -1,10 +1,20 @@
-"""The browser host's answer frames as `BrowserSession` reads them off the terminal (no browser needed)."""
+"""The browser host's answer frames as `BrowserSession` reads them off the terminal, its start failures, where it
+finds the sandbox's Playwright, and its jail's binds (no browser needed)."""
 
 import json
+import sys
+
+import pytest
 
 from orchard.domains.gui import BrowserSession
 from orchard.domains.gui._host import FRAME_MARK, INLINE_PAYLOAD_MAX, frame_bytes
-from orchard.env import NotFoundError
+from orchard.domains.gui.session import (
+    PLAYWRIGHT_PATH_ENV,
+    PLAYWRIGHT_PATH_RECORD,
+    browser_jail,
+    default_playwright_path,
+)
+from orchard.env import NotFoundError, SandboxError
 
 
 class ScriptedPty:
@@ -84,3 +94,64 @@ def test_a_screenshot_over_the_inline_limit_is_downloaded_from_the_file_its_fram
     session.env_error = None
     del files["/workspace/.orchard-gui/screenshot.png"]  # a file that is gone
     assert "cannot read the browser's screenshot" in session.observe().env_error
+
+
+def test_a_failed_start_says_why_with_what_the_terminal_printed_and_the_host_log():
+    # the host died before its first frame (a broken jail, an import error): the terminal's own words and the
+    # end of the host's log are the cause, not only "the browser host exited"
+    log = "\n".join(f"line {i}" for i in range(30)) + "\nRuntimeError: the sites are broken\n"
+    files = {"/workspace/.orchard-gui/host.log": log.encode()}
+    sandbox = ScriptedSandbox(b"bwrap: Can't find source path /nowhere: No such file or directory\r\n", 4095, files)
+    with pytest.raises(SandboxError) as raised:
+        BrowserSession(sandbox, playwright_path=None)
+    message = str(raised.value)
+    assert "the browser host exited" in message
+    assert "the terminal printed: bwrap: Can't find source path /nowhere" in message
+    # the last 20 lines of the log: line 10 onwards (30 numbered lines and the error: 31 lines)
+    assert "RuntimeError: the sites are broken" in message and "line 11" in message and "line 10 " not in message
+
+
+def test_the_sandbox_playwright_is_found_where_setup_recorded_it(tmp_path, monkeypatch):
+    site = tmp_path / "gui-site"
+    (site / "playwright").mkdir(parents=True)
+    monkeypatch.delenv(PLAYWRIGHT_PATH_ENV, raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    (tmp_path / PLAYWRIGHT_PATH_RECORD).write_text(f"{site}\n")
+    assert default_playwright_path() == str(site)
+    monkeypatch.setenv(PLAYWRIGHT_PATH_ENV, "/elsewhere")  # the variable, when set, wins
+    assert default_playwright_path() == "/elsewhere"
+    monkeypatch.delenv(PLAYWRIGHT_PATH_ENV)
+    (site / "playwright").rmdir()  # a record whose folder lost Playwright is passed over
+    assert default_playwright_path() != str(site)
+
+
+def test_screenshots_are_asked_per_call_or_by_the_session_default():
+    terminal = frame_bytes({"hello": True}) + frame_bytes(_observation("http://a/")) * 3
+    session = BrowserSession(ScriptedSandbox(terminal, 4095), playwright_path=None, screenshots=False)
+    obs = session.observe()
+    assert obs.screenshot == b"" and obs.env_error is None  # no payload: an empty screenshot
+    session.step("click", {"x": 1, "y": 1}, screenshot=True)
+    session.reset("http://a/", text_view=True)
+    assert [(w["screenshot"], w["text_view"]) for w in session._pty.written] == [(False, False), (True, False),
+                                                                                  (False, True)]
+    with pytest.raises(ValueError, match="screenshot must be a bool or None, got 1"):
+        session.observe(screenshot=1)
+    with pytest.raises(ValueError, match="screenshots must be a bool"):
+        BrowserSession(ScriptedSandbox(terminal, 4095), playwright_path=None, screenshots="no")
+    with pytest.raises(ValueError, match="playwright_path must be an absolute path"):
+        BrowserSession(ScriptedSandbox(terminal, 4095), playwright_path="site-packages")
+
+
+def test_the_jail_binds_only_what_the_browser_needs():
+    argv = browser_jail("/workspace", "/opt/orchard/gui-site")
+    assert argv[0] == "bwrap" and argv[-1] == "--"
+    binds = [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a in ("--bind", "--ro-bind", "--ro-bind-try",
+                                                                        "--dev-bind")]
+    assert ("/opt/orchard/gui-site", "/opt/orchard/gui-site") in binds
+    assert ("/workspace/.orchard-gui", "/workspace/.orchard-gui") in binds  # the host's folder, not the workspace
+    assert {src for src, _ in binds} == {"/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                                        "/opt/orchard/gui-site", "/proc", "/dev", "/workspace/.orchard-gui"}
+    assert "--unshare-net" not in argv  # the network is the sandbox's to choose
+    for bad in ("workspace", None):
+        with pytest.raises(ValueError, match="workdir must be an absolute path"):
+            browser_jail(bad, None)
