@@ -224,14 +224,14 @@ def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
     return ProgrammaticJudge(build_chat_tokenizer()), {}
 
 
-def sft_samples(cfg: GUIConfig, curated: list[Trajectory], tokenizer: Any) -> list[RenderedSample]:
-    """One sample per assistant turn of ``curated`` (`sft_turn_samples`). With ``images`` the checkpoint's image
-    processor renders the screenshots, and each prefix keeps only its last ``keep_last_images`` as images: the
-    context the policy's prompts hold at that turn (`gui_rollouts`' ``keep_images``, the same field)."""
+def sft_samples(cfg: GUIConfig, curated: list[Trajectory], tokenizer: Any, processor: Any) -> list[RenderedSample]:
+    """One sample per assistant turn of ``curated`` (`sft_turn_samples`). With ``images``, ``processor`` (the
+    checkpoint's, `load_image_processor`) renders the screenshots, and each prefix keeps only its last
+    ``keep_last_images`` as images: the context the policy's prompts hold at that turn (`gui_rollouts`'
+    ``keep_images``, set from the same field)."""
     if not cfg.images:
         return sft_turn_samples(curated, tokenizer)
-    return sft_turn_samples(curated, tokenizer, keep_images=cfg.keep_last_images,
-                            processor=load_image_processor(cfg.model))
+    return sft_turn_samples(curated, tokenizer, keep_images=cfg.keep_last_images, processor=processor)
 
 
 async def run(cfg: GUIConfig) -> dict[str, Any]:
@@ -240,6 +240,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                            config=config_to_dict(cfg))
     train, heldout = task_pools(cfg)
     judge, judge_kwargs = make_judge(cfg)
+    processor = load_image_processor(cfg.model) if cfg.images else None  # fails before any work if missing
     with sandbox_service(cfg.env_url) as env, SandboxClient(*env) as client:
         # the teacher's 4 rollouts per task, judged like RL rollouts (captcha runs removed, counted)
         teacher = await asyncio.to_thread(teacher_trajectories, client, train, attempts=cfg.teacher.attempts,
@@ -254,15 +255,15 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
 
         def rollouts(max_steps: int) -> Any:
             return gui_rollouts(client, tokenizer, max_steps=max_steps, images=cfg.images,
-                                keep_images=cfg.keep_last_images if cfg.images else None, max_tokens=r.max_tokens,
-                                seed=cfg.seed, concurrency=r.concurrency, max_time_s=r.max_time_s,
-                                max_prompt_tokens=cfg.max_prompt_tokens)
+                                keep_images=cfg.keep_last_images if cfg.images else None, processor=processor,
+                                max_tokens=r.max_tokens, seed=cfg.seed, concurrency=r.concurrency,
+                                max_time_s=r.max_time_s, max_prompt_tokens=cfg.max_prompt_tokens)
 
         # a fresh Rollouts per evaluation: each draws its episodes' seeds from cfg.seed anew
         await run.evaluate("base", 0, run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
         if cfg.sft.enabled:
             curated = curate_sft(teacher, train, max_tasks_per_site=cfg.tasks.max_tasks_per_site, seed=cfg.seed)
-            samples = sft_samples(cfg, curated, tokenizer)
+            samples = sft_samples(cfg, curated, tokenizer, processor)
             stats = {"sft/teacher_episodes": float(len(teacher)),
                      "sft/teacher_passed": float(sum(t.passed for t in teacher)),
                      "sft/curated_tasks": float(len(curated)), "sft/samples": float(len(samples)),

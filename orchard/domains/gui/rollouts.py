@@ -37,6 +37,7 @@ from typing import Any
 
 from orchard.data import Message, ToolCall, Trajectory
 from orchard.data.curation import check_tool_calls
+from orchard.domains.gui.curation import sft_turn_samples
 from orchard.domains.gui.judge import gui_rollout_reward
 from orchard.domains.gui.session import BrowserSession
 from orchard.domains.gui.tasks import GUITask, check_task
@@ -168,7 +169,8 @@ class GUIHarness:
 
 
 def gui_rollouts(client: SandboxClient, tokenizer: Any, *, max_steps: int = 15, images: bool = False,
-                 keep_images: int | None = None, max_tokens: int = 256, seed: int | None = None,
+                 keep_images: int | None = None, processor: Any = None, max_tokens: int = 256,
+                 seed: int | None = None,
                  session_kwargs: Mapping[str, Any] | None = None, **loop_kwargs: Any) -> AgentLoopRollouts:
     """The GUI domain's `Rollouts`: ``await rollouts(engine, tasks, group_size=..., temperature=...)`` plays each
     `GUITask` ``group_size`` times, one browser (sandbox) per episode, and returns scored trajectories with their
@@ -181,6 +183,10 @@ def gui_rollouts(client: SandboxClient, tokenizer: Any, *, max_steps: int = 15, 
         images: screenshots in the tool observations (True) or the text view only (False, the tiny recipe).
         keep_images: the policy's prompts keep only the last ``keep_images`` screenshots as images (None: all);
             give the SFT samples the same (`sft_turn_samples`' ``keep_images``).
+        processor: with ``images``, the policy's image processor (Qwen-VL family): each rollout is rendered one
+            sample per assistant turn, its prefix trimmed to ``keep_images`` screenshots as the prompt was
+            (`sft_turn_samples`), each with the trajectory's reward. None: one text sample per rollout (a
+            trajectory with screenshots then cannot be rendered: pass it).
         max_tokens: per assistant turn when a call gives none.
         seed: seeds the loop's start jitter.
         session_kwargs: `BrowserSession.open` keywords (``viewport``, ``image``, ...).
@@ -189,6 +195,11 @@ def gui_rollouts(client: SandboxClient, tokenizer: Any, *, max_steps: int = 15, 
     for name in ("one_call_per_turn", "require_tool_call"):
         if name in loop_kwargs:
             raise ValueError(f"loop_kwargs may not set {name!r}: a GUI turn is one or more actions")
+    if processor is not None and not images:
+        raise ValueError("processor is given but images=False: the text view has no screenshots to render")
+    render = None if processor is None else (
+        lambda traj: sft_turn_samples([traj], tokenizer, keep_images=keep_images, processor=processor))
     return AgentLoopRollouts(BrowserSandboxes(client, **dict(session_kwargs or {})),
                              GUIHarness(max_steps=max_steps, images=images, keep_images=keep_images), tokenizer,
-                             max_tokens=max_tokens, seed=seed, require_tool_call=True, **loop_kwargs)
+                             max_tokens=max_tokens, seed=seed, render=render, require_tool_call=True,
+                             **loop_kwargs)
