@@ -234,6 +234,17 @@ def sft_samples(cfg: GUIConfig, curated: list[Trajectory], tokenizer: Any, proce
     return sft_turn_samples(curated, tokenizer, keep_images=cfg.keep_last_images, processor=processor)
 
 
+def policy_rollouts(cfg: GUIConfig, client: SandboxClient, tokenizer: Any, processor: Any, max_steps: int) -> Any:
+    """The policy's `gui_rollouts` under ``cfg`` with a step budget of ``max_steps``: with ``images`` its prompts
+    keep the last ``keep_last_images`` screenshots as images (the SFT prefixes' rule, `sft_samples`) and
+    ``processor`` renders its training samples."""
+    r = cfg.rollout
+    return gui_rollouts(client, tokenizer, max_steps=max_steps, images=cfg.images,
+                        keep_images=cfg.keep_last_images if cfg.images else None, processor=processor,
+                        max_tokens=r.max_tokens, seed=cfg.seed, concurrency=r.concurrency, max_time_s=r.max_time_s,
+                        max_prompt_tokens=cfg.max_prompt_tokens)
+
+
 async def run(cfg: GUIConfig) -> dict[str, Any]:
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
                            existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
@@ -254,10 +265,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
         r = cfg.rollout
 
         def rollouts(max_steps: int) -> Any:
-            return gui_rollouts(client, tokenizer, max_steps=max_steps, images=cfg.images,
-                                keep_images=cfg.keep_last_images if cfg.images else None, processor=processor,
-                                max_tokens=r.max_tokens, seed=cfg.seed, concurrency=r.concurrency,
-                                max_time_s=r.max_time_s, max_prompt_tokens=cfg.max_prompt_tokens)
+            return policy_rollouts(cfg, client, tokenizer, processor, max_steps)
 
         # a fresh Rollouts per evaluation: each draws its episodes' seeds from cfg.seed anew
         await run.evaluate("base", 0, run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
