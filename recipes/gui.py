@@ -9,8 +9,8 @@ with ``model.freeze_vision``, as the paper trains) -> evaluation -> multi-turn G
 formed, one or more tool calls, and the two-stage judge confirms completion, -1 after repeated format failures, 0
 otherwise; the trajectory's advantage on all its assistant tokens; dynamic sampling drops groups whose rewards
 are all 0 or all positive; clipping 0.2 / 0.28, no KL), one RL stage per step budget of the curriculum (15 then
-30 turns) -> evaluation. Held-out success is the task's
-checker. Captcha-blocked runs and judge failures leave the loss and are counted; sandbox failures are dropped.
+30 turns) -> evaluation. Held-out success is the task's checker. Captcha-blocked runs and judge failures leave
+the loss and are counted; sandbox failures are dropped.
 Writes ``metrics.jsonl``, ``results.json`` (with the resolved config) and ``learning_curve.png`` under
 ``output_dir``.
 
