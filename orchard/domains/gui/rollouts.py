@@ -14,8 +14,9 @@ One episode: the browser opens the task's start page (fresh site state); every a
 more tool calls of the 13 whose arguments fit their schemas (`turn_format_ok`'s rule); the calls of a turn run in
 order; a turn without a call runs nothing and is a format error (the loop's ``require_tool_call``), as is a turn
 with a malformed call, and 3 in a row end the run as ``format_error`` (reward -1). ``done(response)`` is the only
-end the policy chooses; otherwise the step budget (``max_steps``, the paper's curriculum 15 then 30) ends it. An invalid action the browser refuses (a point outside the viewport, a
-missing tab) is an error observation and well formed. A browser that is gone is ``env_error`` (dropped, never
+end the policy chooses; otherwise the step budget (``max_steps``, the paper's curriculum 15 then 30) ends it. An
+invalid action the browser refuses (a point outside the viewport, a missing tab) is an error observation and well
+formed. A browser that is gone is ``env_error`` (dropped, never
 scored). At the end ``metadata["site_state"]`` holds the final site state (what the two-stage judge's reference
 shows) and ``metadata["response"]`` the done response; the reward is `gui_rollout_reward` with the task's checker
 standing in for the judge (+1 / 0 / -1; ``passed`` is the check, the evaluation's success), and a run that met the

@@ -75,7 +75,8 @@ def gui_run(screenshot, shots):
     """A GUI run as the agent loop records it with images: the intent and the first page (screenshot 0), then
     ``shots - 1`` clicks each answered by the next screenshot, then done."""
     def page(k):
-        return [{"type": "text", "text": f"Viewport: 64x64\nTab 0 (active): 'page {k}' {URL}/info/"}, screenshot(64, 64, k)]
+        text = f"Viewport: 64x64\nTab 0 (active): 'page {k}' {URL}/info/"
+        return [{"type": "text", "text": text}, screenshot(64, 64, k)]
 
     messages = [Message("system", "You operate a browser."),
                 Message("user", [{"type": "text", "text": FACT.intent}, *page(0)])]
