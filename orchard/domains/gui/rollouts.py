@@ -16,11 +16,10 @@ order; a turn without a call runs nothing and is a format error (the loop's ``re
 with a malformed call, and 3 in a row end the run as ``format_error`` (reward -1). ``done(response)`` is the only
 end the policy chooses; otherwise the step budget (``max_steps``, the paper's curriculum 15 then 30) ends it. An
 invalid action the browser refuses (a point outside the viewport, a missing tab) is an error observation and well
-formed. A browser that is gone is ``env_error`` (dropped, never
-scored). At the end ``metadata["site_state"]`` holds the final site state (what the two-stage judge's reference
-shows) and ``metadata["response"]`` the done response; the reward is `gui_rollout_reward` with the task's checker
-standing in for the judge (+1 / 0 / -1; ``passed`` is the check, the evaluation's success), and a run that met the
-captcha is unscored (``metadata["blocked"]``). Wrap the rollouts in `JudgedGUIRollouts` for the judge's reward.
+formed. A browser that is gone is ``env_error`` (dropped, never scored). At the end ``metadata["site_state"]``
+holds the final site state (what the two-stage judge's reference shows) and ``metadata["response"]`` the done
+response; the reward is `gui_rollout_reward` with the task's checker standing in for the judge (+1 / 0 / -1;
+``passed`` is the check, the evaluation's success), and a run that met the captcha is unscored (``metadata["blocked"]``). Wrap the rollouts in `JudgedGUIRollouts` for the judge's reward.
 
 Observations are the text view (``images=False``, the tiny CPU recipe) or, with ``images=True``, content parts
 with the screenshot as a PNG data URL, as the teacher's. The loop sends the policy token ids of its chat
