@@ -19,7 +19,8 @@ invalid action the browser refuses (a point outside the viewport, a missing tab)
 formed. A browser that is gone is ``env_error`` (dropped, never scored). At the end ``metadata["site_state"]``
 holds the final site state (what the two-stage judge's reference shows) and ``metadata["response"]`` the done
 response; the reward is `gui_rollout_reward` with the task's checker standing in for the judge (+1 / 0 / -1;
-``passed`` is the check, the evaluation's success), and a run that met the captcha is unscored (``metadata["blocked"]``). Wrap the rollouts in `JudgedGUIRollouts` for the judge's reward.
+``passed`` is the check, the evaluation's success), and a run that met the captcha is unscored
+(``metadata["blocked"]``). Wrap the rollouts in `JudgedGUIRollouts` for the judge's reward.
 
 Observations are the text view (``images=False``, the tiny CPU recipe) or, with ``images=True``, content parts
 with the screenshot as a PNG data URL, as the teacher's. The loop sends the policy token ids of its chat
