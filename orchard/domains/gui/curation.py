@@ -81,7 +81,7 @@ def turn_prefixes(traj: Trajectory, keep_images: int) -> list[Trajectory]:
     kept), trimmed over ``messages[:i]``, not over the whole run (`policy_context`, the agent loop's rule too)."""
     out = []
     for i in traj.assistant_indices:
-        prefix = policy_context(traj.messages[:i], keep_images) + [traj.messages[i]]
+        prefix = [*policy_context(traj.messages[:i], keep_images), traj.messages[i]]
         out.append(Trajectory(prefix, traj.tools, traj.reward, task_id=traj.task_id, group_id=traj.group_id))
     return out
 

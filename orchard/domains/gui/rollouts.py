@@ -43,9 +43,8 @@ from orchard.domains.gui.judge import gui_rollout_reward
 from orchard.domains.gui.session import BrowserSession
 from orchard.domains.gui.tasks import GUITask, check_task
 from orchard.domains.gui.teacher import GUI_SYSTEM
-from orchard.domains.gui.tools import GUI_TOOLS
+from orchard.domains.gui.tools import GUI_TOOLS, policy_context
 from orchard.domains.gui.tools import Observation as BrowserObservation
-from orchard.domains.gui.tools import policy_context
 from orchard.env import SandboxClient
 from orchard.rollout.harness import EnvironmentFailure, InvalidToolCall, Observation
 from orchard.rollout.rollouts import AgentLoopRollouts

@@ -149,4 +149,5 @@ def policy_context(messages: Sequence[Message], keep_images: int | None) -> list
         return messages
     trimmed = keep_last_images([{"content": m.content} for m in messages], keep_images)
     # a message whose images all stay is the same object (an assistant turn keeps its sampled token ids)
-    return [m if t["content"] is m.content else replace(m, content=t["content"]) for m, t in zip(messages, trimmed)]
+    return [m if t["content"] is m.content else replace(m, content=t["content"])
+            for m, t in zip(messages, trimmed, strict=True)]

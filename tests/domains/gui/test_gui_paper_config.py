@@ -113,7 +113,7 @@ def test_config_mistakes_name_the_field(vl_checkpoint, override, message):
 
 
 def test_images_without_a_checkpoint_or_its_processor_are_refused_before_any_work(tmp_path):
-    with pytest.raises(ValueError, match="images: true needs model.path"):
+    with pytest.raises(ValueError, match=r"images: true needs model\.path"):
         load_config(gui_recipe().GUIConfig, None, ["images=true"])
     with pytest.raises(ValueError, match="freeze_vision needs path"):
         load_config(gui_recipe().GUIConfig, None, ["model.freeze_vision=true"])
@@ -235,6 +235,13 @@ def test_the_loop_shows_the_policy_the_context_sft_trains_on(screenshot):
     # without a limit every screenshot reaches the prompt
     _, engine, _, _ = play(screenshot, script)
     assert [p.count(image_id) for p in engine.prompts] == [1, 2, 3, 4]
+    # the rule keeps every message that lost no image as it was (an assistant turn keeps its sampled ids)
+    shown = policy_context(traj.messages, 2)
+    assert all(a is b for a, b in zip(shown, traj.messages, strict=True) if not a.image_urls and not b.image_urls)
+    with pytest.raises(ValueError, match="keep_images must be an int >= 0 or None"):
+        GUIHarness(keep_images=-1)
+    with pytest.raises(ValueError, match=r"messages\[0\] must be a Message"):
+        policy_context([{"role": "user", "content": "hi"}], 1)
 
 
 def test_the_recipes_rollouts_take_the_same_field_and_render_per_turn(vl_checkpoint, screenshot):
