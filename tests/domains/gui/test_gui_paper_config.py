@@ -18,6 +18,7 @@ import torch
 from orchard.data import Message, ToolCall, Trajectory
 from orchard.data.tokenizer import IMAGE_TOKEN, build_chat_tokenizer
 from orchard.domains.gui.curation import MAX_TASKS_PER_SITE, curate_sft, turn_prefixes
+from orchard.domains.gui.evidence import site_text
 from orchard.domains.gui.judge import gui_rollout_reward, turn_format_ok
 from orchard.domains.gui.rollouts import BrowserSandbox, GUIHarness
 from orchard.domains.gui.session import BROWSER_MEMORY, BrowserSession
@@ -311,3 +312,16 @@ def test_a_turn_with_several_valid_calls_is_well_formed_and_runs_them_all(screen
     clean = Trajectory([m for m in traj.messages if not (m.role == "assistant" and not m.tool_calls)
                         and not (m.role == "tool" and m.tool_call_id is None)], GUI_TOOLS, task_id=FACT.id)
     assert turn_format_ok(clean) == [True, True] and gui_rollout_reward(clean, True).reward == 1.0
+
+
+def test_every_page_a_several_call_turn_brought_is_the_sites_text():
+    # the judge's grounding reads the browser's answers to well-formed turns: both answers of a two-call turn count
+    def page(name):
+        return Observation(b"", (64, 64), ((f"{URL}/info/", "City guide"),), 0, text=f'[cell] "{name}" @(1,1)')
+
+    calls = [ToolCall("click", {"x": 1, "y": 1}, id="a"), ToolCall("scroll", {"direction": "down", "amount": 0.5},
+                                                                  id="b")]
+    traj = Trajectory([Message("user", page("start").describe()), Message("assistant", None, calls),
+                       Message("tool", page("first").describe(), tool_call_id="a", name="click"),
+                       Message("tool", page("second").describe(), tool_call_id="b", name="scroll")], GUI_TOOLS)
+    assert site_text(traj) == ["start", "first", "second"]
