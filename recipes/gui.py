@@ -30,7 +30,9 @@ vision-language judge served by URL, a sandbox service already running) — this
 
 Known gap (issue 19): the rollout engines get token ids only, so with ``images: true`` the policy's prompts hold
 the template's vision placeholders but no pixels; the screenshots reach the trajectories and the judge, and SFT
-trains on them. Rollouts and training share this one process; several ranks are not supported yet.
+trains on them. A policy that samples the vision tokens itself (a random tiny one does) stops the run when its
+rollouts are rendered with pixels: no engine can ban those tokens yet (docs/gui.md). Rollouts and training share
+this one process; several ranks are not supported yet.
 """
 
 from __future__ import annotations
