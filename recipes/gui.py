@@ -236,6 +236,13 @@ def sft_samples(cfg: GUIConfig, curated: list[Trajectory], tokenizer: Any, proce
     return sft_turn_samples(curated, tokenizer, keep_images=cfg.keep_last_images, processor=processor)
 
 
+def save_processor(run: stages.RecipeRun, processor: Any, name: str) -> None:
+    """The image processor beside a saved policy (rank 0), so ``model.path=output_dir/<name>`` loads with
+    ``images: true`` (`load_image_processor`)."""
+    if processor is not None and run.ranks.is_main:
+        processor.save_pretrained(run.out / name)
+
+
 def policy_rollouts(cfg: GUIConfig, client: SandboxClient, tokenizer: Any, processor: Any, max_steps: int) -> Any:
     """The policy's `gui_rollouts` under ``cfg`` with a step budget of ``max_steps``: with ``images`` its prompts
     keep the last ``keep_last_images`` screenshots as images (the SFT prefixes' rule, `sft_samples`) and
@@ -285,6 +292,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                           "(trajectories/sft_teacher.jsonl.gz)",
                 "kept": "curate_sft: passed rollouts, at most tasks.max_tasks_per_site tasks per site",
                 "mask": "one sample per assistant turn (sft_turn_samples): that turn's tokens"})
+            save_processor(run, processor, "sft_model")
             await run.evaluate("sft", len(run.sft_history), run.saving({"gui": rollouts(r.max_steps)}), engine,
                                heldout)
         if cfg.rl.enabled:
@@ -305,6 +313,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                                                         output_dir=str(run.out / "rl" / f"budget_{budget}"),
                                                         log=on_step)
             run.save_policy(model, tokenizer, "rl_model")
+            save_processor(run, processor, "rl_model")
             await run.evaluate("rl", len(run.rl_history), run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
     return await run.finish(engine, config_to_dict(cfg))
 
