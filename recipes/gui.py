@@ -2,13 +2,16 @@
 
 Stages (`orchard.stages`, the domain `orchard.domains.gui`): the teacher plays 4 rollouts per train task
 (failures kept; ``teacher.url``'s model through the policy's GUI harness, or by default the scripted teacher, a
-program that knows each task's hidden answer, not a model), the two-stage judge scores them -> held-out evaluation
-of the base model -> SFT curation (the shortest judged success per task, at most K tasks per website) and SFT with
-one target assistant turn per serialized prefix -> evaluation -> multi-turn GRPO (+1 when every turn is well formed and the judge confirms
-completion, -1 after repeated format failures, 0 otherwise; the trajectory's advantage on all its assistant
-tokens; dynamic sampling drops groups whose rewards are all 0 or all positive; clipping 0.2 / 0.28, no KL), one
-RL stage per step budget of the curriculum (15 then 30 turns) -> evaluation. Held-out success is the task's
-checker. Captcha-blocked runs and judge failures leave the loss and are counted; sandbox failures are dropped.
+program that knows each task's hidden answer, not a model), the two-stage judge scores them -> held-out evaluation of the base model -> SFT curation (the
+shortest judged success per task, at most K = 20 tasks per website) and SFT with one target assistant turn
+per serialized prefix (with screenshots: the checkpoint's image processor renders them, only the last
+``keep_last_images`` of each prefix kept as images, as the policy's own prompts keep them; the vision tower frozen
+with ``model.freeze_vision``, as the paper trains) -> evaluation -> multi-turn GRPO (+1 when every turn is well
+formed, one or more tool calls, and the two-stage judge confirms completion, -1 after repeated format failures, 0
+otherwise; the trajectory's advantage on all its assistant tokens; dynamic sampling drops groups whose rewards
+are all 0 or all positive; clipping 0.2 / 0.28, no KL), one RL stage per step budget of the curriculum (15 then
+30 turns) -> evaluation. Held-out success is the task's checker. Captcha-blocked runs and judge failures leave
+the loss and are counted; sandbox failures are dropped.
 Writes ``metrics.jsonl``, ``results.json`` (with the resolved config) and ``learning_curve.png`` under
 ``output_dir``.
 
@@ -27,9 +30,10 @@ vision-language judge served by URL, a sandbox service already running) — this
         model.path=/models/Qwen3-VL-4B-Thinking env_url=https://sandboxes.example judge.url=http://vl-judge:8000/v1
 
 Known gap (issue 19): the rollout engines get token ids only, so with ``images: true`` the policy's prompts hold
-the template's vision placeholders but no pixels; the screenshots reach the trajectories and the judge. The
-vision tower is not frozen by this script (``orchard.train.model.freeze_vision_tower`` does it). Rollouts and
-training share this one process; several ranks are not supported yet.
+the template's vision placeholders but no pixels; the screenshots reach the trajectories and the judge, and SFT
+trains on them. A policy that samples the vision tokens itself (a random tiny one does) stops the run when its
+rollouts are rendered with pixels: no engine can ban those tokens yet (docs/gui.md). Rollouts and training share
+this one process; several ranks are not supported yet.
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ from typing import Any
 
 from orchard import stages
 from orchard._cli import run_main
-from orchard.data import Trajectory
+from orchard.data import RenderedSample, Trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
-from orchard.domains.gui.curation import curate_sft, sft_turn_samples
+from orchard.domains.gui.curation import MAX_TASKS_PER_SITE, curate_sft, sft_turn_samples
 from orchard.domains.gui.judge import (
     IMAGE_MODES,
     JudgedGUIRollouts,
@@ -59,10 +63,10 @@ from orchard.domains.gui.teacher import (
     GUI_SYSTEM,
     teacher_trajectories,
 )
-from orchard.domains.gui.tools import GUI_TOOLS
+from orchard.domains.gui.tools import GUI_TOOLS, KEEP_LAST_IMAGES
 from orchard.env import SandboxClient
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
-from orchard.stages.policy import ModelConfig, load_policy, make_engine
+from orchard.stages.policy import ModelConfig, load_image_processor, load_policy, make_engine
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
 from orchard.train.metrics import WandbConfig
@@ -80,8 +84,8 @@ class TasksConfig:
     """Held-out tasks per template (other seeds, other sites)."""
     templates: list[str] = field(default_factory=list)
     """Templates used (empty: all nine, the captcha's included)."""
-    max_tasks_per_site: int | None = None
-    """SFT curation's K: at most this many tasks per website (null: all; the paper does not give K)."""
+    max_tasks_per_site: int | None = MAX_TASKS_PER_SITE
+    """SFT curation's K: at most this many tasks per website (the paper: 20, per issue 33; null: all)."""
 
 
 @dataclass
@@ -128,7 +132,12 @@ class GUIConfig:
     threads: int = 0
     """torch CPU threads (0: leave torch's default)."""
     images: bool = False
-    """Screenshots in the observations (the paper's VLM) or the text view only (the tiny CPU recipe)."""
+    """Screenshots in the observations (the paper's VLM; needs model.path, a checkpoint with an image processor)
+    or the text view only (the tiny CPU recipe)."""
+    keep_last_images: int | None = KEEP_LAST_IMAGES
+    """With images: the policy sees only the last k screenshots as images, earlier ones a placeholder (the paper's
+    rule; k = 3 is ours, the paper gives none). The one setting for both the agent loop's prompts and the SFT
+    prefixes, so SFT trains on the context the policy sees; null keeps every screenshot."""
     max_prompt_tokens: int | None = None
     """A prompt longer than this ends the episode (the context is a budget too); null: no limit."""
     sft_warmup_fraction: float | None = None
@@ -170,6 +179,16 @@ class GUIConfig:
             raise ValueError(f"step_budgets must be a non-empty list of ints >= 1, got {self.step_budgets!r}")
         if self.eval.harnesses != ["gui"]:
             raise ValueError(f"eval.harnesses must be ['gui'], got {self.eval.harnesses!r}")
+        if self.images and self.model.path is None:
+            raise ValueError("images: true needs model.path (a vision-language checkpoint with its image "
+                             "processor); the tiny model reads the text view")
+        if self.keep_last_images is not None and (isinstance(self.keep_last_images, bool)
+                                                  or not isinstance(self.keep_last_images, int)
+                                                  or self.keep_last_images < 0):
+            raise ValueError(f"keep_last_images must be an int >= 0 or null, got {self.keep_last_images!r}")
+        k = self.tasks.max_tasks_per_site
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"tasks.max_tasks_per_site must be an int >= 1 or null, got {k!r}")
         if self.judge.images not in IMAGE_MODES:
             raise ValueError(f"judge.images must be one of {list(IMAGE_MODES)}, got {self.judge.images!r}")
         if self.sft_warmup_fraction is not None and not 0 <= self.sft_warmup_fraction < 1:
@@ -210,14 +229,6 @@ def sft_config(cfg: GUIConfig, samples: int) -> SFTConfig:
     return replace(cfg.sft, train=replace(cfg.sft.train, optim=optim))
 
 
-def gui_harness(cfg: GUIConfig, client: SandboxClient, tokenizer: Any, max_steps: int) -> Any:
-    """The policy's GUI `Rollouts` at a step budget (a fresh one draws its episodes' seeds from cfg.seed anew)."""
-    r = cfg.rollout
-    return gui_rollouts(client, tokenizer, max_steps=max_steps, images=cfg.images, max_tokens=r.max_tokens,
-                        seed=cfg.seed, concurrency=r.concurrency, max_time_s=r.max_time_s,
-                        max_prompt_tokens=cfg.max_prompt_tokens)
-
-
 async def teacher_phase(cfg: GUIConfig, client: SandboxClient, train: list[GUITask],
                         ) -> tuple[list[Trajectory], Any, Any]:
     """``teacher.attempts`` teacher rollouts per train task (failures kept) and the policy ``(model, tokenizer)``.
@@ -231,7 +242,7 @@ async def teacher_phase(cfg: GUIConfig, client: SandboxClient, train: list[GUITa
                                          images=cfg.images)
         return (played, *load_policy(cfg.model, corpus(played), seed=cfg.seed))
     model, tokenizer = load_policy(cfg.model, [], seed=cfg.seed)
-    played, _ = await stages.teacher_phase(t, {"gui": gui_harness(cfg, client, tokenizer, max(cfg.step_budgets))},
+    played, _ = await stages.teacher_phase(t, {"gui": policy_rollouts(cfg, client, tokenizer, None, max(cfg.step_budgets))},
                                            train, student_tokenizer=tokenizer)
     return played, model, tokenizer
 
@@ -243,6 +254,34 @@ def make_judge(cfg: GUIConfig) -> tuple[Any, dict[str, Any]]:
     return ProgrammaticJudge(build_chat_tokenizer()), {}
 
 
+def sft_samples(cfg: GUIConfig, curated: list[Trajectory], tokenizer: Any, processor: Any) -> list[RenderedSample]:
+    """One sample per assistant turn of ``curated`` (`sft_turn_samples`). With ``images``, ``processor`` (the
+    checkpoint's, `load_image_processor`) renders the screenshots, and each prefix keeps only its last
+    ``keep_last_images`` as images: the context the policy's prompts hold at that turn (`gui_rollouts`'
+    ``keep_images``, set from the same field)."""
+    if not cfg.images:
+        return sft_turn_samples(curated, tokenizer)
+    return sft_turn_samples(curated, tokenizer, keep_images=cfg.keep_last_images, processor=processor)
+
+
+def save_processor(run: stages.RecipeRun, processor: Any, name: str) -> None:
+    """The image processor beside a saved policy (rank 0), so ``model.path=output_dir/<name>`` loads with
+    ``images: true`` (`load_image_processor`)."""
+    if processor is not None and run.ranks.is_main:
+        processor.save_pretrained(run.out / name)
+
+
+def policy_rollouts(cfg: GUIConfig, client: SandboxClient, tokenizer: Any, processor: Any, max_steps: int) -> Any:
+    """The policy's `gui_rollouts` under ``cfg`` with a step budget of ``max_steps``: with ``images`` its prompts
+    keep the last ``keep_last_images`` screenshots as images (the SFT prefixes' rule, `sft_samples`) and
+    ``processor`` renders its training samples."""
+    r = cfg.rollout
+    return gui_rollouts(client, tokenizer, max_steps=max_steps, images=cfg.images,
+                        keep_images=cfg.keep_last_images if cfg.images else None, processor=processor,
+                        max_tokens=r.max_tokens, seed=cfg.seed, concurrency=r.concurrency, max_time_s=r.max_time_s,
+                        max_prompt_tokens=cfg.max_prompt_tokens)
+
+
 async def run(cfg: GUIConfig) -> dict[str, Any]:
     if cfg.teacher.url is not None:  # the teacher answers the student's ids: checked before any work
         stages.check_tokenizers(cfg.model.path, cfg.teacher.tokenizer, key="teacher.tokenizer",
@@ -252,6 +291,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                            config=config_to_dict(cfg))
     train, heldout = task_pools(cfg)
     judge, judge_kwargs = make_judge(cfg)
+    processor = load_image_processor(cfg.model) if cfg.images else None  # fails before any work if missing
     with sandbox_service(cfg.env_url) as env, SandboxClient(*env) as client:
         # the teacher's 4 rollouts per task, judged like RL rollouts (captcha runs removed, counted)
         teacher, model, tokenizer = await teacher_phase(cfg, client, train)
@@ -262,13 +302,13 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
         r = cfg.rollout
 
         def rollouts(max_steps: int) -> Any:
-            return gui_harness(cfg, client, tokenizer, max_steps)
+            return policy_rollouts(cfg, client, tokenizer, processor, max_steps)
 
         # a fresh Rollouts per evaluation: each draws its episodes' seeds from cfg.seed anew
         await run.evaluate("base", 0, run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
         if cfg.sft.enabled:
             curated = curate_sft(teacher, train, max_tasks_per_site=cfg.tasks.max_tasks_per_site, seed=cfg.seed)
-            samples = sft_turn_samples(curated, tokenizer)
+            samples = sft_samples(cfg, curated, tokenizer, processor)
             stats = {"sft/teacher_episodes": float(len(teacher)),
                      "sft/teacher_passed": float(sum(t.passed for t in teacher)),
                      "sft/curated_tasks": float(len(curated)), "sft/samples": float(len(samples)),
@@ -281,6 +321,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                           "(trajectories/sft_teacher.jsonl.gz)",
                 "kept": "curate_sft: passed rollouts, at most tasks.max_tasks_per_site tasks per site",
                 "mask": "one sample per assistant turn (sft_turn_samples): that turn's tokens"})
+            save_processor(run, processor, "sft_model")
             await run.evaluate("sft", len(run.sft_history), run.saving({"gui": rollouts(r.max_steps)}), engine,
                                heldout)
         if cfg.rl.enabled:
@@ -301,6 +342,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                                                         output_dir=str(run.out / "rl" / f"budget_{budget}"),
                                                         log=on_step)
             run.save_policy(model, tokenizer, "rl_model")
+            save_processor(run, processor, "rl_model")
             await run.evaluate("rl", len(run.rl_history), run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
     return await run.finish(engine, config_to_dict(cfg))
 

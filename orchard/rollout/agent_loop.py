@@ -5,12 +5,13 @@ One rollout::
     sandbox = client.create(**harness.sandbox_spec(task))          # retried; failure -> env_error
     messages = [system] + harness.setup(sandbox, task)             # failure -> env_error
     repeat up to max_steps:
+        context = harness.context(messages) if it has one, else messages   # what the policy is shown
         prompt ids = previous ids + tokens of the new context       # render prefix (no re-tokenization)
         sampled ids, log-probs = engine.generate(prompt ids)        # retried; per-call timeout
         prompt ids += sampled ids (+ template tail)                 # splice
         parse tool calls; a malformed one -> no call of the turn runs, an error observation, counted in
             metadata["format_errors"] (as are unknown tools and unusable arguments, and, with
-            one_call_per_turn, a turn without exactly one call)
+            one_call_per_turn, a turn without exactly one call, with require_tool_call a turn without any)
         no call and no error -> done; K consecutive erroring turns -> format_error
         each call -> harness.act -> tool message                    # env failure -> env_error
     reward = harness.evaluate(sandbox, task, trajectory)            # unless env_error
@@ -20,6 +21,11 @@ No drift: the prompt of every turn is built exactly as `orchard.data.render_traj
 trajectory (the chat template's text after the previous turn is tokenized and appended; every assistant turn is its
 sampled ids, followed by the template's tail after the end-of-turn token, which is added as context when the sample
 was cut by ``max_tokens``). So the trainer's input ids equal, token for token, what the engine saw.
+
+A harness may show the policy less than the trajectory keeps: its optional ``context(messages)`` gives the
+messages a turn's prompt is built from (the GUI keeps only the last k screenshots as images), while the trajectory
+keeps every message (a judge's evidence). When the context drops what an earlier prompt held, that turn's prompt
+is tokenized whole (``metadata["prefix_breaks"]`` counts it).
 
 Budgets and layered timeouts: ``max_steps`` assistant turns (``step_budget``), ``max_time_s`` of wall clock per
 rollout (``time_budget``; checked before each turn and bounding every call), ``model_timeout_s`` per model call
@@ -146,7 +152,10 @@ class AgentLoop:
             ``format_error``. Default 3.
         one_call_per_turn: every turn must make exactly one tool call: a turn with none or with several runs
             none, keeps its raw text and counts as a format error, instead of a call-less turn ending the rollout
-            (for harnesses whose only termination is a tool, one action a step: the GUI's ``done``). Default False.
+            (for harnesses whose only termination is a tool, one action a step). Default False.
+        require_tool_call: every turn must make at least one tool call: a turn with none counts as a format
+            error instead of ending the rollout; several calls run in order (for harnesses whose only termination
+            is a tool: the GUI's ``done``). Default False.
         max_prompt_tokens: a prompt longer than this ends the rollout before sampling, as ``step_budget`` with
             ``metadata["context_exhausted"] = True`` (the context is a budget too). Default None: no limit.
         concurrency: rollouts in flight at once in `run_many`. Default 8.
@@ -174,6 +183,7 @@ class AgentLoop:
         env_retries: int = 2,
         max_format_errors: int = 3,
         one_call_per_turn: bool = False,
+        require_tool_call: bool = False,
         max_prompt_tokens: int | None = None,
         concurrency: int = 8,
         start_jitter_s: float = 1.0,
@@ -190,6 +200,11 @@ class AgentLoop:
         for name in ("system_prompt", "tools", "sandbox_spec", "setup", "act", "evaluate"):
             if not callable(getattr(harness, name, None)):
                 raise ValueError(f"harness must implement Harness.{name}, got {type(harness).__name__}")
+        if getattr(harness, "context", None) is not None and not callable(harness.context):
+            raise ValueError(f"harness.context must be callable (messages -> messages), got {harness.context!r}")
+        for name, flag in (("one_call_per_turn", one_call_per_turn), ("require_tool_call", require_tool_call)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         sampling = sampling or SamplingParams(max_tokens=512)
         if not isinstance(sampling, SamplingParams) or sampling.n != 1:
             raise ValueError(
@@ -241,7 +256,9 @@ class AgentLoop:
         self.env_timeout_s = float(env_timeout_s)
         self.env_retries = env_retries
         self.max_format_errors = max_format_errors
-        self.one_call_per_turn = bool(one_call_per_turn)
+        self.one_call_per_turn = one_call_per_turn
+        self.require_tool_call = require_tool_call
+        self._context: Callable[[list[Message]], list[Message]] = getattr(harness, "context", None) or list
         self.max_prompt_tokens = max_prompt_tokens
         self.concurrency = concurrency
         self.start_jitter_s = float(start_jitter_s)
@@ -309,6 +326,8 @@ class AgentLoop:
         errors = list(parsed.errors)
         if self.one_call_per_turn and not errors and len(parsed.tool_calls) != 1:
             errors.append(f"exactly one tool call a turn is required, got {len(parsed.tool_calls)}")
+        if self.require_tool_call and not errors and not parsed.tool_calls:
+            errors.append("a tool call a turn is required, got none")
         if errors:
             # A turn with a malformed call runs none of its calls and keeps its raw text, so the trajectory
             # re-renders to exactly the sampled text.
@@ -369,7 +388,7 @@ class AgentLoop:
                 if time.monotonic() >= deadline:
                     termination = "time_budget"
                     break
-                prompt_ids = builder.prompt(messages)
+                prompt_ids = builder.prompt(self._context(messages))
                 if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
                     meta["context_exhausted"] = True
                     break
@@ -383,7 +402,7 @@ class AgentLoop:
                 meta["cut_turns"] += completion.finish_reason == "length"
                 assistant, parse_errors = self._assistant_message(completion, meta["steps"] - 1)
                 messages.append(assistant)
-                builder.add_assistant(messages, completion.token_ids)
+                builder.add_assistant(self._context(messages), completion.token_ids)
                 if not assistant.tool_calls and not parse_errors:
                     termination = "done"
                     break

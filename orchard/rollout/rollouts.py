@@ -16,7 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from orchard.data import Trajectory, merge_prefix_samples, render_trajectory
+from orchard.data import RenderedSample, Trajectory, merge_prefix_samples, render_trajectory
 from orchard.rollout.agent_loop import AgentLoop
 from orchard.rollout.engine import Engine, SamplingParams
 from orchard.rollout.harness import Harness
@@ -40,7 +40,7 @@ class Rollouts(Protocol):
 
 
 class AgentLoopRollouts:
-    """`Rollouts` of an in-process `Harness` through the `AgentLoop`; each scored trajectory rendered to one sample.
+    """`Rollouts` of an in-process `Harness` through the `AgentLoop`; each scored trajectory rendered to its samples.
 
     Args:
         client: an ``orchard.env.AsyncSandboxClient``.
@@ -49,19 +49,26 @@ class AgentLoopRollouts:
         max_tokens: per assistant turn when a call gives none. Default 512.
         seed: seeds each call's start jitter and retry backoff (a fresh draw per call; a call's ``seed`` seeds its
             sampling). Default None.
+        render: a scored trajectory's training samples; default one sample, `render_trajectory` with
+            ``tokenizer`` (a harness whose context drops part of the trajectory renders per turn instead: the GUI's
+            screenshots).
         **loop_kwargs: the rest of `AgentLoop`'s keywords (``max_steps``, ``max_time_s``, ``concurrency``, ...);
             ``progress`` (a bar per call) defaults to whether stderr is an interactive terminal.
     """
 
     def __init__(self, client: Any, harness: Harness, tokenizer: Any, *, max_tokens: int = 512,
-                 seed: int | None = None, **loop_kwargs: Any) -> None:
+                 seed: int | None = None, render: Callable[[Trajectory], list[RenderedSample]] | None = None,
+                 **loop_kwargs: Any) -> None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if render is not None and not callable(render):
+            raise ValueError(f"render must be callable (Trajectory -> samples) or None, got {render!r}")
         for name in ("engine", "client", "harness", "tokenizer", "sampling", "seed"):
             if name in loop_kwargs:
                 raise ValueError(f"loop_kwargs may not set {name!r}: it is an argument of the call or of this class")
         self.client, self.harness, self.tokenizer = client, harness, tokenizer
         self.max_tokens = max_tokens
+        self.render = render or (lambda traj: [render_trajectory(traj, tokenizer)])
         self.loop_kwargs = {"progress": sys.stderr.isatty(), **loop_kwargs}
         self._rng = random.Random(seed)
 
@@ -73,7 +80,7 @@ class AgentLoopRollouts:
         trajectories = await loop.run_many(tasks, group_size=group_size, seed=seed)
         for traj in trajectories:
             if traj.valid and traj.has_token_ids:
-                traj.samples = [render_trajectory(traj, self.tokenizer)]
+                traj.samples = self.render(traj)
         return trajectories
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["ModelConfig", "load_policy", "make_engine", "save_policy"]
+__all__ = ["ModelConfig", "load_image_processor", "load_policy", "make_engine", "save_policy"]
 
 
 @dataclass
@@ -31,6 +31,9 @@ class ModelConfig:
     """Rollout engine: hf (this process, CPU or GPU) or vllm (GPU extra)."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of vllm.LLM (tensor_parallel_size, gpu_memory_utilization, ...)."""
+    freeze_vision: bool = False
+    """A vision-language checkpoint's vision encoder and projector stay frozen in training (`load_causal_lm`'s
+    ``freeze_vision``; the paper's GUI agent trains this way); needs ``path``."""
     compile_decode: bool = False
     """HF engine: run its fast decode step through torch.compile (`HFEngine`'s ``compile_decode``: a one-time
     compile of tens of seconds on CPU, then cheaper decode steps)."""
@@ -51,6 +54,11 @@ class ModelConfig:
             raise ValueError(f"hidden_size must be a multiple of 4 (4 attention heads), got {self.hidden_size}")
         if self.engine == "vllm" and self.path is None:
             raise ValueError("engine=vllm needs path (vLLM loads a checkpoint)")
+        if not isinstance(self.freeze_vision, bool):
+            raise ValueError(f"freeze_vision must be true or false, got {self.freeze_vision!r}")
+        if self.freeze_vision and self.path is None:
+            raise ValueError("freeze_vision needs path (a vision-language checkpoint); the tiny model has no vision "
+                             "tower")
         if not isinstance(self.compile_decode, bool):
             raise ValueError(f"compile_decode must be true or false, got {self.compile_decode!r}")
         if self.engine == "vllm" and self.compile_decode:
@@ -64,7 +72,8 @@ def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[
         from orchard.models.pretrained import load_chat_tokenizer
         from orchard.train.model import load_causal_lm
 
-        return load_causal_lm(cfg.path, dtype=cfg.dtype), load_chat_tokenizer(cfg.path)
+        return (load_causal_lm(cfg.path, dtype=cfg.dtype, freeze_vision=cfg.freeze_vision),
+                load_chat_tokenizer(cfg.path))
     from orchard.data.tokenizer import build_chat_tokenizer
     from orchard.models import tiny_qwen3
 
@@ -74,6 +83,28 @@ def load_policy(cfg: ModelConfig, corpus: Sequence[str], *, seed: int) -> tuple[
                        num_hidden_layers=cfg.num_layers, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=h // 4)
     return model, tokenizer
+
+
+def load_image_processor(cfg: ModelConfig) -> Any:
+    """The image processor of ``cfg.path`` (a Qwen-VL family checkpoint's ``preprocessor_config.json``), which
+    rendering needs for samples with screenshots (`orchard.data.render_turns`' ``processor``). Nothing is
+    downloaded; a checkpoint without one is a ``ValueError`` naming ``model.path``."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if cfg.path is None:
+        raise ValueError("model.path is null: screenshots need a vision-language checkpoint with an image processor")
+    from orchard._extras import requires_extra
+    from orchard.models.pretrained import resolve_checkpoint
+
+    with requires_extra("data"):
+        from transformers import AutoImageProcessor
+
+    directory = resolve_checkpoint(cfg.path)
+    try:
+        return AutoImageProcessor.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model.path {cfg.path!r} has no image processor (preprocessor_config.json) for the "
+                         f"screenshots: {exc}") from exc
 
 
 def make_engine(cfg: ModelConfig, model: Any, tokenizer: Any, *, seed: int) -> Any:

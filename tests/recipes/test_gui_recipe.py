@@ -1,6 +1,7 @@
 """A short smoke run of the GUI recipe in real headless Chromium: embedded service, two templates, the judged
 teacher, base evaluation, curation and per-turn SFT, evaluation, one RL step per budget of a two-budget
-curriculum, evaluation (about two minutes, at most two browsers at once); and its config errors."""
+curriculum, evaluation (about two minutes, at most two browsers at once); `gui.yaml` (screenshots) on a tiny
+Qwen3-VL checkpoint through SFT (about 30 s); and its config errors."""
 
 import json
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +52,39 @@ def test_gui_recipe_smoke(tmp_path):
     # smoke has a group whose rewards differ (then: groups_with_signal >= 1 and grad_norm > 0 here).
     assert all(r["rl/format_errors"] == 4 and r["rl/groups_with_signal"] == 2 and r["grad_norm"] == 0 for r in rl), rl
     assert (out / "learning_curve.png").stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_the_papers_config_trains_sft_on_screenshots(tmp_path):
+    # gui.yaml as the paper runs it (screenshots, the last 2 kept, the vision tower frozen, K = 20), on a tiny
+    # random Qwen3-VL checkpoint with the HF engine and plain trainers; evaluation greedy (issue 33: a random
+    # policy sampling the image token itself cannot be rendered with pixels, docs/gui.md)
+    from safetensors.torch import load_file
+
+    from orchard.models.tiny import tiny_vl_chat_model
+
+    checkpoint, out = tmp_path / "vl", tmp_path / "run"
+    for part in tiny_vl_chat_model(seed=0):
+        part.save_pretrained(checkpoint)
+    proc = subprocess.run([
+        sys.executable, str(ROOT / "recipes/gui.py"), "--config", str(ROOT / "recipes/configs/gui.yaml"),
+        f"model.path={checkpoint}", "model.engine=hf", "model.dtype=float32", "model.vllm_kwargs={}",
+        f"output_dir={out}", "tasks.templates=[shop_price, info_fact]", "tasks.train_per_template=1",
+        "tasks.heldout_per_template=1", "teacher.attempts=2", "step_budgets=[3]", "rollout.max_steps=3",
+        "rollout.max_tokens=32", "rollout.concurrency=2", "rl.enabled=false", "sft.epochs=1", "sft.train.engine=plain",
+        "sft.train.dtype=float32", "sft.train.global_batch_size=4", "sft.train.micro_batch_size=2", "eval.attempts=1",
+        "eval.temperature=0", "keep_last_images=2"], capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["model"]["freeze_vision"] and set(saved["results"]) == {"base", "sft"}
+    provenance = json.loads((out / "sft_data" / "provenance.json").read_text())
+    assert provenance["samples"] >= 2 and provenance["images"]  # the SFT samples carried the screenshots
+    # one SFT step moved the language model and left the frozen vision tower as it was
+    before, after = load_file(checkpoint / "model.safetensors"), load_file(out / "sft_model" / "model.safetensors")
+    vision = [n for n in before if ".visual." in n]
+    assert vision and all(torch.equal(before[n], after[n]) for n in vision)
+    assert any(not torch.equal(before[n], after[n]) for n in before if ".language_model." in n)
+    assert (out / "sft_model" / "preprocessor_config.json").is_file()  # model.path=sft_model loads with images
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -164,6 +165,22 @@ def test_one_call_per_turn_makes_call_less_and_multi_call_turns_format_errors(se
     assert "got 0" in errors[0] and "got 2" in errors[1]
     assert [m.tool_calls for m in traj.messages if m.role == "assistant"][2] == []  # kept as raw text
     assert_no_drift(traj, engine.prompts, tokenizer)
+
+
+def test_require_tool_call_makes_call_less_turns_format_errors_and_runs_every_call(service, tokenizer):
+    two = exec_call("echo a > a.txt") + "\n" + exec_call("echo b > b.txt")
+    engine = RecordingEngine(ScriptedEngine(tokenizer, ["I am done.", two, "no call", "none", "still none"]))
+    task = {"prompt": "go", "check": "test -e a.txt && test -e b.txt"}
+    (traj,) = run_loop(service, engine, ShellHarness(), tokenizer, [task], require_tool_call=True)
+    # turn 1 (no call) errs instead of ending the rollout; turn 2 runs both its calls (the check passes); turns 3-5
+    # err three times in a row -> format_error after 5 steps
+    assert traj.termination_reason == "format_error" and traj.reward == 1.0
+    assert traj.metadata["format_errors"] == 4 and traj.metadata["steps"] == 5 and traj.metadata["tool_calls"] == 2
+    errors = [m.content for m in traj.messages if m.role == "tool" and m.content.startswith("Error")]
+    assert [e.count("a tool call a turn is required, got none") for e in errors] == [1, 1, 1, 1]
+    assert_no_drift(traj, engine.prompts, tokenizer)
+    with pytest.raises(ValueError, match="require_tool_call must be a bool"):
+        AgentLoop(engine, SimpleNamespace(create=None), ShellHarness(), tokenizer, require_tool_call="yes")
 
 
 def test_budgets(service, tokenizer):

@@ -7,11 +7,12 @@
    forms site, the information site), drawn with a seed (`orchard.data.cap_per_key`).
 3. `sft_turn_samples` serializes one sample per assistant turn: the prefix the policy saw before the turn (as
    context, never supervised) and that one turn as the target (`orchard.data.render_turns`). With
-   ``keep_images=k`` each prefix keeps only its last k screenshots as images (`keep_last_images`), as the
-   agent's context does at that step.
+   ``keep_images=k`` each prefix keeps only its last k screenshots as images (`policy_context`), as the agent's
+   context does at that step (the agent loop applies the same rule: `GUIHarness.context`).
 
-The paper gives the rule (shortest success per task, a cap per website, one target turn per prefix), not K: the
-caller chooses it. Removed rollouts (``metadata["removed"]``: captcha, judge failure) never count as successes.
+The paper's rule: the shortest success per task, at most K = `MAX_TASKS_PER_SITE` (20) tasks per website, one
+target turn per prefix. The seed issue says "at most K tasks per website"; K = 20 is the paper's value as issue 33
+quotes it. Removed rollouts (``metadata["removed"]``: captcha, judge failure) never count as successes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from orchard.data import (
-    Message,
     RenderedSample,
     Trajectory,
     cap_per_key,
@@ -28,9 +28,12 @@ from orchard.data import (
     shortest_successful_per_task,
 )
 from orchard.domains.gui.tasks import GUITask
-from orchard.domains.gui.tools import keep_last_images
+from orchard.domains.gui.tools import policy_context
 
-__all__ = ["curate_sft", "sft_turn_samples", "site_of"]
+__all__ = ["MAX_TASKS_PER_SITE", "curate_sft", "sft_turn_samples", "site_of"]
+
+MAX_TASKS_PER_SITE = 20
+"""The paper's K: the most tasks per website whose teacher trajectory SFT keeps."""
 
 
 def site_of(task: GUITask) -> str:
@@ -41,14 +44,15 @@ def site_of(task: GUITask) -> str:
 
 
 def curate_sft(trajectories: Iterable[Trajectory], tasks: Sequence[GUITask] | Mapping[str, GUITask], *,
-               max_tasks_per_site: int | None = None, seed: int = 0) -> list[Trajectory]:
+               max_tasks_per_site: int | None = MAX_TASKS_PER_SITE, seed: int = 0) -> list[Trajectory]:
     """The teacher's SFT trajectories: the shortest success of each task, at most ``max_tasks_per_site`` tasks
     per website.
 
     Args:
         trajectories: the judged teacher rollouts (``task_id`` set; a success has ``reward >= 1``).
         tasks: their tasks (a list, or a mapping by id), for the website of each.
-        max_tasks_per_site: K, the most tasks kept per website (chosen at random with ``seed``); None keeps all.
+        max_tasks_per_site: K, the most tasks kept per website (chosen at random with ``seed``); default 20, the
+            paper's; None keeps all.
         seed: the draw's seed.
 
     Returns:
@@ -74,11 +78,10 @@ def curate_sft(trajectories: Iterable[Trajectory], tasks: Sequence[GUITask] | Ma
 def turn_prefixes(traj: Trajectory, keep_images: int) -> list[Trajectory]:
     """Per assistant turn of ``traj``, the conversation up to and including that turn as the agent saw it: only the
     last ``keep_images`` screenshots of its prefix kept as images (earlier ones `IMAGE_PLACEHOLDER`, their text
-    kept), trimmed over ``messages[:i]``, not over the whole run."""
+    kept), trimmed over ``messages[:i]``, not over the whole run (`policy_context`, the agent loop's rule too)."""
     out = []
     for i in traj.assistant_indices:
-        shown = keep_last_images([m.to_openai() for m in traj.messages[:i]], keep_images)
-        prefix = [Message.from_dict(m) for m in shown] + [traj.messages[i]]
+        prefix = [*policy_context(traj.messages[:i], keep_images), traj.messages[i]]
         out.append(Trajectory(prefix, traj.tools, traj.reward, task_id=traj.task_id, group_id=traj.group_id))
     return out
 
@@ -104,7 +107,7 @@ def sft_turn_samples(trajectories: Iterable[Trajectory], tokenizer: Any, *, keep
     for n, traj in enumerate(trajectories):
         if not isinstance(traj, Trajectory):
             raise ValueError(f"trajectories[{n}] must be a Trajectory, got {type(traj).__name__}")
-        if keep_images is None:
+        if keep_images is None or sum(len(m.image_urls) for m in traj.messages) <= keep_images:  # nothing to trim
             samples += render_turns(traj, tokenizer, max_len=max_len, processor=processor)
             continue
         for turn in turn_prefixes(traj, keep_images):

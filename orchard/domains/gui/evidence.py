@@ -196,8 +196,8 @@ def parse_judge_score(text: str) -> tuple[float | None, str]:
 def browser_observations(trajectory: Trajectory | Sequence[Message]) -> list[str]:
     """The text of every observation the browser produced in the run, told by provenance: the user messages
     before the first assistant turn (the harness's start: the intent and the first page) and each tool message
-    that answers the one call of a well-formed turn (exactly one call of `GUI_TOOLS` whose arguments fit its
-    schema: the only turns the harness hands to the browser), ``done`` excepted. The assistant's own messages
+    that answers a call of a well-formed turn (one or more calls of `GUI_TOOLS` whose arguments fit their
+    schemas: the only turns the harness hands to the browser), ``done`` excepted. The assistant's own messages
     are never observations, nor is what answers a malformed turn (the loop's error may repeat the agent's text).
     """
     messages = _messages(trajectory)
@@ -206,11 +206,11 @@ def browser_observations(trajectory: Trajectory | Sequence[Message]) -> list[str
     out = [_text(m.content) for m in messages[:turns[0] if turns else len(messages)] if m.role == "user"]
     for k, i in enumerate(turns):
         calls = messages[i].tool_calls
-        if len(calls) != 1 or i in bad or calls[0].name == "done":
+        if not calls or i in bad:
             continue
+        acted = {c.id for c in calls if c.name != "done"}
         stop = turns[k + 1] if k + 1 < len(turns) else len(messages)
-        out += [_text(m.content) for m in messages[i + 1:stop]
-                if m.role == "tool" and m.tool_call_id == calls[0].id]
+        out += [_text(m.content) for m in messages[i + 1:stop] if m.role == "tool" and m.tool_call_id in acted]
     return out
 
 

@@ -28,6 +28,13 @@
 Our readings: the process judge is asked only after the outcome judge confirms (a run that failed the first stage
 is not complete whatever the second says, and the call is saved); a run that ended with ``format_error`` gets -1
 without a judge call (rule 2 of `gui_reward` wins over any verdict, the captcha's removal included).
+
+"The judge confirms completion" is the two-stage verdict, both scores >= 0.8 (our reading). The seed says of the
+judges "(SoftwareGym's two stages): an outcome judge ...; a process judge ...; keep iff both ≥ 0.8" and of the
+reward "+1 when every assistant turn is well-formed and the judge confirms completion": the only decision rule it
+gives this judge is the joint one. Reading the reward as the outcome judge alone would also undo the guard
+against answers no page showed (a memorised answer at the first step: the outcome judge sees the answer, only the
+process judge sees that no served page held it; `tests/domains/gui/test_gui_judge_cheats.py`).
 """
 
 from __future__ import annotations
@@ -363,13 +370,17 @@ async def judge_gui_trajectory(
 
 
 def turn_format_ok(trajectory: Trajectory, tools: Sequence[dict[str, Any]] | None = None) -> list[bool]:
-    """Per assistant turn, whether it is well formed: exactly one tool call (one action a step, our reading), of a
-    tool in ``tools`` (default `GUI_TOOLS`), whose arguments parse and fit its schema (`check_tool_calls`). An
-    action the browser answers with an error (a point outside the viewport) is well formed: the format held."""
+    """Per assistant turn, whether it is well formed: one or more tool calls, each of a tool in ``tools`` (default
+    `GUI_TOOLS`) whose arguments parse and fit its schema (`check_tool_calls`). A turn without a call is not. An
+    action the browser answers with an error (a point outside the viewport) is well formed: the format held.
+
+    The seed gives "+1 when every assistant turn is well-formed" without defining the word; "one or more tool
+    calls" is issue 33's reading of the paper, which we follow (a turn may act several times; the step budget
+    counts turns)."""
     if not isinstance(trajectory, Trajectory):
         raise ValueError(f"trajectory must be a Trajectory, got {type(trajectory).__name__}")
     bad = {issue.message_index for issue in check_tool_calls(trajectory, GUI_TOOLS if tools is None else tools)}
-    return [len(trajectory.messages[i].tool_calls) == 1 and i not in bad for i in trajectory.assistant_indices]
+    return [len(trajectory.messages[i].tool_calls) >= 1 and i not in bad for i in trajectory.assistant_indices]
 
 
 def gui_rollout_reward(trajectory: Trajectory, completed: bool | None, *, blocked: bool = False,
@@ -378,9 +389,11 @@ def gui_rollout_reward(trajectory: Trajectory, completed: bool | None, *, blocke
     "ended after repeated format failures" read as ``termination_reason == "format_error"`` (the agent loop's
     ``max_format_errors`` consecutive malformed turns, 3 by default).
 
-    +1 every turn well formed and ``completed``; -1 ended by format failures; 0 otherwise; dropped (reward None)
-    when ``blocked`` (the captcha) or ``completed is None`` (the judge failed) and the run did not end by format
-    failures.
+    +1 every turn well formed (`turn_format_ok`: one or more valid tool calls) and ``completed``; -1 ended by
+    format failures; 0 otherwise; dropped (reward None) when ``blocked`` (the captcha) or ``completed is None``
+    (the judge failed) and the run did not end by format failures. ``completed`` is what the caller's judge
+    confirmed: `judge_gui_trajectories` passes the two-stage verdict (both scores >= 0.8; our reading of "the
+    judge confirms completion", see the module docstring), the rollouts pass the task's checker.
     """
     return gui_reward(turn_format_ok(trajectory, tools), completed,
                       ended_by_format_failure=trajectory.termination_reason == "format_error", page_blocked=blocked)

@@ -10,22 +10,24 @@ retries, concurrency and "the sandbox is always closed" are the loop's, tested t
   Chromium in a fresh sandbox of the synchronous `SandboxClient`, which the session's terminal needs);
   ``delete()`` closes the browser and deletes the sandbox. Session calls run in worker threads.
 
-One episode: the browser opens the task's start page (fresh site state); every assistant turn must make exactly
-one tool call of the 13 whose arguments fit its schema (`turn_format_ok`'s rule); a turn that does not runs
-nothing and is a format error (the loop's ``one_call_per_turn``), and 3 in a row end the run as ``format_error``
-(reward -1). ``done(response)`` is the only end the policy chooses; otherwise the step budget (``max_steps``, the
-paper's curriculum 15 then 30) ends it. An invalid action the browser refuses (a point outside the viewport, a
-missing tab) is an error observation and well formed. A browser that is gone is ``env_error`` (dropped, never
-scored). At the end ``metadata["site_state"]`` holds the final site state (what the two-stage judge's reference
-shows) and ``metadata["response"]`` the done response; the reward is `gui_rollout_reward` with the task's checker
-standing in for the judge (+1 / 0 / -1; ``passed`` is the check, the evaluation's success), and a run that met the
-captcha is unscored (``metadata["blocked"]``). Wrap the rollouts in `JudgedGUIRollouts` for the judge's reward.
+One episode: the browser opens the task's start page (fresh site state); every assistant turn must make one or
+more tool calls of the 13 whose arguments fit their schemas (`turn_format_ok`'s rule); the calls of a turn run in
+order; a turn without a call runs nothing and is a format error (the loop's ``require_tool_call``), as is a turn
+with a malformed call, and 3 in a row end the run as ``format_error`` (reward -1). ``done(response)`` is the only
+end the policy chooses; otherwise the step budget (``max_steps``, the paper's curriculum 15 then 30) ends it. An
+invalid action the browser refuses (a point outside the viewport, a missing tab) is an error observation and well
+formed. A browser that is gone is ``env_error`` (dropped, never scored). At the end ``metadata["site_state"]``
+holds the final site state (what the two-stage judge's reference shows) and ``metadata["response"]`` the done
+response; the reward is `gui_rollout_reward` with the task's checker standing in for the judge (+1 / 0 / -1;
+``passed`` is the check, the evaluation's success), and a run that met the captcha is unscored
+(``metadata["blocked"]``). Wrap the rollouts in `JudgedGUIRollouts` for the judge's reward.
 
 Observations are the text view (``images=False``, the tiny CPU recipe) or, with ``images=True``, content parts
 with the screenshot as a PNG data URL, as the teacher's. The loop sends the policy token ids of its chat
 template, so with images the template's vision placeholders reach the engine but no pixels: a vision-language
 policy needs its image inputs fed by the engine, which no engine here does yet (issue 19). Every screenshot stays
-in the trajectory (the judges' evidence).
+in the trajectory (the judges' evidence); the policy's prompts show only the last ``keep_images`` of them as
+images (`GUIHarness.context`, the rule the SFT prefixes follow: `orchard.domains.gui.tools.policy_context`).
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from typing import Any
 
 from orchard.data import Message, ToolCall, Trajectory
 from orchard.data.curation import check_tool_calls
+from orchard.domains.gui.curation import sft_turn_samples
 from orchard.domains.gui.judge import gui_rollout_reward
 from orchard.domains.gui.session import BrowserSession
 from orchard.domains.gui.tasks import GUITask, check_task
 from orchard.domains.gui.teacher import GUI_SYSTEM
-from orchard.domains.gui.tools import GUI_TOOLS
+from orchard.domains.gui.tools import GUI_TOOLS, policy_context
 from orchard.domains.gui.tools import Observation as BrowserObservation
 from orchard.env import SandboxClient
 from orchard.rollout.harness import EnvironmentFailure, InvalidToolCall, Observation
@@ -104,14 +107,22 @@ class GUIHarness:
     Args:
         max_steps: the step budget in assistant turns (the paper's curriculum: 15, then 30). Default 15.
         images: tool observations as content parts with the screenshot (True) or the text view only (False).
+        keep_images: the policy is shown only the last ``keep_images`` screenshots as images (`context`); None
+            shows every one. The trajectory keeps them all.
     """
 
-    def __init__(self, *, max_steps: int = 15, images: bool = False) -> None:
+    def __init__(self, *, max_steps: int = 15, images: bool = False, keep_images: int | None = None) -> None:
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
         if not isinstance(images, bool):
             raise ValueError(f"images must be a bool, got {images!r}")
-        self.max_steps, self.images = max_steps, images
+        policy_context([], keep_images)  # validates keep_images
+        self.max_steps, self.images, self.keep_images = max_steps, images, keep_images
+
+    def context(self, messages: list[Message]) -> list[Message]:
+        """What the policy is shown of ``messages`` (the agent loop's hook): `policy_context` with ``keep_images``,
+        as `orchard.domains.gui.curation.sft_turn_samples` trims its prefixes."""
+        return policy_context(messages, self.keep_images)
 
     def system_prompt(self, task: Any) -> str | None:
         return GUI_SYSTEM
@@ -162,7 +173,8 @@ class GUIHarness:
 
 
 def gui_rollouts(client: SandboxClient, tokenizer: Any, *, max_steps: int = 15, images: bool = False,
-                 max_tokens: int = 256, seed: int | None = None,
+                 keep_images: int | None = None, processor: Any = None, max_tokens: int = 256,
+                 seed: int | None = None,
                  session_kwargs: Mapping[str, Any] | None = None, **loop_kwargs: Any) -> AgentLoopRollouts:
     """The GUI domain's `Rollouts`: ``await rollouts(engine, tasks, group_size=..., temperature=...)`` plays each
     `GUITask` ``group_size`` times, one browser (sandbox) per episode, and returns scored trajectories with their
@@ -173,16 +185,28 @@ def gui_rollouts(client: SandboxClient, tokenizer: Any, *, max_steps: int = 15, 
         tokenizer: the policy's chat tokenizer.
         max_steps: the step budget (15, then 30 in the paper's curriculum).
         images: screenshots in the tool observations (True) or the text view only (False, the tiny recipe).
+        keep_images: the policy's prompts keep only the last ``keep_images`` screenshots as images (None: all);
+            give the SFT samples the same (`sft_turn_samples`' ``keep_images``).
+        processor: with ``images``, the policy's image processor (Qwen-VL family): each rollout is rendered one
+            sample per assistant turn, its prefix trimmed to ``keep_images`` screenshots as the prompt was
+            (`sft_turn_samples`), each with the trajectory's reward. None: one text sample per rollout (a
+            trajectory with screenshots then cannot be rendered: pass it).
         max_tokens: per assistant turn when a call gives none.
         seed: seeds the loop's start jitter.
         session_kwargs: `BrowserSession.open` keywords (``viewport``, ``image``, ...).
         **loop_kwargs: the rest of `AgentLoop`'s (``concurrency``, ``max_time_s``, ``max_format_errors`` (3) ...).
     """
-    if "one_call_per_turn" in loop_kwargs:
-        raise ValueError("loop_kwargs may not set 'one_call_per_turn': a GUI turn is exactly one action")
+    for name in ("one_call_per_turn", "require_tool_call"):
+        if name in loop_kwargs:
+            raise ValueError(f"loop_kwargs may not set {name!r}: a GUI turn is one or more actions")
     if "screenshots" in (session_kwargs or {}):
         raise ValueError("session_kwargs may not set 'screenshots': images sets it")
+    if processor is not None and not images:
+        raise ValueError("processor is given but images=False: the text view has no screenshots to render")
+    render = None if processor is None else (
+        lambda traj: sft_turn_samples([traj], tokenizer, keep_images=keep_images, processor=processor))
     # a text-only policy never sees a screenshot, and taking one costs more than the rest of a step
     return AgentLoopRollouts(BrowserSandboxes(client, screenshots=images, **dict(session_kwargs or {})),
-                             GUIHarness(max_steps=max_steps, images=images), tokenizer, max_tokens=max_tokens,
-                             seed=seed, one_call_per_turn=True, **loop_kwargs)
+                             GUIHarness(max_steps=max_steps, images=images, keep_images=keep_images), tokenizer,
+                             max_tokens=max_tokens, seed=seed, render=render, require_tool_call=True,
+                             **loop_kwargs)

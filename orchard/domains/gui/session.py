@@ -30,10 +30,12 @@ the sandbox's own view (an image whose files are the browser's whole world, as i
 One browser per sandbox (the host takes a lock in the workspace), one fixed viewport per session. Screenshots are
 taken only when asked (``screenshots``, or per call): a text-only policy pays for none.
 
-Memory: the local backend's memory limit is RLIMIT_AS, an address-space cap per process, and Chromium's V8
-reserves about a terabyte of address space for its sandbox cage: below ~128 GiB Chromium dies at start
-(SIGTRAP). `open` therefore asks for `BROWSER_MEMORY` by default; the paper's 8 GiB per browser is a resident
-limit, which only a cgroup can enforce (the Kubernetes backend's memory limit), not an rlimit.
+Resources (`browser_resources`): the paper gives each browser 1 vCPU and 8 GiB, resident limits that only a cgroup
+enforces; the Kubernetes backend makes them the pod's requests and limits, so `open` asks it for exactly that. The
+local backend's memory limit is RLIMIT_AS, an address-space cap per process, and Chromium's V8 reserves about a
+terabyte of address space for its sandbox cage: below ~128 GiB Chromium dies at start (SIGTRAP). There `open` asks
+for `BROWSER_MEMORY` (1024Gi, which caps no resident memory) and no CPU (its CPU limit is CPU seconds per
+process, not a core).
 
 The image needs python3 with Playwright and Chromium. On the "host" image the sandbox's python3 is the
 system's, which usually lacks Playwright; `playwright_path` is put on its PYTHONPATH. By default it is
@@ -60,13 +62,24 @@ from orchard.domains.gui.tools import Observation
 from orchard.env import Sandbox, SandboxClient, SandboxError
 
 BROWSER_MEMORY = "1024Gi"
-"""The memory (RLIMIT_AS) `BrowserSession.open` asks for: see the module docstring."""
+"""The memory (RLIMIT_AS) `BrowserSession.open` asks the local backend for: see the module docstring."""
+PAPER_BROWSER_RESOURCES = {"cpu": "1", "memory": "8Gi"}
+"""The paper's resources per browser (1 vCPU, 8 GiB), asked of a backend whose limits are cgroups (Kubernetes)."""
 HOST_DIR = ".orchard-gui"
 """The workspace folder the host, the sites, the lock and the host's log go to."""
 SITE_ORIGIN = "http://127.0.0.1:8000"
 """Where the browser finds the sites; the browser context answers it itself, nothing listens there."""
 _START_LOG_LINES = 20
 """How much of the host's log a failed start quotes."""
+
+
+def browser_resources(backend: str) -> dict[str, str]:
+    """The ``cpu`` / ``memory`` a browser's sandbox asks for on ``backend`` (what the service's ``/health`` names):
+    ``{"memory": BROWSER_MEMORY}`` on ``local`` (an address-space rlimit Chromium can start under, and no CPU-seconds
+    limit), the paper's `PAPER_BROWSER_RESOURCES` (1 vCPU, 8 GiB) on any other (Kubernetes: cgroup limits)."""
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be a backend name such as 'local' or 'kubernetes', got {backend!r}")
+    return {"memory": BROWSER_MEMORY} if backend == "local" else dict(PAPER_BROWSER_RESOURCES)
 
 
 PLAYWRIGHT_PATH_ENV = "ORCHARD_GUI_PLAYWRIGHT_PATH"
@@ -209,10 +222,16 @@ class BrowserSession:
         return error
 
     @classmethod
-    def open(cls, client: SandboxClient, *, image: str = "host", memory: str = BROWSER_MEMORY,
+    def open(cls, client: SandboxClient, *, image: str = "host", cpu: str | None = None, memory: str | None = None,
              block_network: bool = True, **kwargs: Any) -> BrowserSession:
-        """Create a sandbox for one browser and start it; the session deletes the sandbox on `close()`."""
-        sandbox = client.create(image, block_network=block_network, memory=memory)
+        """Create a sandbox for one browser and start it; the session deletes the sandbox on `close()`.
+
+        ``cpu`` / ``memory`` (Kubernetes quantities) default to `browser_resources` of the service's backend."""
+        if cpu is None or memory is None:
+            defaults = browser_resources(str(client.health().get("backend")))
+            cpu = defaults.get("cpu") if cpu is None else cpu
+            memory = defaults["memory"] if memory is None else memory
+        sandbox = client.create(image, block_network=block_network, cpu=cpu, memory=memory)
         try:
             return cls(sandbox, own_sandbox=True, **kwargs)
         except BaseException:

@@ -11,8 +11,11 @@ whose `error` says what was wrong, and the episode goes on.
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
+
+from orchard.data import Message
 
 
 def _fn(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -49,6 +52,9 @@ GUI_TOOLS: list[dict[str, Any]] = [
         ["response"]),
 ]
 GUI_TOOL_NAMES = tuple(t["function"]["name"] for t in GUI_TOOLS)
+KEEP_LAST_IMAGES = 3
+"""How many screenshots the policy's context keeps as images by default. The paper keeps "only the last k
+screenshots"; the seed gives no k, so 3 is our choice."""
 
 IMAGE_PLACEHOLDER = "[an earlier screenshot, removed]"
 TEXT_VIEW_HEADER = "Page elements (role, name, centre):"
@@ -99,7 +105,7 @@ class Observation:
         return parts
 
 
-def keep_last_images(messages: list[dict[str, Any]], k: int = 3) -> list[dict[str, Any]]:
+def keep_last_images(messages: list[dict[str, Any]], k: int = KEEP_LAST_IMAGES) -> list[dict[str, Any]]:
     """A copy of `messages` in which only the last `k` images remain; earlier ones become a text placeholder.
 
     The text parts of every observation stay, so the policy still knows which URLs and errors it saw. `k = 0`
@@ -122,3 +128,26 @@ def keep_last_images(messages: list[dict[str, Any]], k: int = 3) -> list[dict[st
             message = {**message, "content": content}
         out.append(message)
     return out
+
+
+def policy_context(messages: Sequence[Message], keep_images: int | None) -> list[Message]:
+    """``messages`` as the policy sees them: only the last ``keep_images`` screenshots kept as images
+    (`keep_last_images`: earlier ones become `IMAGE_PLACEHOLDER`, their text kept); None keeps every one.
+
+    The one rule both sides apply, so the SFT prefixes (`orchard.domains.gui.curation.turn_prefixes`) and the
+    agent loop's prompts (`orchard.domains.gui.rollouts.GUIHarness.context`) show the same context. The trajectory
+    itself keeps every screenshot (the judges' evidence).
+    """
+    if keep_images is not None and (isinstance(keep_images, bool) or not isinstance(keep_images, int)
+                                    or keep_images < 0):
+        raise ValueError(f"keep_images must be an int >= 0 or None, got {keep_images!r}")
+    messages = list(messages)
+    for i, m in enumerate(messages):
+        if not isinstance(m, Message):
+            raise ValueError(f"messages[{i}] must be a Message, got {type(m).__name__}")
+    if keep_images is None or sum(len(m.image_urls) for m in messages) <= keep_images:
+        return messages
+    trimmed = keep_last_images([{"content": m.content} for m in messages], keep_images)
+    # a message whose images all stay is the same object (an assistant turn keeps its sampled token ids)
+    return [m if t["content"] is m.content else replace(m, content=t["content"])
+            for m, t in zip(messages, trimmed, strict=True)]

@@ -93,14 +93,15 @@ def test_malformed_turns_end_the_run_as_format_error(client, tokenizer):
         call("click", x=5000, y=5),  # well formed; the browser refuses it: an error observation, no format error
         "I think the answer is 42.",  # no tool call: a format error, not the end
         call("click", x=5),  # a required argument missing
-        call("go_back") + "\n" + call("go_back"),  # two actions in one turn: none runs
+        call("fly", x=1),  # no such tool (two actions in one turn would be well formed: issue 33)
     ]
     [traj], _ = play(client, tokenizer, script, [task])
     assert traj.termination_reason == "format_error"
     assert traj.metadata["steps"] == 4 and traj.metadata["format_errors"] == 3
     tool = [m.content for m in traj.messages if m.role == "tool"]
     assert tool[0].startswith("Error:") and "outside" in tool[0]  # the browser's own refusal
-    assert "missing_required" in tool[2] and "got 2" in tool[3]
+    assert "a tool call a turn is required" in tool[1]
+    assert "missing_required" in tool[2] and "unknown tool 'fly'" in tool[3]
     # -1 (gui_rollout_reward: ended by repeated format failures), and the final site state is recorded
     assert traj.reward == -1.0 and not traj.passed and traj.metadata["reward_reason"] == "format_failure"
     assert traj.metadata["site_state"]["captcha_hits"] == 0
