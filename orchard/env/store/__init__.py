@@ -10,9 +10,11 @@ from orchard.env.store.base import (
     JOB_STATUSES,
     LOST_JOB_ERROR,
     SANDBOX_STATUSES,
+    SNAPSHOT_STATUSES,
     IdempotencyRecord,
     JobRecord,
     SandboxRecord,
+    SnapshotRecord,
     StateStore,
 )
 from orchard.env.store.sqlite import SQLiteStore
@@ -26,7 +28,9 @@ __all__ = [
     "JobRecord",
     "RedisStore",
     "SQLiteStore",
+    "SNAPSHOT_STATUSES",
     "SandboxRecord",
+    "SnapshotRecord",
     "StateStore",
     "open_store",
 ]
