@@ -112,12 +112,12 @@ async def backend_rows(root: str, workspace: str, n: int) -> tuple[dict[str, lis
 
 
 def service_row(workspace: str, n: int) -> list[float]:
-    with serve(allow_weak_isolation=True) as svc, SandboxClient(svc.url, svc.api_key) as client:
-        with client.create(block_network=False) as sb:
-            sb.upload_archive("/workspace", _tar(workspace))
-            with sb.snapshot() as snap:
-                forks = []
-                lat = timed_sync(n, lambda i: forks.append(snap.fork()), lambda i: forks.pop().delete())
+    with serve(allow_weak_isolation=True) as svc, SandboxClient(svc.url, svc.api_key) as client, \
+            client.create(block_network=False) as sb:
+        sb.upload_archive("/workspace", _tar(workspace))
+        with sb.snapshot() as snap:
+            forks = []
+            lat = timed_sync(n, lambda i: forks.append(snap.fork()), lambda i: forks.pop().delete())
     return lat
 
 

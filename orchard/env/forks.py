@@ -32,7 +32,12 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from orchard.env.backends.base import SandboxNotFoundError, SandboxSpec, SnapshotBackend, SnapshotNotFoundError
+from orchard.env.backends.base import (
+    SandboxNotFoundError,
+    SandboxSpec,
+    SnapshotBackend,
+    SnapshotNotFoundError,
+)
 from orchard.env.errors import (
     BackendRefusedError,
     BadRequestError,

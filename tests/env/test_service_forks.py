@@ -13,6 +13,7 @@ import uuid
 
 import httpx
 import pytest
+from test_service_api import EchoBackend
 
 from orchard.env import (
     AsyncSandboxClient,
@@ -22,6 +23,10 @@ from orchard.env import (
     SandboxClient,
 )
 from orchard.env.embedded import serve
+from orchard.env.forks import Forks
+from orchard.env.orchestrator import Orchestrator
+from orchard.env.server import create_app
+from orchard.env.store import SQLiteStore
 
 MAX_SNAPSHOTS, MAX_FORKS = 3, 3
 
@@ -222,3 +227,23 @@ def test_snapshots_survive_a_restart_and_lost_ones_are_dropped():
             client.delete_snapshot("kept")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_backend_without_copies_answers_501_and_bad_quotas_are_refused(tmp_path):
+    orchestrator = Orchestrator(EchoBackend(), SQLiteStore(tmp_path / "state.sqlite3"))
+    await orchestrator.start(reaper=False)
+    app = create_app(orchestrator, ["k"], manage_lifecycle=False)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            made = await http.post("/sandboxes", json={"sandbox_id": "a"}, headers={"X-API-Key": "k"})
+            assert made.status_code == 200 and made.json()["forked_from"] is None
+            for path in ("/sandboxes/a/snapshots", "/sandboxes/a/fork"):
+                r = await http.post(path, json={}, headers={"X-API-Key": "k"})
+                assert (r.status_code, r.json()["detail"]["error"]) == (501, "snapshots_unsupported")
+    finally:
+        await orchestrator.close()
+    for name, bad in (("max_snapshots", -1), ("max_forks", 1.5), ("max_forks", True)):
+        with pytest.raises(ValueError, match=name):
+            Orchestrator(EchoBackend(), SQLiteStore(":memory:"), **{name: bad})
+    with pytest.raises(ValueError, match="orchestrator"):
+        Forks("not an orchestrator")  # type: ignore[arg-type]

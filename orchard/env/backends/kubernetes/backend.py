@@ -62,6 +62,7 @@ from orchard.env.backends.base import (
     SandboxNotFoundError,
     SandboxSpec,
 )
+from orchard.env.backends.kubernetes import snapshots
 from orchard.env.backends.kubernetes.manifests import (
     CPU_ANNOTATION,
     MEMORY_ANNOTATION,
@@ -75,7 +76,6 @@ from orchard.env.backends.kubernetes.manifests import (
     pod_state,
     secret_manifest,
 )
-from orchard.env.backends.kubernetes import snapshots
 from orchard.env.backends.kubernetes.watch import PodWatcher
 
 DELETED_OUT_OF_BAND = ("its pod was deleted out of band (not through this service: kubectl delete, a node drain, "
