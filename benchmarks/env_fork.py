@@ -111,9 +111,9 @@ async def backend_rows(root: str, workspace: str, n: int) -> tuple[dict[str, lis
         await backend.close()
 
 
-def service_row(workspace: str, n: int) -> list[float]:
-    with serve(allow_weak_isolation=True) as svc, SandboxClient(svc.url, svc.api_key) as client, \
-            client.create(block_network=False) as sb:
+def service_row(root: str, workspace: str, n: int) -> list[float]:
+    with serve(os.path.join(root, "service"), allow_weak_isolation=True) as svc, \
+            SandboxClient(svc.url, svc.api_key) as client, client.create(block_network=False) as sb:
         sb.upload_archive("/workspace", _tar(workspace))
         with sb.snapshot() as snap:
             forks = []
@@ -151,7 +151,7 @@ def main() -> None:
         backend, reflinks = asyncio.run(backend_rows(root, workspace, args.n))
         rows.update(backend)
         if not args.no_service:
-            rows["REST fork of a snapshot (sync client)"] = service_row(workspace, args.n)
+            rows["REST fork of a snapshot (sync client)"] = service_row(root, workspace, args.n)
         info = machine()
         print(f"# env_fork: {FILES} files, {size / 1e6:.2f} MB; file system {file_system(root)}, "
               f"{'reflinks (copy-on-write)' if reflinks else 'no reflinks: full copies'}; n = {args.n} each")
