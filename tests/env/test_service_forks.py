@@ -1,9 +1,10 @@
 """Snapshots and forks through the service as a server: the real app under uvicorn on loopback, real HTTP, the
 local backend with real child processes, both clients. Isolation, parent deletion, quotas, idempotency, bad input
-(each a status and a `detail.error`), a restart."""
+(each a status and a `detail.error`), a restart, a command on another replica."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -22,9 +23,10 @@ from orchard.env import (
     NotFoundError,
     SandboxClient,
 )
+from orchard.env.backends.local import LocalBackend
 from orchard.env.embedded import serve
-from orchard.env.forks import Forks
-from orchard.env.orchestrator import Orchestrator
+from orchard.env.forks import ForkParams, Forks
+from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator
 from orchard.env.server import create_app
 from orchard.env.store import SQLiteStore
 
@@ -247,3 +249,40 @@ async def test_a_backend_without_copies_answers_501_and_bad_quotas_are_refused(t
             Orchestrator(EchoBackend(), SQLiteStore(":memory:"), **{name: bad})
     with pytest.raises(ValueError, match="orchestrator"):
         Forks("not an orchestrator")  # type: ignore[arg-type]
+
+
+async def test_a_command_on_another_replica_makes_the_sandbox_busy(redis_url):
+    # Two replicas on one Redis over one backend (as on Kubernetes, where every replica reaches every pod): the
+    # copy must see the command that the other replica runs, which no lock of its own process knows of.
+    from orchard.env.store.redis_store import RedisStore
+
+    root = tempfile.mkdtemp(prefix="orchard-env-forks-")
+    os.chmod(root, 0o711)
+    backend = LocalBackend(root, use_bwrap=False, allow_weak_isolation=True)
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    first = Orchestrator(backend, RedisStore(redis_url, prefix=prefix))
+    second = Orchestrator(backend, RedisStore(redis_url, prefix=prefix))
+    try:
+        for replica in (first, second):
+            await replica.start(reaper=False)
+        await first.create_sandbox(CreateParams(sandbox_id="s", block_network=False))
+        job = await first.submit_exec("s", ExecParams(command="sleep 2; echo done > out"))
+        while (await second.get_job(job.job_id)).status == "queued":
+            await asyncio.sleep(0.02)
+        with pytest.raises(ConflictError) as busy:
+            await Forks(second).snapshot("s", "snap")
+        assert busy.value.detail["error"] == "sandbox_busy"
+        with pytest.raises(ConflictError):
+            await Forks(second).fork(ForkParams(), parent_id="s")
+        assert (await first.wait_job(job.job_id, 30)).status == "succeeded"
+        assert (await Forks(second).snapshot("s", "snap")).status == "ready"  # quiet now
+        made = await Forks(first).fork(ForkParams(sandbox_id="f"), snapshot_id="snap")
+        assert made.forked_from == "snapshot:snap"
+        assert await backend.read_file("f", "out") == b"done\n"
+    finally:
+        for sandbox_id in ("s", "f"):
+            await backend.delete(sandbox_id)
+        await backend.delete_snapshot("snap")
+        await second.close()  # the backend is closed twice: the second finds nothing to end
+        await first.close()
+        shutil.rmtree(root, ignore_errors=True)
