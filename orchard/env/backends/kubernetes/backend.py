@@ -483,7 +483,7 @@ class KubernetesBackend:
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         _check_id(sandbox_id)
-        await snapshots.take(self, sandbox_id, snapshot_id)
+        await snapshots.take(self, self.config.snapshot_dir, sandbox_id, snapshot_id)
 
     async def fork(self, sandbox_id: str, spec: SandboxSpec, *, parent_id: str | None = None,
                    snapshot_id: str | None = None) -> None:
@@ -493,13 +493,14 @@ class KubernetesBackend:
         _check_spec(spec)
         if parent_id is not None:
             _check_id(parent_id)
-        await snapshots.fork(self, sandbox_id, spec, parent_id=parent_id, snapshot_id=snapshot_id)
+        await snapshots.fork(self, self.config.snapshot_dir, sandbox_id, spec, parent_id=parent_id,
+                             snapshot_id=snapshot_id)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        await snapshots.delete(self, snapshot_id)
+        await snapshots.delete(self.config.snapshot_dir, snapshot_id)
 
     async def list_snapshot_ids(self) -> list[str]:
-        return await asyncio.to_thread(snapshots.list_ids, self)
+        return await asyncio.to_thread(snapshots.list_ids, self.config.snapshot_dir)
 
     async def close(self) -> None:
         """Stop the watcher and close connections; the pods stay (a restarted service finds them)."""

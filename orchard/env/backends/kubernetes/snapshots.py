@@ -29,12 +29,8 @@ import os
 import re
 import secrets
 import time
-from typing import TYPE_CHECKING
 
-from orchard.env.backends.base import BackendError, ExecRequest, SandboxSpec, SnapshotNotFoundError
-
-if TYPE_CHECKING:
-    from orchard.env.backends.kubernetes.backend import KubernetesBackend
+from orchard.env.backends.base import Backend, BackendError, ExecRequest, SandboxSpec, SnapshotNotFoundError
 
 MAX_WORKSPACE_BYTES = 1 << 30
 """The largest tar a snapshot or fork carries (the pod agent's request cap): beyond it, a `BackendError`."""
@@ -54,15 +50,14 @@ def _path(directory: str, snapshot_id: str) -> str:
     return os.path.join(directory, f"{snapshot_id}.tar")
 
 
-def snapshot_dir(backend: KubernetesBackend) -> str:
-    directory = backend.config.snapshot_dir
+def _checked(directory: str) -> str:
     if not directory:
         raise BackendError("snapshots need a directory on the orchestrator: set KubernetesConfig.snapshot_dir "
                            "(ORCHARD_K8S_SNAPSHOT_DIR)")
     return directory
 
 
-async def workspace_tar(backend: KubernetesBackend, sandbox_id: str) -> bytes:
+async def workspace_tar(backend: Backend, sandbox_id: str) -> bytes:
     """The sandbox's workspace as a tar, made by tar in its pod."""
     result = await backend.exec(sandbox_id, ExecRequest(command=_TAR_CREATE, timeout_s=TAR_TIMEOUT_S,
                                                         max_output_bytes=MAX_WORKSPACE_BYTES))
@@ -74,7 +69,7 @@ async def workspace_tar(backend: KubernetesBackend, sandbox_id: str) -> bytes:
     return result.stdout
 
 
-async def restore(backend: KubernetesBackend, sandbox_id: str, tar: bytes) -> None:
+async def restore(backend: Backend, sandbox_id: str, tar: bytes) -> None:
     """Unpack `tar` into the (new, empty) workspace of the sandbox, by tar in its pod."""
     result = await backend.exec(sandbox_id, ExecRequest(command=_TAR_EXTRACT, stdin=tar, timeout_s=TAR_TIMEOUT_S))
     if result.exit_code != 0:
@@ -82,8 +77,9 @@ async def restore(backend: KubernetesBackend, sandbox_id: str, tar: bytes) -> No
         raise BackendError(f"sandbox {sandbox_id}: unpacking the copied workspace exited {result.exit_code}: {said}")
 
 
-async def take(backend: KubernetesBackend, sandbox_id: str, snapshot_id: str) -> None:
-    directory = snapshot_dir(backend)
+async def take(backend: Backend, directory: str, sandbox_id: str, snapshot_id: str) -> None:
+    """Write a tar of the sandbox's workspace to `directory` (`KubernetesConfig.snapshot_dir`)."""
+    directory = _checked(directory)
     target = _path(directory, snapshot_id)
     if os.path.lexists(target):
         raise ValueError(f"snapshot {snapshot_id!r} exists")
@@ -106,17 +102,18 @@ async def take(backend: KubernetesBackend, sandbox_id: str, snapshot_id: str) ->
     await asyncio.to_thread(write)
 
 
-async def fork(backend: KubernetesBackend, sandbox_id: str, spec: SandboxSpec, *, parent_id: str | None,
+async def fork(backend: Backend, directory: str, sandbox_id: str, spec: SandboxSpec, *, parent_id: str | None,
                snapshot_id: str | None) -> None:
+    """Create the sandbox with `backend.create`, then unpack the parent's workspace or the snapshot into it."""
     if (parent_id is None) == (snapshot_id is None):
         raise ValueError("fork needs exactly one of parent_id and snapshot_id")
     if parent_id is not None:
         tar = await workspace_tar(backend, parent_id)
     else:
         try:
-            tar = await asyncio.to_thread(_read, _path(snapshot_dir(backend), snapshot_id))  # type: ignore[arg-type]
+            tar = await asyncio.to_thread(_read, _path(_checked(directory), snapshot_id))  # type: ignore[arg-type]
         except FileNotFoundError:
-            raise SnapshotNotFoundError(f"no snapshot {snapshot_id!r} in {snapshot_dir(backend)}") from None
+            raise SnapshotNotFoundError(f"no snapshot {snapshot_id!r} in {directory}") from None
     await backend.create(sandbox_id, spec)
     await restore(backend, sandbox_id, tar)
 
@@ -126,14 +123,13 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-async def delete(backend: KubernetesBackend, snapshot_id: str) -> None:
+async def delete(directory: str, snapshot_id: str) -> None:
     with contextlib.suppress(FileNotFoundError):
-        await asyncio.to_thread(os.unlink, _path(snapshot_dir(backend), snapshot_id))
+        await asyncio.to_thread(os.unlink, _path(_checked(directory), snapshot_id))
 
 
-def list_ids(backend: KubernetesBackend) -> list[str]:
-    """The complete snapshots in `snapshot_dir`; half-written files of dead replicas are removed on the way."""
-    directory = backend.config.snapshot_dir
+def list_ids(directory: str) -> list[str]:
+    """The complete snapshots in `directory`; half-written files of dead replicas are removed on the way."""
     if not directory:
         return []
     try:
