@@ -12,12 +12,14 @@ from orchard.env.client import (
     AsyncSandbox,
     AsyncSandboxClient,
     AsyncSandboxPool,
+    AsyncSnapshot,
     FileEntry,
     JobResult,
     PatchResult,
     RetryPolicy,
     Sandbox,
     SandboxClient,
+    Snapshot,
 )
 from orchard.env.errors import (
     AuthError,
@@ -40,6 +42,7 @@ __all__ = [
     "AsyncSandbox",
     "AsyncSandboxClient",
     "AsyncSandboxPool",
+    "AsyncSnapshot",
     "AuthError",
     "BackendRefusedError",
     "BadRequestError",
@@ -57,5 +60,6 @@ __all__ = [
     "SandboxError",
     "ServerError",
     "ServiceUnavailable",
+    "Snapshot",
     "WaitTimeoutError",
 ]

@@ -70,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="on start, delete the sandboxes the backend holds even when the store holds none "
                        "(without it they are kept and an error logged: an empty store beside live sandboxes is "
                        f"usually a store that lost its data); ${EMPTY_STORE_SWEEP_ENV}=1 sets it")
+    serve.add_argument("--max-snapshots", type=int, default=None,
+                       help="snapshots that may exist at once; one more is refused with 403 (None: no bound)")
+    serve.add_argument("--max-forks", type=int, default=None,
+                       help="forked sandboxes that may exist at once; one more is refused with 403 (None: no bound)")
     serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
     serve.set_defaults(func=_serve)
 
@@ -100,7 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
                     max_concurrent_execs=args.max_concurrent_execs, max_pending_execs=args.max_pending_execs,
                     heartbeat_timeout_s=args.heartbeat_timeout, store=args.store,
                     replica_lease_s=args.replica_lease, reap_interval_s=args.reap_interval,
-                    allow_empty_store_sweep=args.allow_empty_store_sweep, shared=parse_shared(args.shared))
+                    allow_empty_store_sweep=args.allow_empty_store_sweep, shared=parse_shared(args.shared),
+                    max_snapshots=args.max_snapshots, max_forks=args.max_forks)
     except OSError as exc:
         if exc.errno not in _BIND_ERRORS:
             raise

@@ -66,7 +66,8 @@ class BackendRefusedError(SandboxError):
     its quota is used up (403, `detail["error"]` "quota_exceeded"), its policies forbid the request (403,
     "forbidden"), or it finds an object invalid (422, "invalid"). `detail["message"]` is what it said. Retrying
     the same request is pointless until an operator (or, for a quota, the deletion of other sandboxes) changes
-    something."""
+    something. The service's own quotas on snapshots and forks (`max_snapshots`, `max_forks`) are refused the
+    same way (403, "quota_exceeded"): deleting a snapshot or a fork frees room."""
 
     status_code = 403
 

@@ -238,6 +238,9 @@ class Orchestrator:
         allow_empty_store_sweep: delete the sandboxes the backend holds and the store does not know even when the
             store holds no sandbox at all (a store that lost its data looks so). Default False: they are kept
             and an error is logged (see "An empty store beside live sandboxes" above).
+        max_snapshots: how many snapshots may exist at once (`orchard.env.forks`); one more is refused with 403
+            `quota_exceeded`. None (default): no bound.
+        max_forks: how many forked sandboxes may exist at once; one more is refused the same way. None: no bound.
         clock: epoch-seconds clock (tests pass a fake one).
 
     Attributes:
@@ -263,6 +266,8 @@ class Orchestrator:
         replica_lease_s: float = 30.0,
         store_outage_s: float = 3600.0,
         allow_empty_store_sweep: bool = False,
+        max_snapshots: int | None = None,
+        max_forks: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(max_concurrent_execs, int) or max_concurrent_execs < 1:
@@ -276,6 +281,11 @@ class Orchestrator:
                             ("store_outage_s", store_outage_s)):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        for name, bound in (("max_snapshots", max_snapshots), ("max_forks", max_forks)):
+            if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {bound!r}")
+        self.max_snapshots = max_snapshots
+        self.max_forks = max_forks
         if not isinstance(max_output_bytes, int) or max_output_bytes < 1:
             raise ValueError(f"max_output_bytes must be an int >= 1, got {max_output_bytes!r}")
         self.backend = backend
@@ -634,8 +644,13 @@ class Orchestrator:
         return SandboxSpec(image=record.image, env=dict(record.env), network=not record.block_network,
                            cpu=parse_cpu(record.cpu), memory_mb=parse_memory_mb(record.memory))
 
-    async def create_sandbox(self, params: CreateParams) -> SandboxRecord:
+    async def create_sandbox(self, params: CreateParams, *,
+                             make: Callable[[str, SandboxSpec], Awaitable[None]] | None = None,
+                             forked_from: str | None = None) -> SandboxRecord:
         """Create a sandbox and wait until the backend has made it (status "ready").
+
+        A fork (`orchard.env.forks`) passes `make`, what makes it in the backend instead of `backend.create`,
+        and `forked_from`, its source as the record names it.
 
         Raises:
             BadRequestError: bad id, image, cpu, memory or timeouts (400).
@@ -658,6 +673,7 @@ class Orchestrator:
             created_at=now, last_heartbeat=now,
             heartbeat_timeout=float(params.heartbeat_timeout or self.heartbeat_timeout_s),
             expires_at=now + params.ttl_seconds if params.ttl_seconds else None, replica=self.replica_id,
+            forked_from=forked_from,
         )
         spec = self._spec(record)  # validates cpu and memory before anything is stored
         if not await self.store.insert_sandbox(record):
@@ -667,7 +683,7 @@ class Orchestrator:
         try:
             try:
                 with backend_errors(sandbox_id):
-                    await self.backend.create(sandbox_id, spec)
+                    await (make or self.backend.create)(sandbox_id, spec)
             except BaseException as exc:
                 # conditional, as the write below: a replica that settled this create meanwhile owns it now
                 mine = (self._own_create(sandbox_id, event)
@@ -1145,4 +1161,7 @@ class Orchestrator:
             "queued_execs": self.pending_execs,
             "max_pending_execs": self.max_pending_execs,
             "unknown_sandboxes_kept": len(self.unknown_sandboxes_kept),
+            "snapshots": len(await self.store.list_snapshots()),
+            "max_snapshots": self.max_snapshots,
+            "max_forks": self.max_forks,
         }

@@ -36,6 +36,8 @@ with requires_extra("env"):
 
 from orchard.env.backends.base import ExecResult, FileInfo
 from orchard.env.errors import AuthError, BadRequestError, SandboxError, ServiceUnavailable
+from orchard.env.fork_routes import add_fork_routes
+from orchard.env.forks import Forks
 from orchard.env.orchestrator import CreateParams, ExecParams, Orchestrator
 from orchard.env.store.base import JobRecord, SandboxRecord
 
@@ -113,6 +115,7 @@ def sandbox_view(record: SandboxRecord, namespace: str, isolation: str = "unknow
         "expires_at": record.expires_at,
         "isolation": isolation,
         "env": dict(record.env),
+        "forked_from": record.forked_from,
     }
 
 
@@ -204,6 +207,7 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
             await orchestrator.start()
+            await forks.reconcile()
         try:
             yield
         finally:
@@ -220,6 +224,15 @@ def create_app(orchestrator: Orchestrator, api_keys: Sequence[str], *, manage_li
         return sandbox_view(record, ns, orchestrator.isolation, orchestrator.blocks_network)
 
     orchestrator.sandbox_response = view
+    forks = app.state.forks = Forks(orchestrator)
+
+    async def run_idempotent(key: str | None, method: str, path: str, body: dict[str, Any],
+                             operation: Callable[[], Awaitable[tuple[int, dict[str, Any]]]],
+                             resource_id: str | None) -> tuple[int, Any]:
+        return await orchestrator.idempotent(_check_idempotency_key(key), _fingerprint(method, path, body),
+                                             operation, resource_id=resource_id)
+
+    add_fork_routes(app, forks, auth, view, run_idempotent)
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:

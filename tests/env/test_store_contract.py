@@ -15,6 +15,7 @@ from orchard.env.store import (
     IdempotencyRecord,
     JobRecord,
     SandboxRecord,
+    SnapshotRecord,
     SQLiteStore,
     StateStore,
 )
@@ -325,3 +326,26 @@ def test_store_lock_validates():
             StoreLock(store, "x", **kwargs)
     with pytest.raises(ValueError, match="name"):
         StoreLock(store, "", 1.0)
+
+
+async def test_snapshots_round_trip_and_the_bound_is_atomic(handles):
+    store = handles()
+    record = SnapshotRecord(snapshot_id="s1", sandbox_id="b", image="img", env={"K": "v"}, cpu="2",
+                            created_at=1712345678.123456, replica="r1")
+    assert await store.insert_snapshot(record, limit=2) == "inserted"
+    assert await store.insert_snapshot(SnapshotRecord(snapshot_id="s1", sandbox_id="x", image="i")) == "exists"
+    assert await handles().get_snapshot("s1") == record  # every field, seen by another handle
+    record.status = "ready"
+    await store.put_snapshot(record)
+    assert (await store.get_snapshot("s1")).status == "ready"
+    # of 6 concurrent inserts from several handles under a bound of 2 with one held, exactly one gets in
+    outcomes = await asyncio.gather(*(handles().insert_snapshot(
+        SnapshotRecord(snapshot_id=f"c{i}", sandbox_id="b", image="img"), limit=2) for i in range(6)))
+    assert sorted(outcomes) == ["full"] * 5 + ["inserted"]
+    assert len(await store.list_snapshots()) == 2
+    assert await store.insert_snapshot(SnapshotRecord(snapshot_id="free", sandbox_id="b", image="i")) == "inserted"
+    ids = [r.snapshot_id for r in await store.list_snapshots()]
+    assert ids == sorted(ids) and len(ids) == 3
+    await store.delete_snapshot("s1")
+    assert await store.get_snapshot("s1") is None
+    assert await store.insert_snapshot(SnapshotRecord(snapshot_id="s1", sandbox_id="b", image="i"), limit=0) == "full"

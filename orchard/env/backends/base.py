@@ -194,3 +194,43 @@ class Backend(Protocol):
     async def close(self) -> None:
         """Release the backend's own resources (not the sandboxes)."""
         ...
+
+
+class SnapshotNotFoundError(BackendError):
+    """The backend holds no snapshot with this id."""
+
+
+@runtime_checkable
+class SnapshotBackend(Protocol):
+    """A backend that can copy a sandbox's workspace: snapshots and forks (optional; the API answers 501
+    `snapshots_unsupported` for a backend without them).
+
+    A snapshot holds the workspace only (``/workspace``: files, directories, links, permission bits and times):
+    running processes, a terminal's state, the sandbox's home and its environment's memory are not carried. It
+    stays valid when its sandbox is deleted. A fork is a new sandbox whose workspace starts as a copy of a
+    snapshot's or of a live sandbox's; it is as isolated from its source (and the source from it) as from any
+    other sandbox: a write in one is never seen in the other.
+
+    The orchestrator calls `snapshot` and `fork(parent_id=...)` only while no command of the source runs (it
+    holds the source's exec lock), so the copy is of a quiet workspace.
+    """
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        """Copy the sandbox's workspace into a new snapshot; `SandboxNotFoundError` when there is no sandbox.
+        Either the whole snapshot exists afterwards or none (a failed copy leaves nothing)."""
+        ...
+
+    async def fork(self, sandbox_id: str, spec: SandboxSpec, *, parent_id: str | None = None,
+                   snapshot_id: str | None = None) -> None:
+        """Create sandbox `sandbox_id` as `create` does, its workspace a copy of the live sandbox `parent_id`'s
+        or of the snapshot `snapshot_id`'s (exactly one); `SandboxNotFoundError` / `SnapshotNotFoundError` when
+        the source is missing, and then nothing is made."""
+        ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove the snapshot. Idempotent; forks made from it are not affected."""
+        ...
+
+    async def list_snapshot_ids(self) -> list[str]:
+        """Ids of the complete snapshots the backend holds (used after a restart to reconcile)."""
+        ...

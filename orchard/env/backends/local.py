@@ -8,6 +8,8 @@ Layout under `root_dir` (kept across restarts, so a restarted orchestrator finds
         workspace/                 mode 0700, owned by the sandbox's uid: `/workspace` inside the sandbox
         home/sandbox/              mode 0700, owned by the sandbox's uid: HOME (/home/sandbox inside)
         passwd, group              the image's, plus a "sandbox" entry for the uid (bound read-only)
+      .snapshots/                  mode 0700, the service's: no sandbox reaches a snapshot
+        <snapshot id>/             a copy of a workspace (`snapshot`); `fork` copies it into a new sandbox
 
 A sandbox is only listed once its `meta.json` exists; `delete` first renames the directory to a hidden
 `.trash-*` name, so a sandbox is either fully there or gone, even if the service dies half-way.
@@ -23,6 +25,7 @@ per second; its box (the process that runs its commands) starts with its first c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,9 +68,11 @@ from orchard.env.backends.base import (
     Resources,
     SandboxNotFoundError,
     SandboxSpec,
+    SnapshotNotFoundError,
 )
 from orchard.env.backends.images import HOST_IMAGE, ImageRegistry
 from orchard.env.backends.uid_claims import DEFAULT_UID_CLAIMS_DIR, UidClaims
+from orchard.env.backends.workspace_copy import copy_tree, reflinks_work
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,8 @@ _META = "meta.json"
 _WORKSPACE = "workspace"
 _HOME = "home"
 _BOX_DIR = ".box"
+_SNAPSHOTS = ".snapshots"
+"""Where snapshots live under root_dir (hidden, like the box: never taken for a sandbox)."""
 """Where the compiled box is copied under root_dir (hidden: sandbox ids start with a letter or digit)."""
 _GITCONFIG = """[user]
 \tname = orchard sandbox
@@ -359,6 +366,8 @@ class LocalBackend:
             for name, folder in self.shared.items():
                 _check_readable_by_others(name, folder)
         self._sweep_trash()
+        self.reflinks = reflinks_work(self.root_dir)
+        """Whether snapshots and forks are copy-on-write clones here (else full copies; both are isolated)."""
         self.box_binary = None
         if box and self.isolation == BUBBLEWRAP:
             try:
@@ -415,6 +424,10 @@ class LocalBackend:
         for entry in os.scandir(self.root_dir):
             if entry.name.startswith(".trash-"):
                 shutil.rmtree(entry.path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError), os.scandir(os.path.join(self.root_dir, _SNAPSHOTS)) as parts:
+            for entry in parts:
+                if entry.name.startswith(".part-"):  # a snapshot whose copy a dead service left half-made
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
     def health(self) -> dict[str, Any]:
         """What /health should report about the backend."""
@@ -442,6 +455,7 @@ class LocalBackend:
                 "commands": round(BoxCpu.commands_s, 3),
             },
             "per_sandbox_uid": self.is_root,
+            "workspace_copies": "reflink (copy-on-write)" if self.reflinks else "full copy (no reflinks here)",
             "limits": asdict(self.default_limits),
             "images": self.images.names(),
             "shared": {name: f"{SHARED_MOUNT}/{name}" for name in self.shared} if self.isolation == BUBBLEWRAP
@@ -566,6 +580,10 @@ class LocalBackend:
 
     async def create(self, sandbox_id: str, spec: SandboxSpec) -> None:
         """Make the workspace and write the metadata; idempotent for an existing id (its spec is kept)."""
+        await self._make(sandbox_id, spec, None)
+
+    async def _make(self, sandbox_id: str, spec: SandboxSpec, source: str | None) -> None:
+        """`create`, with the workspace a copy of the directory `source` (a fork) or empty (None)."""
         _check_id(sandbox_id)
         if not isinstance(spec, SandboxSpec):
             raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}")
@@ -605,9 +623,13 @@ class LocalBackend:
         uid = self._allocate_uid(sandbox_id) if self.is_root else None
         try:
             ws = os.path.join(d, _WORKSPACE)
-            os.makedirs(ws, 0o700, exist_ok=True)
-            if uid is not None:
-                os.chown(ws, uid, uid)
+            if source is None:
+                os.makedirs(ws, 0o700, exist_ok=True)
+                if uid is not None:
+                    os.chown(ws, uid, uid)
+            else:
+                await asyncio.to_thread(shutil.rmtree, ws, True)  # left by a fork that died half-way
+                await copy_tree(source, ws, owner=uid)
             uid_gid = (uid, uid) if uid is not None else (os.getuid(), os.getgid())
             _user_files(d, uid_gid[0], uid_gid[1], image.rootfs)
             meta = {"id": sandbox_id, "spec": asdict(spec), "uid": uid, "created": time.time()}
@@ -676,6 +698,67 @@ class LocalBackend:
         self, sandbox_id: str, command: str | None = None, cols: int = 80, rows: int = 24
     ) -> LocalPty:
         return await self._agent(sandbox_id).open_pty(command, cols, rows)
+
+    # -- snapshots and forks (the copies: orchard.env.backends.workspace_copy) ----------------------------
+
+    def _snapshot_dir(self, snapshot_id: str) -> str:
+        _check_id(snapshot_id)
+        return os.path.join(self.root_dir, _SNAPSHOTS, snapshot_id)
+
+    def _workspace_of(self, sandbox_id: str) -> str:
+        _check_id(sandbox_id)
+        if not os.path.exists(os.path.join(self._dir(sandbox_id), _META)):
+            raise SandboxNotFoundError(f"no sandbox {sandbox_id!r}")
+        return os.path.join(self._dir(sandbox_id), _WORKSPACE)
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        """Copy the workspace to `root_dir/.snapshots/<snapshot_id>` (mode 0700, the service's: no sandbox
+        reaches it). The copy is made under a hidden name and renamed into place, so a snapshot is complete or
+        absent, even if the service dies half-way."""
+        target = self._snapshot_dir(snapshot_id)
+        source = self._workspace_of(sandbox_id)
+        if os.path.lexists(target):
+            raise ValueError(f"snapshot {snapshot_id!r} exists")
+        top = os.path.dirname(target)
+        os.makedirs(top, 0o700, exist_ok=True)
+        part = os.path.join(top, f".part-{snapshot_id}-{secrets.token_hex(4)}")
+        await copy_tree(source, part)
+        try:
+            os.rename(part, target)
+        except OSError:
+            await asyncio.to_thread(shutil.rmtree, part, True)
+            raise
+
+    async def fork(self, sandbox_id: str, spec: SandboxSpec, *, parent_id: str | None = None,
+                   snapshot_id: str | None = None) -> None:
+        """`create`, with the workspace a copy of the live sandbox `parent_id`'s or of the snapshot's, owned by
+        the fork's own uid; its home starts fresh, as a created sandbox's."""
+        if (parent_id is None) == (snapshot_id is None):
+            raise ValueError("fork needs exactly one of parent_id and snapshot_id")
+        if parent_id is not None:
+            source = self._workspace_of(parent_id)
+        else:
+            source = self._snapshot_dir(snapshot_id)  # type: ignore[arg-type]
+            if not os.path.isdir(source):
+                raise SnapshotNotFoundError(f"no snapshot {snapshot_id!r}")
+        await self._make(sandbox_id, spec, source)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        target = self._snapshot_dir(snapshot_id)
+        trash = os.path.join(self.root_dir, f".trash-snapshot-{snapshot_id}-{secrets.token_hex(4)}")
+        try:
+            os.rename(target, trash)
+        except FileNotFoundError:
+            return
+        await asyncio.to_thread(shutil.rmtree, trash, True)
+
+    async def list_snapshot_ids(self) -> list[str]:
+        try:
+            entries = os.scandir(os.path.join(self.root_dir, _SNAPSHOTS))
+        except FileNotFoundError:
+            return []
+        with entries:
+            return sorted(e.name for e in entries if not e.name.startswith("."))
 
     async def close(self) -> None:
         """End the processes this backend started (running commands, terminals), then free the root for another

@@ -9,9 +9,9 @@ from orchard.env.client._common import (
     PatchResult,
     RetryPolicy,
 )
-from orchard.env.client.aio import AsyncPtyProcess, AsyncSandbox, AsyncSandboxClient
+from orchard.env.client.aio import AsyncPtyProcess, AsyncSandbox, AsyncSandboxClient, AsyncSnapshot
 from orchard.env.client.pool import AsyncSandboxPool
-from orchard.env.client.sync import PtyProcess, Sandbox, SandboxClient
+from orchard.env.client.sync import PtyProcess, Sandbox, SandboxClient, Snapshot
 
 __all__ = [
     "API_KEY_ENV",
@@ -20,6 +20,7 @@ __all__ = [
     "AsyncSandbox",
     "AsyncSandboxClient",
     "AsyncSandboxPool",
+    "AsyncSnapshot",
     "FileEntry",
     "JobResult",
     "PatchResult",
@@ -27,4 +28,5 @@ __all__ = [
     "RetryPolicy",
     "Sandbox",
     "SandboxClient",
+    "Snapshot",
 ]

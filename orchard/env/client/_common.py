@@ -250,3 +250,15 @@ def pty_init_frame(cmd: str | list[str] | None, *, env: dict[str, str] | None, c
     if not isinstance(rows, int) or not isinstance(cols, int) or rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be ints >= 1, got rows={rows!r} cols={cols!r}")
     return {"type": "init", "cmd": cmd, "env": env or {}, "cwd": cwd, "rows": rows, "cols": cols}
+
+
+COPY_TIMEOUT_S = 600.0
+"""How long a client waits for a snapshot or a fork, which copy a workspace (a large one takes a while)."""
+
+
+def fork_payload(*, sandbox_id: str | None, timeout: int | None, ttl_seconds: float | None,
+                 heartbeat_timeout: float | None) -> dict[str, Any]:
+    """The body of a fork request: the fork's own settings that are set (the rest is its source's)."""
+    given = {"sandbox_id": sandbox_id, "timeout": timeout, "ttl_seconds": ttl_seconds,
+             "heartbeat_timeout": heartbeat_timeout}
+    return {name: value for name, value in given.items() if value is not None}

@@ -22,6 +22,7 @@ with requires_extra("env"):
     import httpx
 
 from orchard.env.client._common import (
+    COPY_TIMEOUT_S,
     OPEN_SANDBOXES,
     RETRY_STATUSES,
     FileEntry,
@@ -29,6 +30,7 @@ from orchard.env.client._common import (
     PatchResult,
     RetryPolicy,
     error_from_parts,
+    fork_payload,
     new_idempotency_key,
     parse_retry_after,
     pty_init_frame,
@@ -232,6 +234,29 @@ class AsyncSandboxClient:
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"job {job_id} still {job.status} after {timeout}s", status_code=0)
 
+    # snapshots and forks
+    async def list_snapshots(self) -> list[dict[str, Any]]:
+        return (await self.request("GET", "/snapshots"))["snapshots"]
+
+    async def get_snapshot(self, snapshot_id: str) -> AsyncSnapshot:
+        """Attach to an existing snapshot (`NotFoundError` if there is none)."""
+        return AsyncSnapshot(self, await self.request("GET", f"/snapshots/{snapshot_id}"))
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot; its forks are not affected. Idempotent: a gone snapshot is not an error."""
+        with contextlib.suppress(NotFoundError):
+            await self.request("DELETE", f"/snapshots/{snapshot_id}")
+
+    async def _fork(self, path: str, *, sandbox_id: str | None, timeout: int | None, ttl_seconds: float | None,
+                    heartbeat_timeout: float | None, keepalive_s: float | None) -> AsyncSandbox:
+        payload = fork_payload(sandbox_id=sandbox_id, timeout=timeout, ttl_seconds=ttl_seconds,
+                               heartbeat_timeout=heartbeat_timeout)
+        info = await self.request("POST", path, json=payload, timeout=max(self.timeout, COPY_TIMEOUT_S))
+        sandbox = AsyncSandbox(self, info["sandbox_id"], info, owned=True)
+        if keepalive_s is not None:
+            sandbox.start_heartbeat(keepalive_s)
+        return sandbox
+
     def _own(self, sandbox: AsyncSandbox) -> None:
         self._owned[sandbox.sandbox_id] = sandbox
         if self.auto_cleanup:
@@ -378,6 +403,21 @@ class AsyncSandbox:
                                              pty_init_frame(cmd, env=env, cwd=cwd, rows=rows, cols=cols),
                                              connect_timeout)
 
+    async def snapshot(self, snapshot_id: str | None = None) -> AsyncSnapshot:
+        """Copy this sandbox's workspace into a snapshot; see `Sandbox.snapshot`."""
+        payload = {"snapshot_id": snapshot_id} if snapshot_id is not None else {}
+        info = await self.client.request("POST", self._path("/snapshots"), json=payload,
+                                         timeout=max(self.client.timeout, COPY_TIMEOUT_S))
+        return AsyncSnapshot(self.client, info)
+
+    async def fork(self, *, sandbox_id: str | None = None, timeout: int | None = None,
+                   ttl_seconds: float | None = None, heartbeat_timeout: float | None = None,
+                   keepalive_s: float | None = None) -> AsyncSandbox:
+        """A new sandbox whose workspace starts as a copy of this one's; see `Sandbox.fork`."""
+        return await self.client._fork(self._path("/fork"), sandbox_id=sandbox_id, timeout=timeout,
+                                       ttl_seconds=ttl_seconds, heartbeat_timeout=heartbeat_timeout,
+                                       keepalive_s=keepalive_s)
+
     async def delete(self) -> None:
         if self.deleted:
             return
@@ -396,6 +436,38 @@ class AsyncSandbox:
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.sandbox_id!r}, deleted={self.deleted})"
+
+
+class AsyncSnapshot:
+    """A snapshot of a sandbox's workspace; see `Snapshot`. `async with await sb.snapshot() as snap:`."""
+
+    def __init__(self, client: AsyncSandboxClient, info: dict[str, Any]) -> None:
+        self.client = client
+        self.info = info
+        self.snapshot_id: str = info["snapshot_id"]
+        self.deleted = False
+
+    async def fork(self, *, sandbox_id: str | None = None, timeout: int | None = None,
+                   ttl_seconds: float | None = None, heartbeat_timeout: float | None = None,
+                   keepalive_s: float | None = None) -> AsyncSandbox:
+        """A new sandbox whose workspace starts as a copy of this snapshot; see `Snapshot.fork`."""
+        return await self.client._fork(f"/snapshots/{self.snapshot_id}/fork", sandbox_id=sandbox_id,
+                                       timeout=timeout, ttl_seconds=ttl_seconds,
+                                       heartbeat_timeout=heartbeat_timeout, keepalive_s=keepalive_s)
+
+    async def delete(self) -> None:
+        if not self.deleted:
+            await self.client.delete_snapshot(self.snapshot_id)
+            self.deleted = True
+
+    async def __aenter__(self) -> AsyncSnapshot:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.shield(self.delete())
+
+    def __repr__(self) -> str:
+        return f"AsyncSnapshot({self.snapshot_id!r} of {self.info.get('sandbox_id')!r}, deleted={self.deleted})"
 
 
 class AsyncPtyProcess:

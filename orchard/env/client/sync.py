@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import queue
 import threading
@@ -23,6 +24,7 @@ with requires_extra("env"):
     import httpx
 
 from orchard.env.client._common import (
+    COPY_TIMEOUT_S,
     OPEN_SANDBOXES,
     RETRY_STATUSES,
     FileEntry,
@@ -30,6 +32,7 @@ from orchard.env.client._common import (
     PatchResult,
     RetryPolicy,
     error_from_response,
+    fork_payload,
     new_idempotency_key,
     pty_init_frame,
     resolve_settings,
@@ -169,6 +172,29 @@ class SandboxClient:
                 return job
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"job {job_id} still {job.status} after {timeout}s", status_code=0)
+
+    # snapshots and forks
+    def list_snapshots(self) -> list[dict[str, Any]]:
+        return self.request("GET", "/snapshots")["snapshots"]
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        """Attach to an existing snapshot (`NotFoundError` if there is none)."""
+        return Snapshot(self, self.request("GET", f"/snapshots/{snapshot_id}"))
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot; its forks are not affected. Idempotent: a gone snapshot is not an error."""
+        with contextlib.suppress(NotFoundError):
+            self.request("DELETE", f"/snapshots/{snapshot_id}")
+
+    def _fork(self, path: str, *, sandbox_id: str | None, timeout: int | None, ttl_seconds: float | None,
+              heartbeat_timeout: float | None, keepalive_s: float | None) -> Sandbox:
+        payload = fork_payload(sandbox_id=sandbox_id, timeout=timeout, ttl_seconds=ttl_seconds,
+                               heartbeat_timeout=heartbeat_timeout)
+        info = self.request("POST", path, json=payload, timeout=max(self.timeout, COPY_TIMEOUT_S))
+        sandbox = Sandbox(self, info["sandbox_id"], info, owned=True)
+        if keepalive_s is not None:
+            sandbox.start_heartbeat(keepalive_s)
+        return sandbox
 
     # ownership
     def _own(self, sandbox: Sandbox) -> None:
@@ -330,6 +356,23 @@ class Sandbox:
         return PtyProcess(ws_url(self.client.base_url, self.sandbox_id), self.client.api_key,
                           pty_init_frame(cmd, env=env, cwd=cwd, rows=rows, cols=cols), connect_timeout)
 
+    def snapshot(self, snapshot_id: str | None = None) -> Snapshot:
+        """Copy this sandbox's workspace into a snapshot (files only: running processes are not carried).
+        `ConflictError` (`detail["error"] == "sandbox_busy"`) while one of its commands runs; a
+        `BackendRefusedError` (`"quota_exceeded"`) beyond the service's `max_snapshots`."""
+        payload = {"snapshot_id": snapshot_id} if snapshot_id is not None else {}
+        info = self.client.request("POST", self._path("/snapshots"), json=payload,
+                                   timeout=max(self.client.timeout, COPY_TIMEOUT_S))
+        return Snapshot(self.client, info)
+
+    def fork(self, *, sandbox_id: str | None = None, timeout: int | None = None, ttl_seconds: float | None = None,
+             heartbeat_timeout: float | None = None, keepalive_s: float | None = None) -> Sandbox:
+        """A new sandbox (ready, owned by this client) whose workspace starts as a copy of this one's, with this
+        one's image, network, limits and environment; no process of this one runs in it. Errors as `snapshot`."""
+        return self.client._fork(self._path("/fork"), sandbox_id=sandbox_id, timeout=timeout,
+                                 ttl_seconds=ttl_seconds, heartbeat_timeout=heartbeat_timeout,
+                                 keepalive_s=keepalive_s)
+
     def delete(self) -> None:
         """Delete the sandbox (idempotent: deleting a gone sandbox is not an error)."""
         if self.deleted:
@@ -350,6 +393,39 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"Sandbox({self.sandbox_id!r}, deleted={self.deleted})"
+
+
+class Snapshot:
+    """A snapshot of a sandbox's workspace (no processes). A context manager: `with sb.snapshot() as snap:`
+    deletes it on exit. It is not deleted when the client closes: a snapshot is meant to outlive its sandbox."""
+
+    def __init__(self, client: SandboxClient, info: dict[str, Any]) -> None:
+        self.client = client
+        self.info = info
+        self.snapshot_id: str = info["snapshot_id"]
+        self.deleted = False
+
+    def fork(self, *, sandbox_id: str | None = None, timeout: int | None = None, ttl_seconds: float | None = None,
+             heartbeat_timeout: float | None = None, keepalive_s: float | None = None) -> Sandbox:
+        """A new sandbox (ready, owned by the client) whose workspace starts as a copy of this snapshot, with
+        the snapshotted sandbox's image, network, limits and environment."""
+        return self.client._fork(f"/snapshots/{self.snapshot_id}/fork", sandbox_id=sandbox_id, timeout=timeout,
+                                 ttl_seconds=ttl_seconds, heartbeat_timeout=heartbeat_timeout,
+                                 keepalive_s=keepalive_s)
+
+    def delete(self) -> None:
+        if not self.deleted:
+            self.client.delete_snapshot(self.snapshot_id)
+            self.deleted = True
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.delete()
+
+    def __repr__(self) -> str:
+        return f"Snapshot({self.snapshot_id!r} of {self.info.get('sandbox_id')!r}, deleted={self.deleted})"
 
 
 class PtyProcess:

@@ -10,9 +10,11 @@ from orchard.env.store.base import (
     JOB_STATUSES,
     LOST_JOB_ERROR,
     SANDBOX_STATUSES,
+    SNAPSHOT_STATUSES,
     IdempotencyRecord,
     JobRecord,
     SandboxRecord,
+    SnapshotRecord,
     StateStore,
 )
 from orchard.env.store.sqlite import SQLiteStore
@@ -22,11 +24,13 @@ __all__ = [
     "JOB_STATUSES",
     "LOST_JOB_ERROR",
     "SANDBOX_STATUSES",
+    "SNAPSHOT_STATUSES",
     "IdempotencyRecord",
     "JobRecord",
     "RedisStore",
     "SQLiteStore",
     "SandboxRecord",
+    "SnapshotRecord",
     "StateStore",
     "open_store",
 ]

@@ -1,9 +1,10 @@
 """What the orchestrator remembers, and the interface every state store implements.
 
-The orchestrator keeps three kinds of record: sandboxes, jobs (one per exec), and idempotency records (one per
-`Idempotency-Key` seen on a mutating request). The embedded default is `SQLiteStore`; `RedisStore` serves several
-orchestrator replicas behind one URL and implements the same `StateStore` protocol. Every method is a coroutine so
-that a store may do network I/O; the SQLite store answers without awaiting.
+The orchestrator keeps four kinds of record: sandboxes, jobs (one per exec), idempotency records (one per
+`Idempotency-Key` seen on a mutating request), and snapshots (copies of a workspace that sandboxes are forked
+from). The embedded default is `SQLiteStore`; `RedisStore` serves several orchestrator replicas behind one URL and
+implements the same `StateStore` protocol. Every method is a coroutine so that a store may do network I/O; the
+SQLite store answers without awaiting.
 
 Several replicas need three more things from the store, which both stores provide:
 
@@ -55,6 +56,31 @@ class SandboxRecord:
     replica: str | None = None
     """The orchestrator replica that created it: while the record is "pending", the one whose create is in
     flight. Once that replica's lease has ended, another settles the record (`Orchestrator.settle_creates`)."""
+    forked_from: str | None = None
+    """"sandbox:<id>" or "snapshot:<id>" for a fork (its workspace started as that one's copy); None otherwise."""
+
+
+SNAPSHOT_STATUSES = ("pending", "ready", "deleting")
+
+
+@dataclass
+class SnapshotRecord:
+    """A snapshot: a copy of a sandbox's workspace (not its processes), from which sandboxes are forked."""
+
+    snapshot_id: str
+    sandbox_id: str
+    """The sandbox it was taken of; it may be deleted since, and the snapshot stays valid."""
+    image: str
+    """The sandbox's spec, which a fork inherits: image, network, limits, environment."""
+    block_network: bool = True
+    cpu: str | None = None
+    memory: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    status: str = "pending"
+    """"pending" while the workspace is copied, "ready", "deleting" while it is removed."""
+    created_at: float = 0.0
+    replica: str | None = None
+    """The replica that takes it: a pending snapshot of a replica whose lease ended is dropped."""
 
 
 @dataclass
@@ -134,6 +160,21 @@ class StateStore(Protocol):
     async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
         """Set only `last_heartbeat` (False when no such sandbox): never writes back a stale record."""
         ...
+
+    async def insert_snapshot(self, record: SnapshotRecord, *, limit: int | None = None) -> str:
+        """Insert unless the id exists ("exists") or `limit` snapshots exist already ("full"); "inserted" when
+        it did. Atomic: of concurrent inserts, at most `limit` are held."""
+        ...
+
+    async def put_snapshot(self, record: SnapshotRecord) -> None: ...
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None: ...
+
+    async def list_snapshots(self) -> list[SnapshotRecord]:
+        """Every snapshot record, by id."""
+        ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
 
     async def put_job(self, record: JobRecord) -> None: ...
 

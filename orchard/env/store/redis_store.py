@@ -10,6 +10,7 @@ Layout under `prefix` (default "orchard:"):
 
     sandboxes          hash  sandbox id -> record JSON (without the heartbeat)
     beats              hash  sandbox id -> last heartbeat (a field of its own: a touch never rewrites a record)
+    snapshots          hash  snapshot id -> record JSON
     job:<id>           hash  data (record JSON), status, replica
     jobs:active        set   ids of queued and running jobs (what `mark_lost_jobs` reads)
     jobs:done          zset  ids of finished jobs by completed_at (what retention deletes)
@@ -28,7 +29,7 @@ import json
 from typing import Any
 
 from orchard._extras import requires_extra
-from orchard.env.store.base import LOST_JOB_ERROR, IdempotencyRecord, JobRecord, SandboxRecord
+from orchard.env.store.base import LOST_JOB_ERROR, IdempotencyRecord, JobRecord, SandboxRecord, SnapshotRecord
 
 with requires_extra("redis"):
     import redis.asyncio as aioredis
@@ -133,6 +134,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
 """
 
+_INSERT_SNAPSHOT = """
+-- KEYS: snapshots. ARGV: snapshot id, data, limit ('' = none). HSETNX bounded by the hash's length.
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 'exists' end
+if ARGV[3] ~= '' and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 'full' end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 'inserted'
+"""
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -181,8 +190,10 @@ class RedisStore:
         self._acquire = self._r.register_script(_ACQUIRE)
         self._renew = self._r.register_script(_RENEW)
         self._release = self._r.register_script(_RELEASE)
+        self._insert_snapshot = self._r.register_script(_INSERT_SNAPSHOT)
         p = prefix
         self._sandboxes, self._beats = p + "sandboxes", p + "beats"
+        self._snapshots = p + "snapshots"
         self._active, self._done = p + "jobs:active", p + "jobs:done"
         self._idem_created = p + "idem:created"
 
@@ -241,6 +252,25 @@ class RedisStore:
 
     async def touch_sandbox(self, sandbox_id: str, last_heartbeat: float) -> bool:
         return bool(await self._touch(keys=[self._sandboxes, self._beats], args=[sandbox_id, repr(last_heartbeat)]))
+
+    # snapshots
+    async def insert_snapshot(self, record: SnapshotRecord, *, limit: int | None = None) -> str:
+        args = [record.snapshot_id, json.dumps(vars(record)), "" if limit is None else str(limit)]
+        return str(await self._insert_snapshot(keys=[self._snapshots], args=args))
+
+    async def put_snapshot(self, record: SnapshotRecord) -> None:
+        await self._r.hset(self._snapshots, record.snapshot_id, json.dumps(vars(record)))
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
+        data = await self._r.hget(self._snapshots, snapshot_id)
+        return SnapshotRecord(**json.loads(data)) if data is not None else None
+
+    async def list_snapshots(self) -> list[SnapshotRecord]:
+        records = await self._r.hgetall(self._snapshots)
+        return [SnapshotRecord(**json.loads(records[k])) for k in sorted(records)]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._r.hdel(self._snapshots, snapshot_id)
 
     # jobs
     @staticmethod

@@ -21,10 +21,11 @@ import sqlite3
 import time
 from pathlib import Path
 
-from orchard.env.store.base import LOST_JOB_ERROR, IdempotencyRecord, JobRecord, SandboxRecord
+from orchard.env.store.base import LOST_JOB_ERROR, IdempotencyRecord, JobRecord, SandboxRecord, SnapshotRecord
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (sandbox_id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshots (snapshot_id TEXT PRIMARY KEY, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, status TEXT NOT NULL,
     completed_at REAL, data TEXT NOT NULL);
@@ -148,6 +149,35 @@ class SQLiteStore:
             return False
         self._touched(sandbox_id, last_heartbeat)
         return True
+
+    # snapshots
+    async def insert_snapshot(self, record: SnapshotRecord, *, limit: int | None = None) -> str:
+        if self._db.execute("SELECT 1 FROM snapshots WHERE snapshot_id = ?", (record.snapshot_id,)).fetchone():
+            return "exists"
+        cur = self._db.execute(
+            "INSERT INTO snapshots (snapshot_id, data) SELECT ?, ?"
+            " WHERE ? IS NULL OR (SELECT count(*) FROM snapshots) < ?",
+            (record.snapshot_id, _dump(record), limit, limit),
+        )
+        return "inserted" if cur.rowcount == 1 else "full"
+
+    async def put_snapshot(self, record: SnapshotRecord) -> None:
+        self._db.execute(
+            "INSERT INTO snapshots (snapshot_id, data) VALUES (?, ?)"
+            " ON CONFLICT (snapshot_id) DO UPDATE SET data = excluded.data",
+            (record.snapshot_id, _dump(record)),
+        )
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
+        row = self._db.execute("SELECT data FROM snapshots WHERE snapshot_id = ?", (snapshot_id,)).fetchone()
+        return SnapshotRecord(**json.loads(row[0])) if row else None
+
+    async def list_snapshots(self) -> list[SnapshotRecord]:
+        rows = self._db.execute("SELECT data FROM snapshots ORDER BY snapshot_id").fetchall()
+        return [SnapshotRecord(**json.loads(data)) for data, in rows]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        self._db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", (snapshot_id,))
 
     # jobs
     def _put_job(self, record: JobRecord) -> None:

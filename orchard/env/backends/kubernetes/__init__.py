@@ -29,6 +29,7 @@ ENVIRONMENT = {
     "ORCHARD_K8S_READY_TIMEOUT": "ready_timeout_s",
     "ORCHARD_K8S_WATCH_TIMEOUT": "watch_timeout_s",
     "ORCHARD_K8S_API_RETRIES": "api_retries",
+    "ORCHARD_K8S_SNAPSHOT_DIR": "snapshot_dir",
 }
 """Environment variable -> `KubernetesConfig` field, read by `from_environment`."""
 API_URL_ENV = "ORCHARD_K8S_API_URL"
@@ -48,8 +49,8 @@ def __getattr__(name: str) -> Any:
 
 def from_environment(sandboxes_dir: str | Path | None = None) -> KubernetesBackend:
     """A `KubernetesBackend` configured by the `ENVIRONMENT` variables (the `module:factory` the service's
-    `--backend kubernetes` names). `sandboxes_dir` is the embedded service's and unused: pods hold the
-    sandboxes."""
+    `--backend kubernetes` names). Pods hold the sandboxes; `sandboxes_dir`, the embedded service's, holds the
+    snapshots (`.snapshots/` under it) unless `ORCHARD_K8S_SNAPSHOT_DIR` names another directory."""
     from orchard.env.backends.kubernetes.backend import KubernetesBackend, default_api_client
 
     with requires_extra("k8s"):
@@ -62,6 +63,8 @@ def from_environment(sandboxes_dir: str | Path | None = None) -> KubernetesBacke
         if raw:
             kind = fields[name].type
             options[name] = float(raw) if kind == "float" else int(raw) if kind == "int" else raw
+    if "snapshot_dir" not in options and sandboxes_dir is not None:
+        options["snapshot_dir"] = os.path.join(os.fspath(sandboxes_dir), ".snapshots")
     url = os.environ.get(API_URL_ENV)
     api_client = client.ApiClient(client.Configuration(host=url)) if url else default_api_client()
     return KubernetesBackend(KubernetesConfig(**options), api_client=api_client)  # type: ignore[arg-type]

@@ -62,6 +62,7 @@ from orchard.env.backends.base import (
     SandboxNotFoundError,
     SandboxSpec,
 )
+from orchard.env.backends.kubernetes import snapshots
 from orchard.env.backends.kubernetes.manifests import (
     CPU_ANNOTATION,
     MEMORY_ANNOTATION,
@@ -477,6 +478,29 @@ class KubernetesBackend:
 
     async def open_pty(self, sandbox_id: str, command: str | None = None, cols: int = 80, rows: int = 24) -> PtySession:
         raise BackendError("the Kubernetes backend offers no terminals; run commands with exec")
+
+    # -- snapshots and forks: a tar stream through the orchestrator (orchard.env.backends.kubernetes.snapshots) --
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        _check_id(sandbox_id)
+        await snapshots.take(self, self.config.snapshot_dir, sandbox_id, snapshot_id)
+
+    async def fork(self, sandbox_id: str, spec: SandboxSpec, *, parent_id: str | None = None,
+                   snapshot_id: str | None = None) -> None:
+        """A new pod made as `create` makes one, its workspace unpacked from the snapshot's tar or from a tar of
+        the live parent's workspace (see the snapshots module)."""
+        _check_id(sandbox_id)
+        _check_spec(spec)
+        if parent_id is not None:
+            _check_id(parent_id)
+        await snapshots.fork(self, self.config.snapshot_dir, sandbox_id, spec, parent_id=parent_id,
+                             snapshot_id=snapshot_id)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await snapshots.delete(self.config.snapshot_dir, snapshot_id)
+
+    async def list_snapshot_ids(self) -> list[str]:
+        return await asyncio.to_thread(snapshots.list_ids, self.config.snapshot_dir)
 
     async def close(self) -> None:
         """Stop the watcher and close connections; the pods stay (a restarted service finds them)."""

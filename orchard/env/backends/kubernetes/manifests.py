@@ -74,6 +74,11 @@ class KubernetesConfig:
     """Retries of an API request answered 429 or 5xx, or timed out (backoff doubling from 0.2 s to 10 s)."""
     watch_timeout_s: int = 240
     """The server ends each watch after this long; the watcher then resumes from the last resourceVersion."""
+    snapshot_dir: str = ""
+    """Where snapshots (tars of workspaces, `orchard.env.backends.kubernetes.snapshots`) are kept, on the
+    orchestrator's disk; several replicas must share it (a ReadWriteMany volume). Empty: snapshots are refused;
+    forks of live sandboxes work without it. `from_environment` defaults it to the service root's
+    `sandboxes/.snapshots`."""
 
     def __post_init__(self) -> None:
         for name in ("namespace", "owner", "agent_image", "default_image"):
@@ -95,6 +100,8 @@ class KubernetesConfig:
             raise ValueError(f"api_retries must be an int >= 0, got {self.api_retries!r}")
         if not isinstance(self.watch_timeout_s, int) or self.watch_timeout_s < 1:
             raise ValueError(f"watch_timeout_s must be an int >= 1, got {self.watch_timeout_s!r}")
+        if not isinstance(self.snapshot_dir, str):
+            raise ValueError(f"snapshot_dir must be a str (empty: no snapshots), got {self.snapshot_dir!r}")
         if not self.orchestrator_labels:
             raise ValueError("orchestrator_labels must name at least one label of the orchestrator's pods")
 
