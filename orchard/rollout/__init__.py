@@ -15,6 +15,9 @@ Names load lazily (``orchard --help`` imports this package's CLI and must stay f
 - harness programs (an outside program that reaches the model only through the proxy), one runner for every
   domain: `run_program_episodes` and a domain's `HarnessProgram` (`program_runner`); the program's episode loop
   `play_episode` (`program`)
+- Monte-Carlo turn values (VinePPO's): `TurnValueEstimator` replays a finished trajectory, forks its workspace at
+  the asked states and scores ``K`` continuations of the policy from each (`AgentLoop.continue_from`);
+  `TurnValues`, `step_value_lookup` (for credit-assigned SFT)
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ _EXPORTS = {
     "ShellHarness": "harness",
     "parse_tool_calls": "tool_calls",
     "ParsedOutput": "tool_calls",
+    "TurnValueEstimator": "turn_values",
+    "TurnValues": "turn_values",
+    "step_value_lookup": "turn_values",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -348,6 +348,42 @@ class AgentLoop:
         ``seed`` (default ``sampling.seed``) seeds the episode: turn ``k`` samples with ``derive_seed(seed, k)``, so
         the episode is the same wherever and beside whatever it is played. None leaves sampling to the engine.
         """
+        system = self.harness.system_prompt(task)
+        return await self._play(task, lambda: self.client.create(**self.harness.sandbox_spec(task)),
+                                [Message("system", system)] if system else [], setup=True, group_id=group_id,
+                                index=index, seed=seed, max_steps=self.max_steps)
+
+    async def continue_from(self, task: Any, fork: Callable[[], Awaitable[Any]], messages: Sequence[Message], *,
+                            max_steps: int | None = None, group_id: str | None = None, index: int = 0,
+                            seed: int | None = None) -> Trajectory:
+        """A rollout of ``task`` that starts from a state of an earlier episode instead of from set-up.
+
+        ``await fork()`` gives the sandbox (retried ``env_retries`` times, like creation), whose workspace holds
+        the state (``AsyncSnapshot.fork``); ``messages`` is the conversation up to that state (system and task
+        messages included), which the policy continues. No set-up runs. The trajectory holds ``messages`` followed
+        by the continuation; ``metadata["steps"]`` and the other counts are the continuation's own, and
+        ``metadata["prefix_steps"]`` the assistant turns of ``messages``. ``max_steps`` (default the loop's) may be
+        0: the state is scored as it is. Scored by ``harness.evaluate``; never raises for environment or model
+        failures (``env_error``).
+        """
+        steps = self.max_steps if max_steps is None else max_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"max_steps must be an int >= 0, got {steps!r}")
+        prefix = list(messages)
+        if not all(isinstance(m, Message) for m in prefix):
+            raise ValueError("messages must be a sequence of orchard.data.Message")
+        if not callable(fork):
+            raise ValueError(f"fork must be a callable that returns an awaitable sandbox, got {fork!r}")
+
+        traj = await self._play(task, fork, prefix, setup=False, group_id=group_id, index=index, seed=seed,
+                                max_steps=steps)
+        traj.metadata["prefix_steps"] = sum(m.role == "assistant" for m in prefix)
+        return traj
+
+    async def _play(self, task: Any, make_sandbox: Callable[[], Awaitable[Any]], opening: list[Message], *,
+                    setup: bool, group_id: str | None, index: int, seed: int | None, max_steps: int) -> Trajectory:
+        """The rollout in the sandbox ``await make_sandbox()`` gives (retried), from the ``opening`` messages (and,
+        with ``setup``, the harness's set-up and its messages) to the verdict."""
         seed = self.sampling.seed if seed is None else seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
@@ -356,8 +392,9 @@ class AgentLoop:
         tid = task_id(task, default=f"task-{index}")
         tools = self.harness.tools(task)
         names = {t.get("function", t).get("name") for t in tools}
-        system = self.harness.system_prompt(task)
-        messages: list[Message] = [Message("system", system)] if system else []
+        messages = list(opening)
+        # tool-call ids go on from the opening's turns, so they stay unique in a continued trajectory
+        offset = sum(m.role == "assistant" for m in messages)
         meta: dict[str, Any] = {
             "format_errors": 0,
             "steps": 0,
@@ -367,6 +404,8 @@ class AgentLoop:
             "model_s": 0.0,
             "env_s": 0.0,
             "cut_turns": 0,
+            "prompt_tokens": 0,
+            "sampled_tokens": 0,
         }
         termination = "step_budget"
         reward: Any = None
@@ -374,17 +413,13 @@ class AgentLoop:
         builder = PromptBuilder(self.tokenizer, tools)
         try:
             e0 = time.monotonic()
-            sandbox = await self._env_call(
-                "create",
-                lambda: self.client.create(**self.harness.sandbox_spec(task)),
-                deadline,
-                self.env_retries,
-            )
+            sandbox = await self._env_call("create" if setup else "fork", make_sandbox, deadline, self.env_retries)
             meta["sandbox_id"] = getattr(sandbox, "sandbox_id", None)
-            messages += await self._env_call("setup", lambda: self.harness.setup(sandbox, task), deadline)
+            if setup:
+                messages += await self._env_call("setup", lambda: self.harness.setup(sandbox, task), deadline)
             meta["env_s"] += time.monotonic() - e0
             consecutive = 0
-            for _ in range(self.max_steps):
+            for _ in range(max_steps):
                 if time.monotonic() >= deadline:
                     termination = "time_budget"
                     break
@@ -397,10 +432,12 @@ class AgentLoop:
                 completion, version = await self._model_call(prompt_ids, deadline, turn_seed)
                 meta["model_s"] += time.monotonic() - m0
                 meta["model_calls"] += 1
+                meta["prompt_tokens"] += len(prompt_ids)
+                meta["sampled_tokens"] += len(completion.token_ids)
                 meta["steps"] += 1
                 meta["weight_versions"].append(version)
                 meta["cut_turns"] += completion.finish_reason == "length"
-                assistant, parse_errors = self._assistant_message(completion, meta["steps"] - 1)
+                assistant, parse_errors = self._assistant_message(completion, offset + meta["steps"] - 1)
                 messages.append(assistant)
                 builder.add_assistant(self._context(messages), completion.token_ids)
                 if not assistant.tool_calls and not parse_errors:
