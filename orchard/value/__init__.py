@@ -9,7 +9,12 @@ lazily. The estimator that samples the continuations is I/O and lives in ``orcha
 from typing import TYPE_CHECKING, Any
 
 from orchard.value.gae import gae, terminal_rewards
-from orchard.value.monte_carlo import MonteCarloValues, monte_carlo_step_values, monte_carlo_values
+from orchard.value.monte_carlo import (
+    MonteCarloValues,
+    monte_carlo_step_targets,
+    monte_carlo_step_values,
+    monte_carlo_values,
+)
 from orchard.value.rerank import rerank, rerank_report
 from orchard.value.steps import gather_step_values, step_end_positions
 
@@ -23,6 +28,7 @@ __all__ = [
     "build_value_pool",
     "gae",
     "gather_step_values",
+    "monte_carlo_step_targets",
     "monte_carlo_step_values",
     "monte_carlo_values",
     "rerank",

@@ -26,10 +26,15 @@ continuations that all succeed give ``[4 / (4 + z²), 1] ≈ [0.51, 1]`` at 95 %
 Degenerate input has a defined, finite answer: a state with no valid continuation gets ``value = 0.5`` (the
 midpoint of what is possible), the interval ``[0, 1]``, ``counts = 0`` and ``valued = False``; callers drop it
 (``monte_carlo_step_values`` leaves it out of ``{state index: value}``).
+
+``monte_carlo_step_targets`` lays the values out as value-model targets: step ``t`` (read after its action) gets
+``V̂(s_{t+1})``, in reward units.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -38,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["MonteCarloValues", "monte_carlo_step_values", "monte_carlo_values"]
+__all__ = ["MonteCarloValues", "monte_carlo_step_targets", "monte_carlo_step_values", "monte_carlo_values"]
 
 
 @dataclass(frozen=True)
@@ -155,3 +160,53 @@ def monte_carlo_step_values(states: Any, estimate: MonteCarloValues) -> dict[int
     if any(i < 0 for i in indices) or len(set(indices)) != len(indices):
         raise ValueError(f"states must be distinct non-negative indices, got {indices}")
     return {state: float(estimate.values[row]) for row, state in enumerate(indices) if bool(estimate.valued[row])}
+
+
+def monte_carlo_step_targets(step_values: Sequence[Mapping[int, float] | None], num_steps: int, *,
+                             reward_range: tuple[float, float] = (0.0, 1.0)) -> tuple[Tensor, Tensor]:
+    """Value-model targets ``[B, S]`` from Monte-Carlo state values, in the decision-step layout of
+    ``orchard.value.gather_step_values``.
+
+    The value model reads ``V`` at the last token of step ``t``, after the action: its target is the value of the
+    state that action leads to, so step ``t``'s target is ``V̂(s_{t+1})``. A success rate ``p`` is put in reward
+    units as ``low + (high − low) · p`` (SWE's −1 / +1 reward: ``reward_range=(-1, 1)``), the scale of the
+    outcome the GAE targets propagate. The targets are undiscounted, as VinePPO's (γ = 1).
+
+    Args:
+        step_values: per row, ``{state index: V̂ ∈ [0, 1]}`` (`TurnValues.step_values`), or None (no target).
+            Shape: ``[B]``. State 0 (before any step) has no step and is ignored; states past ``num_steps`` too.
+        num_steps: ``S``, the step columns of the value model's output (``≥ 1``).
+        reward_range: ``(low, high)``, the rewards of failure and success. Default ``(0, 1)``.
+
+    Returns:
+        ``(targets, mask)``: float32 ``[B, S]`` (0 where masked) and bool ``[B, S]`` (True: step ``t`` of row
+        ``b`` has a target).
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    if (not isinstance(reward_range, tuple) or len(reward_range) != 2
+            or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in reward_range)
+            or not reward_range[0] < reward_range[1]):
+        raise ValueError(f"reward_range must be a tuple (low, high) of finite numbers with low < high, "
+                         f"got {reward_range!r}")
+    if isinstance(step_values, (str, bytes, Mapping)) or not isinstance(step_values, Sequence):
+        raise ValueError(f"step_values must be a sequence with one mapping (or None) per row, "
+                         f"got {type(step_values).__name__}")
+    low, high = float(reward_range[0]), float(reward_range[1])
+    targets = torch.zeros(len(step_values), int(num_steps), dtype=torch.float32)  # [B, S]
+    mask = torch.zeros(len(step_values), int(num_steps), dtype=torch.bool)  # [B, S]
+    for b, keyed in enumerate(step_values):
+        if keyed is None:
+            continue
+        if not isinstance(keyed, Mapping):
+            raise ValueError(f"step_values[{b}] must be a mapping of state index to value or None, "
+                             f"got {type(keyed).__name__}")
+        for state, value in keyed.items():
+            if isinstance(state, bool) or not isinstance(state, (int, np.integer)) or state < 0:
+                raise ValueError(f"step_values[{b}] keys must be state indices >= 0, got {state!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"step_values[{b}][{state}] must be a value in [0, 1], got {value!r}")
+            if 1 <= state <= num_steps:
+                targets[b, state - 1] = low + (high - low) * float(value)
+                mask[b, state - 1] = True
+    return targets, mask

@@ -11,14 +11,17 @@ and regresses the values on them::
 Samples are whole rendered trajectories. With ``max_len``, one longer than that is read through
 ``orchard.value.windows.value_windows`` (left-truncated windows that keep the head), and its step values are
 reassembled before GAE, so the outcome always sits on the true last step: a cut trajectory never looks finished.
-The command line lives in ``orchard.value.cli``.
+Monte-Carlo values (``step_targets``: per trajectory ``{state index: V̂}``, `orchard.rollout.TurnValues`) replace
+the GAE target of the steps they value: step ``t``'s target is ``V̂(s_{t+1})`` in reward units
+(``orchard.value.monte_carlo_step_targets``); the other steps keep theirs. The command line lives in
+``orchard.value.cli``.
 """
 
 from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -26,6 +29,7 @@ from torch import Tensor
 from orchard.data import RenderedSample, collate
 from orchard.value.gae import gae, terminal_rewards
 from orchard.value.model import ValueModel
+from orchard.value.monte_carlo import monte_carlo_step_targets
 from orchard.value.rerank import rerank_report
 from orchard.value.windows import value_windows
 
@@ -106,6 +110,23 @@ def _windowed(samples: Sequence[RenderedSample], max_len: int | None) -> list[li
     return out
 
 
+def _check_step_targets(step_targets: Sequence[Mapping[int, float] | None] | None, count: int) -> None:
+    if step_targets is not None and (isinstance(step_targets, Mapping) or not isinstance(step_targets, Sequence)
+                                     or len(step_targets) != count):
+        got = len(step_targets) if isinstance(step_targets, Sequence) else type(step_targets).__name__
+        raise ValueError(f"step_targets must be a sequence with one entry per sample ({count}), got {got}")
+
+
+def _with_monte_carlo(returns: Tensor, step_mask: Tensor, step_targets: Sequence[Mapping[int, float] | None] | None,
+                      reward_range: tuple[float, float]) -> Tensor:
+    """``returns`` with the Monte-Carlo target in place of the GAE one at every real step that has one."""
+    if step_targets is None:
+        return returns
+    targets, has = monte_carlo_step_targets(step_targets, returns.shape[1], reward_range=reward_range)  # [B, S]
+    has = has.to(returns.device) & step_mask.bool()
+    return torch.where(has, targets.to(returns), returns)
+
+
 def _step_values(model: ValueModel, items: Sequence[Sequence[RenderedSample]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Step values ``[B, S]`` and step mask ``[B, S]`` of ``B`` trajectories, each read through its windows."""
     rows = [w for windows in items for w in windows]
@@ -130,17 +151,23 @@ def value_targets(
     max_len: int | None = None,
     gamma: float = 0.98,
     lam: float = 0.95,
+    step_targets: Sequence[Mapping[int, float] | None] | None = None,
+    reward_range: tuple[float, float] = (0.0, 1.0),
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(returns, values, step_mask)``, each ``[B, S]``: GAE targets from the current model's step values.
 
     ``samples`` are whole rendered trajectories with a reward; ``max_len`` reads longer ones through
     :func:`~orchard.value.windows.value_windows`. Step ``s`` of row ``b`` is the trajectory's own step ``s``.
+    ``step_targets`` (one ``{state index: V̂}`` or None per sample) replace the GAE target of the steps they
+    value, a success rate ``p`` as ``low + (high − low) · p`` for ``reward_range = (low, high)``, the rewards of
+    failure and success (module docstring).
     """
     items = _windowed(samples, max_len)
+    _check_step_targets(step_targets, len(samples))
     values, step_mask = _step_values(model, items, pad_id)
     outcome = _outcomes(samples).to(values.device)
     _, returns = gae(terminal_rewards(outcome, step_mask), values, step_mask, gamma=gamma, lam=lam)
-    return returns, values, step_mask
+    return _with_monte_carlo(returns, step_mask, step_targets, reward_range), values, step_mask
 
 
 def train_value_model(
@@ -156,6 +183,8 @@ def train_value_model(
     lam: float = 0.95,
     seed: int = 0,
     log: Callable[[dict[str, float], int], None] | None = None,
+    step_targets: Sequence[Mapping[int, float] | None] | None = None,
+    reward_range: tuple[float, float] = (0.0, 1.0),
 ) -> list[dict[str, float]]:
     """Regress the value model on GAE targets over ``samples`` (module docstring) with AdamW at a constant ``lr``.
 
@@ -163,9 +192,13 @@ def train_value_model(
     ``max_len`` a longer one is read through its windows, which all go into the step's one forward: a batch of
     ``batch_size`` trajectories has one row per window, about ``length / (max_len - head)`` for a long one.
 
+    ``step_targets`` and ``reward_range`` as in :func:`value_targets`: Monte-Carlo values replace the GAE targets of
+    the steps they value.
+
     Returns the per-step metrics (``value/loss``, ``value/mse``, ``value/mean``, ``value/target_mean``).
     """
     items = _windowed(samples, max_len)
+    _check_step_targets(step_targets, len(samples))
     for name, v in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -185,6 +218,8 @@ def train_value_model(
         # Targets from the same forward's values, held fixed (gae detaches them): one forward per step.
         rewards = terminal_rewards(outcomes[idx].to(values.device), step_mask)
         _, returns = gae(rewards, values, step_mask, gamma=gamma, lam=lam)
+        if step_targets is not None:
+            returns = _with_monte_carlo(returns, step_mask, [step_targets[i] for i in idx], reward_range)
         loss, metrics = value_loss(values, returns, step_mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

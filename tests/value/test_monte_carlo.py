@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from orchard.losses import credit_runs, interpolate_step_values, td_credit
-from orchard.value import MonteCarloValues, monte_carlo_step_values, monte_carlo_values
+from orchard.value import (
+    MonteCarloValues,
+    monte_carlo_step_targets,
+    monte_carlo_step_values,
+    monte_carlo_values,
+)
 
 Z95 = 1.959963984540054  # Φ⁻¹(0.975)
 
@@ -135,3 +140,19 @@ def test_step_values_feed_the_credit_pipeline():
     with pytest.raises(ValueError, match="MonteCarloValues"):
         monte_carlo_step_values([0], {"values": [1.0]})
     assert isinstance(monte_carlo_values([[1.0]]), MonteCarloValues)
+
+
+def test_step_targets_sit_on_the_step_that_leads_to_the_state():
+    # state t+1's value is step t's target: {0: ., 1: 1.0, 3: 0.25} over 3 steps -> step 0: 1.0, step 2: 0.25;
+    # state 0 has no step before it; in reward units (-1, 1): 1.0 -> 1.0, 0.25 -> -1 + 2 * 0.25 = -0.5
+    targets, mask = monte_carlo_step_targets([{0: 0.5, 1: 1.0, 3: 0.25}, None, {5: 1.0}], 3, reward_range=(-1.0, 1.0))
+    assert targets.tolist() == [[1.0, 0.0, -0.5], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert mask.tolist() == [[True, False, True], [False] * 3, [False] * 3]  # state 5 is past the 3 columns
+    targets, mask = monte_carlo_step_targets([{2: 0.75}], 2)
+    assert targets.tolist() == [[0.0, 0.75]] and targets.dtype == torch.float32
+    for args, kwargs, match in ((([{1: 1.5}], 2), {}, r"in \[0, 1\]"), (([{-1: 0.5}], 2), {}, "state indices"),
+                                (([{1: 0.5}], 0), {}, "num_steps"), (({1: 0.5}, 2), {}, "one mapping"),
+                                (([[0.5]], 2), {}, "must be a mapping"),
+                                (([{1: 0.5}], 2), {"reward_range": (1.0, -1.0)}, "low < high")):
+        with pytest.raises(ValueError, match=match):
+            monte_carlo_step_targets(*args, **kwargs)

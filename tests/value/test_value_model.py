@@ -182,6 +182,29 @@ def test_truncated_trajectory_never_looks_finished() -> None:
         value_targets(_zero_value_model(tok), [cut], pad_id=tok.pad_token_id)
 
 
+def test_monte_carlo_values_replace_the_gae_targets_they_cover() -> None:
+    # Five steps, outcome -1 (an SWE failure), V = 0: the GAE returns are -.931^(4 - t). Monte-Carlo values of
+    # states 2 and 4 (0.75 and 0.25) are the targets of steps 1 and 3 (read after the action that leads there), in
+    # SWE reward units: -1 + 2 * 0.75 = 0.5 and -1 + 2 * 0.25 = -0.5. The second trajectory has none.
+    tok = build_chat_tokenizer(["you fix bugs looking at part of the repository output a tool task t fix it"])
+    samples = [render_trajectory(_steps_traj(5, -1.0), tok), render_trajectory(_steps_traj(5, -1.0), tok)]
+    vm = _zero_value_model(tok)
+    gae_only, _, _ = value_targets(vm, samples, pad_id=tok.pad_token_id)
+    returns, _, mask = value_targets(vm, samples, pad_id=tok.pad_token_id, step_targets=[{2: 0.75, 4: 0.25}, None],
+                                     reward_range=(-1.0, 1.0))
+    gae_row = [-(0.931**4), -(0.931**3), -(0.931**2), -0.931, -1.0]
+    expected = torch.tensor([[gae_row[0], 0.5, gae_row[2], -0.5, gae_row[4]], gae_row], dtype=torch.float64)
+    torch.testing.assert_close(returns.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gae_only[1], returns[1])
+    assert mask.all()
+    with pytest.raises(ValueError, match="one entry per sample"):
+        value_targets(vm, samples, pad_id=tok.pad_token_id, step_targets=[{2: 0.75}])
+    # training regresses on them: one step on the two samples runs and moves the values
+    history = train_value_model(vm, samples, pad_id=tok.pad_token_id, steps=2, batch_size=2, lr=1e-2,
+                                step_targets=[{2: 0.75, 4: 0.25}, None], reward_range=(-1.0, 1.0))
+    assert history[0]["value/mse"] > 0 and history[1]["value/mean"] != history[0]["value/mean"]
+
+
 @pytest.mark.parametrize("n_steps, max_len", [(5, 40), (5, 61), (7, 90), (3, 300), (6, 25)])
 def test_value_windows_read_every_step_once(n_steps: int, max_len: int) -> None:
     tok = build_chat_tokenizer(["you fix bugs looking at part of the repository output a tool task t fix it"])
