@@ -229,7 +229,11 @@ class TurnValueEstimator:
                 kept[row][j] = traj if self.keep_continuations else None
 
             try:
-                await asyncio.gather(*(play(j) for j in range(plays)))
+                # every sibling finishes (and deletes its fork) before a bug in one of them surfaces
+                failures = [r for r in await asyncio.gather(*(play(j) for j in range(plays)), return_exceptions=True)
+                            if isinstance(r, BaseException)]
+                if failures:
+                    raise failures[0]
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(snapshot.delete()), self.loop.env_timeout_s)

@@ -165,6 +165,35 @@ def test_a_failed_replay_values_nothing(service, tokenizer):
     assert left == set() and snapshots == []
 
 
+class OffScaleHarness(ShellHarness):
+    """Rewards of 2 for a solved task: not a success rate."""
+
+    async def evaluate(self, sandbox, task, trajectory):
+        reward = await super().evaluate(sandbox, task, trajectory)
+        return 2.0 * reward[0]
+
+
+def test_rewards_off_the_success_scale_need_a_map(service, tokenizer):
+    harness = OffScaleHarness(max_steps=6)
+    script = [exec_call("echo fixed > state.txt"), "Fixed."]
+
+    async def main(success):
+        async with AsyncSandboxClient(service.url, service.api_key, retry=FAST) as client:
+            loop = AgentLoop(ScriptedEngine(tokenizer, script), client, harness, tokenizer, progress=False,
+                             start_jitter_s=0.0, max_steps=6)
+            episode = await loop.run(TASK)
+            loop.engine = ScriptedEngine(tokenizer, lambda prompt: "Done.")
+            try:
+                return await TurnValueEstimator(loop, k=2, success=success).estimate(episode, TASK, states=[1])
+            finally:
+                assert await client.list_sandboxes() == [] and await client.list_snapshots() == []
+
+    with pytest.raises(ValueError, match=r"success must map rewards into \[0, 1\], got 2.0.*pass success="):
+        asyncio.run(main(None))
+    values = asyncio.run(main(lambda reward: float(reward > 1)))
+    assert values.step_values() == {1: 1.0}
+
+
 def test_arguments_are_checked(service, tokenizer):
     harness = ShellHarness()
     loop = AgentLoop(ScriptedEngine(tokenizer, ["x"]), AsyncSandboxClient(service.url, service.api_key), harness,
