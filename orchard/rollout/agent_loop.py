@@ -17,6 +17,9 @@ One rollout::
     reward = harness.evaluate(sandbox, task, trajectory)            # unless env_error
     sandbox deleted (always)
 
+`AgentLoop.continue_from` plays the same loop from a state of an earlier episode: a forked sandbox and the messages
+up to that state instead of creation and set-up (Monte-Carlo turn values, `orchard.rollout.turn_values`).
+
 No drift: the prompt of every turn is built exactly as `orchard.data.render_trajectory` renders the finished
 trajectory (the chat template's text after the previous turn is tokenized and appended; every assistant turn is its
 sampled ids, followed by the template's tail after the end-of-turn token, which is added as context when the sample

@@ -182,8 +182,9 @@ class TurnValueEstimator:
                        seed: int | None = None) -> TurnValues:
         """The values of ``states`` (default every state ``0 .. S``) of ``trajectory``, an episode of ``task``.
 
-        ``seed`` seeds continuation ``j`` from state ``t`` with ``derive_seed(seed, "mc", task id, t, j)``; None
-        leaves sampling to the engine. Never raises for environment or model failures (those continuations are
+        ``seed`` (default the loop's ``sampling.seed``) seeds continuation ``j`` from state ``t`` with
+        ``derive_seed(seed, "mc", task id, t, j)``, so the ``K`` continuations differ; None leaves sampling to the
+        engine. Never raises for environment or model failures (those continuations are
         dropped); raises ValueError for bad arguments or a reward ``success`` does not map into ``[0, 1]``.
         """
         if not isinstance(trajectory, Trajectory):
@@ -191,6 +192,7 @@ class TurnValueEstimator:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         wanted = self._states(trajectory, states)
+        seed = self.loop.sampling.seed if seed is None else seed
         offered = sorted(t.get("function", t).get("name") for t in self.loop.harness.tools(task))
         recorded = sorted(t.get("function", t).get("name") for t in trajectory.tools)
         if trajectory.tools and recorded != offered:
@@ -307,13 +309,18 @@ class TurnValueEstimator:
                             states: Sequence[Sequence[int] | None] | None = None,
                             seed: int | None = None) -> list[TurnValues]:
         """`estimate` of every trajectory (``tasks[i]`` its task; ``states[i]`` its states, default all), sharing the
-        loop's ``concurrency``; results in order."""
+        loop's ``concurrency``; results in order. Trajectory ``i`` is seeded with ``derive_seed(seed, "trajectory",
+        i)`` (``seed`` defaults to the loop's ``sampling.seed``; None leaves sampling to the engine)."""
         if len(tasks) != len(trajectories):
             raise ValueError(f"tasks must have one task per trajectory ({len(trajectories)}), got {len(tasks)}")
         if states is not None and len(states) != len(trajectories):
             raise ValueError(f"states must have one entry per trajectory ({len(trajectories)}), got {len(states)}")
+        seed = self.loop.sampling.seed if seed is None else seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         return list(await asyncio.gather(*(
-            self.estimate(traj, task, states=None if states is None else states[i], seed=seed)
+            self.estimate(traj, task, states=None if states is None else states[i],
+                          seed=None if seed is None else derive_seed(seed, "trajectory", i))
             for i, (traj, task) in enumerate(zip(trajectories, tasks, strict=True)))))
 
 

@@ -18,6 +18,7 @@ from orchard.env.embedded import serve
 from orchard.losses import credit_runs, interpolate_step_values, td_credit
 from orchard.rollout import EnvironmentFailure, ShellHarness, TurnValueEstimator, step_value_lookup
 from orchard.rollout.agent_loop import AgentLoop
+from orchard.rollout.engine import SamplingParams
 from orchard.rollout.scripted import ScriptedEngine
 
 FAST = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
@@ -163,6 +164,35 @@ def test_a_failed_replay_values_nothing(service, tokenizer):
     assert values.estimate.values.tolist() == [0.5, 0.5] and values.estimate.valued.tolist() == [False, False]
     assert step_value_lookup([traj], [values])(traj) is None  # unvalued, as an unreadable hindsight answer
     assert left == set() and snapshots == []
+
+
+class SeedRecordingEngine(ScriptedEngine):
+    """Answers "Done." and keeps the seed of every request."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, lambda prompt: "Done.")
+        self.seeds = []
+
+    async def generate(self, requests):
+        self.seeds += [r.params.seed for r in requests]
+        return await super().generate(requests)
+
+
+def test_continuations_are_seeded_apart(service, tokenizer):
+    # the loop's sampling seed would give every continuation the same seed; each gets derive_seed(., t, j) instead
+    harness = ShellHarness(max_steps=6)
+    traj = played(service, tokenizer, harness)
+    engine = SeedRecordingEngine(tokenizer)
+
+    async def main():
+        async with AsyncSandboxClient(service.url, service.api_key, retry=FAST) as client:
+            loop = AgentLoop(engine, client, harness, tokenizer, progress=False, start_jitter_s=0.0,
+                             sampling=SamplingParams(max_tokens=64, seed=5))
+            return await TurnValueEstimator(loop, k=3).estimate_many([traj, traj], [TASK, TASK], states=[[1], [1]])
+
+    first, second = asyncio.run(main())
+    assert first.step_values() == second.step_values() == {1: 0.0}
+    assert len(engine.seeds) == 6 and len(set(engine.seeds)) == 6  # 2 trajectories x 3 continuations, all apart
 
 
 class OffScaleHarness(ShellHarness):
