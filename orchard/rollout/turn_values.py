@@ -184,8 +184,8 @@ class TurnValueEstimator:
 
         ``seed`` (default the loop's ``sampling.seed``) seeds continuation ``j`` from state ``t`` with
         ``derive_seed(seed, "mc", task id, t, j)``, so the ``K`` continuations differ; None leaves sampling to the
-        engine. Never raises for environment or model failures (those continuations are
-        dropped); raises ValueError for bad arguments or a reward ``success`` does not map into ``[0, 1]``.
+        engine. Never raises for environment or model failures (those continuations are dropped); raises ValueError
+        for bad arguments or a reward ``success`` does not map into ``[0, 1]``.
         """
         if not isinstance(trajectory, Trajectory):
             raise ValueError(f"trajectory must be a Trajectory, got {type(trajectory).__name__}")
