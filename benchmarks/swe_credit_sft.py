@@ -33,7 +33,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,8 @@ QUICK = ["instances.templates=[inventory, ledger]", "instances.levels=[1]", "ins
 
 
 def recipe_module() -> Any:
-    """recipes/swe.py as a module: the benchmark composes its stages itself (one teacher dataset, four arms)."""
+    """recipes/swe.py as a module, for its config: the benchmark composes the stages itself (one teacher dataset,
+    four arms)."""
     spec = importlib.util.spec_from_file_location("swe_recipe", ROOT / "recipes/swe.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["swe_recipe"] = module
@@ -58,35 +59,44 @@ def recipe_module() -> Any:
     return module
 
 
-async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
+async def one_seed(cfg: Any, out: Path) -> dict[str, Any]:
     """The teacher's dataset once, then each arm: a fresh model, SFT, held-out evaluation."""
     import torch
 
     from orchard import stages
+    from orchard.domains.swe.corpus import tokenizer_corpus
+    from orchard.domains.swe.harnesses import swe_harnesses
+    from orchard.domains.swe.pools import instance_pools
+    from orchard.domains.swe.sandbox import sandbox_options, shared_folders
     from orchard.domains.swe.teacher import SWETeacherEngine, teacher_trajectories
+    from orchard.domains.swe.values import hindsight_values
     from orchard.stages.policy import load_policy, make_engine
 
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    train, _, heldout = swe.instance_pools(cfg)  # SFT arms only: the RL pool unused
+    train, _, heldout = instance_pools(**asdict(cfg.instances))  # SFT arms only: the RL pool unused
     moved = stages.prepare_output_dir(out, "move")  # a rerun keeps the earlier one, aside
     log = stages.RunLog(out)
     if moved is not None:
         log.print(f"the previous run in {out} moved to {moved}")
-    _, tokenizer = load_policy(cfg.model, swe.corpus([*train, *heldout]), seed=cfg.seed)
+    _, tokenizer = load_policy(cfg.model, tokenizer_corpus([*train, *heldout]), seed=cfg.seed)
     result: dict[str, Any] = {"seed": cfg.seed, "arms": {}, "counts": {}}
-    async with swe.swe_sandboxes(cfg) as sandboxes:  # the recipe's: pytest shared, a warm pool per stage
-        harnesses = swe.swe_harnesses(cfg, tokenizer, sandboxes)
+    r = cfg.rollout
+    async with stages.pooled_sandboxes(cfg.env_url, shared=shared_folders(), cpu=cfg.sandbox_cpu,
+                                       memory=cfg.sandbox_memory, max_pool=cfg.env_pool,
+                                       pool_options=sandbox_options()) as sandboxes:  # the recipe's: a pool per stage
+        harnesses = swe_harnesses(sandboxes, tokenizer, max_steps=r.max_steps, max_tokens=r.max_tokens,
+                                  max_time_s=r.max_time_s, concurrency=r.concurrency, seed=cfg.seed)
 
         async def teach(failure_rate: float, seed: int, attempts: int) -> list[Any]:
             teacher = SWETeacherEngine(tokenizer, train, failure_rate=failure_rate, seed=seed)
-            async with swe.warm(sandboxes, cfg, len(train) * attempts):
+            async with sandboxes.stage(len(train) * attempts):
                 return [t for h in cfg.harnesses for t in await teacher_trajectories(
                     harnesses[h], teacher, train, attempts=attempts)]
 
         trajectories = await teach(cfg.teacher.failure_rate, cfg.seed, cfg.teacher.attempts)
-        values = await swe.hindsight_values(cfg, trajectories, tokenizer)
+        values = await hindsight_values(trajectories, tokenizer, estimator=cfg.values.url, model=cfg.values.model)
         arm_samples: dict[str, list[Any]] = {}
         for mode in ("resolved", "credit", "all"):
             arm_samples[mode], stats = stages.sft_samples(trajectories, mode=mode, eps=cfg.values.eps,
@@ -101,12 +111,12 @@ async def one_seed(cfg: Any, swe: Any, out: Path) -> dict[str, Any]:
         result["counts"]["control_extra"] = min(len(extra), extra_needed)
         log.print("teacher: " + " ".join(f"{k}={v:.0f}" for k, v in result["counts"].items()))
         for arm in ARMS:
-            model, _ = load_policy(cfg.model, swe.corpus([*train, *heldout]), seed=cfg.seed)
+            model, _ = load_policy(cfg.model, tokenizer_corpus([*train, *heldout]), seed=cfg.seed)
             history = stages.sft_stage(model, arm_samples[arm], cfg.sft, pad_id=tokenizer.pad_token_id,
                                        seed=cfg.seed, output_dir=str(out / arm))
             engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
             try:
-                async with swe.warm(sandboxes, cfg, len(heldout) * cfg.eval.attempts):
+                async with sandboxes.stage(len(heldout) * cfg.eval.attempts):
                     rows = await stages.evaluate_stage(arm, len(history), harnesses, engine, heldout, cfg.eval,
                                                        log)
             finally:
@@ -171,7 +181,7 @@ def main() -> int:
                      f"output_dir={out / f'seed{args.one_seed}'}"]
         cfg = load_config(swe.SWEConfig, args.config, overrides, derived=swe.DERIVED)
         cfg = replace(cfg, sft=replace(cfg.sft, enabled=True))
-        result = asyncio.run(one_seed(cfg, swe, Path(cfg.output_dir)))
+        result = asyncio.run(one_seed(cfg, Path(cfg.output_dir)))
         (out / f"seed{args.one_seed}.json").write_text(json.dumps(result, indent=1))
         return 0
     t0 = time.monotonic()

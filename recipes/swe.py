@@ -48,56 +48,31 @@ yet.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
 import json
-import math
 import sys
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orchard import stages
 from orchard._cli import run_main
 from orchard.domains.swe.convention import unparseable_actions
-from orchard.domains.swe.generator import LEVELS, TEMPLATES, generate_instances
-from orchard.domains.swe.harness import SWEEvalHarness
-from orchard.domains.swe.instances import SWEInstance, check_snapshots, load_instances
-from orchard.domains.swe.judge import JudgedRollouts, ScriptedJudge
-from orchard.domains.swe.sandbox import SHARED_PYTEST, patched_paths, sandbox_options, write_pytest_bundle
+from orchard.domains.swe.corpus import tokenizer_corpus
+from orchard.domains.swe.generator import LEVELS, TEMPLATES
+from orchard.domains.swe.harnesses import HARNESSES, TRAINABLE, swe_harnesses
+from orchard.domains.swe.judge import judge_step_stats, judged_harnesses
+from orchard.domains.swe.pools import instance_pools
+from orchard.domains.swe.sandbox import sandbox_options, shared_folders
 from orchard.domains.swe.teacher import ATTEMPTS_PER_TASK, SWETeacherEngine
-from orchard.domains.swe.tool_rollout import SWEBashRollouts, SWEToolRollouts
-from orchard.domains.swe.values import ScriptedValueEstimator, step_values_async
-from orchard.env import AsyncSandboxClient, AsyncSandboxPool
+from orchard.domains.swe.values import hindsight_values
 from orchard.env.orchestrator import parse_cpu, parse_memory_mb
-from orchard.models import tiny_qwen3
-from orchard.rollout.hf_engine import HFEngine
-from orchard.rollout.openai_engine import OpenAIEngine
-from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
-from orchard.stages import (
-    SFT_MODES,
-    EvalConfig,
-    RecordedRollouts,
-    RLConfig,
-    RolloutConfig,
-    SFTConfig,
-    TaskFilterConfig,
-)
+from orchard.stages import SFT_MODES, EvalConfig, RLConfig, RolloutConfig, SFTConfig, TaskFilterConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
-from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
 from orchard.train.config import ConfigError, config_to_dict
 from orchard.train.metrics import WandbConfig
-from orchard.train.model import load_causal_lm
 from orchard.train.objective import LossTerm
-from orchard.value import ValueModel
 
-HARNESSES = ("bash", "tool", "eval")
 SCRIPTED_MAX_TOKENS = 4096  # the scripted teacher's edit turns quote whole hunks: more than a policy turn's budget
 SCRIPTED = "the scripted teacher (gold-patch replay)"
-TRAINABLE = ("bash", "tool")
 
 
 @dataclass(frozen=True)
@@ -187,34 +162,6 @@ class ValuesConfig:
 
 
 @dataclass
-class OPDTeacherConfig:
-    url: str | None = None
-    """OpenAI-compatible server that scores prompts (``vllm serve``, ``orchard serve-model``) over a model sharing
-    the student's tokenizer: the paper's Qwen3.5-397B-A17B; null: ``path``, or a teacher trained here."""
-    model: str = "orchard"
-    """Model name sent to the teacher server."""
-    tokenizer: str | None = None
-    """The served teacher's tokenizer ('tiny', a local HF directory or a named checkpoint); required with url. Before
-    any work it is checked to be the student's (vocabulary and special tokens), as is ``path``'s."""
-    path: str | None = None
-    """Local HF checkpoint of the teacher (scored in process); null with url null: at CPU scale a larger tiny model
-    than the student, trained longer on the teacher corpus (the scripted teacher's resolved trajectories)."""
-    hidden_size: int = 128
-    """Hidden size of the CPU teacher (the student's model.hidden_size must be smaller: never the student itself)."""
-    num_layers: int = 4
-    """Layers of the CPU teacher."""
-    epochs: float = 6.0
-    """SFT epochs of the CPU teacher on the resolved teacher trajectories."""
-
-    def __post_init__(self) -> None:
-        if self.url is not None and self.tokenizer is None:
-            raise ValueError("tokenizer must name the served teacher's tokenizer when url is set: OPD scores the "
-                             "student's token ids, so it is checked to be the student's before any work")
-        if self.url is not None or self.tokenizer is not None:  # the shared checks of a teacher by URL
-            stages.TeacherConfig(url=self.url, model=self.model, tokenizer=self.tokenizer)
-
-
-@dataclass
 class JudgeConfig:
     url: str | None = None
     """OpenAI-compatible LLM judge for the rubric process reward; null: the programmatic judge (``ScriptedJudge``, a
@@ -236,7 +183,7 @@ class SWERLConfig(RLConfig):
     It sets use_bar, reward, train.objective (and group_filter none for pure OPD)."""
     filter: TaskFilterConfig = field(default_factory=TaskFilterConfig)
     """The task filter before RL."""
-    teacher: OPDTeacherConfig = field(default_factory=OPDTeacherConfig)
+    teacher: stages.OPDTeacherConfig = field(default_factory=stages.OPDTeacherConfig)
     """The OPD teacher (opd_* variants)."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The rubric judge (rpr)."""
@@ -262,31 +209,9 @@ class SWESFTConfig(SFTConfig):
 
 
 @dataclass
-class ValueModelConfig:
-    enabled: bool = True
-    """Train the value model on the run's verified train rollouts and rerank held-out candidates."""
-    backbone: str | None = None
-    """Local causal-LM checkpoint of the value backbone (the paper: 4B), checked before any work to have the
-    student's tokenizer (it reads the student's rollouts); null: this run's SFT model (a fresh tiny one without
-    SFT)."""
-    candidates: int = 6
-    """Candidates per held-out instance from the final policy, whose rollouts are not in the pool (the paper: 6)."""
+class ValueModelConfig(stages.ValueRerankConfig):
     harness: str = "bash"
     """Harness the candidates are played through."""
-    max_per_task: int = 8
-    """Pool cap per task."""
-    steps: int = 100
-    """Value training steps."""
-    batch_size: int = 8
-    """Trajectories per value training step."""
-    lr: float = 1.0e-4
-    """AdamW learning rate of value training."""
-    gamma: float = 0.98
-    """GAE discount over decision steps (the paper: 0.98)."""
-    lam: float = 0.95
-    """GAE lambda (the paper: 0.95)."""
-    max_len: int = 4096
-    """Longest sequence the value model reads; longer trajectories are read in left-truncated windows."""
 
 
 @dataclass
@@ -367,8 +292,6 @@ class SWEConfig:
             raise ValueError(f"instances.templates must be among {sorted(TEMPLATES)}, got {self.instances.templates!r}")
         if self.value_model.harness not in TRAINABLE:
             raise ValueError(f"value_model.harness must be among {list(TRAINABLE)}, got {self.value_model.harness!r}")
-        if self.value_model.candidates < 2:
-            raise ValueError(f"value_model.candidates must be >= 2, got {self.value_model.candidates}")
         if isinstance(self.env_pool, bool) or not isinstance(self.env_pool, int) or self.env_pool < 0:
             raise ValueError(f"env_pool must be an int >= 0, got {self.env_pool!r}")
         for name, parse, like in (("sandbox_cpu", parse_cpu, "'2' or '500m'"),
@@ -385,339 +308,106 @@ class SWEConfig:
                 raise ValueError(f"{key}.url needs model.path: a tiny student's tokenizer is trained in the run, so "
                                  f"no served teacher can share it")
 
+    def check_tokenizers(self, student: Any) -> None:
+        """A `ConfigError` naming both unless every model that exchanges token ids with the student (``teacher.url``
+        for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant; the value backbone, which reads the
+        student's rollouts) has the student's tokenizer (``student``: the tokenizer, or model.path to load it from)."""
+        opd = self.rl.enabled and RL_VARIANTS[self.rl.variant].teacher
+        t = self.rl.teacher
+        for key, name, used in (("teacher.tokenizer", self.teacher.tokenizer,
+                                 self.teacher.url is not None and (self.sft.enabled or opd)),
+                                ("rl.teacher.tokenizer", t.tokenizer, opd and t.url is not None),
+                                ("rl.teacher.path", t.path, opd and t.url is None and t.path is not None),
+                                ("value_model.backbone", self.value_model.backbone, self.value_model.enabled)):
+            if used and name is not None:
+                stages.check_tokenizers(student, name, key=key, student_name="model.path")
 
-def instance_pools(cfg: SWEConfig) -> tuple[list[SWEInstance], list[SWEInstance], list[SWEInstance]]:
-    """(train, RL, held-out): from disk, each snapshot checked to be at its base commit (a bad row or snapshot is a
-    one-line `ConfigError` naming the file's key and the instance); or seeded toy instances whose held-out bugs
-    never appear in training (RL draws from train)."""
-    c = cfg.instances
-    if c.path is None:
-        kw = {"levels": tuple(c.levels), "templates": tuple(c.templates) or None}
-        train = generate_instances("train", c.train_per_template, **kw)
-        return train, train, generate_instances("heldout", c.heldout_per_template, **kw)
-    pools: dict[str, list[SWEInstance]] = {}
-    for key, path, split in (("path", c.path, "train"), ("rl_path", c.rl_path, "rl"),
-                             ("heldout_path", c.heldout_path, "heldout")):
-        if path is None:
-            continue
-        try:
-            pools[key] = load_instances(path, split=split, repo_root=c.repo_root)
-            check_snapshots(pools[key])
-        except ValueError as exc:
-            raise ConfigError(f"instances.{key}: {exc}") from exc
-    return pools["path"], pools.get("rl_path", pools["path"]), pools["heldout_path"]
-
-
-@contextlib.asynccontextmanager
-async def swe_sandboxes(cfg: SWEConfig) -> AsyncIterator[PooledSandboxes]:
-    """The run's sandboxes: the service (``env_url``, or the embedded one with the pytest bundle shared), a client,
-    and the per-stage warm pools the harnesses draw from (`warm`)."""
-    with sandbox_service(cfg.env_url, shared={SHARED_PYTEST: write_pytest_bundle}) as env:
-        async with AsyncSandboxClient(*env) as client:
-            yield PooledSandboxes(client, cpu=cfg.sandbox_cpu, memory=cfg.sandbox_memory)
-
-
-def warm(sandboxes: PooledSandboxes, cfg: SWEConfig, episodes: int) -> AbstractAsyncContextManager[AsyncSandboxPool]:
-    """A stage's warm pool for ``episodes`` played at once (up to ``env_pool``), closed when the stage ends."""
-    return sandboxes.stage(min(episodes, cfg.env_pool), **sandbox_options())
-
-
-def swe_harnesses(cfg: SWEConfig, tokenizer: Any, client: Any) -> dict[str, Rollouts]:
-    """The three conventions behind one interface: bash and tool as a program via the proxy, eval in process;
-    ``client`` an ``AsyncSandboxClient`` or the run's `PooledSandboxes`."""
-    r = cfg.rollout
-    program = {"concurrency": r.concurrency, "max_steps": r.max_steps, "max_tokens": r.max_tokens,
-               "max_time_s": r.max_time_s}
-    return {
-        "bash": SWEBashRollouts(client, tokenizer, **program),
-        "tool": SWEToolRollouts(client, tokenizer, **program),
-        "eval": AgentLoopRollouts(client, SWEEvalHarness(max_steps=r.max_steps), tokenizer, max_tokens=r.max_tokens,
-                                  seed=cfg.seed, max_time_s=r.max_time_s, concurrency=r.concurrency),
-    }
-
-
-def corpus(instances: list[SWEInstance]) -> list[str]:
-    """The issues' text and the code the tasks are about, for the tiny model's offline tokenizer: a toy
-    repository whole; of a snapshot on disk, the files its fix and its tests touch, and the fix."""
-    texts = []
-    for i in instances:
-        texts.append(i.problem_statement)
-        if i.files is not None:
-            texts += i.files.values()
-        else:
-            touched = dict.fromkeys([*patched_paths(i.patch), *patched_paths(i.test_patch)])
-            texts += [t for t in map(i.read, touched) if t is not None]
-            texts.append(i.patch)
-    return texts
-
-
-async def teacher_phase(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any,
-                        train: list[SWEInstance]) -> tuple[list[Any], dict[str, float]]:
-    """``teacher.attempts`` teacher trajectories per train instance through each trained harness, failures kept:
-    from ``teacher.url``'s model at ``teacher.temperature``, or the scripted teacher (it replays the gold patch)."""
-    return await stages.teacher_phase(cfg.teacher, trained, train, student_tokenizer=tokenizer,
-                                      scripted=lambda: SWETeacherEngine(tokenizer, train, seed=cfg.seed,
-                                                                        failure_rate=cfg.teacher.failure_rate),
-                                      scripted_max_tokens=SCRIPTED_MAX_TOKENS)
-
-
-def check_teacher_tokenizers(cfg: SWEConfig, student: Any) -> None:
-    """A `ConfigError` naming both unless every model that exchanges token ids with the student (``teacher.url``
-    for SFT data; ``rl.teacher``'s URL or checkpoint for an OPD variant; the value backbone, which reads the
-    student's rollouts) has the student's tokenizer (``student``: the tokenizer, or model.path to load it from)."""
-    opd = cfg.rl.enabled and RL_VARIANTS[cfg.rl.variant].teacher
-    if cfg.teacher.url is not None and (cfg.sft.enabled or opd):
-        stages.check_tokenizers(student, cfg.teacher.tokenizer, key="teacher.tokenizer", student_name="model.path")
-    t = cfg.rl.teacher
-    if opd and t.url is not None:
-        stages.check_tokenizers(student, t.tokenizer, key="rl.teacher.tokenizer", student_name="model.path")
-    elif opd and t.path is not None:
-        stages.check_tokenizers(student, t.path, key="rl.teacher.path", student_name="model.path")
-    if cfg.value_model.enabled and cfg.value_model.backbone is not None:
-        stages.check_tokenizers(student, cfg.value_model.backbone, key="value_model.backbone",
-                                student_name="model.path")
-
-
-async def hindsight_values(cfg: SWEConfig, trajectories: list[Any], tokenizer: Any) -> dict[int, Any]:
-    """The value teacher's ``{state: value}`` of every failed trajectory (None where its answer was unusable)."""
-    estimator = cfg.values.url or ScriptedValueEstimator(tokenizer)
-    failed = [t for t in trajectories if t.valid and t.samples and not (t.reward or 0) > 0]
-    values = await asyncio.gather(*(step_values_async(t, client_or_engine=estimator, tokenizer=tokenizer,
-                                                      model=cfg.values.model) for t in failed))
-    return {id(t): v for t, v in zip(failed, values, strict=True)}
-
-
-async def rl_task_pool(cfg: SWEConfig, trained: dict[str, Rollouts], engine: Any, instances: list[SWEInstance],
-                       log: stages.RunLog) -> tuple[list[SWEInstance], list[Any]]:
-    """The RL stage's tasks among ``instances`` (those of useful difficulty for the SFT policy, unless
-    rl.filter.enabled is false) and the filter's rollouts."""
-    f = cfg.rl.filter
-    if not f.enabled:
-        return instances, []
-    kept = await stages.filter_tasks(trained, engine, f.candidates_of(instances, cfg.seed), attempts=f.attempts,
-                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature, seed=cfg.seed)
-    log.log(kept.stats, 0)
-    log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= {f.high} "
-              f"over {f.attempts} rollouts), success {kept.stats['filter/success']:.3f}")
-    return kept.tasks, kept.trajectories
-
-
-def bar_groups(calls_per_step: list[list[list[Any]]]) -> list[dict[str, Any]]:
-    """BAR's positive ratio per group and step: over the group's pool (BAR's candidates: judge-removed rollouts,
-    dropped timeouts and sandbox failures are not) and over the group_size it kept (None: dropped; pool None: no
-    candidate). Read from the choice `stages.rollout_groups` made (each candidate's ``metadata["bar"]``), never
-    made again here, so the report and the groups that trained agree, whatever the stride."""
-    rows = []
-    for step, calls in enumerate(calls_per_step, 1):
-        groups: dict[str, list[dict[str, bool]]] = {}
-        for traj in (t for call in calls for t in call):  # a step draws each task once: one group per task
-            groups.setdefault(traj.task_id, [])
-            if "bar" in traj.metadata:
-                groups[traj.task_id].append(traj.metadata["bar"])
-        for pool in groups.values():
-            kept = [c["positive"] for c in pool if c["kept"]]
-            rows.append({"step": step,
-                         "pool_positive_ratio": sum(c["positive"] for c in pool) / len(pool) if pool else None,
-                         "kept_positive_ratio": sum(kept) / len(kept) if kept else None})
-    return rows
-
-
-def judge_step_stats(trajectories: list[Any]) -> dict[str, float]:
-    """The rubric judge's view of one RL step's generated rollouts (the RPR variant's curves): over those it graded,
-    the mean rubric (in [0, 1]) and the mean RL reward (outcome + rubric_weight x rubric); 0 when none was graded."""
-    graded = [t for t in trajectories if t.valid and not t.metadata.get("removed") and "rubric" in t.reward_components]
-    n = len(graded)
-    return {"rl/judge_graded": float(n),
-            "rl/judge_rubric_mean": sum(t.reward_components["rubric"] for t in graded) / n if n else 0.0,
-            "rl/judge_reward_mean": sum(t.reward for t in graded) / n if n else 0.0}
-
-
-def opd_teacher(cfg: SWEConfig, out: Path, tokenizer: Any, trajectories: list[Any], log: stages.RunLog) -> Any:
-    """The OPD teacher as a scoring engine: a server by URL, a local checkpoint, or (CPU) a larger tiny model than
-    the student trained for ``rl.teacher.epochs`` on the scripted teacher's resolved trajectories."""
-    t = cfg.rl.teacher
-    if t.url is not None:
-        return OpenAIEngine(t.url, model=t.model)
-    if t.path is not None:
-        teacher_model = load_causal_lm(t.path, dtype=cfg.model.dtype)
-    else:
-        if cfg.model.path is not None or t.hidden_size <= cfg.model.hidden_size:
-            raise ValueError(f"rl.teacher: give url or path, or a CPU teacher larger than the tiny student "
-                             f"(hidden_size {t.hidden_size} <= model.hidden_size {cfg.model.hidden_size})")
-        samples, _ = stages.sft_samples(trajectories, mode="resolved")
-        if not samples:
-            raise ValueError("rl.teacher: the CPU teacher trains on the scripted teacher's resolved trajectories and "
-                             "there are none; give rl.teacher.url or rl.teacher.path")
-        h = t.hidden_size
-        teacher_model = tiny_qwen3(tokenizer, seed=cfg.seed + 1, hidden_size=h, intermediate_size=3 * h,
-                                   num_hidden_layers=t.num_layers, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=h // 4)
-        history = stages.sft_stage(teacher_model, samples, replace(cfg.sft, epochs=t.epochs),
-                                   pad_id=tokenizer.pad_token_id, seed=cfg.seed + 1,
-                                   output_dir=str(out / "opd_teacher"))
-        log.print(f"opd teacher: hidden {h} x {t.num_layers} layers, {len(samples)} samples, {len(history)} steps, "
-                  f"loss {history[0]['loss/total']:.3f} -> {history[-1]['loss/total']:.3f}")
-    return HFEngine(teacher_model.eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=64, seed=cfg.seed)
-
-
-def judged(cfg: SWEConfig, trained: dict[str, Rollouts], tokenizer: Any, instances: list[SWEInstance],
-           ) -> dict[str, Rollouts]:
-    """The RPR variant's harnesses: every rollout graded by ``rl.judge`` (the reference block: the instance's
-    hidden FAIL_TO_PASS tests and gold patch); judge failures leave the loss and are counted by the RL stage."""
-    j = cfg.rl.judge
-    judge: Any = j.url if j.url is not None else ScriptedJudge(tokenizer)
-    by_id = {inst.instance_id: inst for inst in instances}
-
-    def reference(traj: Any) -> dict[str, Any]:
-        inst = by_id[traj.task_id]
-        return {"fail_to_pass": inst.FAIL_TO_PASS, "gold_patch": inst.patch}
-
-    return {h: JudgedRollouts(r, judge, rubric_weight=j.rubric_weight, reference=reference, model=j.model,
-                              tokenizer=tokenizer) for h, r in trained.items()}
-
-
-async def rl(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], sandboxes: PooledSandboxes, engine: Any,
-             model: Any, tokenizer: Any, instances: list[SWEInstance], log: stages.RunLog, teacher: Any = None,
-             ) -> tuple[list[dict[str, float]], list[Any]]:
-    """Task filter over ``instances`` (the RL pool: instances.rl_path's, else the train instances), then
-    ``rl.variant`` through the trained harnesses on the kept tasks (skipped when none is kept), each with its warm
-    pool. Returns the RL history and every verified-or-not rollout generated on those tasks (the value pool)."""
-    trained = {h: harnesses[h] for h in cfg.harnesses}
-    rated = len(cfg.rl.filter.candidates_of(instances, cfg.seed))
-    async with warm(sandboxes, cfg, rated * math.ceil(cfg.rl.filter.attempts / len(trained))):
-        tasks, generated = await rl_task_pool(cfg, trained, engine, instances, log)
-    judges = judged(cfg, trained, tokenizer, instances) if RL_VARIANTS[cfg.rl.variant].judge else None
-    trained = judges or trained
-    summary: dict[str, Any] = {"variant": cfg.rl.variant, "tasks": len(tasks), "steps": 0}
-    history: list[dict[str, float]] = []
-    if tasks:
-        # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing the run.
-        rl_cfg = replace(cfg.rl, tasks_per_step=min(cfg.rl.tasks_per_step, len(tasks)))
-        calls: list[list[Any]] = []
-        recorded = {h: RecordedRollouts(r, calls) for h, r in trained.items()}
-        marks = [0]
-
-        def on_step(stats: dict[str, float], step: int) -> None:
-            step_trajs = [t for c in calls[marks[-1]:] for t in c]
-            marks.append(len(calls))
-            log.log({**stats, **(judge_step_stats(step_trajs) if judges is not None else {})}, step)
-            log.print(f"rl step {step}: success {stats['rl/success_generated']:.2f} groups "
-                      f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
-                      f"env_errors {stats['rl/env_errors']:.0f}")
-
-        # a step plays tasks_per_step groups at once; under BAR each draws a stride at a time
-        group = rl_cfg.bar_stride if rl_cfg.use_bar else rl_cfg.group_size
-        async with warm(sandboxes, cfg, rl_cfg.tasks_per_step * group):
-            history = await stages.rl_stage(model, engine, recorded, tasks, rl_cfg, rollout=cfg.rollout,
-                                            pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                            output_dir=str(out / "rl"), log=on_step, teacher=teacher)
-        generated += [t for c in calls for t in c]
-        if judges is not None:  # the judge's counts over the whole stage (rubric mean: of the last batch)
-            summary["judge"] = {k: sum(j.totals.get(k, 0.0) for j in judges.values())
-                                for k in ("rl/judged", "rl/judge_failures", "rl/judge_unparseable")}
-        summary.update(steps=len(history), tasks_per_step=rl_cfg.tasks_per_step,
-                       bar_groups=bar_groups([calls[a:b] for a, b in itertools.pairwise(marks)])
-                       if rl_cfg.use_bar else [])
-    else:
-        log.print("rl: skipped, no task of useful difficulty for the policy")
-    (out / "rl_summary.json").write_text(json.dumps(summary, indent=2))
-    return history, generated
-
-
-async def value_rerank(cfg: SWEConfig, out: Path, harnesses: dict[str, Rollouts], sandboxes: PooledSandboxes,
-                       engine: Any, policy: Any, tokenizer: Any, heldout: list[SWEInstance], pool: list[Any],
-                       log: stages.RunLog) -> None:
-    """Value model on ``pool``; N candidates per held-out instance from the final policy, reranked by V."""
-    v = cfg.value_model
-    async with warm(sandboxes, cfg, len(heldout) * v.candidates):
-        candidates = await harnesses[v.harness](engine, heldout, group_size=v.candidates,
-                                                temperature=cfg.eval.temperature)
-    backbone = v.backbone or (str(out / "sft_model") if cfg.sft.enabled else None)
-    value_model = ValueModel.from_pretrained(backbone, seed=cfg.seed) if backbone \
-        else ValueModel.from_config(policy.config, seed=cfg.seed)
-    result = stages.value_rerank_stage(pool, candidates, value_model, tokenizer, max_per_task=v.max_per_task,
-                                       steps=v.steps, batch_size=v.batch_size, lr=v.lr, gamma=v.gamma, lam=v.lam,
-                                       max_len=v.max_len, seed=cfg.seed, log=lambda m, step: log.log(m, step))
-    r = result.report
-    log.log(r, 0)
-    log.print(f"best-of-{v.candidates} on {r['rerank/groups']:.0f} held-out instances: value "
-              f"{r['rerank/success']:.3f}, random {r['rerank/random']:.3f}, oracle {r['rerank/oracle']:.3f} "
-              f"(pool {r['value/pool']:.0f}, {r['value/pool_success']:.2f} resolved)")
-    (out / "rerank.json").write_text(json.dumps({"report": r, "history": result.history,
-                                                 "curves": result.curves}, indent=2))
-    stages.plot_value_curves(result.curves, out / "value_curves.png")
+    def sft_provenance(self) -> dict[str, str]:
+        """What the SFT data is, for the SFT model's provenance."""
+        return {
+            "source": f"{self.teacher.describe(SCRIPTED)}'s {self.teacher.attempts} attempts per train instance "
+                      f"through {self.harnesses} (trajectories/sft_teacher.jsonl.gz)"
+                      + (", curated (stages.curate_sft)" if self.sft.curate else ""),
+            "mode": self.sft_mode,
+            "mask": {"resolved": "resolved trajectories, every generated token",
+                     "all": "every valid trajectory, every generated token",
+                     "credit": f"resolved trajectories whole; failed ones only on the tokens of steps with hindsight "
+                               f"credit >= {self.values.eps} (stages.sft_samples)"}[self.sft_mode]}
 
 
 async def run(cfg: SWEConfig) -> dict[str, Any]:
-    train, rl_pool, heldout = instance_pools(cfg)  # a bad file or snapshot stops the run before it writes anything
+    try:  # a bad file or snapshot stops the run before it writes anything
+        train, rl_pool, heldout = instance_pools(**asdict(cfg.instances))
+    except ValueError as exc:
+        raise ConfigError(f"instances.{exc}") from exc
     if cfg.model.path is not None:  # a checkpoint's tokenizer meets its teachers' before the run writes anything
-        check_teacher_tokenizers(cfg, cfg.model.path)
+        cfg.check_tokenizers(cfg.model.path)
     run = stages.RecipeRun(cfg.output_dir, seed=cfg.seed, threads=cfg.threads, eval_cfg=cfg.eval,
-                           existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb,
-                           config=config_to_dict(cfg))
-    out, log = run.out, run.log
-    unique = {i.instance_id: i for i in [*train, *rl_pool, *heldout]}
-    model, tokenizer = load_policy(cfg.model, corpus(list(unique.values())), seed=cfg.seed)
+                           existing=cfg.existing, loggers=cfg.loggers, wandb=cfg.wandb, config=config_to_dict(cfg))
+    model, tokenizer = load_policy(cfg.model, tokenizer_corpus([*train, *rl_pool, *heldout]), seed=cfg.seed)
     if cfg.model.path is None:  # a tiny student's tokenizer, trained just now, before any episode
-        check_teacher_tokenizers(cfg, tokenizer)
+        cfg.check_tokenizers(tokenizer)
     engine = make_engine(cfg.model, model, tokenizer, seed=cfg.seed)
-    trajectories: list[Any] = []
-    dropped: dict[str, float] = {}
-    evaluating = len(heldout) * cfg.eval.attempts  # one harness's held-out episodes: one call
-    async with swe_sandboxes(cfg) as sandboxes:
-        harnesses = swe_harnesses(cfg, tokenizer, sandboxes)
-        async with warm(sandboxes, cfg, evaluating):
-            await run.evaluate("base", 0, run.saving(harnesses), engine, heldout)
-        row = RL_VARIANTS[cfg.rl.variant]
-        cpu_teacher = cfg.rl.enabled and row.teacher and cfg.rl.teacher.url is None and cfg.rl.teacher.path is None
-        if cfg.sft.enabled or cpu_teacher:  # the teacher's corpus: SFT's data, the CPU OPD teacher's
-            async with warm(sandboxes, cfg, len(train) * cfg.teacher.attempts):
-                trajectories, stats = await teacher_phase(cfg, {h: harnesses[h] for h in cfg.harnesses}, tokenizer,
-                                                          train)
-            log.log(stats, 0)
+    row, r, j, trajectories, dropped, pool = RL_VARIANTS[cfg.rl.variant], cfg.rollout, cfg.rl.judge, [], {}, []
+    async with stages.pooled_sandboxes(cfg.env_url, shared=shared_folders(), cpu=cfg.sandbox_cpu,
+                                       memory=cfg.sandbox_memory, max_pool=cfg.env_pool,
+                                       pool_options=sandbox_options()) as sandboxes:
+        harnesses = run.saving(swe_harnesses(sandboxes, tokenizer, max_steps=r.max_steps, max_tokens=r.max_tokens,
+                                             max_time_s=r.max_time_s, concurrency=r.concurrency, seed=cfg.seed))
+        trained = {h: harnesses[h] for h in cfg.harnesses}
+
+        async def evaluate(stage: str, step: int) -> None:  # a warm pool for one harness's held-out episodes
+            async with sandboxes.stage(len(heldout) * cfg.eval.attempts):
+                await run.evaluate(stage, step, harnesses, engine, heldout)
+
+        await evaluate("base", 0)
+        if cfg.sft.enabled or (cfg.rl.enabled and row.teacher and cfg.rl.teacher.trained_here):  # SFT's corpus, the
+            async with sandboxes.stage(len(train) * cfg.teacher.attempts):                      # CPU OPD teacher's
+                trajectories, stats = await stages.teacher_phase(
+                    cfg.teacher, trained, train, student_tokenizer=tokenizer, scripted_max_tokens=SCRIPTED_MAX_TOKENS,
+                    scripted=lambda: SWETeacherEngine(tokenizer, train, seed=cfg.seed,
+                                                      failure_rate=cfg.teacher.failure_rate))
+            run.log.log(stats, 0)
             run.phase = "sft_teacher"
             run.save_trajectories(trajectories)
-            # curated once: SFT and the CPU OPD teacher learn from the same corpus
-            trajectories, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
-                                                      unparseable=unparseable_actions) if cfg.sft.curate \
-                else (trajectories, {})
+            if cfg.sft.curate:  # once: SFT and the CPU OPD teacher learn from the same corpus
+                trajectories, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
+                                                          unparseable=unparseable_actions)
         if cfg.sft.enabled:
-            values = await hindsight_values(cfg, trajectories, tokenizer) if cfg.sft_mode == "credit" else {}
+            values = await hindsight_values(trajectories, tokenizer, estimator=cfg.values.url,
+                                            model=cfg.values.model) if cfg.sft_mode == "credit" else {}
             samples, stats = stages.sft_samples(trajectories, mode=cfg.sft_mode, eps=cfg.values.eps,
                                                 step_values=lambda t: values.get(id(t)))
-            stats = {**stats, **dropped}
-            log.log(stats, 0)
-            log.print("teacher: " + " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in stats.items()))
-            await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance={
-                "source": f"{cfg.teacher.describe(SCRIPTED)}'s {cfg.teacher.attempts} attempts per train instance "
-                          f"through "
-                          f"{cfg.harnesses} (trajectories/sft_teacher.jsonl.gz)"
-                          + (", curated (stages.curate_sft)" if cfg.sft.curate else ""),
-                "mode": cfg.sft_mode,
-                "mask": {"resolved": "resolved trajectories, every generated token",
-                         "all": "every valid trajectory, every generated token",
-                         "credit": f"resolved trajectories whole; failed ones only on the tokens of steps with "
-                                   f"hindsight credit >= {cfg.values.eps} (stages.sft_samples)"}[cfg.sft_mode]})
-            async with warm(sandboxes, cfg, evaluating):
-                await run.evaluate("sft", len(run.sft_history), run.saving(harnesses), engine, heldout)
-        pool: list[Any] = []
+            run.log.log({**stats, **dropped}, 0)
+            run.log.print("teacher: " + " ".join(f"{k.split('/')[1]}={x:.0f}" for k, x in {**stats, **dropped}.items()))
+            await run.sft(model, tokenizer, engine, samples, cfg.sft, provenance=cfg.sft_provenance())
+            await evaluate("sft", len(run.sft_history))
         if cfg.rl.enabled:
-            teacher = opd_teacher(cfg, out, tokenizer, trajectories, log) if row.teacher else None
-            # The stage hands the engine new weights after every update: it holds the final policy here.
-            run.phase = "rl"
-            run.rl_history, pool = await rl(cfg, out, harnesses, sandboxes, engine, model, tokenizer, rl_pool, log,
-                                            teacher)
+            teacher = stages.opd_teacher(cfg.rl.teacher, tokenizer, trajectories, sft=cfg.sft, dtype=cfg.model.dtype,
+                                         student_hidden_size=None if cfg.model.path else cfg.model.hidden_size,
+                                         seed=cfg.seed, output_dir=run.out / "opd_teacher",
+                                         log=run.log.print) if row.teacher else None
+            run.phase = "rl"  # the stage hands the engine new weights after every update: the final policy after it
+            rl = await stages.rl_phase(
+                model, engine, judged_harnesses(trained, tokenizer, rl_pool, judge=j.url, model=j.model,
+                                                rubric_weight=j.rubric_weight) if row.judge else trained,
+                rl_pool, cfg.rl, task_filter=cfg.rl.filter, filter_harnesses=trained, rollout=r,
+                pad_id=tokenizer.pad_token_id, seed=cfg.seed, output_dir=run.out / "rl", log=run.log, teacher=teacher,
+                step_stats=judge_step_stats if row.judge else None, sandboxes=sandboxes)
+            (run.out / "rl_summary.json").write_text(json.dumps({"variant": cfg.rl.variant, **rl.summary}, indent=2))
+            run.rl_history, pool = rl.history, rl.generated
             run.save_trajectories(pool)  # the task filter's and the RL stage's rollouts, judged where judged
             if teacher is not None:
                 await teacher.close()
             if run.rl_history:
                 run.save_policy(model, tokenizer, "rl_model")
-                async with warm(sandboxes, cfg, evaluating):
-                    await run.evaluate("rl", len(run.rl_history), run.saving(harnesses), engine, heldout)
+                await evaluate("rl", len(run.rl_history))
         if cfg.value_model.enabled:
             run.phase = "value_rerank"
-            await value_rerank(cfg, out, run.saving(harnesses), sandboxes, engine, model, tokenizer, heldout, pool,
-                               log)
+            await stages.value_rerank_phase(
+                cfg.value_model, harnesses[cfg.value_model.harness], engine, heldout, pool, tokenizer, policy=model,
+                default_backbone=run.out / "sft_model" if cfg.sft.enabled else None,
+                temperature=cfg.eval.temperature, seed=cfg.seed, output_dir=run.out, log=run.log, sandboxes=sandboxes)
     return await run.finish(engine, config_to_dict(cfg))
 
 

@@ -24,18 +24,24 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   per temperature of a grid, the best mean over the harnesses), `best_temperature` (ties nearest a reference),
   `TemperatureSearch`, `TEMPERATURE_GRID`, `check_temperatures`; with `orchard.models.fold_temperature`, RL's start
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `bar_candidate` (what BAR may choose: not removed, not
-  a dropped timeout), `group_batch` (a group into samples and advantages), `trajectory_reward`
+  a dropped timeout), `bar_groups` (BAR's positive ratio per group, as it chose), `group_batch` (a group into
+  samples and advantages), `trajectory_reward`; a recipe's RL phase (`orchard.stages.rl_phase`): `rl_phase` (the
+  task filter, then `rl_stage` on the kept tasks, each in its warm pool; every rollout kept, a summary),
+  `RLPhaseResult`
 - on-policy distillation (`orchard.stages.distill`): `teacher_logprobs` (a teacher engine's log-probs on the
-  student's action tokens), `check_teacher`, `OPD_TERMS`; `rl_stage(..., teacher=...)` uses them
-- value model: `value_rerank_stage` (pool, train, best-of-N rerank vs random and oracle), `RecordedRollouts`
-  (keeps what a stage generated, for the pool), `plot_value_curves`, `ValueRerankResult`
+  student's action tokens), `check_teacher`, `OPD_TERMS`; `rl_stage(..., teacher=...)` uses them; `opd_teacher`
+  (an `OPDTeacherConfig`'s teacher: by URL, a checkpoint, or a larger tiny model trained here)
+- value model: `value_rerank_stage` (pool, train, best-of-N rerank vs random and oracle), `value_rerank_phase`
+  (a recipe's step, configured by `ValueRerankConfig`: the final policy's candidates, the value model, the stage, ``rerank.json`` and the plot),
+  `RecordedRollouts` (keeps what a stage generated, for the pool), `plot_value_curves`, `ValueRerankResult`
 - reporting: `RunLog` (metrics.jsonl + timestamped console lines), `evaluate_stage` (evaluate, log, print),
   `plot_learning_curve`, `write_results`; a recipe's command line: `recipe_main`
 - a recipe's run (`orchard.stages.recipe_run`): `RecipeRun` (seeds, the log, held-out results per stage, the SFT
   hand-over to the engine, the end: engine closed, results written by rank 0); `prepare_output_dir` /
   `previous_run` (a previous run in ``output_dir`` is refused, moved aside or resumed, never deleted)
 - sandboxes (`orchard.stages.sandboxes`): `sandbox_service` (a service by URL, or the embedded one for the run
-  with its shared folders), `PooledSandboxes` (what the harnesses create sandboxes from: a warm pool per stage)
+  with its shared folders), `PooledSandboxes` (what the harnesses create sandboxes from: a warm pool per stage,
+  capped by the run), `pooled_sandboxes` (the two, with a client, for a run's block)
 - ranks (`orchard.stages.ranks`): `Ranks`, `init_ranks`, `shard_range`, `all_gather_concat`, `all_reduce_sum`;
   `evaluate` and `rl_stage` shard their tasks over the launcher's ranks by themselves
 """
@@ -48,7 +54,7 @@ from orchard.stages.config import (
     TaskFilterConfig,
     derived_keys,
 )
-from orchard.stages.distill import OPD_TERMS, teacher_logprobs
+from orchard.stages.distill import OPD_TERMS, OPDTeacherConfig, opd_teacher, teacher_logprobs
 from orchard.stages.evaluate import evaluate, evaluate_stage, success_row
 from orchard.stages.recipe_run import RecipeRun
 from orchard.stages.report import (
@@ -60,9 +66,17 @@ from orchard.stages.report import (
     recipe_main,
     write_results,
 )
-from orchard.stages.rl import bar_candidate, group_batch, rl_stage, rollout_groups, trajectory_reward
+from orchard.stages.rl import (
+    bar_candidate,
+    bar_groups,
+    group_batch,
+    rl_stage,
+    rollout_groups,
+    trajectory_reward,
+)
+from orchard.stages.rl_phase import RLPhaseResult, rl_phase
 from orchard.stages.run_files import EXISTING_RUN_CHOICES, prepare_output_dir, previous_run
-from orchard.stages.sandboxes import PooledSandboxes, sandbox_service
+from orchard.stages.sandboxes import PooledSandboxes, pooled_sandboxes, sandbox_service
 from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
 from orchard.stages.teacher import TeacherConfig, check_tokenizers, sample_teacher, teacher_phase, url_teacher
@@ -75,8 +89,10 @@ from orchard.stages.temperature import (
 )
 from orchard.stages.value_rerank import (
     RecordedRollouts,
+    ValueRerankConfig,
     ValueRerankResult,
     plot_value_curves,
+    value_rerank_phase,
     value_rerank_stage,
 )
 
@@ -87,8 +103,10 @@ __all__ = [
     "SFT_MODES",
     "TEMPERATURE_GRID",
     "EvalConfig",
+    "OPDTeacherConfig",
     "PooledSandboxes",
     "RLConfig",
+    "RLPhaseResult",
     "RecipeRun",
     "RecordedRollouts",
     "RolloutConfig",
@@ -98,8 +116,10 @@ __all__ = [
     "TaskFilterResult",
     "TeacherConfig",
     "TemperatureSearch",
+    "ValueRerankConfig",
     "ValueRerankResult",
     "bar_candidate",
+    "bar_groups",
     "best_temperature",
     "check_temperatures",
     "check_tokenizers",
@@ -111,12 +131,15 @@ __all__ = [
     "filter_tasks",
     "format_table",
     "group_batch",
+    "opd_teacher",
     "plot_learning_curve",
     "plot_value_curves",
+    "pooled_sandboxes",
     "prepare_output_dir",
     "previous_run",
     "provenance",
     "recipe_main",
+    "rl_phase",
     "rl_stage",
     "rollout_groups",
     "sample_teacher",
@@ -130,6 +153,7 @@ __all__ = [
     "teacher_phase",
     "trajectory_reward",
     "url_teacher",
+    "value_rerank_phase",
     "value_rerank_stage",
     "write_results",
 ]

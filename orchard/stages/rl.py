@@ -52,7 +52,7 @@ from orchard.train.action_logprobs import VISION_KEYS, action_logprobs
 from orchard.train.progress import StepProgress
 from orchard.train.trainer import Trainer, forward_logprobs
 
-__all__ = ["bar_candidate", "group_batch", "rl_stage", "rollout_groups", "trajectory_reward"]
+__all__ = ["bar_candidate", "bar_groups", "group_batch", "rl_stage", "rollout_groups", "trajectory_reward"]
 
 
 def trajectory_reward(traj: Trajectory, kind: str = "outcome") -> float:
@@ -172,6 +172,36 @@ async def rollout_groups(harnesses: Mapping[str, Rollouts], engine: Any, tasks: 
 
     selected = await asyncio.gather(*(select(i) for i in range(len(tasks))))
     return [g for g, _ in selected], [t for _, pool in selected for t in pool]
+
+
+def bar_groups(calls_per_step: Sequence[Sequence[Sequence[Trajectory]]]) -> list[dict[str, Any]]:
+    """BAR's positive ratio per group and step, read from the choice `rollout_groups` made (each candidate's
+    ``metadata["bar"]``), never made again here, so the report and the groups that trained agree whatever the
+    stride.
+
+    Args:
+        calls_per_step: per RL step, the generation calls it made (each a list of trajectories; what
+            `orchard.stages.RecordedRollouts` keeps). A step draws each task once, so its rollouts of one task
+            are one group, spread over as many calls as BAR drew strides.
+
+    Returns:
+        One row per group, in step order: ``step`` (1-based), ``pool_positive_ratio`` (over BAR's candidates:
+        judge-removed rollouts, dropped timeouts and sandbox failures are not; None when there was no candidate)
+        and ``kept_positive_ratio`` (over the group_size it kept; None when the group was dropped).
+    """
+    rows = []
+    for step, calls in enumerate(calls_per_step, 1):
+        groups: dict[str, list[dict[str, bool]]] = {}
+        for traj in (t for call in calls for t in call):
+            groups.setdefault(traj.task_id, [])
+            if "bar" in traj.metadata:
+                groups[traj.task_id].append(traj.metadata["bar"])
+        for pool in groups.values():
+            kept = [c["positive"] for c in pool if c["kept"]]
+            rows.append({"step": step,
+                         "pool_positive_ratio": sum(c["positive"] for c in pool) / len(pool) if pool else None,
+                         "kept_positive_ratio": sum(kept) / len(kept) if kept else None})
+    return rows
 
 
 REMOVAL_REASONS = {"judge_failure": "rl/judge_failures", "judge_unparseable": "rl/judge_unparseable",

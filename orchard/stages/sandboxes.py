@@ -1,5 +1,6 @@
 """The sandboxes a run uses: the service (one already running, or the embedded one for the run, with its shared
-folders), and where rollouts draw their sandboxes from (`PooledSandboxes`: a warm pool per stage)."""
+folders), where rollouts draw their sandboxes from (`PooledSandboxes`: a warm pool per stage), and the two for a
+run's block (`pooled_sandboxes`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from orchard.env.client import API_KEY_ENV
 from orchard.env.client.aio import AsyncSandbox, AsyncSandboxClient
 from orchard.env.client.pool import AsyncSandboxPool
 
-__all__ = ["PooledSandboxes", "sandbox_service"]
+__all__ = ["PooledSandboxes", "pooled_sandboxes", "sandbox_service"]
 
 
 @contextlib.contextmanager
@@ -72,17 +73,29 @@ class PooledSandboxes:
         cpu, memory: the resources every sandbox is requested with (``client.create``'s ``cpu`` / ``memory``,
             Kubernetes quantities such as ``"2"`` and ``"8Gi"``), added to each request and to each stage's pool
             unless the request names its own; None: the service's defaults.
+        max_pool: the most sandboxes one stage's pool keeps ahead, whatever size the stage asks for (a run's cap on
+            the service); None: no cap.
+        pool_options: what a stage's pool makes its sandboxes with when the stage names no options: the options the
+            domain's episodes create theirs with (only such requests are served from the pool); None: the
+            client's defaults.
     """
 
-    def __init__(self, client: AsyncSandboxClient, *, cpu: str | None = None, memory: str | None = None) -> None:
+    def __init__(self, client: AsyncSandboxClient, *, cpu: str | None = None, memory: str | None = None,
+                 max_pool: int | None = None, pool_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(client, AsyncSandboxClient):
             raise ValueError(f"client must be an AsyncSandboxClient, got {type(client).__name__}")
         for name, value in (("cpu", cpu), ("memory", memory)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a Kubernetes quantity string or None, got {value!r}")
+        if max_pool is not None and (isinstance(max_pool, bool) or not isinstance(max_pool, int) or max_pool < 0):
+            raise ValueError(f"max_pool must be an int >= 0 or None, got {max_pool!r}")
+        if pool_options is not None and not isinstance(pool_options, Mapping):
+            raise ValueError(f"pool_options must be a mapping of client.create options or None, got {pool_options!r}")
         self.client = client
         self.resources = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v is not None}
         """What every request is made with unless it names its own."""
+        self.max_pool = max_pool
+        self.pool_options = dict(pool_options or {})
         self.pool: AsyncSandboxPool | None = None
         """The current stage's pool (None between stages)."""
 
@@ -105,13 +118,15 @@ class PooledSandboxes:
 
     @contextlib.asynccontextmanager
     async def stage(self, size: int, **create_options: Any) -> AsyncIterator[AsyncSandboxPool]:
-        """For the block, a pool of ``size`` sandboxes made with ``create_options`` (the client's defaults when
-        none) that `create` draws from; closed when the block ends, also on error: its idle sandboxes deleted,
-        those being made waited for and deleted. Size it to the episodes the stage has in flight at once (0:
-        every sandbox created on the spot). One stage at a time."""
+        """For the block, a pool of ``size`` sandboxes (at most ``max_pool``) made with ``create_options``
+        (``pool_options`` when none) that `create` draws from; closed when the block ends, also on error: its idle
+        sandboxes deleted, those being made waited for and deleted. Size it to the episodes the stage has in
+        flight at once (0: every sandbox created on the spot). One stage at a time."""
         if self.pool is not None:
             raise RuntimeError("a stage already holds a pool: stages do not nest")
-        pool = AsyncSandboxPool(self.client, size, **{**self.resources, **create_options})
+        if self.max_pool is not None:
+            size = min(size, self.max_pool)
+        pool = AsyncSandboxPool(self.client, size, **{**self.resources, **(create_options or self.pool_options)})
         pool.start()
         self.pool = pool
         try:
@@ -119,3 +134,18 @@ class PooledSandboxes:
         finally:
             self.pool = None  # a rollout the stage left running creates its own from here on
             await asyncio.shield(pool.aclose())
+
+
+@contextlib.asynccontextmanager
+async def pooled_sandboxes(url: str | None, *, shared: Mapping[str, Callable[[Path], object]] | None = None,
+                           cpu: str | None = None, memory: str | None = None, max_pool: int | None = None,
+                           pool_options: Mapping[str, Any] | None = None) -> AsyncIterator[PooledSandboxes]:
+    """A run's sandboxes for the block: the service (`sandbox_service`: ``url``, or the embedded one with
+    ``shared``), a client, and the `PooledSandboxes` over it (``cpu``, ``memory``, ``max_pool``, ``pool_options``)
+    that the harnesses create their sandboxes from; the client closed and an embedded service stopped after it.
+
+    ``async with sandboxes.stage(n):`` around each stage gives it a warm pool sized to its ``n`` episodes at once.
+    """
+    with sandbox_service(url, shared=shared) as (base_url, api_key):
+        async with AsyncSandboxClient(base_url, api_key) as client:
+            yield PooledSandboxes(client, cpu=cpu, memory=memory, max_pool=max_pool, pool_options=pool_options)

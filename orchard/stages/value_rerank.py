@@ -12,10 +12,14 @@ The Orchard paper's "distilling historical rollouts" (Orchard-SWE)::
 The math is `orchard.value` (`build_value_pool`, `train_value_model`, `evaluate_reranking`); this stage renders the
 trajectories, runs it in order and keeps what the plots need. `RecordedRollouts` keeps every rollout a stage
 generates, so a recipe can hand the RL stage's rollouts to this one without the RL stage knowing.
+`value_rerank_phase` is a recipe's whole step: the final policy's candidates, the value model, this stage, and
+its report written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +28,10 @@ from typing import Any
 from orchard._extras import requires_extra
 from orchard.data import RenderedSample, Trajectory, render_trajectory
 from orchard.rollout.rollouts import Rollouts
+from orchard.stages.report import RunLog
+from orchard.stages.sandboxes import PooledSandboxes
 
-__all__ = ["RecordedRollouts", "ValueRerankResult", "plot_value_curves", "value_rerank_stage"]
+__all__ = ["RecordedRollouts", "ValueRerankConfig", "ValueRerankResult", "plot_value_curves", "value_rerank_phase", "value_rerank_stage"]
 
 
 class RecordedRollouts:
@@ -48,6 +54,36 @@ class RecordedRollouts:
     def trajectories(self) -> list[Trajectory]:
         """Every trajectory recorded, in call order."""
         return [t for call in self.calls for t in call]
+
+
+@dataclass
+class ValueRerankConfig:
+    enabled: bool = True
+    """Train the value model on the run's verified train rollouts and rerank held-out candidates."""
+    backbone: str | None = None
+    """Local causal-LM checkpoint of the value backbone (the paper: 4B), checked before any work to have the
+    student's tokenizer (it reads the student's rollouts); null: the recipe's SFT model where it trained one, else a
+    fresh model shaped like the policy."""
+    candidates: int = 6
+    """Candidates per held-out instance from the final policy, whose rollouts are not in the pool (the paper: 6)."""
+    max_per_task: int = 8
+    """Pool cap per task."""
+    steps: int = 100
+    """Value training steps."""
+    batch_size: int = 8
+    """Trajectories per value training step."""
+    lr: float = 1.0e-4
+    """AdamW learning rate of value training."""
+    gamma: float = 0.98
+    """GAE discount over decision steps (the paper: 0.98)."""
+    lam: float = 0.95
+    """GAE lambda (the paper: 0.95)."""
+    max_len: int = 4096
+    """Longest sequence the value model reads; longer trajectories are read in left-truncated windows."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.candidates, bool) or not isinstance(self.candidates, int) or self.candidates < 2:
+            raise ValueError(f"candidates must be an int >= 2, got {self.candidates!r}")
 
 
 @dataclass(frozen=True)
@@ -124,6 +160,45 @@ def value_rerank_stage(pool: Sequence[Trajectory], candidates: Sequence[Trajecto
             curves.append({"task_id": s.task_id, "resolved": bool(s.reward is not None and s.reward > 0.5),
                            "values": [x for x, keep in zip(v, m, strict=True) if keep]})
     return ValueRerankResult(report, history, curves)
+
+
+async def value_rerank_phase(cfg: ValueRerankConfig, harness: Rollouts, engine: Any, heldout: Sequence[Any],
+                             pool: Sequence[Trajectory], tokenizer: Any, *, policy: Any,
+                             default_backbone: str | Path | None = None, temperature: float = 1.0,
+                             output_dir: str | Path, log: RunLog, sandboxes: PooledSandboxes | None = None,
+                             seed: int = 0) -> ValueRerankResult:
+    """``cfg.candidates`` rollouts per held-out task from ``engine`` (the final policy) through ``harness``, a value
+    model trained on ``pool`` by `value_rerank_stage` (``cfg``'s settings) and the candidates reranked by it; the
+    report logged (step 0) with a console line, and written under ``output_dir``: ``rerank.json`` (report, training
+    history, curves) and ``value_curves.png``.
+
+    Args:
+        policy: the policy model; with no backbone, the value model is a fresh one shaped like its config.
+        default_backbone: the backbone when ``cfg.backbone`` is null (a recipe's SFT model).
+        sandboxes: the run's sandboxes: the candidates play in a warm pool of their own; None: the harness creates
+            its sandboxes.
+    """
+    from orchard.value import ValueModel
+
+    warm = sandboxes.stage(len(heldout) * cfg.candidates) if sandboxes is not None else contextlib.nullcontext()
+    async with warm:
+        played = await harness(engine, heldout, group_size=cfg.candidates, temperature=temperature)
+    backbone = cfg.backbone if cfg.backbone is not None else default_backbone
+    model = ValueModel.from_pretrained(str(backbone), seed=seed) if backbone is not None \
+        else ValueModel.from_config(policy.config, seed=seed)
+    result = value_rerank_stage(pool, played, model, tokenizer, max_per_task=cfg.max_per_task, steps=cfg.steps,
+                                batch_size=cfg.batch_size, lr=cfg.lr, gamma=cfg.gamma, lam=cfg.lam,
+                                max_len=cfg.max_len, seed=seed, log=log.log)
+    r = result.report
+    log.log(r, 0)
+    log.print(f"best-of-{cfg.candidates} on {r['rerank/groups']:.0f} held-out tasks: value {r['rerank/success']:.3f}, "
+              f"random {r['rerank/random']:.3f}, oracle {r['rerank/oracle']:.3f} (pool {r['value/pool']:.0f}, "
+              f"{r['value/pool_success']:.2f} resolved)")
+    out = Path(output_dir)
+    (out / "rerank.json").write_text(json.dumps({"report": r, "history": result.history, "curves": result.curves},
+                                                indent=2))
+    plot_value_curves(result.curves, out / "value_curves.png")
+    return result
 
 
 def plot_value_curves(curves: Sequence[dict[str, Any]], path: str | Path) -> None:

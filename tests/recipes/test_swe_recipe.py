@@ -6,12 +6,14 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from orchard.data import Trajectory
-from orchard.stages import RecordedRollouts, RolloutConfig, rollout_groups
+from orchard.domains.swe.pools import instance_pools
+from orchard.stages import RolloutConfig, rollout_groups
 from orchard.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,14 +211,9 @@ def test_the_recipe_reads_a_real_file_with_its_clones_and_refuses_a_clone_off_it
         swe, build_real_swe, fixture_git, recipe_main, tmp_path):
     real = build_real_swe(tmp_path / "real")
     cfg = load_config(swe.SWEConfig, ROOT / "recipes/configs/swe_tiny.yaml", real_files(real), derived=swe.DERIVED)
-    train, rl_pool, heldout = swe.instance_pools(cfg)
+    train, rl_pool, heldout = instance_pools(**asdict(cfg.instances))  # the config's keys are its arguments
     assert [i.instance_id for i in (*train, *rl_pool, *heldout)] == ["tkem__cachetools-130"] * 3
     assert train[0].repo_dir == str(real.repo) and train[0].files is None
-    # a real instance has no files: the tokenizer's corpus reads the code its fix and its tests touch
-    texts = swe.corpus(train)
-    assert texts[0] == train[0].problem_statement and train[0].patch in texts
-    assert (real.repo / "cachetools/keys.py").read_text() in texts
-    assert (real.repo / "tests/test_keys.py").read_text() in texts
     # the clone moved on: the run stops before it writes anything, naming the file's key and the instance
     fixture_git(real.repo, "commit", "-q", "--allow-empty", "-m", "later work")
     head = fixture_git(real.repo, "rev-parse", "HEAD").strip()
@@ -257,41 +254,6 @@ def test_swe_recipe_smoke_on_a_real_fix(tmp_path, build_real_swe):
 def test_a_config_mistake_from_the_command_line():
     proc = recipe("rl.variant=ppo", timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: rl.variant must be one of ")
-
-
-def test_bar_groups_report_the_choice_bar_made_by_hand(swe):
-    """bar_groups reads BAR's choice from rollout_groups (it chooses nothing itself): with strides smaller than
-    the budget a group's pool spans several generation calls, and the report still matches the groups that train."""
-    # Per task, the outcomes of its successive strides of 4: +1 resolved, -1 not, None a dead sandbox.
-    strides = {"a": [[1, 1, 1, 1], [-1, -1, 1, -1]], "b": [[1, -1, -1, 1]], "c": [[None, -1, -1, -1], [-1] * 4]}
-    played = {task: 0 for task in strides}
-
-    async def scripted(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
-        [task] = tasks
-        outcomes = strides[task][played[task]]
-        played[task] += 1
-        return [Trajectory(task_id=task, reward=r, termination_reason="done" if r is not None else "env_error")
-                for r in outcomes[:group_size]]
-
-    cfg = swe.SWERLConfig(group_size=4, bar_n_max=8, bar_stride=4, tasks_per_step=3)
-    calls = []
-    groups, _ = asyncio.run(rollout_groups({"bash": RecordedRollouts(scripted, calls)}, None, ["a", "b", "c"],
-                                           ["bash"] * 3, cfg, RolloutConfig()))
-    rows = {row["pool_positive_ratio"]: row for row in swe.bar_groups([calls])}
-    # a: 4 of 4 resolved has no balanced set (k+ in [ceil(0.375 x 4), floor(0.625 x 4)] = {2}), so BAR draws a
-    #    second stride: 5 of 8 = 0.625 in the pool, 2 of 4 kept = 0.5. (Read call by call, as bar_groups did
-    #    before, the first call alone would be a pool of 4 of 4 = 1.0.)
-    # b: 2 of 4 at once: kept whole, 0.5 both.
-    # c: the dead sandbox is no candidate: 0 of 7, no signal, dropped.
-    assert rows == {0.625: {"step": 1, "pool_positive_ratio": 0.625, "kept_positive_ratio": 0.5},
-                    0.5: {"step": 1, "pool_positive_ratio": 0.5, "kept_positive_ratio": 0.5},
-                    0.0: {"step": 1, "pool_positive_ratio": 0.0, "kept_positive_ratio": None}}
-    # ... and they are the groups that train: the kept ratios are those of the groups' members.
-    trained = sorted(sum(t.reward > 0 for t in g.trajectories) / len(g.trajectories) for g in groups if g.trajectories)
-    assert trained == sorted(r["kept_positive_ratio"] for r in rows.values() if r["kept_positive_ratio"] is not None)
-    # a step with no candidate at all (every sandbox dead) still has its row
-    dead = [Trajectory(task_id="d", reward=None, termination_reason="env_error")]
-    assert swe.bar_groups([[dead]]) == [{"step": 1, "pool_positive_ratio": None, "kept_positive_ratio": None}]
 
 
 def test_js_with_grpo_runs_without_bar_as_the_paper_ran_it_and_its_bar_row_is_apart(swe):
@@ -370,16 +332,3 @@ def test_paper_config_loads_with_the_papers_setting(tmp_path, swe):
     assert cfg.value_model.backbone.endswith("-4B")  # the paper's value backbone size
     # student and teachers of one family: the paper's student is Qwen3.5-35B-A3B, never a Qwen3 beside a Qwen3.5
     assert "Qwen3.5" in cfg.model.path and "Qwen3.5" in rl.teacher.model and "Qwen3.5" in cfg.value_model.backbone
-
-
-def test_judge_step_stats_by_hand(swe):
-    graded = [Trajectory(reward=-1.0 + 0.5, reward_components={"outcome": -1.0, "rubric": 0.5}),
-              Trajectory(reward=1.0 + 1.0, reward_components={"outcome": 1.0, "rubric": 1.0})]
-    removed = Trajectory(reward=1.0, metadata={"removed": "judge_failure"})  # no rubric: the judge failed
-    dead = Trajectory(reward=None, termination_reason="env_error")
-    # Over the 2 graded: rubric (0.5 + 1.0) / 2 = 0.75, reward (-0.5 + 2.0) / 2 = 0.75.
-    assert swe.judge_step_stats([*graded, removed, dead]) == {
-        "rl/judge_graded": 2.0, "rl/judge_rubric_mean": 0.75, "rl/judge_reward_mean": 0.75}
-    # A step the judge graded nothing of: zeros, not NaN.
-    assert swe.judge_step_stats([removed, dead]) == {
-        "rl/judge_graded": 0.0, "rl/judge_rubric_mean": 0.0, "rl/judge_reward_mean": 0.0}

@@ -82,6 +82,9 @@ def kept_failures(trajectories, tasks, attempts):
 
 def test_swe_teacher_phase_samples_the_served_model(student, served, recipe_module):
     from orchard.domains.swe.generator import generate_instances
+    from orchard.domains.swe.harnesses import swe_harnesses
+    from orchard.domains.swe.sandbox import sandbox_options, shared_folders
+    from orchard.stages import pooled_sandboxes, teacher_phase
 
     swe = recipe_module("swe")
     url, engine = served
@@ -92,10 +95,13 @@ def test_swe_teacher_phase_samples_the_served_model(student, served, recipe_modu
     train = generate_instances("train", 1, levels=(1,), templates=("inventory",))
     before = len(engine.returned)
 
-    async def phase():
-        async with swe.swe_sandboxes(cfg) as sandboxes:
-            harnesses = swe.swe_harnesses(cfg, tokenizer, sandboxes)
-            return await swe.teacher_phase(cfg, {"bash": harnesses["bash"]}, tokenizer, train)
+    async def phase():  # the recipe's own composition: its sandboxes, harnesses and teacher phase
+        r = cfg.rollout
+        async with pooled_sandboxes(cfg.env_url, shared=shared_folders(), pool_options=sandbox_options()) as sandboxes:
+            harnesses = swe_harnesses(sandboxes, tokenizer, max_steps=r.max_steps, max_tokens=r.max_tokens,
+                                      max_time_s=r.max_time_s, concurrency=r.concurrency)
+            return await teacher_phase(cfg.teacher, {"bash": harnesses["bash"]}, train, student_tokenizer=tokenizer,
+                                       scripted=None)
 
     trajectories, stats = asyncio.run(phase())
     assert from_the_endpoint(trajectories, engine) <= len(engine.returned) - before

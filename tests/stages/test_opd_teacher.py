@@ -205,3 +205,25 @@ def test_teacher_rows_follow_the_shuffled_mini_batches(tmp_path, monkeypatch):
             for b in batches for r, m in zip(b["input_ids"], b["attention_mask"], strict=True)]
     for epoch in (rows[:6], rows[6:]):
         assert sorted(epoch) == sorted(given) and epoch != given
+
+
+def test_opd_teacher_by_url_and_the_cpu_teachers_refusals():
+    from orchard.data.tokenizer import build_chat_tokenizer
+    from orchard.rollout.openai_engine import OpenAIEngine
+    from orchard.stages import OPDTeacherConfig, SFTConfig, opd_teacher
+
+    tokenizer = build_chat_tokenizer()
+    served = opd_teacher(OPDTeacherConfig(url="http://teacher:8000/v1", model="big", tokenizer="tiny"), tokenizer)
+    assert isinstance(served, OpenAIEngine) and not OPDTeacherConfig(path="/m").trained_here
+    cpu = OPDTeacherConfig(hidden_size=48)
+    assert cpu.trained_here
+    with pytest.raises(ValueError, match="a CPU teacher is trained only beside a tiny student"):
+        opd_teacher(cpu, tokenizer, student_hidden_size=None)
+    with pytest.raises(ValueError, match=r"larger than the tiny student \(hidden_size 48 <= the student's 48\)"):
+        opd_teacher(cpu, tokenizer, student_hidden_size=48)
+    # no resolved trajectory to learn from: refused before any model is made
+    failed = [Trajectory(task_id="a", reward=-1.0)]
+    with pytest.raises(ValueError, match="resolved trajectories and there are none"):
+        opd_teacher(cpu, tokenizer, failed, sft=SFTConfig(), student_hidden_size=32, output_dir="unused")
+    with pytest.raises(ValueError, match="tokenizer must name the served teacher's tokenizer when url is set"):
+        OPDTeacherConfig(url="http://teacher:8000/v1")

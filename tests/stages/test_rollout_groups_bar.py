@@ -1,12 +1,13 @@
 """rollout_groups under BAR takes its balanced band from the RL config (the paper's [0.375, 0.625] by default), and
-chooses only among rollouts that can train: a judge-removed rollout or a dropped timeout never fills a group."""
+chooses only among rollouts that can train: a judge-removed rollout or a dropped timeout never fills a group; and
+`bar_groups` reports the choice it made."""
 
 import asyncio
 
 import pytest
 
 from orchard.data import Trajectory
-from orchard.stages import RLConfig, RolloutConfig, rollout_groups
+from orchard.stages import RecordedRollouts, RLConfig, RolloutConfig, bar_groups, rollout_groups
 from orchard.stages import rl as rl_module
 
 
@@ -104,3 +105,38 @@ def test_success_counts_the_kept_group_and_success_generated_the_whole_pool():
         stats = rl_module._rollout_stats(rl_module._rollout_counts(groups, generated))
         assert (stats["rl/success"], stats["rl/success_generated"]) == (success, generated_success)
         assert stats["rl/episodes"] == episodes
+
+
+def test_bar_groups_report_the_choice_bar_made_by_hand():
+    """bar_groups reads BAR's choice from rollout_groups (it chooses nothing itself): with strides smaller than
+    the budget a group's pool spans several generation calls, and the report still matches the groups that train."""
+    # Per task, the outcomes of its successive strides of 4: +1 resolved, -1 not, None a dead sandbox.
+    strides = {"a": [[1, 1, 1, 1], [-1, -1, 1, -1]], "b": [[1, -1, -1, 1]], "c": [[None, -1, -1, -1], [-1] * 4]}
+    played = {task: 0 for task in strides}
+
+    async def scripted(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
+        [task] = tasks
+        outcomes = strides[task][played[task]]
+        played[task] += 1
+        return [Trajectory(task_id=task, reward=r, termination_reason="done" if r is not None else "env_error")
+                for r in outcomes[:group_size]]
+
+    cfg = RLConfig(group_size=4, bar_n_max=8, bar_stride=4, use_bar=True, tasks_per_step=3)
+    calls = []
+    groups, _ = asyncio.run(rollout_groups({"bash": RecordedRollouts(scripted, calls)}, None, ["a", "b", "c"],
+                                           ["bash"] * 3, cfg, RolloutConfig()))
+    rows = {row["pool_positive_ratio"]: row for row in bar_groups([calls])}
+    # a: 4 of 4 resolved has no balanced set (k+ in [ceil(0.375 x 4), floor(0.625 x 4)] = {2}), so BAR draws a
+    #    second stride: 5 of 8 = 0.625 in the pool, 2 of 4 kept = 0.5. (Read call by call, as bar_groups did
+    #    before, the first call alone would be a pool of 4 of 4 = 1.0.)
+    # b: 2 of 4 at once: kept whole, 0.5 both.
+    # c: the dead sandbox is no candidate: 0 of 7, no signal, dropped.
+    assert rows == {0.625: {"step": 1, "pool_positive_ratio": 0.625, "kept_positive_ratio": 0.5},
+                    0.5: {"step": 1, "pool_positive_ratio": 0.5, "kept_positive_ratio": 0.5},
+                    0.0: {"step": 1, "pool_positive_ratio": 0.0, "kept_positive_ratio": None}}
+    # ... and they are the groups that train: the kept ratios are those of the groups' members.
+    trained = sorted(sum(t.reward > 0 for t in g.trajectories) / len(g.trajectories) for g in groups if g.trajectories)
+    assert trained == sorted(r["kept_positive_ratio"] for r in rows.values() if r["kept_positive_ratio"] is not None)
+    # a step with no candidate at all (every sandbox dead) still has its row
+    dead = [Trajectory(task_id="d", reward=None, termination_reason="env_error")]
+    assert bar_groups([[dead]]) == [{"step": 1, "pool_positive_ratio": None, "kept_positive_ratio": None}]

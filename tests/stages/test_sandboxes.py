@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from orchard.env import AsyncSandboxClient
-from orchard.stages import PooledSandboxes, sandbox_service
+from orchard.stages import PooledSandboxes, pooled_sandboxes, sandbox_service
 
 
 async def test_a_stage_serves_its_pools_sandboxes_and_other_requests_on_the_spot(embedded_service, sandbox_ids):
@@ -35,6 +35,25 @@ async def test_a_stage_serves_its_pools_sandboxes_and_other_requests_on_the_spot
         assert left == {s.sandbox_id for s in [*drawn, named, other, outside]}
         for sandbox in [*drawn, named, other, outside]:
             await sandbox.delete()
+
+
+async def test_a_runs_cap_and_pool_options_shape_every_stages_pool(embedded_service, sandbox_ids, monkeypatch):
+    monkeypatch.setenv("SANDBOX_API_KEY", embedded_service.api_key)
+    async with pooled_sandboxes(embedded_service.url, max_pool=2, pool_options={"env": {"A": "1"}}) as sandboxes:
+        client = sandboxes.client
+        async with sandboxes.stage(5) as pool:  # asks for 5, the run allows 2
+            await pool.wait_filled()
+            assert pool.create_options == {"env": {"A": "1"}} and len(await sandbox_ids(client)) == 2
+            ahead = await sandbox_ids(client)
+            drawn = await sandboxes.create(env={"A": "1"})  # what the run's episodes ask for: from the pool
+            assert drawn.sandbox_id in ahead
+            await drawn.delete()
+        async with sandboxes.stage(1, image="host") as pool:  # a stage's own options win
+            assert pool.create_options == {"image": "host"}
+        async with sandboxes.stage(0) as pool:  # 0: every sandbox on the spot
+            assert pool.size == 0
+    with pytest.raises(ValueError, match="max_pool must be an int >= 0 or None, got -1"):
+        PooledSandboxes(client, max_pool=-1)
 
 
 async def test_a_stage_that_raises_leaves_no_sandbox(embedded_service, sandbox_ids):

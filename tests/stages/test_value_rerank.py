@@ -1,6 +1,8 @@
 """The value-model stage on a pool with a known signal: the outcome is written in the last assistant turn."""
 
 import asyncio
+import contextlib
+import json
 import math
 
 import pytest
@@ -82,3 +84,42 @@ def test_recorded_rollouts_keep_every_call():
     asyncio.run(tool(None, ["x"], group_size=1, temperature=1.0))
     asyncio.run(bash(None, ["y"], group_size=1, temperature=1.0))
     assert [c[0].task_id for c in shared] == ["x", "y"] and bash.calls is tool.calls is shared
+
+
+def test_value_rerank_phase_plays_candidates_in_their_pool_and_writes_its_report(tok, tmp_path):
+    from orchard.stages import ValueRerankConfig, value_rerank_phase
+
+    asked, sizes, lines, rows = [], [], [], []
+
+    async def harness(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
+        asked.append((list(tasks), group_size, temperature))
+        return [traj(t, i == 0) for t in tasks for i in range(group_size)]  # the first candidate of each resolves
+
+    class Pools:
+        def stage(self, n):
+            sizes.append(n)
+            return contextlib.nullcontext()
+
+    class Log:
+        def log(self, metrics, step):
+            rows.append((dict(metrics), step))
+
+        def print(self, line):
+            lines.append(line)
+
+    policy = tiny_qwen3(tok, seed=0)
+    cfg = ValueRerankConfig(candidates=3, steps=1, batch_size=2)
+    result = asyncio.run(value_rerank_phase(cfg, harness, None, ["h0", "h1"], [traj("t0", True), traj("t1", False)],
+                                            tok, policy=policy, temperature=0.7, output_dir=tmp_path, log=Log(),
+                                            sandboxes=Pools()))
+    # 2 held-out tasks x 3 candidates, in one pool of that size, at the evaluation temperature
+    assert asked == [(["h0", "h1"], 3, 0.7)] and sizes == [6]
+    # one training step logged, then the report (step 0) and its line; random = 1/3, oracle = 1 (by construction)
+    assert len(result.history) == 1 and rows[-1] == (result.report, 0)
+    assert result.report["rerank/random"] == pytest.approx(1 / 3) and result.report["rerank/oracle"] == 1.0
+    assert lines[-1].startswith("best-of-3 on 2 held-out tasks: value ")
+    saved = json.loads((tmp_path / "rerank.json").read_text())
+    assert saved["report"] == result.report and len(saved["curves"]) == 6
+    assert (tmp_path / "value_curves.png").stat().st_size > 5_000
+    with pytest.raises(ValueError, match="candidates must be an int >= 2, got 1"):
+        ValueRerankConfig(candidates=1)

@@ -9,7 +9,8 @@
   is sent and scores R1-R7 from the transcript's evidence (:func:`judge_process_text`). It is a deterministic
   stand-in for an LLM judge, not a claim that these rules are what an LLM judge would say.
 - :func:`judge_trajectories` applies a judge to RL rollouts (the RL reward below); :class:`JudgedRollouts` wraps a
-  domain's `Rollouts` so every rollout batch is judged before the RL stage groups it.
+  domain's `Rollouts` so every rollout batch is judged before the RL stage groups it; :func:`judged_harnesses`
+  wraps a recipe's harnesses with the instances' reference, and :func:`judge_step_stats` is its per-step curve.
 
 **The RL reward.** The RPR's dimensions and weights are the paper's; we found no statement of how the rubric enters
 the RL reward beside the test outcome, so this is our choice::
@@ -46,6 +47,7 @@ from typing import Any
 
 from orchard._extras import requires_extra
 from orchard.data import Trajectory
+from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.prompts import process_reward_messages
 from orchard.domains.swe.values import (
     _FAIL,
@@ -70,8 +72,10 @@ __all__ = [
     "JudgedRollouts",
     "ScriptedJudge",
     "judge_process_text",
+    "judge_step_stats",
     "judge_trajectories",
     "judge_trajectory",
+    "judged_harnesses",
 ]
 
 _TRANSCRIPT = "## Agent transcript"
@@ -524,3 +528,40 @@ class JudgedRollouts(JudgedRolloutsBase):
 
     async def judge_batch(self, trajectories: list[Trajectory], tasks: Sequence[Any]) -> dict[str, float]:
         return await judge_trajectories(self.judge, trajectories, **self.kwargs)
+
+
+def judged_harnesses(harnesses: Mapping[str, Any], tokenizer: Any, instances: Sequence[SWEInstance], *,
+                     judge: Engine | str | None = None, model: str = "orchard", rubric_weight: float = 1.0,
+                     ) -> dict[str, JudgedRollouts]:
+    """Each of ``harnesses`` (name -> ``Rollouts``) wrapped in a `JudgedRollouts`: every rollout graded on the
+    rubric, its RL reward ``outcome + rubric_weight x rubric``, a judge failure removed from the loss and counted.
+
+    Args:
+        harnesses: the domain's rollouts by harness name.
+        tokenizer: the chat tokenizer (an in-process judge renders its prompts with it).
+        instances: every instance the rollouts may play: the judge's reference block is the instance's hidden
+            FAIL_TO_PASS tests and gold patch, looked up by the trajectory's task id.
+        judge: an OpenAI-compatible URL or an ``Engine``; None: the programmatic `ScriptedJudge` in process.
+        model: the ``model`` field sent to a URL.
+        rubric_weight: in [0, 1], so a resolved rollout always ranks first.
+    """
+    by_id = {inst.instance_id: inst for inst in instances}
+
+    def reference(traj: Trajectory) -> dict[str, Any]:
+        inst = by_id[traj.task_id]
+        return {"fail_to_pass": inst.FAIL_TO_PASS, "gold_patch": inst.patch}
+
+    grader = ScriptedJudge(tokenizer) if judge is None else judge
+    return {h: JudgedRollouts(r, grader, rubric_weight=rubric_weight, reference=reference, model=model,
+                              tokenizer=tokenizer) for h, r in harnesses.items()}
+
+
+def judge_step_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """The rubric judge's view of one RL step's generated rollouts (the RPR variant's curves): over those it graded
+    (valid, not removed, with a ``rubric`` component), ``rl/judge_graded``, ``rl/judge_rubric_mean`` (in [0, 1])
+    and ``rl/judge_reward_mean`` (outcome + rubric_weight x rubric); the means 0 when none was graded."""
+    graded = [t for t in trajectories if t.valid and not t.metadata.get("removed") and "rubric" in t.reward_components]
+    n = len(graded)
+    return {"rl/judge_graded": float(n),
+            "rl/judge_rubric_mean": sum(t.reward_components["rubric"] for t in graded) / n if n else 0.0,
+            "rl/judge_reward_mean": sum(t.reward for t in graded) / n if n else 0.0}

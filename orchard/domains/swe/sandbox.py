@@ -61,6 +61,7 @@ import tarfile
 import threading
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ __all__ = [
     "BASE_CACHE_BYTES", "EXCLUDE", "GIT_ENV", "MAX_PATCH_BYTES", "MAX_PATCH_WRITE_BYTES", "PYTHON", "RECENT_CHANGE_S",
     "SHARED_PYTEST", "WORKSPACE", "BaseTree", "PatchTooLargeError", "SWEVerdict", "base_archive", "base_tree",
     "patch_write_bound", "patched_paths", "prepare_sandbox", "pytest_bundle", "pytest_env", "repository_archive",
-    "sandbox_options", "score_sandbox", "scored_archive", "scored_tree", "write_pytest_bundle",
+    "sandbox_options", "score_sandbox", "scored_archive", "scored_tree", "shared_folders", "write_pytest_bundle",
 ]
 
 WORKSPACE = "/workspace"
@@ -348,6 +349,13 @@ def pytest_env() -> dict[str, str]:
     is not there (the service shares no such folder) is ignored by Python, and `prepare_sandbox` writes the
     ``.pth`` as without it."""
     return {"PYTHONPATH": f"{SHARED_MOUNT}/{SHARED_PYTEST}/{_shared_bundle_name()}"}
+
+
+def shared_folders() -> dict[str, Callable[[Path], object]]:
+    """The folders a sandbox service started for SWE episodes shares with every sandbox, name -> the function that
+    fills one (``orchard.stages.sandbox_service(url, shared=shared_folders())``): the pytest bundle, so no episode
+    sends its own."""
+    return {SHARED_PYTEST: write_pytest_bundle}
 
 
 def sandbox_options() -> dict[str, Any]:

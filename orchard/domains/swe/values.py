@@ -4,6 +4,8 @@
   ``Trajectory``, asks a model (an ``Engine`` in process, or an OpenAI-compatible chat-completions URL) and
   parses the answer with :func:`~orchard.domains.swe.prompts.parse_value_estimation`: ``{state index: value}``
   for ``orchard.stages.sft_samples(..., mode="credit", step_values=...)``, or None when the answer is unreadable.
+- :func:`hindsight_values` asks it for every failed trajectory of a teacher's corpus at once (what credit-assigned
+  SFT reads; a resolved trajectory trains whole and needs none).
 - :class:`ScriptedValueEstimator` is the CPU-scale teacher behind the same interface: an ``Engine`` that reads
   the prompt it is given (the transcript and the outcome the prompt states) and answers in the prompt's format.
   A real LLM teacher replaces it by URL; nothing else changes.
@@ -35,7 +37,7 @@ from orchard.rollout.engine import (
 with requires_extra("rollout"):
     import httpx
 
-__all__ = ["ScriptedValueEstimator", "estimate_values_text", "step_values", "step_values_async"]
+__all__ = ["ScriptedValueEstimator", "estimate_values_text", "hindsight_values", "step_values", "step_values_async"]
 
 START = 0.4
 """The start state's value: the task is open (the prompt asks for 0.3-0.5)."""
@@ -352,3 +354,30 @@ def step_values(
     # called (e.g. by sft_samples) from a coroutine: this loop is blocked, so the request gets a loop of its own
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, ask).result()
+
+
+async def hindsight_values(trajectories: Sequence[Trajectory], tokenizer: Any, *,
+                           estimator: Engine | str | None = None, model: str = "orchard",
+                           ) -> dict[int, dict[int, float] | None]:
+    """The value teacher's ``{state: value}`` of every failed trajectory, keyed by ``id(trajectory)``.
+
+    Failed: valid (scored, not an environment failure), with samples, and not resolved (reward <= 0); the others
+    get no entry (a resolved trajectory trains whole in credit-assigned SFT, and one without samples trains on
+    nothing). The questions go out concurrently (:func:`step_values_async`).
+
+    Args:
+        trajectories: the teacher's scored trajectories.
+        tokenizer: the chat tokenizer (the scripted estimator renders and reads prompts with it).
+        estimator: the value teacher: an OpenAI-compatible URL, an ``Engine``, or None for a
+            :class:`ScriptedValueEstimator` over ``tokenizer`` in process.
+        model: the ``model`` field sent to a URL.
+
+    Returns:
+        ``{id(trajectory): values}``, values None where the teacher's answer could not be read. Use as
+        ``sft_samples(..., step_values=lambda t: values.get(id(t)))`` while ``trajectories`` are alive.
+    """
+    teacher = ScriptedValueEstimator(tokenizer) if estimator is None else estimator
+    failed = [t for t in trajectories if t.valid and t.samples and not (t.reward or 0) > 0]
+    values = await asyncio.gather(*(step_values_async(t, client_or_engine=teacher, tokenizer=tokenizer, model=model)
+                                    for t in failed))
+    return {id(t): v for t, v in zip(failed, values, strict=True)}

@@ -13,12 +13,15 @@ from fastapi.responses import JSONResponse
 
 from orchard.data import Message, RolloutGroup, ToolCall, Trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.swe.instances import SWEInstance
 from orchard.domains.swe.judge import (
     JudgedRollouts,
     ScriptedJudge,
     judge_process_text,
+    judge_step_stats,
     judge_trajectories,
     judge_trajectory,
+    judged_harnesses,
 )
 from orchard.domains.swe.prompts import process_reward_messages
 from orchard.rewards import RPR_WEIGHTS, rubric_reward
@@ -240,6 +243,31 @@ async def test_judged_rollouts_wraps_a_rollouts(tokenizer):
     assert judged.stats["rl/judged"] == 2 and judged.totals["rl/judged"] == 4
 
 
+async def test_judged_harnesses_grade_every_harness_with_the_instances_reference(tokenizer):
+    class Played:
+        async def __call__(self, engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
+            return [trajectory(BLIND, reward=1.0), trajectory(DILIGENT)]
+
+    seen = []
+
+    class Judge(ScriptedJudge):  # the programmatic judge, with every prompt it is sent kept
+        async def generate(self, requests):
+            seen.extend(self.tokenizer.decode(list(r.prompt_ids)) for r in requests)
+            return await super().generate(requests)
+
+    instance = SWEInstance("t", "toy/x", "abc", ISSUE, patch="--- a/inventory/items.py\n+++ b/inventory/items.py\n",
+                           test_patch="", FAIL_TO_PASS=["tests/test_items.py::test_hidden"], PASS_TO_PASS=[])
+    judged = judged_harnesses({"bash": Played(), "tool": Played()}, tokenizer, [instance], judge=Judge(tokenizer),
+                              rubric_weight=0.5)
+    assert sorted(judged) == ["bash", "tool"] and all(isinstance(j, JudgedRollouts) for j in judged.values())
+    out = await judged["tool"](None, ["t"], group_size=2, temperature=1.0)
+    # reward = outcome + 0.5 x rubric: the resolved blind one 1 + 0.5 x 0.146, the failed diligent one -1 + 0.5 x 1
+    assert [t.reward for t in out] == pytest.approx([1.073, -0.5])
+    # the reference block is the instance's: its hidden test and its gold patch, looked up by the task id
+    assert len(seen) == 2 and all("tests/test_items.py::test_hidden" in s and "inventory/items.py" in s for s in seen)
+    assert judged["tool"].totals["rl/judged"] == 2 and judged["bash"].totals == {}
+
+
 async def test_bad_arguments(tokenizer):
     judge = ScriptedJudge(tokenizer)
     with pytest.raises(ValueError, match="trajectory"):
@@ -308,3 +336,16 @@ def test_the_harness_conventions_exit_codes():
     answer = json.loads(judge_process_text(process_reward_messages(Trajectory(messages=bash))[1]["content"]))
     # R1 4 + 2; its one check is relevant (R2 10, R3 4); the check failed after the edit and was left: R7 2
     assert [answer[f"R{k}"] for k in range(1, 8)] == [6, 10, 4, 0, 0, 0, 2]
+
+
+def test_judge_step_stats_by_hand():
+    graded = [Trajectory(reward=-1.0 + 0.5, reward_components={"outcome": -1.0, "rubric": 0.5}),
+              Trajectory(reward=1.0 + 1.0, reward_components={"outcome": 1.0, "rubric": 1.0})]
+    removed = Trajectory(reward=1.0, metadata={"removed": "judge_failure"})  # no rubric: the judge failed
+    dead = Trajectory(reward=None, termination_reason="env_error")
+    # Over the 2 graded: rubric (0.5 + 1.0) / 2 = 0.75, reward (-0.5 + 2.0) / 2 = 0.75.
+    assert judge_step_stats([*graded, removed, dead]) == {
+        "rl/judge_graded": 2.0, "rl/judge_rubric_mean": 0.75, "rl/judge_reward_mean": 0.75}
+    # A step the judge graded nothing of: zeros, not NaN.
+    assert judge_step_stats([removed, dead]) == {
+        "rl/judge_graded": 0.0, "rl/judge_rubric_mean": 0.0, "rl/judge_reward_mean": 0.0}

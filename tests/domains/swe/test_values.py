@@ -16,6 +16,7 @@ from orchard.domains.swe.prompts import parse_value_estimation, value_estimation
 from orchard.domains.swe.values import (
     ScriptedValueEstimator,
     estimate_values_text,
+    hindsight_values,
     step_values,
     step_values_async,
 )
@@ -198,6 +199,32 @@ def test_step_values_in_process(tokenizer):
     assert step_values(trajectory([REPRODUCE, DONE], 0.0), client_or_engine=estimator) == {0: 0.4, 1: 0.5, 2: 0.1}
     # an answer cut short is unparseable: None, not an error
     assert step_values(FAILED, client_or_engine=estimator, max_tokens=20) is None
+
+
+async def test_hindsight_values_ask_for_the_failed_trajectories_only(tokenizer):
+    import copy
+
+    def with_samples(traj, reward, termination="done"):
+        t = copy.deepcopy(traj)
+        t.reward, t.termination_reason, t.samples = reward, termination, ["a sample"]
+        return t
+
+    failed, zero = with_samples(FAILED, -1.0), with_samples(FAILED, 0.0)  # 0 is no resolution
+    resolved = with_samples(RESOLVED, 1.0)  # trains whole: needs no values
+    dead = with_samples(FAILED, None, "env_error")  # no verdict: not a failure
+    bare = copy.deepcopy(FAILED)  # no samples: trains on nothing
+    asked = []
+
+    class Counted(ScriptedValueEstimator):
+        async def generate(self, requests):
+            asked.extend(requests)
+            return await super().generate(requests)
+
+    values = await hindsight_values([failed, resolved, dead, bare, zero], tokenizer, estimator=Counted(tokenizer))
+    assert set(values) == {id(failed), id(zero)} and len(asked) == 2
+    assert values[id(failed)] == values_of(FAILED)
+    # by default the scripted estimator answers, in process
+    assert await hindsight_values([failed], tokenizer) == {id(failed): values_of(FAILED)}
 
 
 async def test_step_values_inside_an_event_loop(tokenizer):

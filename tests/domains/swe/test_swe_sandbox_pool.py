@@ -1,24 +1,29 @@
-"""The SWE recipe's sandboxes, against the real embedded service: the service it starts shares the pytest bundle,
-read in place by every sandbox; a stage's rollouts (the harness program's episodes) play in its warm pool's
+"""SWE episodes in a run's sandboxes (`orchard.stages.pooled_sandboxes` with the domain's `shared_folders` and
+`sandbox_options`, as the SWE recipe opens them), against the real embedded service: the service shares the pytest
+bundle, read in place by every sandbox; a stage's rollouts (the harness program's episodes) play in its warm pool's
 sandboxes; and a stage that raises leaves no sandbox behind on the service."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import load_recipe
 
 from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.swe.generator import make_instance
-from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options
+from orchard.domains.swe.harnesses import swe_harnesses
+from orchard.domains.swe.sandbox import prepare_sandbox, sandbox_options, shared_folders
 from orchard.domains.swe.teacher import SWETeacherEngine, teacher_trajectories
 from orchard.env.embedded import serve
+from orchard.stages import pooled_sandboxes
 
-swe = load_recipe("swe")
+
+def swe_sandboxes(url=None):
+    """The run's sandboxes as the SWE recipe opens them (its default ``env_pool``: 64)."""
+    return pooled_sandboxes(url, shared=shared_folders(), max_pool=64, pool_options=sandbox_options())
 
 
 async def test_the_embedded_service_shares_pytest_with_every_sandbox():
     instance = make_instance("ledger", 0, level=1)
-    async with swe.swe_sandboxes(swe.SWEConfig()) as sandboxes, await sandboxes.create() as sandbox:
+    async with swe_sandboxes() as sandboxes, await sandboxes.create() as sandbox:
         await prepare_sandbox(sandbox, instance)
         where = await sandbox.exec(["python3", "-c", "import pytest; print(pytest.__file__)"])
     # imported from the service's read-only copy, not from one sent into the sandbox
@@ -27,8 +32,7 @@ async def test_the_embedded_service_shares_pytest_with_every_sandbox():
 
 async def test_the_pools_sandboxes_are_ready_without_a_command():
     instance = make_instance("ledger", 0, level=1)
-    cfg = swe.SWEConfig()
-    async with swe.swe_sandboxes(cfg) as sandboxes, swe.warm(sandboxes, cfg, 2) as pool:
+    async with swe_sandboxes() as sandboxes, sandboxes.stage(2) as pool:
         await pool.wait_filled()
         acquire, drawn, commands = pool.acquire, [], []
 
@@ -59,12 +63,12 @@ async def test_a_stage_plays_in_its_pools_sandboxes_and_leaves_none_when_it_rais
     teacher = SWETeacherEngine(tokenizer, instances, failure_rate=0.0)
     with serve() as service:
         monkeypatch.setenv("SANDBOX_API_KEY", service.api_key)
-        cfg = swe.SWEConfig(env_url=service.url)  # a service by URL: the recipe starts none of its own
-        async with swe.swe_sandboxes(cfg) as sandboxes:
-            harnesses = swe.swe_harnesses(cfg, tokenizer, sandboxes)
+        async with swe_sandboxes(service.url) as sandboxes:  # a service by URL: none started of its own
+            harnesses = swe_harnesses(sandboxes, tokenizer, max_steps=12, max_tokens=256, max_time_s=300.0,
+                                      concurrency=8)
             drawn = []
             with pytest.raises(RuntimeError, match="the stage failed"):
-                async with swe.warm(sandboxes, cfg, len(instances)) as pool:
+                async with sandboxes.stage(len(instances)) as pool:
                     acquire = pool.acquire
 
                     async def counted():
