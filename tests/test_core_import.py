@@ -36,6 +36,30 @@ def test_core_packages_load_no_optional_package():
     assert json.loads(out.stdout) == []
 
 
+def test_the_command_line_parser_loads_neither_torch_nor_transformers():
+    # `orchard --help`, `--version` and `orchard models ...` build the whole parser: every subcommand module is
+    # imported. It used to pull in torch and transformers through orchard.models (~4 s per call on 2 cores).
+    out = run_python(
+        "import sys, json\nfrom orchard.cli import build_parser\nbuild_parser()\n"
+        "import orchard.models\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))"
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
+def test_the_model_builders_load_when_first_used():
+    out = run_python(
+        "import orchard.models as models\n"
+        "print(models.tiny_qwen3_config(64).model_type, models.fold_temperature.__name__, "
+        "'Qwen3ForCausalLM' in models.FOLDABLE_MODELS)\n"
+        "try:\n    models.no_such_builder\nexcept AttributeError as exc:\n    print(exc)"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["qwen3 fold_temperature True",
+                                       "module 'orchard.models' has no attribute 'no_such_builder'"]
+
+
 def test_core_works_with_every_optional_package_absent():
     # Not only importable: the algorithms run. js_opd_loss over identical distributions is 0 (JS(p, p) = 0).
     out = run_python(
@@ -61,7 +85,7 @@ def test_core_works_with_every_optional_package_absent():
         ("fastapi", "orchard.env.server", "env"),
         ("httpx", "orchard.env", "env"),
         ("pyarrow", "orchard.data", "data"),
-        ("transformers", "orchard.models", "data"),
+        ("transformers", "orchard.models.tiny", "data"),
         ("fastapi", "orchard.rollout.server", "rollout"),
         ("yaml", "orchard.train.config", "train"),
         ("transformers", "orchard.train.model", "train"),
