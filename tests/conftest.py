@@ -10,6 +10,7 @@ promises. CPU CI lacks only CUDA; the GPU checks (benchmarks/gpu_check.sh) run t
 
 import asyncio
 import base64
+import fcntl
 import io
 import json
 import os
@@ -109,8 +110,13 @@ def deepspeed_cpu_comm_op() -> None:
     Once per session: each test that starts ranks used to pay this process's DeepSpeed import itself."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
-    proc = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder; "
-                           "ShareMemCommBuilder().load()"], env=env, capture_output=True, text=True, timeout=300)
+    # pytest-xdist workers each run this session fixture: one builds while the others wait on the lock, then load
+    Path(env["TORCH_EXTENSIONS_DIR"]).mkdir(parents=True, exist_ok=True)
+    with open(Path(env["TORCH_EXTENSIONS_DIR"]) / ".orchard-test-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu.comm import "
+                               "ShareMemCommBuilder; ShareMemCommBuilder().load()"], env=env, capture_output=True,
+                              text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
