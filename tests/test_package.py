@@ -71,6 +71,16 @@ def test_every_data_file_of_the_package_ships():
     assert sorted(str(p.relative_to(ROOT)) for p in data - shipped) == []
 
 
+def test_every_module_of_the_package_ships():
+    # setup.cfg's `packages = find:` takes only folders with an __init__.py: a folder of modules without one
+    # imports from a checkout (a namespace package) but is left out of the wheel, so `pip install orchard-rl`
+    # would lack it (orchard.domains.claw did).
+    from setuptools import find_packages
+
+    found = {ROOT.joinpath(*name.split(".")) for name in find_packages(ROOT, include=["orchard*"])}
+    with_modules = {path.parent for path in (ROOT / "orchard").rglob("*.py") if "__pycache__" not in path.parts}
+    assert sorted(str(p.relative_to(ROOT)) for p in with_modules - found) == []
+
 
 def private_imports(tree: ast.AST) -> list[str]:
     """The dotted orchard names an import statement reaches with a private part (``a._b``, ``a._b.c``, ``_c`` from
