@@ -7,7 +7,13 @@ command exited 0), wall time from the first create to the last delete, and p50/p
 delete latencies. Orchard Env reports 1,000 sandboxes in 26 s at 100 % on 8 nodes x 32 vCPU; our target is
 1,000 at 100 % in <= 20 s on 2 cores.
 
+`--client http` takes the path other clients take instead: plain httpx against the REST API, no retries, each
+task creating, waiting for the sandbox (`GET /sandboxes/{id}/wait`), running its commands with `wait: true` and
+deleting; `--mix mixed` runs the commands a user would (`python3 --version`, `ls /`, `cat /etc/os-release`,
+`echo i`) instead of echoes (a task then succeeds when every command exited 0 and the echo came back).
+
     python benchmarks/env_scale.py                         # N = 1000, 4 commands each
+    python benchmarks/env_scale.py --client http --mix mixed              # a plain HTTP client, mixed commands
     python benchmarks/env_scale.py --n 200 --max-concurrent-execs 32
     python benchmarks/env_scale.py --n 200 --backend local-per-command   # a bubblewrap per command instead
     python benchmarks/env_scale.py --root-parent /dev/shm                 # sandboxes on a tmpfs
@@ -55,7 +61,7 @@ def box_cpu(url: str, key: str) -> dict[str, float]:
     return health.get("box_cpu_s") or {}
 
 
-async def one_task(client, i: int, commands: int, lat: dict[str, list[float]]) -> bool:
+async def one_task(client, i: int, commands: int, mix: str, lat: dict[str, list[float]]) -> bool:
     start = time.perf_counter()
     sb = await client.create()
     lat["create"].append(time.perf_counter() - start)
@@ -63,9 +69,10 @@ async def one_task(client, i: int, commands: int, lat: dict[str, list[float]]) -
     try:
         for k in range(commands):
             start = time.perf_counter()
-            result = await sb.exec(f"echo task{i}-cmd{k}")
+            command, expected = command_of(mix, i, k)
+            result = await sb.exec(command)
             lat["exec"].append(time.perf_counter() - start)
-            ok &= result.ok and result.stdout == f"task{i}-cmd{k}\n"
+            ok &= result.ok and (expected is None or result.stdout == expected)
     finally:
         start = time.perf_counter()
         await sb.delete()
@@ -73,7 +80,60 @@ async def one_task(client, i: int, commands: int, lat: dict[str, list[float]]) -
     return ok
 
 
-async def run(url: str, key: str, n: int, commands: int) -> tuple[int, float, dict[str, list[float]], list[str]]:
+MIXED = ("python3 --version", "ls /", "cat /etc/os-release")
+
+
+def command_of(mix: str, i: int, k: int) -> tuple[str, str | None]:
+    """Task ``i``'s ``k``-th command and the stdout it must give (None: any, the exit status alone decides)."""
+    if mix == "echo" or k % (len(MIXED) + 1) == len(MIXED):
+        return f"echo task{i}-cmd{k}", f"task{i}-cmd{k}\n"
+    return MIXED[k % (len(MIXED) + 1)], None
+
+
+async def one_http_task(http, i: int, commands: int, mix: str, lat: dict[str, list[float]]) -> bool:
+    """One task through the REST API as any HTTP client would call it: create, wait, exec (waiting), delete."""
+    start = time.perf_counter()
+    created = await http.post("/sandboxes", json={})
+    created.raise_for_status()
+    sandbox_id = created.json()["sandbox_id"]
+    ok = True
+    try:
+        ready = await http.get(f"/sandboxes/{sandbox_id}/wait", params={"timeout": 600})
+        ready.raise_for_status()
+        lat["create"].append(time.perf_counter() - start)
+        ok &= ready.json()["status"] == "ready"
+        for k in range(commands):
+            command, expected = command_of(mix, i, k)
+            start = time.perf_counter()
+            job = await http.post(f"/sandboxes/{sandbox_id}/exec", json={"command": command, "wait": True,
+                                                                         "timeout_seconds": 300})
+            job.raise_for_status()
+            lat["exec"].append(time.perf_counter() - start)
+            body = job.json()
+            ok &= body["exit_code"] == 0 and (expected is None or body["stdout"] == expected)
+    finally:
+        start = time.perf_counter()
+        (await http.delete(f"/sandboxes/{sandbox_id}")).raise_for_status()
+        lat["delete"].append(time.perf_counter() - start)
+    return ok
+
+
+async def run_http(url: str, key: str, n: int, commands: int, mix: str, pool: int,
+                   ) -> tuple[int, float, dict[str, list[float]], list[str]]:
+    import httpx
+
+    lat: dict[str, list[float]] = {"create": [], "exec": [], "delete": []}
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": key}, timeout=900, limits=limits) as http:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_http_task(http, i, commands, mix, lat) for i in range(n)),
+                                       return_exceptions=True)
+        wall = time.perf_counter() - start
+    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+    return sum(r is True for r in results), wall, lat, errors
+
+
+async def run(url: str, key: str, n: int, commands: int, mix: str = "echo") -> tuple[int, float, dict[str, list[float]], list[str]]:
     from orchard.env import AsyncSandboxClient
     from orchard.env.client import RetryPolicy
 
@@ -81,7 +141,7 @@ async def run(url: str, key: str, n: int, commands: int) -> tuple[int, float, di
     async with AsyncSandboxClient(url, key, timeout=600, max_connections=n,
                                   retry=RetryPolicy(max_attempts=8, backoff_base_s=0.5)) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(one_task(client, i, commands, lat) for i in range(n)),
+        results = await asyncio.gather(*(one_task(client, i, commands, mix, lat) for i in range(n)),
                                        return_exceptions=True)
         wall = time.perf_counter() - start
     errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
@@ -98,10 +158,18 @@ def main() -> None:
     parser.add_argument("--root-parent", default=None,
                         help="where the service's state and sandboxes live (default: the temp dir); a tmpfs such "
                              "as /dev/shm takes the file-system cost of create and delete out of the measurement")
+    parser.add_argument("--client", default="orchard", choices=["orchard", "http"],
+                        help="orchard: AsyncSandboxClient (retries); http: plain httpx against the REST API")
+    parser.add_argument("--mix", default="echo", choices=["echo", "mixed"],
+                        help="echo: `echo` commands; mixed: python3 --version, ls /, cat /etc/os-release, echo")
+    parser.add_argument("--pool", type=int, default=None,
+                        help="the http client's connection pool (default: one connection per sandbox)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.n < 1 or args.commands < 0:
         raise SystemExit(f"--n must be >= 1 and --commands >= 0, got {args.n}, {args.commands}")
+    if args.pool is not None and (args.client != "http" or args.pool < 1):
+        raise SystemExit(f"--pool must be >= 1 and goes with --client http, got {args.pool}")
 
     from orchard.env.embedded import serve
 
@@ -113,7 +181,11 @@ def main() -> None:
             service_before = process_cpu(svc.process.pid)
             client_before = resource.getrusage(resource.RUSAGE_SELF)
             busy_before = machine_busy()
-            ok, wall, lat, errors = asyncio.run(run(svc.url, svc.api_key, args.n, args.commands))
+            if args.client == "http":
+                ok, wall, lat, errors = asyncio.run(run_http(svc.url, svc.api_key, args.n, args.commands, args.mix,
+                                                             args.pool or args.n))
+            else:
+                ok, wall, lat, errors = asyncio.run(run(svc.url, svc.api_key, args.n, args.commands, args.mix))
             busy = machine_busy() - busy_before
             client_after = resource.getrusage(resource.RUSAGE_SELF)
             service_after = process_cpu(svc.process.pid)
@@ -122,7 +194,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     info = machine()
-    print(f"# env_scale: {args.n} sandboxes at once, {args.commands} commands each, "
+    print(f"# env_scale: {args.n} sandboxes at once, {args.commands} {args.mix} commands each, client "
+          f"{args.client}{f' (pool {args.pool or args.n})' if args.client == 'http' else ''}, "
           f"max_concurrent_execs {args.max_concurrent_execs}, backend {args.backend}, "
           f"root on {args.root_parent or tempfile.gettempdir()}")
     print(f"# machine: {info['machine']}; python {info['python']}; commit {info['commit']}")
@@ -157,6 +230,7 @@ def main() -> None:
         print("error:", error)
     if args.json:
         Path(args.json).write_text(json.dumps({"n": args.n, "ok": ok, "wall_s": wall, "backend": args.backend,
+                                               "client": args.client, "mix": args.mix,
                                                "box_cpu_s": boxes, "machine_busy_s": busy, **info, **rows},
                                               indent=2))
 
