@@ -12,7 +12,8 @@ One rollout::
         parse tool calls; a malformed one -> no call of the turn runs, an error observation, counted in
             metadata["format_errors"] (as are unknown tools and unusable arguments, and, with
             one_call_per_turn, a turn without exactly one call, with require_tool_call a turn without any)
-        no call and no error -> done; K consecutive erroring turns -> format_error
+        no call and no error -> done (a harness with a ``no_call_reply`` text: that user message, and a format
+            error: its convention ends an episode only by a tool); K consecutive erroring turns -> format_error
         each call -> harness.act -> tool message                    # env failure -> env_error
     reward = harness.evaluate(sandbox, task, trajectory)            # unless env_error
     sandbox deleted (always)
@@ -414,6 +415,7 @@ class AgentLoop:
         reward: Any = None
         sandbox = None
         builder = PromptBuilder(self.tokenizer, tools)
+        no_call_reply = getattr(self.harness, "no_call_reply", None)
         try:
             e0 = time.monotonic()
             sandbox = await self._env_call("create" if setup else "fork", make_sandbox, deadline, self.env_retries)
@@ -444,8 +446,17 @@ class AgentLoop:
                 messages.append(assistant)
                 builder.add_assistant(self._context(messages), completion.token_ids)
                 if not assistant.tool_calls and not parse_errors:
-                    termination = "done"
-                    break
+                    if no_call_reply is None:
+                        termination = "done"
+                        break
+                    # a convention where only a tool ends the episode: the reply is a format error, answered
+                    messages.append(Message("user", no_call_reply))
+                    meta["format_errors"] += 1
+                    consecutive += 1
+                    if consecutive >= self.max_format_errors:
+                        termination = "format_error"
+                        break
+                    continue
                 turn_error = bool(parse_errors)
                 done = False
                 e0 = time.monotonic()

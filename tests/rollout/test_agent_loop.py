@@ -183,6 +183,28 @@ def test_require_tool_call_makes_call_less_turns_format_errors_and_runs_every_ca
         AgentLoop(engine, SimpleNamespace(create=None), ShellHarness(), tokenizer, require_tool_call="yes")
 
 
+class AnsweringShellHarness(ShellHarness):
+    """A convention where only a tool ends the episode: a reply without a call is answered, not taken as done."""
+
+    no_call_reply = "Call a tool."
+
+
+def test_a_harness_no_call_reply_answers_call_less_turns_as_format_errors(service, tokenizer):
+    script = ["Let me think.", exec_call("echo a > a.txt"), "no call", "none", "still none"]
+    engine = RecordingEngine(ScriptedEngine(tokenizer, script))
+    task = {"prompt": "go", "check": "test -e a.txt"}
+    (traj,) = run_loop(service, engine, AnsweringShellHarness(), tokenizer, [task])
+    # turn 1 (no call) is answered by the harness's user message and goes on; turn 2 runs; turns 3-5 are answered
+    # three times in a row -> format_error after 5 steps (a plain ShellHarness would have ended at turn 1, done)
+    assert traj.termination_reason == "format_error" and traj.reward == 1.0
+    assert traj.metadata["format_errors"] == 4 and traj.metadata["steps"] == 5 and traj.metadata["tool_calls"] == 1
+    assert [m.role for m in traj.messages[2:6]] == ["assistant", "user", "assistant", "tool"]
+    assert [m.content for m in traj.messages if m.role == "user"][1:] == ["Call a tool."] * 4
+    assert_no_drift(traj, engine.prompts, tokenizer)
+    (plain,) = run_loop(service, ScriptedEngine(tokenizer, script), ShellHarness(), tokenizer, [task])
+    assert plain.termination_reason == "done" and plain.metadata["steps"] == 1 and plain.reward == 0.0
+
+
 def test_budgets(service, tokenizer):
     always = ScriptedEngine(tokenizer, lambda prompt: exec_call("true"))
     (traj,) = run_loop(service, always, ShellHarness(max_steps=2), tokenizer, [{"prompt": "go"}])

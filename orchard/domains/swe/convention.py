@@ -22,6 +22,7 @@ Every convention opens with the same user message (`task_prompt`): the issue, an
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,3 +343,40 @@ async def editor_call(tools: FileTools, arguments: dict[str, Any]) -> str:
     if command == "undo_edit":
         return await tools.undo(path)
     raise BadArguments(f"command must be one of view, create, str_replace, insert, undo_edit; got {command!r:.40}")
+
+
+TOOL_NAMES = ("execute_bash", "str_replace_editor", "finish")
+"""The tool convention's tools (`TOOL_SCHEMAS`' names)."""
+
+NO_TOOL_CALL = "Error: no tool was called. Call one of the tools; when the task is done, call finish."
+"""The tool convention's answer to a reply without a tool call (a format error; the episode goes on)."""
+
+
+def unknown_tool(name: Any, tools: Sequence[str]) -> str:
+    """The error observation of a call to a tool the convention lacks (the agent loop's wording, so the program
+    and the in-process harness answer alike)."""
+    return f"Error: unknown tool {name!r}; available: {sorted(tools)}"
+
+
+async def tool_convention_call(sandbox: Any, tools: FileTools, name: str, arguments: dict[str, Any], *,
+                               exec_timeout_s: float, max_output_chars: int = MAX_OUTPUT_CHARS,
+                               bound: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None) -> tuple[str, bool]:
+    """One well-formed call of the tool convention (``execute_bash``, ``str_replace_editor``, ``finish``): its
+    observation and whether it ends the episode. The harness program and the in-process `SWEToolHarness` both run
+    calls through here, so an episode observes the same text in either. ``bound`` wraps each sandbox call (the
+    program's episode deadline). Raises `BadArguments` for unusable arguments, `ToolError` for a call that failed,
+    ValueError for a tool the convention lacks."""
+    def run(call: Awaitable[Any]) -> Awaitable[Any]:
+        return call if bound is None else bound(call)
+
+    if name == "finish":
+        return "Finished.", True
+    if name == "execute_bash":
+        command = arguments.get("command")
+        if not isinstance(command, str) or not command.strip():
+            raise BadArguments(f"argument 'command' must be a non-empty string, got {command!r:.80}")
+        code, output, timed_out = await run(run_command(sandbox, command, timeout=exec_timeout_s))
+        return command_observation(code, output, timed_out=timed_out, max_chars=max_output_chars), False
+    if name == "str_replace_editor":
+        return truncate_output(await run(editor_call(tools, arguments)), max_output_chars), False
+    raise ValueError(f"name must be one of {list(TOOL_NAMES)}, got {name!r}")

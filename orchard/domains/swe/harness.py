@@ -1,14 +1,20 @@
-"""The in-process SWE harness: the evaluation-only convention as an `orchard.rollout.Harness` for the `AgentLoop`.
+"""The in-process SWE harnesses: the evaluation-only convention, and the tool convention, as `orchard.rollout.Harness`es
+for the `AgentLoop`.
 
 `SWEEvalHarness` plays the ``eval`` convention of `orchard.domains.swe.convention` (``run_command``,
 ``read_file``, ``write_file``, ``replace_in_file``, ``done``): tool names and schemas no training harness uses, to
 measure how a policy trained in the bash and tool conventions transfers to an unseen harness (the paper's
 Kimi-CLI column). ``AgentLoopRollouts(client, SWEEvalHarness(), tokenizer)`` gives it the `Rollouts` interface.
 
-The bash and tool conventions run as a separate program (`orchard.domains.swe.tool_harness`): the bash
-convention's actions are text the harness parses itself, and the `Harness` protocol cannot express that (the agent
-loop parses native tool calls, and a turn without one ends the episode as done), so it lives beside the tool
-convention in the program, which reaches the model only through the recording proxy.
+The bash and tool conventions train through a separate program (`orchard.domains.swe.tool_harness`), which reaches
+the model only through the recording proxy. `SWEToolHarness` plays the tool convention in process as well, with
+the program's tools, observations (one `tool_convention_call` for both) and answer to a reply without a tool call
+(`no_call_reply`: a format error, the episode goes on): a trajectory the program recorded replays here call for
+call, and a state of it can be continued in process (Monte-Carlo turn values,
+`orchard.domains.swe.turn_values`). Where the two still differ: after ``finish`` the program runs no later call of
+the same reply, the agent loop runs them (the episode ends after the turn either way). The bash convention's
+actions are text the harness parses itself, which the `Harness` protocol cannot express (the agent loop parses
+native tool calls): it has the program only.
 
 Tasks are `SWEInstance`s. Set-up is `prepare_sandbox`, the reward `score_sandbox` after the episode: +1 resolved /
 -1 not, the verdict's components in ``reward_components`` and the per-test results in ``metadata["tests"]``. Either
@@ -26,12 +32,16 @@ from orchard.domains.swe.convention import (
     EVAL_SCHEMAS,
     EVAL_SYSTEM,
     MAX_OUTPUT_CHARS,
+    NO_TOOL_CALL,
+    TOOL_SCHEMAS,
+    TOOL_SYSTEM,
     BadArguments,
     FileTools,
     ToolError,
     command_observation,
     run_command,
     task_prompt,
+    tool_convention_call,
     truncate_output,
 )
 from orchard.domains.swe.instances import SWEInstance
@@ -58,15 +68,9 @@ def _instance(task: Any) -> SWEInstance:
     return task
 
 
-class SWEEvalHarness:
-    """The evaluation-only SWE convention (an `orchard.rollout.Harness`; tasks are `SWEInstance`s).
-
-    Args:
-        max_steps: assistant turns per episode. Default 30.
-        exec_timeout_s: each command's limit in the sandbox. Default 60.
-        max_output_chars: observations keep their head and tail beyond this. Default 10 000.
-        test_timeout_s: the scoring test run's limit. Default 300.
-    """
+class _SWEHarness:
+    """What the in-process SWE harnesses share: arguments, sandbox, set-up (the repository at its base commit, the
+    task message) and the reward (+1 resolved / -1 not, by the hidden tests)."""
 
     def __init__(self, *, max_steps: int = 30, exec_timeout_s: float = 60.0,
                  max_output_chars: int = MAX_OUTPUT_CHARS, test_timeout_s: float = 300.0) -> None:
@@ -82,12 +86,6 @@ class SWEEvalHarness:
         self.max_output_chars = max_output_chars
         self.test_timeout_s = float(test_timeout_s)
 
-    def system_prompt(self, task: Any) -> str:
-        return EVAL_SYSTEM
-
-    def tools(self, task: Any) -> list[dict[str, Any]]:
-        return EVAL_SCHEMAS
-
     def sandbox_spec(self, task: Any) -> dict[str, Any]:
         return sandbox_options()
 
@@ -96,6 +94,66 @@ class SWEEvalHarness:
         async with _environment("prepare"):
             await prepare_sandbox(sandbox, instance, timeout=self.exec_timeout_s)
         return [Message("user", task_prompt(instance.problem_statement))]
+
+    async def evaluate(self, sandbox: Any, task: Any, trajectory: Trajectory) -> tuple[float, dict[str, float]]:
+        instance = _instance(task)
+        async with _environment("score"):
+            verdict = await score_sandbox(sandbox, instance, self.test_timeout_s, setup_timeout_s=self.exec_timeout_s)
+        trajectory.metadata["tests"] = verdict.tests
+        trajectory.metadata["patch"] = verdict.patch
+        return verdict.reward, verdict.components
+
+
+class SWEToolHarness(_SWEHarness):
+    """The SWE tool convention (OpenHands': ``execute_bash``, ``str_replace_editor``, ``finish``) in process, as the
+    harness program plays it (module docstring); an `orchard.rollout.Harness`, tasks are `SWEInstance`s.
+
+    Args:
+        max_steps: assistant turns per episode. Default 30 (the program's).
+        exec_timeout_s: each command's limit in the sandbox. Default 60.
+        max_output_chars: observations keep their head and tail beyond this. Default 10 000.
+        test_timeout_s: the scoring test run's limit. Default 300.
+    """
+
+    no_call_reply = NO_TOOL_CALL
+    """The answer to a reply without a tool call (the agent loop counts it a format error; the episode goes on)."""
+
+    def system_prompt(self, task: Any) -> str:
+        return TOOL_SYSTEM
+
+    def tools(self, task: Any) -> list[dict[str, Any]]:
+        return TOOL_SCHEMAS
+
+    async def act(self, sandbox: Any, call: ToolCall, task: Any) -> Observation:
+        arguments, error = call.parse_arguments()
+        if arguments is None:
+            raise InvalidToolCall(f"arguments of {call.name} are not a JSON object: {error}")
+        tools = FileTools(sandbox, timeout=self.exec_timeout_s, require_absolute=True)
+        try:
+            return Observation(*await tool_convention_call(sandbox, tools, call.name, arguments,
+                                                           exec_timeout_s=self.exec_timeout_s,
+                                                           max_output_chars=self.max_output_chars))
+        except BadArguments as exc:
+            raise InvalidToolCall(str(exc)) from None
+        except ToolError as exc:
+            return Observation(f"Error: {exc}")
+
+
+class SWEEvalHarness(_SWEHarness):
+    """The evaluation-only SWE convention (an `orchard.rollout.Harness`; tasks are `SWEInstance`s).
+
+    Args:
+        max_steps: assistant turns per episode. Default 30.
+        exec_timeout_s: each command's limit in the sandbox. Default 60.
+        max_output_chars: observations keep their head and tail beyond this. Default 10 000.
+        test_timeout_s: the scoring test run's limit. Default 300.
+    """
+
+    def system_prompt(self, task: Any) -> str:
+        return EVAL_SYSTEM
+
+    def tools(self, task: Any) -> list[dict[str, Any]]:
+        return EVAL_SCHEMAS
 
     async def act(self, sandbox: Any, call: ToolCall, task: Any) -> Observation:
         arguments, error = call.parse_arguments()
@@ -136,11 +194,3 @@ class SWEEvalHarness:
         if name == "replace_in_file":
             return await tools.replace(path, text("old"), text("new")), False
         raise BadArguments(f"unknown tool {name!r}")
-
-    async def evaluate(self, sandbox: Any, task: Any, trajectory: Trajectory) -> tuple[float, dict[str, float]]:
-        instance = _instance(task)
-        async with _environment("score"):
-            verdict = await score_sandbox(sandbox, instance, self.test_timeout_s, setup_timeout_s=self.exec_timeout_s)
-        trajectory.metadata["tests"] = verdict.tests
-        trajectory.metadata["patch"] = verdict.patch
-        return verdict.reward, verdict.components

@@ -40,18 +40,19 @@ from typing import Any
 from orchard.domains.swe.convention import (
     BASH_SYSTEM,
     MAX_OUTPUT_CHARS,
+    NO_TOOL_CALL,
+    TOOL_NAMES,
     TOOL_SCHEMAS,
     TOOL_SYSTEM,
     BadArguments,
     FileTools,
     ToolError,
     bash_observation,
-    command_observation,
-    editor_call,
     is_submission,
     parse_bash_action,
     run_command,
-    truncate_output,
+    tool_convention_call,
+    unknown_tool,
 )
 from orchard.env import AsyncSandboxClient
 from orchard.rollout.program import (
@@ -80,32 +81,23 @@ async def _tool_turn(sandbox: Any, settings: Settings, message: dict[str, Any], 
     """Run a tool-convention reply's calls; returns (tool or user messages, a format error, finished)."""
     calls = message.get("tool_calls") or []
     if not calls:
-        return [{"role": "user", "content": "Error: no tool was called. Call one of the tools; when the task is "
-                 "done, call finish."}], True, False
+        return [{"role": "user", "content": NO_TOOL_CALL}], True, False
     out: list[dict[str, Any]] = []
     malformed = finished = False
     for call in calls:
         function = call.get("function") or {}
         name = function.get("name")
         try:
-            arguments = json.loads(function.get("arguments") or "{}")
-            if not isinstance(arguments, dict):
-                raise BadArguments("the arguments must be a JSON object")
-            if name == "finish":
-                content, finished = "Finished.", True
-            elif name == "execute_bash":
-                command = arguments.get("command")
-                if not isinstance(command, str) or not command.strip():
-                    raise BadArguments(f"argument 'command' must be a non-empty string, got {command!r:.80}")
-                code, output, timed_out = await bounded(
-                    run_command(sandbox, command, timeout=settings.exec_timeout_s), settings.exec_timeout_s,
-                    deadline)
-                content = command_observation(code, output, timed_out=timed_out, max_chars=settings.max_output_chars)
-            elif name == "str_replace_editor":
-                content = truncate_output(await bounded(editor_call(tools, arguments), settings.exec_timeout_s,
-                                                        deadline), settings.max_output_chars)
+            if name not in TOOL_NAMES:
+                content, malformed = unknown_tool(name, TOOL_NAMES), True
             else:
-                raise BadArguments(f"unknown tool {name!r}; the tools are execute_bash, str_replace_editor, finish")
+                arguments = json.loads(function.get("arguments") or "{}")
+                if not isinstance(arguments, dict):
+                    raise BadArguments("the arguments must be a JSON object")
+                content, finished = await tool_convention_call(
+                    sandbox, tools, name, arguments, exec_timeout_s=settings.exec_timeout_s,
+                    max_output_chars=settings.max_output_chars,
+                    bound=lambda step: bounded(step, settings.exec_timeout_s, deadline))
         except (BadArguments, json.JSONDecodeError) as exc:
             content, malformed = f"Error: {exc}", True
         except ToolError as exc:

@@ -2,17 +2,18 @@
 the issue (VinePPO's estimate, `orchard.rollout.turn_values`), the alternative to the hindsight values an LLM reads
 off a finished transcript (`orchard.domains.swe.values`).
 
-The SWE part is the harness and the reward: the in-process `SWEEvalHarness` replays the recorded calls and plays
-the continuations, ``score_sandbox`` scores them (+1 resolved / -1 not), and a continuation's success is
-``reward > 0`` (`resolved_success`). Use::
+The SWE part is the harness and the reward: an in-process harness replays the recorded calls and plays the
+continuations, ``score_sandbox`` scores them (+1 resolved / -1 not), and a continuation's success is ``reward > 0``
+(`resolved_success`). The harness is the convention the trajectories were played in: `SWEEvalHarness` (the
+default), or `SWEToolHarness` for the tool convention, including trajectories the harness program recorded (it
+observes as the program does, so their calls replay one for one). Use::
 
     estimator = swe_turn_value_estimator(policy, client, tokenizer, k=4)
     values = await swe_turn_values(failed, instances, estimator=estimator, seed=0)
     samples, stats = sft_samples(trajectories, mode="credit", step_values=step_value_lookup(failed, values))
 
-Only trajectories of a harness that runs in process can be valued: the bash and tool conventions run as a separate
-program (`orchard.domains.swe.tool_harness`) that cannot start from a message prefix, so their trajectories are
-refused (their tools are not the evaluation convention's).
+Trajectories of the bash convention cannot be valued: it has no in-process harness (its actions are text, not
+tool calls), and one of another convention's tools than the estimator's harness is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchard.data import Trajectory
-from orchard.domains.swe.harness import SWEEvalHarness
+from orchard.domains.swe.harness import SWEEvalHarness, SWEToolHarness
 from orchard.domains.swe.instances import SWEInstance
 from orchard.rollout.agent_loop import AgentLoop
 from orchard.rollout.engine import Engine
@@ -35,16 +36,18 @@ def resolved_success(reward: float) -> float:
     return 1.0 if reward > 0 else 0.0
 
 
-def swe_turn_value_estimator(engine: Engine, client: Any, tokenizer: Any, *, harness: SWEEvalHarness | None = None,
+def swe_turn_value_estimator(engine: Engine, client: Any, tokenizer: Any, *,
+                             harness: SWEEvalHarness | SWEToolHarness | None = None,
                              k: int = 4, horizon: int | None = None, confidence: float = 0.95,
                              keep_continuations: bool = False, **loop_options: Any) -> TurnValueEstimator:
-    """A `TurnValueEstimator` over the SWE evaluation harness, its successes `resolved_success`.
+    """A `TurnValueEstimator` over an in-process SWE harness, its successes `resolved_success`.
 
     Args:
         engine: the policy whose continuations value the states.
         client: the ``AsyncSandboxClient`` (its service must allow snapshots and forks: the local backend does).
         tokenizer: the policy's chat tokenizer.
-        harness: the harness the trajectories were played with. Default ``SWEEvalHarness()``.
+        harness: the convention the trajectories were played in: ``SWEEvalHarness()`` (default) or
+            ``SWEToolHarness()`` (the tool convention, the harness program's trajectories included).
         k: continuations per state. Default 4.
         horizon: the episode's step budget (a continuation from ``s_t`` gets ``horizon - t``). Default the
             harness's ``max_steps``.
@@ -54,8 +57,8 @@ def swe_turn_value_estimator(engine: Engine, client: Any, tokenizer: Any, *, har
             defaults to False.
     """
     harness = SWEEvalHarness() if harness is None else harness
-    if not isinstance(harness, SWEEvalHarness):
-        raise ValueError(f"harness must be a SWEEvalHarness, got {type(harness).__name__}")
+    if not isinstance(harness, SWEEvalHarness | SWEToolHarness):
+        raise ValueError(f"harness must be a SWEEvalHarness or a SWEToolHarness, got {type(harness).__name__}")
     loop_options.setdefault("progress", False)
     loop = AgentLoop(engine, client, harness, tokenizer, **loop_options)
     return TurnValueEstimator(loop, k=k, success=resolved_success, horizon=horizon, confidence=confidence,

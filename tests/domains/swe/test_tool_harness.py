@@ -4,6 +4,7 @@ observations and end in format_error, and the proxy's samples equal rendering th
 sandbox that hangs (a fake), a command past the episode's deadline ends it in time_budget."""
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ from orchard.data.tokenizer import build_chat_tokenizer
 from orchard.domains.swe import tool_harness
 from orchard.domains.swe.convention import unparseable_actions
 from orchard.domains.swe.generator import make_instance
+from orchard.domains.swe.harness import SWEToolHarness
 from orchard.domains.swe.teacher import SWETeacherEngine
 from orchard.domains.swe.tool_rollout import SWEBashRollouts, run_swe_episodes
 from orchard.env import AsyncSandboxClient, RetryPolicy
 from orchard.env.embedded import serve
+from orchard.rollout import AgentLoopRollouts
 from orchard.rollout.engine import Completion, GenerateResult
 from orchard.rollout.proxy import RecordingProxy
 from orchard.stages import curate_sft
@@ -64,7 +67,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def batches(tokenizer):
     """Per convention, one batch: levels 1-3 by the teacher, then one instance answered with malformed replies.
-    The tool batch goes through `run_swe_episodes` (per-call samples), the bash one through `SWEBashRollouts`."""
+    The tool batch goes through `run_swe_episodes` (per-call samples), the bash one through `SWEBashRollouts`; the
+    same tool-convention replies once more in process (`SWEToolHarness` in the agent loop)."""
     solved = [make_instance("ledger", 5, level=level) for level in (1, 2, 3)]
     malformed = make_instance("ledger", 6, level=1)
     instances = [*solved, malformed]
@@ -83,6 +87,9 @@ def batches(tokenizer):
                 await proxy.aclose()
             engine = FaultyTeacher(teacher, tokenizer, malformed.problem_statement.strip(), MALFORMED["bash"])
             out["bash"] = await SWEBashRollouts(client, tokenizer, concurrency=4)(
+                engine, instances, group_size=1, temperature=0.0, max_tokens=4096)
+            engine = FaultyTeacher(teacher, tokenizer, malformed.problem_statement.strip(), MALFORMED["tool"])
+            out["in_process"] = await AgentLoopRollouts(client, SWEToolHarness(), tokenizer, concurrency=4)(
                 engine, instances, group_size=1, temperature=0.0, max_tokens=4096)
             out["left"] = await client.list_sandboxes()
             return out
@@ -138,6 +145,22 @@ def test_malformed_replies_get_error_observations_then_format_error(batches, con
     else:
         assert "found 0 bash blocks" in observations[0] and "found 2 bash blocks" in observations[1]
         assert "empty" in observations[2]
+
+
+@pytest.mark.slow
+def test_the_in_process_tool_harness_plays_the_programs_episodes(batches):
+    # the same replies (the teacher's, then the malformed ones) through SWEToolHarness in the agent loop observe
+    # exactly what the program observed, error answers included, and end and score alike: a trajectory the program
+    # recorded replays in process call for call (Monte-Carlo turn values)
+    def transcript(traj):  # a test run's timing ("7 passed in 0.05s") is the one text that may differ
+        return [(m.role, re.sub(r" in [0-9.]+s\b", " in Ts", m.text) if m.role != "assistant" else None,
+                 [(c.name, c.arguments_dict()) for c in m.tool_calls]) for m in traj.messages]
+
+    for program, in_process in zip(batches["tool"], batches["in_process"], strict=True):
+        assert transcript(in_process) == transcript(program), program.task_id
+        assert in_process.tools == program.tools
+        assert (in_process.termination_reason, in_process.reward, in_process.metadata["format_errors"]) == (
+            program.termination_reason, program.reward, program.metadata["format_errors"])
 
 
 @pytest.mark.slow
