@@ -1,7 +1,8 @@
 """A short smoke run of the GUI recipe in real headless Chromium: embedded service, two templates, the judged
-teacher, base evaluation, curation and per-turn SFT, evaluation, one RL step per budget of a two-budget
-curriculum, evaluation (about two minutes, at most two browsers at once); `gui.yaml` (screenshots) on a tiny
-Qwen3-VL checkpoint through SFT (about 30 s); and its config errors."""
+teacher, base evaluation, curation and per-turn SFT long enough to memorise the two train tasks, evaluation, one
+RL step per budget of a two-budget curriculum on those same tasks, each an optimizer step with signal (a group
+whose rewards differ, a nonzero gradient), evaluation (under 2 minutes on 2 busy cores, at most two browsers at
+once); `gui.yaml` (screenshots) on a tiny Qwen3-VL checkpoint through SFT (about 30 s); and its config errors."""
 
 import json
 import subprocess
@@ -11,12 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from orchard.data import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SMOKE = [
     "tasks.templates=[shop_price, info_fact]", "tasks.train_per_template=1", "tasks.heldout_per_template=1",
-    "teacher.attempts=2", "step_budgets=[3, 4]", "rollout.max_steps=3", "rl.steps=1", "rl.group_size=2",
-    "rl.tasks_per_step=2", "sft.epochs=1", "model.hidden_size=32", "model.num_layers=1",
+    "teacher.attempts=2", "step_budgets=[3, 4]", "rollout.max_steps=3", "rl.steps=1", "rl.group_size=4",
+    "rl.tasks_per_step=2", "model.hidden_size=32", "model.num_layers=1",
+    # A memorised student, so that RL has signal (issue 38): the recipe's own SFT on the curated teacher turns of
+    # the 2 train tasks (which are the RL pool too, `task_pools`), 120 epochs (60 steps) at a constant lr of 3e-2,
+    # then 4 rollouts per task at temperature 1. Measured on seed 0: 80 to 170 epochs give a group whose rewards
+    # differ at both budgets (200 at the first only); 50 leaves every rollout a format failure (-1 each, advantages
+    # 0) and 300 solves every one (+1 each, every group dropped, no step).
+    "sft.epochs=120", "sft.train.optim.lr=3e-2", "sft.train.optim.min_lr=3e-2", "sft.train.optim.warmup_steps=0",
 ]
 
 
@@ -43,14 +52,22 @@ def test_gui_recipe_smoke(tmp_path):
     # 2 train tasks x 2 attempts, every one judged; the careful teacher solves some, one success per task kept
     assert teacher["sft/teacher_episodes"] == 4 and teacher["sft/teacher_judged"] == 4
     assert 1 <= teacher["sft/curated_tasks"] <= 2 and teacher["sft/samples"] >= teacher["sft/curated_tasks"]
-    # one RL step per budget, in curriculum order, each of 2 tasks x 2 episodes
+    # one RL step per budget, in curriculum order, each of 2 tasks x 4 episodes
     rl = [r for r in rows if "rl/step_budget" in r]
-    assert [r["rl/step_budget"] for r in rl] == [3.0, 4.0] and all(r["rl/episodes"] == 4 for r in rl)
-    # Known gap (issue 38), measured on seed 0: every rollout is a format failure, so each group's rewards are
-    # equal and negative; all_zero_or_all_positive keeps such a group (it counts in rl/groups_with_signal, 2 of 2)
-    # but its advantages are all 0: the "step" has a zero gradient and trains nothing. Stated, not hidden, until the
-    # smoke has a group whose rewards differ (then: groups_with_signal >= 1 and grad_norm > 0 here).
-    assert all(r["rl/format_errors"] == 4 and r["rl/groups_with_signal"] == 2 and r["grad_norm"] == 0 for r in rl), rl
+    assert [r["rl/step_budget"] for r in rl] == [3.0, 4.0] and all(r["rl/episodes"] == 8 for r in rl), rl
+    for step in rl:
+        budget = int(step["rl/step_budget"])
+        played = [t for t in read_jsonl(out / "trajectories" / f"rl_budget_{budget}.jsonl.gz") if t.valid]
+        rewards = {}
+        for t in played:
+            rewards.setdefault(t.group_id, []).append(t.reward)
+        differ = sum(len(set(r)) > 1 for r in rewards.values())
+        # An optimizer step with signal: a group whose rewards differ (the filter keeps every such group; it also
+        # keeps a group of -1s, whose advantages are all 0, so rl/groups_with_signal alone would not show it), its
+        # sequences in the batch, a nonzero gradient and learning rate. Measured on seed 0: both groups differ at
+        # both budgets (format failures -1, runs that ended without a judged success 0, one success +1 each).
+        assert len(played) == 8 and differ >= 1 and step["rl/groups_with_signal"] >= differ, (step, rewards)
+        assert step["rl/sequences"] > 0 and step["grad_norm"] > 0 and step["lr"] > 0, step
     assert (out / "learning_curve.png").stat().st_size > 5_000
 
 
