@@ -75,7 +75,10 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
     A group keeps at least two trained members, and passes the dynamic-sampling rule ``group_filter`` (a name in
     `orchard.sampling.GROUP_FILTER_RULES`, over its trained members' rewards: ``all_equal`` drops groups without
     GRPO signal), or every such group with ``"none"``. Returns ``(samples, advantages, stats)`` with
-    ``rl/groups``, ``rl/groups_with_signal`` (groups that trained) and ``rl/sequences``.
+    ``rl/groups``, ``rl/groups_with_signal`` (groups that trained), ``rl/groups_with_spread`` (those of them whose
+    trained rewards differ, so their advantages are not all 0: a group the filter keeps with equal rewards, as the
+    GUI rule keeps an all −1 group or ``"none"`` any group, trains with zero advantages and moves nothing) and
+    ``rl/sequences``.
     """
     if group_filter != "none" and group_filter not in GROUP_FILTER_RULES:
         raise ValueError(f"group_filter must be one of {[*GROUP_FILTER_RULES.names(), 'none']}, got {group_filter!r}")
@@ -83,7 +86,7 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
         raise ValueError(f"normalize_std must be a bool, got {normalize_std!r}")
     samples: list[RenderedSample] = []
     advantages: list[float] = []
-    kept = 0
+    kept = spread = 0
     for group in groups:
         mask_N = group.mask_N
         rewards_N = np.array([trajectory_reward(t, reward) if m else np.nan
@@ -92,13 +95,14 @@ def group_batch(groups: Sequence[RolloutGroup], *, reward: str = "outcome", grou
         if trained.size < 2 or (group_filter != "none" and not filter_groups([trained], rule=group_filter).keep[0]):
             continue
         kept += 1
+        spread += bool(np.ptp(trained) > 0)
         adv_N = group_advantages(rewards_N[None], mask_GN=mask_N[None], normalize_std=normalize_std)[0]  # [N]
         for traj, adv, m in zip(group.trajectories, adv_N.tolist(), mask_N, strict=True):
             if m:
                 samples += traj.samples
                 advantages += [adv] * len(traj.samples)
     stats = {"rl/groups": float(len(groups)), "rl/groups_with_signal": float(kept),
-             "rl/sequences": float(len(samples))}
+             "rl/groups_with_spread": float(spread), "rl/sequences": float(len(samples))}
     return samples, advantages, stats
 
 

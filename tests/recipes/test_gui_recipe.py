@@ -63,10 +63,12 @@ def test_gui_recipe_smoke(tmp_path):
             rewards.setdefault(t.group_id, []).append(t.reward)
         differ = sum(len(set(r)) > 1 for r in rewards.values())
         # An optimizer step with signal: a group whose rewards differ (the filter keeps every such group; it also
-        # keeps a group of -1s, whose advantages are all 0, so rl/groups_with_signal alone would not show it), its
-        # sequences in the batch, a nonzero gradient and learning rate. Measured on seed 0: both groups differ at
-        # both budgets (format failures -1, runs that ended without a judged success 0, one success +1 each).
-        assert len(played) == 8 and differ >= 1 and step["rl/groups_with_signal"] >= differ, (step, rewards)
+        # keeps a group of -1s, whose advantages are all 0, so rl/groups_with_signal alone would not show it:
+        # rl/groups_with_spread counts the trained groups whose rewards differ, here read off the saved rollouts
+        # too), its sequences in the batch, a nonzero gradient and learning rate. Measured on seed 0: both groups
+        # differ at both budgets (format failures -1, runs that ended without a judged success 0, one success +1).
+        assert len(played) == 8 and differ >= 1 and step["rl/groups_with_spread"] == differ, (step, rewards)
+        assert step["rl/groups_with_signal"] >= differ, step
         assert step["rl/sequences"] > 0 and step["grad_norm"] > 0 and step["lr"] > 0, step
     assert (out / "learning_curve.png").stat().st_size > 5_000
 

@@ -56,12 +56,15 @@ def test_group_batch_advantages_by_hand():
     # Two samples of the first member, one of each other trained member; the flat and lone groups drop out.
     assert len(samples) == 4 and torch.equal(samples[1].input_ids, torch.tensor([10, 11, 12]))
     assert advantages == pytest.approx([1.1547, 1.1547, -0.5774, -0.5774], abs=1e-4)
-    assert stats == {"rl/groups": 3.0, "rl/groups_with_signal": 1.0, "rl/sequences": 4.0}
-    # Without dynamic sampling the flat group trains with zero advantages (GRPO's defined degenerate case).
+    assert stats == {"rl/groups": 3.0, "rl/groups_with_signal": 1.0, "rl/groups_with_spread": 1.0,
+                     "rl/sequences": 4.0}
+    # Without dynamic sampling the flat group trains with zero advantages (GRPO's defined degenerate case): it
+    # counts as trained, not as spread
     _, advantages, stats = group_batch([flat], group_filter="none")
-    assert advantages == [0.0, 0.0] and stats["rl/groups_with_signal"] == 1.0
-    # The paper's GUI rule keeps an all -1 group (it drops all-0 and all-positive ones).
-    assert group_batch([flat], group_filter="all_zero_or_all_positive")[2]["rl/groups_with_signal"] == 1.0
+    assert advantages == [0.0, 0.0] and stats["rl/groups_with_signal"] == 1.0 and stats["rl/groups_with_spread"] == 0
+    # The paper's GUI rule keeps an all -1 group (it drops all-0 and all-positive ones), with zero advantages too
+    stats = group_batch([flat, signal], group_filter="all_zero_or_all_positive")[2]
+    assert (stats["rl/groups_with_signal"], stats["rl/groups_with_spread"]) == (2.0, 1.0)
     with pytest.raises(ValueError, match="group_filter"):
         group_batch([flat], group_filter="some")
 
@@ -74,7 +77,8 @@ def test_a_lone_trained_member_never_trains_even_without_dynamic_sampling():
     for rule in ("none", "all_equal"):
         samples, advantages, stats = group_batch([lone, flat], group_filter=rule)
         trained = 1.0 if rule == "none" else 0.0  # all_equal drops the flat pair as well
-        assert stats == {"rl/groups": 2.0, "rl/groups_with_signal": trained, "rl/sequences": 2 * trained}
+        assert stats == {"rl/groups": 2.0, "rl/groups_with_signal": trained, "rl/groups_with_spread": 0.0,
+                         "rl/sequences": 2 * trained}
         assert advantages == [0.0] * int(2 * trained) and len(samples) == 2 * trained
 
 
