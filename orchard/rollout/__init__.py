@@ -9,7 +9,7 @@ Names load lazily (``orchard --help`` imports this package's CLI and must stay f
 - serving: `build_app`, `serve_in_thread`, `RecordingProxy`, `CallRecord`
 - serving: `serve_app` (any ASGI app on the caller's event loop)
 - acting: `AgentLoop`, `PromptBuilder`, `Harness`, `Observation`, `InvalidToolCall`, `EnvironmentFailure`,
-  `ShellHarness`, `parse_tool_calls`, `ParsedOutput`
+  `ShellHarness`, `parse_tool_calls`, `ParsedOutput`, `keep_alive` (an episode's sandbox kept from the reaper)
 - one interface for every harness path: `Rollouts`, `AgentLoopRollouts`; `JudgedRolloutsBase` (a judge over
   every batch, for a domain to subclass)
 - harness programs (an outside program that reaches the model only through the proxy), one runner for every
@@ -58,6 +58,7 @@ _EXPORTS = {
     "InvalidToolCall": "harness",
     "EnvironmentFailure": "harness",
     "ShellHarness": "harness",
+    "keep_alive": "harness",
     "parse_tool_calls": "tool_calls",
     "ParsedOutput": "tool_calls",
     "TurnValueEstimator": "turn_values",

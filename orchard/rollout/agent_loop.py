@@ -2,7 +2,7 @@
 
 One rollout::
 
-    sandbox = client.create(**harness.sandbox_spec(task))          # retried; failure -> env_error
+    sandbox = client.create(**harness.sandbox_spec(task))          # retried; failure -> env_error; kept alive
     messages = [system] + harness.setup(sandbox, task)             # failure -> env_error
     repeat up to max_steps:
         context = harness.context(messages) if it has one, else messages   # what the policy is shown
@@ -57,7 +57,14 @@ with requires_extra("rollout"):
 from orchard.data import Message, Trajectory
 from orchard.env.errors import SandboxError
 from orchard.rollout.engine import Completion, Engine, GenerateRequest, SamplingParams, derive_seed
-from orchard.rollout.harness import EnvironmentFailure, Harness, InvalidToolCall, Observation, task_id
+from orchard.rollout.harness import (
+    EnvironmentFailure,
+    Harness,
+    InvalidToolCall,
+    Observation,
+    keep_alive,
+    task_id,
+)
 from orchard.rollout.tool_calls import parse_tool_calls
 
 ENV_ERRORS: tuple[type[BaseException], ...] = (
@@ -419,6 +426,7 @@ class AgentLoop:
         try:
             e0 = time.monotonic()
             sandbox = await self._env_call("create" if setup else "fork", make_sandbox, deadline, self.env_retries)
+            keep_alive(sandbox)
             meta["sandbox_id"] = getattr(sandbox, "sandbox_id", None)
             if setup:
                 messages += await self._env_call("setup", lambda: self.harness.setup(sandbox, task), deadline)

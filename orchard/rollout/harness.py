@@ -79,6 +79,16 @@ class Harness(Protocol):
         ...
 
 
+def keep_alive(sandbox: Any) -> None:
+    """Keep a sandbox an episode holds from the service's heartbeat reaper while the episode runs (its model calls
+    touch no sandbox, and a slow policy on a CPU can spend longer than the heartbeat timeout on one turn):
+    ``sandbox.keep_alive()`` where the sandbox has it (`orchard.env.AsyncSandbox`; deleting it stops the beat).
+    A sandbox object without it (a test's fake) is left as it is."""
+    keep = getattr(sandbox, "keep_alive", None)
+    if callable(keep):
+        keep()
+
+
 def task_id(task: Any, default: str) -> str:
     """A task's id: ``id``, else ``task_id``, else ``instance_id`` (SWE-bench's), as a mapping's key or an object's
     attribute; else ``default``."""

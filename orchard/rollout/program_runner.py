@@ -39,6 +39,7 @@ from typing import Any
 
 from orchard.data import Message, RenderedSample, Trajectory
 from orchard.rollout.engine import derive_seed
+from orchard.rollout.harness import keep_alive
 from orchard.rollout.program import check_launch, program_env, read_results
 from orchard.rollout.proxy import RecordingProxy
 from orchard.rollout.serving import serve_app
@@ -234,6 +235,7 @@ async def run_program_episodes(
             try:
                 sandbox = await program.create(episode.task, episode.session_id)
                 sandboxes[episode.session_id] = sandbox
+                keep_alive(sandbox)  # it may wait long for the program to reach its episode, and between turns
                 await asyncio.wait_for(program.prepare(sandbox, episode.task), program.prepare_timeout_s)
                 episode.termination_reason = "step_budget"  # ready; the program's report replaces this
             except program.prepare_errors as exc:

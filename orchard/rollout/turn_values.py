@@ -47,7 +47,7 @@ from torch import Tensor
 from orchard.data import Message, Trajectory
 from orchard.rollout.agent_loop import ENV_ERRORS, AgentLoop
 from orchard.rollout.engine import derive_seed
-from orchard.rollout.harness import InvalidToolCall, task_id
+from orchard.rollout.harness import InvalidToolCall, keep_alive, task_id
 from orchard.value.monte_carlo import MonteCarloValues, monte_carlo_step_values, monte_carlo_values
 
 __all__ = ["COST_KEYS", "TurnValueEstimator", "TurnValues", "step_value_lookup"]
@@ -281,6 +281,7 @@ class TurnValueEstimator:
         async with self._semaphore():
             try:
                 sandbox = await call("create", lambda: loop.client.create(**harness.sandbox_spec(task)))
+                keep_alive(sandbox)
                 await call("setup", lambda: harness.setup(sandbox, task))
                 for state in range(len(turns) + 1):
                     if state in wanted:

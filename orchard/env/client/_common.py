@@ -262,3 +262,17 @@ def fork_payload(*, sandbox_id: str | None, timeout: int | None, ttl_seconds: fl
     given = {"sandbox_id": sandbox_id, "timeout": timeout, "ttl_seconds": ttl_seconds,
              "heartbeat_timeout": heartbeat_timeout}
     return {name: value for name, value in given.items() if value is not None}
+
+
+SERVICE_HEARTBEAT_TIMEOUT_S = 600.0
+"""The service's default heartbeat timeout (`orchard env serve --heartbeat-timeout`), for a sandbox whose info
+names none."""
+BEATS_PER_TIMEOUT = 3
+"""Heartbeats a kept-alive sandbox gets per heartbeat timeout: two may be late or lost before it is reaped."""
+
+
+def keepalive_interval_s(info: dict[str, Any], default_timeout_s: float | None = None) -> float:
+    """Seconds between the heartbeats that keep a sandbox alive: a third of its heartbeat timeout (``info``'s,
+    else ``default_timeout_s``, else the service's default)."""
+    timeout = info.get("heartbeat_timeout") or default_timeout_s or SERVICE_HEARTBEAT_TIMEOUT_S
+    return float(timeout) / BEATS_PER_TIMEOUT

@@ -31,6 +31,7 @@ from orchard.env.client._common import (
     RetryPolicy,
     error_from_parts,
     fork_payload,
+    keepalive_interval_s,
     new_idempotency_key,
     parse_retry_after,
     pty_init_frame,
@@ -72,6 +73,7 @@ def _query_value(value: Any) -> str:
     if value is False:
         return "false"
     return "" if value is None else str(value)
+
 
 
 class AsyncSandboxClient:
@@ -388,6 +390,13 @@ class AsyncSandbox:
                     await self.heartbeat()
 
         self._keepalive = asyncio.create_task(beat())
+
+    def keep_alive(self) -> None:
+        """Heartbeat the sandbox every third of its heartbeat timeout (its info's, else the service's default, 600 s)
+        until `stop_heartbeat` or `delete`; a no-op where a heartbeat runs already. What holds a sandbox through a
+        long wait that touches it not at all (a slow model call, an episode a program reaches later) calls this,
+        so the reaper never takes a sandbox in use; one its holder abandons (a killed process) is reaped as ever."""
+        self.start_heartbeat(keepalive_interval_s(self.info))
 
     async def stop_heartbeat(self) -> None:
         if self._keepalive is not None:

@@ -21,18 +21,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from orchard.env.client._common import keepalive_interval_s
 from orchard.env.client.aio import AsyncSandbox, AsyncSandboxClient
 from orchard.env.errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncSandboxPool"]
-
-SERVICE_HEARTBEAT_TIMEOUT_S = 600.0
-"""The service's default heartbeat timeout (`orchard env serve --heartbeat-timeout`), for a sandbox whose info
-names none."""
-BEATS_PER_TIMEOUT = 3
-"""Heartbeats an idle sandbox gets per heartbeat timeout: two may be late or lost before it is reaped."""
 
 
 class AsyncSandboxPool:
@@ -134,9 +129,7 @@ class AsyncSandboxPool:
         return False
 
     def _beat_interval_s(self, sandbox: AsyncSandbox) -> float:
-        timeout = (sandbox.info.get("heartbeat_timeout") or self.create_options.get("heartbeat_timeout")
-                   or SERVICE_HEARTBEAT_TIMEOUT_S)
-        return float(timeout) / BEATS_PER_TIMEOUT
+        return keepalive_interval_s(sandbox.info, self.create_options.get("heartbeat_timeout"))
 
     async def _make_idle(self) -> None:
         try:

@@ -33,6 +33,7 @@ from orchard.env.client._common import (
     RetryPolicy,
     error_from_response,
     fork_payload,
+    keepalive_interval_s,
     new_idempotency_key,
     pty_init_frame,
     resolve_settings,
@@ -343,6 +344,11 @@ class Sandbox:
 
         self._keepalive = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{self.sandbox_id}")
         self._keepalive.start()
+
+    def keep_alive(self) -> None:
+        """Heartbeat the sandbox every third of its heartbeat timeout (its info's, else the service's default, 600 s)
+        from a background thread until `stop_heartbeat` or `delete` (`AsyncSandbox.keep_alive`)."""
+        self.start_heartbeat(keepalive_interval_s(self.info))
 
     def stop_heartbeat(self) -> None:
         self._keepalive_stop.set()
