@@ -140,6 +140,9 @@ def test_swe_recipe_smoke_on_a_real_fix(tmp_path, build_real_swe):
     sft_rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
     # SFT stepped on the teacher's resolved trajectories: a positive loss and a gradient
     assert sft_rows and all(r["loss/total"] > 0 and r["grad_norm"] > 0 for r in sft_rows)
+    # the CPU OPD teacher, wider than the student, trained here on the resolved attempts
+    assert "opd teacher: hidden 48 x 1 layers" in proc.stdout
+    assert (out / "opd_teacher" / "metrics.jsonl").exists()
     [step] = [r for r in rows if "rl/episodes" in r]
     # the RL step trained a group of the RL pool's instance with signal: the student's JS divergence from the CPU
     # teacher (another model) on its own rollouts is positive, and the step had a gradient

@@ -84,7 +84,8 @@ def test_swe_rl_and_rerank_smoke(tmp_path, memorised):
     assert report["value/pool"] == 2 * min(resolved, step["rl/episodes"] - resolved) >= 2
     assert report["value/pool_success"] == 0.5
     # two value steps on returns of both signs, a finite positive loss each
-    assert len(rerank["history"]) == 2 and all(0 < h["value/loss"] < 10 for h in rerank["history"]), rerank
+    losses = [h["value/loss"] for h in rerank["history"]]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), rerank
     assert (out / "value_curves.png").stat().st_size > 5_000
 
 
