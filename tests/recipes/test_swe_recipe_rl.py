@@ -67,9 +67,9 @@ def test_swe_rl_and_rerank_smoke(tmp_path, memorised):
     step = rl_step(out)
     assert step["rl/episodes"] == 8 and step["rl/env_errors"] == 0  # 2 tasks x BAR's budget of 4
     # BAR spends its whole budget of 4 per task in one stride: two groups, one generation call each. Measured (seed
-    # 0): 4 of the 8 resolved, 3 and 1 of each task's 4 (pool ratios 0.75, 0.25); from each BAR keeps N = 2 with 1
-    # resolved (ratio 0.5, inside the band [0.375, 0.625]): both groups have signal, the step trains (grad norm
-    # 0.19).
+    # 0): 4 of the 8 resolved, 1 of one task's 4 and 3 of the other's (pool ratios 0.25 and 0.75, the groups in the
+    # order they finish); from each BAR keeps N = 2 with 1 resolved (ratio 0.5, inside the band [0.375, 0.625]):
+    # both groups have signal, the step trains (grad norm 0.19).
     groups = summary["bar_groups"]
     assert [g["step"] for g in groups] == [1, 1]
     assert all(0 < g["pool_positive_ratio"] < 1 and g["kept_positive_ratio"] == 0.5 for g in groups), groups
