@@ -1,22 +1,16 @@
-"""A short smoke run of the SWE recipe (part 1): embedded service, toy instances of two templates, base evaluation
-on three harnesses, the scripted teacher's trajectories (failures kept), hindsight values, credit-assigned SFT,
-evaluation; its config errors; and the paper's config, loaded without running."""
+"""A short smoke run of the SWE recipe (part 1; part 2, RL, is test_swe_recipe_rl.py): embedded service, toy
+instances of two templates, base evaluation on three harnesses, the scripted teacher's trajectories (failures
+kept), hindsight values, credit-assigned SFT, evaluation; the whole recipe on a real fix, SFT and one step of JS
+distillation included; its config errors; and the paper's config, loaded without running."""
 
-import asyncio
 import json
-import subprocess
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
+from swe_smoke import ROOT, assert_trained, real_files, recipe
 
-from orchard.data import Trajectory
 from orchard.domains.swe.pools import instance_pools
-from orchard.stages import RolloutConfig, rollout_groups
 from orchard.train.config import load_config
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SMOKE = [
     "instances.train_per_template=2", "instances.heldout_per_template=1", "instances.levels=[1, 3]",
@@ -24,16 +18,6 @@ SMOKE = [
     "rollout.max_tokens=48", "rollout.max_steps=8", "sft.epochs=1", "sft.train.global_batch_size=4",
     "sft.train.micro_batch_size=2", "model.hidden_size=32", "model.num_layers=1", "model.vocab_size=1024",
     "rl.enabled=false", "value_model.enabled=false",
-]
-# Part 2 alone: no SFT (the tiny SFT model resolves nothing yet, so the filter would keep no task and RL would not
-# run): RL on every train instance, one step of two tasks, BAR keeping 2 of up to 4, then the value stage.
-RL_SMOKE = [
-    "instances.train_per_template=2", "instances.heldout_per_template=1", "instances.levels=[1]",
-    "instances.templates=[inventory]", "sft.enabled=false", "rl.filter.enabled=false", "rl.steps=1",
-    "rl.tasks_per_step=2", "rl.group_size=2", "rl.bar_n_max=4", "rl.bar_stride=4", "rl.train.global_batch_size=4",
-    "rl.train.micro_batch_size=2", "value_model.candidates=2", "value_model.steps=2", "eval.harnesses=[bash]",
-    "rollout.max_tokens=32", "rollout.max_steps=3", "model.hidden_size=32", "model.num_layers=1",
-    "model.vocab_size=1024",
 ]
 
 
@@ -51,29 +35,10 @@ REAL_SMOKE = [
 ]
 
 
-def assert_trained(step, *, groups=1):
-    """An RL step's metrics row shows an optimizer step with signal: at least ``groups`` groups whose rewards
-    differ, their sequences in the batch, a nonzero gradient and a nonzero learning rate (so the weights moved)."""
-    assert step["rl/groups_with_signal"] >= groups and step["rl/sequences"] > 0, step
-    assert step["grad_norm"] > 0 and step["lr"] > 0, step
-
-
-def real_files(real):
-    """The overrides that read the real instance from disk: its JSONL as every pool, its clone under repo_root."""
-    return [f"instances.path={real.path}", f"instances.rl_path={real.path}", f"instances.heldout_path={real.path}",
-            f"instances.repo_root={real.repo_root}"]
-
-
 @pytest.fixture
 def swe(recipe_module):
     """recipes/swe.py as a module, loaded once per session."""
     return recipe_module("swe")
-
-
-def recipe(*args, timeout=540):
-    return subprocess.run([sys.executable, str(ROOT / "recipes/swe.py"), "--config",
-                           str(ROOT / "recipes/configs/swe_tiny.yaml"), *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -102,73 +67,6 @@ def test_swe_recipe_smoke(tmp_path):
     sft_rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert sft_rows and all(r["loss/total"] == r["loss/total"] for r in sft_rows)  # finite, ran
     assert (out / "learning_curve.png").stat().st_size > 5_000
-
-
-@pytest.mark.slow
-def test_swe_rl_and_rerank_smoke(tmp_path):
-    out = tmp_path / "run"
-    proc = recipe(f"output_dir={out}", *RL_SMOKE)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())["results"]
-    assert set(results) == {"base", "rl"} and results["rl"]["bash"]["tasks"] == 1
-    summary = json.loads((out / "rl_summary.json").read_text())
-    assert (summary["variant"], summary["steps"], summary["tasks"]) == ("grpo_bar", 1, 2)
-    # BAR spends its whole budget of 4 per task in one stride: two groups, one generation call each.
-    assert [g["step"] for g in summary["bar_groups"]] == [1, 1]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    [step] = [r for r in rows if "rl/episodes" in r]
-    assert step["rl/episodes"] == 8  # 2 tasks x 4
-    rerank = json.loads((out / "rerank.json").read_text())
-    report = rerank["report"]
-    # 1 held-out instance x 2 candidates; the pool is the RL stage's scored rollouts, at most 8 per instance.
-    assert report["rerank/n"] == 2 and report["value/candidates"] == 2
-    assert 1 <= report["value/pool"] <= 8 - step["rl/env_errors"]
-    # Known gap (issue 38): the untrained student resolves none of its 8 rollouts, so BAR finds no balanced set,
-    # both groups are dropped and no optimizer step happens; the outcome-GRPO smokes need a guide (a scripted
-    # teacher's resolved episodes in the groups) before they can assert a step with signal. Stated, not hidden:
-    assert step["rl/success_generated"] == 0 and step["rl/groups_with_signal"] == 0 and "grad_norm" not in step
-    # ... so every pool rollout failed: the value model learns negative returns (loss > 0, targets < 0), two steps
-    assert report["value/pool_success"] == 0 and len(rerank["history"]) == 2
-    assert all(h["value/loss"] > 0 and h["value/target_mean"] < 0 for h in rerank["history"]), rerank["history"]
-    assert (out / "value_curves.png").stat().st_size > 5_000
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["opd_js_grpo", "rpr"])
-def test_swe_rl_variant_smoke(tmp_path, variant):
-    """The paper's best OPD composition (JS + GRPO, with the CPU teacher: a larger tiny model trained on the
-    scripted teacher's resolved trajectories) and the rubric process reward (the programmatic judge), one RL step
-    each on the part-2 smoke settings."""
-    out = tmp_path / "run"
-    # the scripted teacher needs SMOKE's episode budget to resolve instances (its corpus)
-    teacher = ["rl.teacher.hidden_size=48", "rl.teacher.num_layers=1", "rl.teacher.epochs=1", "teacher.attempts=1",
-               "teacher.failure_rate=0.0", "sft.train.global_batch_size=4", "sft.train.micro_batch_size=2",
-               "rollout.max_tokens=48", "rollout.max_steps=8"]
-    proc = recipe(f"output_dir={out}", *RL_SMOKE, f"rl.variant={variant}", "value_model.enabled=false",
-                  *(teacher if variant == "opd_js_grpo" else []))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "rl_summary.json").read_text())
-    assert (summary["variant"], summary["steps"]) == (variant, 1)
-    [step] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-              if "rl/episodes" in json.loads(line)]
-    if variant == "opd_js_grpo":
-        assert "opd teacher: hidden 48 x 1 layers" in proc.stdout
-        assert (out / "opd_teacher" / "metrics.jsonl").exists()
-        # Known gap (issue 38), measured: plain groups without BAR (the paper's JS + GRPO row), 2 tasks x 2
-        # rollouts, 4 of 4 format errors, both groups all -1 and dropped by the group filter, no optimizer step, so
-        # the JS term never runs here. This fails the day a step happens, when assert_trained(step) and
-        # `loss/js_opd > 0` replace it (the JS term with signal: the real-fix smoke).
-        assert step["rl/format_errors"] == 4 and step["rl/groups_with_signal"] == 0 and "grad_norm" not in step
-    else:
-        judge = summary["judge"]
-        # every scored episode was judged once, and the programmatic judge never fails
-        valid = step["rl/episodes"] - step["rl/env_errors"]
-        assert judge == {"rl/judged": valid, "rl/judge_failures": 0, "rl/judge_unparseable": 0}
-        assert step["rl/removed"] == 0
-        # None resolved (seed 0: 4 of 4 format errors), yet the rubric tells the rollouts apart: both groups train,
-        # which is what RPR is for (measured: groups 2/2, 12 sequences, grad norm 0.29, mean rubric 0.17)
-        assert step["rl/success"] == 0 and step["rl/judge_rubric_mean"] > 0
-        assert_trained(step, groups=2)
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -242,6 +140,9 @@ def test_swe_recipe_smoke_on_a_real_fix(tmp_path, build_real_swe):
     sft_rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
     # SFT stepped on the teacher's resolved trajectories: a positive loss and a gradient
     assert sft_rows and all(r["loss/total"] > 0 and r["grad_norm"] > 0 for r in sft_rows)
+    # the CPU OPD teacher, wider than the student, trained here on the resolved attempts
+    assert "opd teacher: hidden 48 x 1 layers" in proc.stdout
+    assert (out / "opd_teacher" / "metrics.jsonl").exists()
     [step] = [r for r in rows if "rl/episodes" in r]
     # the RL step trained a group of the RL pool's instance with signal: the student's JS divergence from the CPU
     # teacher (another model) on its own rollouts is positive, and the step had a gradient
@@ -254,56 +155,6 @@ def test_swe_recipe_smoke_on_a_real_fix(tmp_path, build_real_swe):
 def test_a_config_mistake_from_the_command_line():
     proc = recipe("rl.variant=ppo", timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: rl.variant must be one of ")
-
-
-def test_js_with_grpo_runs_without_bar_as_the_paper_ran_it_and_its_bar_row_is_apart(swe):
-    asked = []
-
-    async def one_resolved(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
-        # 1 of every 8 rollouts resolves the task: outcome +1, the others -1
-        asked.append(group_size)
-        return [Trajectory(task_id=str(task), reward=r, reward_components={"outcome": r})
-                for task in tasks for r in (1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0)[:group_size]]
-
-    def kept(variant):
-        asked.clear()
-        cfg = swe.SWERLConfig(variant=variant, group_size=4, bar_n_max=8, bar_stride=8, tasks_per_step=1)
-        groups, _ = asyncio.run(rollout_groups({"bash": one_resolved}, None, ["a"], ["bash"], cfg,
-                                               RolloutConfig()))
-        [group] = [g.trajectories for g in groups if g.trajectories]
-        return cfg, sum(asked), group
-
-    plain, generated_plain, group_plain = kept("opd_js_grpo")
-    with_bar, generated_bar, group_bar = kept("opd_js_grpo_bar")
-    # The same objective, JS (lambda 0.5) + GRPO (0.2 / 0.28), in both rows.
-    for cfg in (plain, with_bar):
-        assert [(t.name, t.weight, t.kwargs) for t in cfg.train.objective] == [
-            ("policy", 1.0, {"eps_low": 0.2, "eps_high": 0.28}), ("js_opd", 1.0, {"lam": 0.5})]
-    assert (plain.use_bar, with_bar.use_bar) == (False, True)
-    assert plain.group_filter == with_bar.group_filter != "none"  # the GRPO term needs a group with signal
-    # Plain groups: the 4 rollouts asked for, trained as they came, none chosen by BAR.
-    assert generated_plain == 4 and len(group_plain) == 4
-    assert not any("bar" in t.metadata for t in group_plain)
-    # BAR: a stride of 8 drawn, 4 of them chosen (1 resolved of 8 cannot make the band's 2 of 4: the relaxed choice).
-    assert generated_bar == 8 and len(group_bar) == 4
-    assert all(t.metadata["bar"]["kept"] for t in group_bar)
-
-
-def test_rpr_trains_the_all_failed_groups_bar_would_drop(swe):
-    async def unresolved(engine, tasks, *, group_size, temperature, max_tokens=None, seed=None):
-        # None resolved; the judge graded their processes 0.8, 0.2, 0.6, 0.4 (reward = -1 + 0.5 x rubric).
-        return [Trajectory(task_id=str(task), reward=-1.0 + 0.5 * r, reward_components={"outcome": 0.0})
-                for task in tasks for r in (0.8, 0.2, 0.6, 0.4, 0.8, 0.2, 0.6, 0.4)[:group_size]]
-
-    def kept(variant):
-        cfg = swe.SWERLConfig(variant=variant, group_size=4, bar_n_max=8, bar_stride=8, tasks_per_step=1)
-        groups, _ = asyncio.run(rollout_groups({"bash": unresolved}, None, ["a"], ["bash"], cfg, RolloutConfig()))
-        return [len(g.trajectories) for g in groups if g.trajectories]
-
-    # BAR: 0 of 8 resolved -> no balanced set, the group is dropped, its rubric signal (rewards -0.6 .. -0.9) lost.
-    assert kept("grpo_bar") == []
-    # RPR on plain groups: the 4 rollouts asked for train (the group filter sees four different rewards).
-    assert kept("rpr") == [4]
 
 
 def test_paper_config_loads_with_the_papers_setting(tmp_path, swe):
