@@ -46,10 +46,13 @@ def real_files(real) -> list[str]:
             f"instances.repo_root={real.repo_root}"]
 
 
-def assert_trained(step: dict, *, groups: int = 1) -> None:
-    """An RL step's metrics row shows an optimizer step with signal: at least ``groups`` groups whose rewards
-    differ, their sequences in the batch, a nonzero gradient and a nonzero learning rate (so the weights moved)."""
+def assert_trained(step: dict, *, groups: int = 1, spread: bool = True) -> None:
+    """An RL step's metrics row shows an optimizer step with signal: at least ``groups`` trained groups, whose
+    rewards differ (``rl/groups_with_spread``; ``spread=False`` for pure distillation, whose signal is the teacher's,
+    asserted apart), their sequences in the batch, a nonzero gradient and a nonzero learning rate (so the weights
+    moved)."""
     assert step["rl/groups_with_signal"] >= groups and step["rl/sequences"] > 0, step
+    assert not spread or step["rl/groups_with_spread"] >= groups, step
     assert step["grad_norm"] > 0 and step["lr"] > 0, step
 
 
