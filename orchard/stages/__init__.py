@@ -22,11 +22,12 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   `TaskFilterResult`
 - a policy's best sampling temperature (`orchard.stages.temperature`): `search_temperature` (validation success
   per temperature of a grid, the best mean over the harnesses), `best_temperature` (ties nearest a reference),
-  `TemperatureSearch`, `TEMPERATURE_GRID`, `check_temperatures`; with `orchard.models.fold_temperature`, RL's start
+  `TemperatureSearch`, `TEMPERATURE_GRID`, `check_temperatures`; `start_at_best_temperature` (RL's start: the
+  search, logged, and its choice folded into the policy with `orchard.models.fold_temperature`)
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `bar_candidate` (what BAR may choose: not removed, not
   a dropped timeout), `bar_groups` (BAR's positive ratio per group, as it chose), `group_batch` (a group into
   samples and advantages), `trajectory_reward`; a recipe's RL phase (`orchard.stages.rl_phase`): `rl_phase` (the
-  task filter, then `rl_stage` on the kept tasks, each in its warm pool; every rollout kept, a summary),
+  task filter, then `rl_stage` on the kept tasks, each in its warm pool; every rollout kept or none, a summary),
   `RLPhaseResult`
 - on-policy distillation (`orchard.stages.distill`): `teacher_logprobs` (a teacher engine's log-probs on the
   student's action tokens), `check_teacher`, `OPD_TERMS`; `rl_stage(..., teacher=...)` uses them; `opd_teacher`
@@ -86,6 +87,7 @@ from orchard.stages.temperature import (
     best_temperature,
     check_temperatures,
     search_temperature,
+    start_at_best_temperature,
 )
 from orchard.stages.value_rerank import (
     RecordedRollouts,
@@ -148,6 +150,7 @@ __all__ = [
     "sft_samples",
     "sft_stage",
     "split_attempts",
+    "start_at_best_temperature",
     "success_row",
     "teacher_logprobs",
     "teacher_phase",
