@@ -17,7 +17,7 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   `teacher_phase` (either teacher, played and closed), `check_tokenizers`
 - SFT: `demonstrations` (a teacher through the same harnesses), `curate_sft` (the paper's curation: over the
   context limit, invalid or unparseable calls), `sft_samples` (resolved-only, all, or credit-assigned SFT from
-  hindsight step values), `sft_stage`
+  hindsight step values), `sft_stage`, `sft_steps` (the optimizer steps it takes)
 - task filter: `filter_tasks` (initial rollouts per candidate task, keep 0 < p̂ <= 0.5), `split_attempts`,
   `TaskFilterResult`
 - a policy's best sampling temperature (`orchard.stages.temperature`): `search_temperature` (validation success
@@ -78,7 +78,7 @@ from orchard.stages.rl import (
 from orchard.stages.rl_phase import RLPhaseResult, rl_phase
 from orchard.stages.run_files import EXISTING_RUN_CHOICES, prepare_output_dir, previous_run
 from orchard.stages.sandboxes import PooledSandboxes, pooled_sandboxes, sandbox_service
-from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
+from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage, sft_steps
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
 from orchard.stages.teacher import TeacherConfig, check_tokenizers, sample_teacher, teacher_phase, url_teacher
 from orchard.stages.temperature import (
@@ -149,6 +149,7 @@ __all__ = [
     "search_temperature",
     "sft_samples",
     "sft_stage",
+    "sft_steps",
     "split_attempts",
     "start_at_best_temperature",
     "success_row",
