@@ -13,17 +13,6 @@ from orchard.stages import RLConfig, RolloutConfig, TaskFilterConfig, rl_phase, 
 rl_phase_module = importlib.import_module("orchard.stages.rl_phase")  # the package's name is the function
 
 
-class Log:
-    def __init__(self):
-        self.rows, self.lines = [], []
-
-    def log(self, metrics, step):
-        self.rows.append((dict(metrics), step))
-
-    def print(self, line):
-        self.lines.append(line)
-
-
 class Counting(JudgedRolloutsBase):
     """A judge that grades nothing and counts what it saw."""
 
@@ -61,14 +50,14 @@ def fake_rl_stage(played):
     return rl_stage
 
 
-def test_filter_then_rl_on_the_kept_tasks(scripted_rollouts, monkeypatch, tmp_path):
+def test_filter_then_rl_on_the_kept_tasks(scripted_rollouts, monkeypatch, tmp_path, recording_log):
     played = {}
     monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
     T, F = True, False
     plain = scripted_rollouts({"never": [F], "half": [T, F], "always": [T]})
     judged = Counting(plain, "http://judge:8000/v1")
     cfg = RLConfig(group_size=2, bar_n_max=4, bar_stride=4, use_bar=True, tasks_per_step=2)
-    log, pools = Log(), Pools()
+    log, pools = recording_log(), Pools()
     result = asyncio.run(rl_phase(None, None, {"bash": judged}, ["never", "half", "always"], cfg,
                                   rollout=RolloutConfig(), pad_id=0, seed=0, output_dir=tmp_path / "rl", log=log,
                                   task_filter=TaskFilterConfig(attempts=4), filter_harnesses={"bash": plain},
@@ -91,10 +80,11 @@ def test_filter_then_rl_on_the_kept_tasks(scripted_rollouts, monkeypatch, tmp_pa
         "bar_groups": [{"step": s, "pool_positive_ratio": 0.5, "kept_positive_ratio": 0.5} for s in (1, 2)]}
 
 
-def test_no_task_kept_skips_rl_and_keeps_the_filters_rollouts(scripted_rollouts, monkeypatch, tmp_path):
+def test_no_task_kept_skips_rl_and_keeps_the_filters_rollouts(scripted_rollouts, monkeypatch, tmp_path,
+                                                              recording_log):
     played = {}
     monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
-    log = Log()
+    log = recording_log()
     result = asyncio.run(rl_phase(None, None, {"bash": scripted_rollouts({"a": [False], "b": [True]})}, ["a", "b"],
                                   RLConfig(group_size=2, tasks_per_step=2), rollout=RolloutConfig(), pad_id=0, seed=0,
                                   output_dir=tmp_path, log=log, task_filter=TaskFilterConfig(attempts=2)))
@@ -103,17 +93,20 @@ def test_no_task_kept_skips_rl_and_keeps_the_filters_rollouts(scripted_rollouts,
     assert log.lines[-1] == "rl: skipped, no task of useful difficulty for the policy"
 
 
-def test_without_a_filter_rl_plays_every_task_on_plain_groups(scripted_rollouts, monkeypatch, tmp_path):
+def test_without_a_filter_rl_plays_every_task_on_plain_groups(scripted_rollouts, monkeypatch, tmp_path,
+                                                              recording_log):
     played = {}
     monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
     result = asyncio.run(rl_phase(None, None, {"bash": scripted_rollouts({"a": [False], "b": [True]})}, ["a", "b"],
                                   RLConfig(group_size=2, tasks_per_step=2), rollout=RolloutConfig(), pad_id=0, seed=0,
-                                  output_dir=tmp_path, log=Log(), task_filter=TaskFilterConfig(enabled=False)))
+                                  output_dir=tmp_path, log=recording_log(),
+                                  task_filter=TaskFilterConfig(enabled=False)))
     assert played["tasks"] == ["a", "b"] and len(result.generated) == 2 * 2 * 2  # 2 steps x 2 tasks x 2
     assert result.summary == {"tasks": 2, "steps": 2, "tasks_per_step": 2, "bar_groups": []}
 
 
-def test_the_filter_rates_its_candidates_over_every_harness(scripted_rollouts, monkeypatch, tmp_path):
+def test_the_filter_rates_its_candidates_over_every_harness(scripted_rollouts, monkeypatch, tmp_path,
+                                                            recording_log):
     T, F = True, False
     # 8 attempts over the two harnesses (4 each): p̂ = 0, 2/8, 4/8, 8/8 -> "rare" and "half" are kept.
     outcomes = {"never": [F], "rare": [T, F, F, F], "half": [T, F], "always": [T]}
@@ -123,7 +116,7 @@ def test_the_filter_rates_its_candidates_over_every_harness(scripted_rollouts, m
         played = {}
         monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
         asyncio.run(rl_phase(None, None, harnesses, list(outcomes), RLConfig(group_size=2, tasks_per_step=1),
-                             rollout=RolloutConfig(), pad_id=0, seed=0, output_dir=tmp_path, log=Log(),
+                             rollout=RolloutConfig(), pad_id=0, seed=0, output_dir=tmp_path, log=recording_log(),
                              task_filter=TaskFilterConfig(**filter_kwargs)))
         return played.get("tasks", [])
 
@@ -135,12 +128,13 @@ def test_the_filter_rates_its_candidates_over_every_harness(scripted_rollouts, m
     assert trained_on(low=0.9, high=1.0) == ["always"]
 
 
-def test_rollouts_let_go_leave_the_rows_and_the_summary_as_they_were(scripted_rollouts, monkeypatch, tmp_path):
+def test_rollouts_let_go_leave_the_rows_and_the_summary_as_they_were(scripted_rollouts, monkeypatch, tmp_path,
+                                                                     recording_log):
     T, F = True, False
 
     def phase(keep_generated):
         monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage({}))
-        log, phases = Log(), []
+        log, phases = recording_log(), []
         result = asyncio.run(rl_phase(
             None, None, {"bash": scripted_rollouts({"never": [F], "half": [T, F], "always": [T]})},
             ["never", "half", "always"], RLConfig(group_size=2, bar_n_max=4, bar_stride=4, use_bar=True,
@@ -159,14 +153,14 @@ def test_rollouts_let_go_leave_the_rows_and_the_summary_as_they_were(scripted_ro
     assert dropped_phases == kept_phases == ["task_filter", "rl"]  # each part named as it starts
 
 
-def test_only_the_parts_that_run_are_named(scripted_rollouts, monkeypatch, tmp_path):
+def test_only_the_parts_that_run_are_named(scripted_rollouts, monkeypatch, tmp_path, recording_log):
     monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage({}))
 
     def phases(outcomes, task_filter):
         named = []
         asyncio.run(rl_phase(None, None, {"bash": scripted_rollouts(outcomes)}, list(outcomes),
                              RLConfig(group_size=2, tasks_per_step=1), rollout=RolloutConfig(), pad_id=0, seed=0,
-                             output_dir=tmp_path, log=Log(), task_filter=task_filter, set_phase=named.append))
+                             output_dir=tmp_path, log=recording_log(), task_filter=task_filter, set_phase=named.append))
         return named
 
     assert phases({"a": [True]}, None) == ["rl"]  # no filter

@@ -111,17 +111,6 @@ def test_bad_arguments_are_refused_before_any_episode(kwargs, message):
     assert react.temperatures == []
 
 
-class Log:
-    def __init__(self):
-        self.rows, self.lines = [], []
-
-    def log(self, metrics, step):
-        self.rows.append((dict(metrics), step))
-
-    def print(self, line):
-        self.lines.append(line)
-
-
 class Engine:
     """Keeps the weights it was given."""
 
@@ -132,10 +121,10 @@ class Engine:
         self.pushed.append({k: v.detach().clone() for k, v in state_dict.items()})
 
 
-def test_start_at_best_temperature_folds_the_choice_against_the_reference():
+def test_start_at_best_temperature_folds_the_choice_against_the_reference(recording_log):
     # 2 tasks x 2 attempts per temperature: 0.25 at 0.5, 0.75 at 1.5 -> T = 1.5. RL samples at the reference 0.75,
     # so the fold is 1.5 / 0.75 = 2: the final norm halves, and the policy sampled at 0.75 is the original at 1.5.
-    model, engine, log = tiny_qwen3(64, seed=0), Engine(), Log()
+    model, engine, log = tiny_qwen3(64, seed=0), Engine(), recording_log()
     norm = model.model.norm.weight.detach().clone()
     react = ByTemperature({0.5: [T, F, F, F], 1.5: [T, T, T, F]})
     found = asyncio.run(start_at_best_temperature(model, engine, {"react": react}, ["a", "b"], temperatures=[0.5, 1.5],
@@ -153,10 +142,10 @@ def test_start_at_best_temperature_folds_the_choice_against_the_reference():
 
 
 @pytest.mark.parametrize("reference", [0, -1.0, True])
-def test_start_at_best_temperature_needs_a_reference_to_fold_against(reference):
+def test_start_at_best_temperature_needs_a_reference_to_fold_against(reference, recording_log):
     model, react = tiny_qwen3(64, seed=0), ByTemperature({0.5: [T]})
     norm = model.model.norm.weight.detach().clone()
     with pytest.raises(ValueError, match=r"^reference must be a number > 0 \(T is folded against it\), got "):
         asyncio.run(start_at_best_temperature(model, Engine(), {"react": react}, ["a"], temperatures=[0.5],
-                                              attempts=1, reference=reference, log=Log(), step=0))
+                                              attempts=1, reference=reference, log=recording_log(), step=0))
     assert react.temperatures == [] and torch.equal(model.model.norm.weight, norm)  # nothing played, nothing folded
