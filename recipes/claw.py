@@ -45,7 +45,7 @@ this script saves is partitioned: use ZeRO-2 here.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +57,10 @@ from orchard.domains.claw.tasks import TEMPLATES, VALIDATION_BLOCK, ClawTask, sp
 from orchard.domains.claw.teacher import TeacherEngine
 from orchard.domains.claw.text_rollout import ClawTextRollouts
 from orchard.env import AsyncSandboxClient
-from orchard.models import fold_temperature
 from orchard.rollout.rollouts import AgentLoopRollouts, Rollouts
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig, TaskFilterConfig
 from orchard.stages.policy import ModelConfig, load_policy, make_engine
-from orchard.stages.ranks import Ranks, barrier, init_ranks
+from orchard.stages.ranks import Ranks, init_ranks
 from orchard.stages.sandboxes import sandbox_service
 from orchard.train.config import config_to_dict
 from orchard.train.metrics import WandbConfig
@@ -95,8 +94,9 @@ class TeacherConfig(stages.TeacherConfig):
 class StartTemperatureConfig:
     search: bool = False
     """Before RL (and its task filter), choose the policy's best sampling temperature T on the validation split and
-    fold it into the weights (`orchard.models.fold_temperature`): RL starts from the policy at T, and the held-out
-    row "sft_best_t" is the baseline RL has to beat (issue 16). Off: RL starts from the policy as it is."""
+    fold it into the weights against rollout.temperature (`stages.start_at_best_temperature`): RL starts from the
+    policy at T, and the held-out row "sft_best_t" is the baseline RL has to beat (issue 16). Off: RL starts from
+    the policy as it is."""
     temperatures: list[float] = field(default_factory=lambda: list(stages.TEMPERATURE_GRID))
     """The grid searched (distinct, > 0; default 0.3 to 1.2 by 0.15)."""
     validation_per_template: int = 6
@@ -215,6 +215,13 @@ def task_pools(cfg: ClawConfig) -> tuple[list[ClawTask], list[ClawTask], list[Cl
     return train, pool, split_tasks("heldout", cfg.tasks.heldout_per_template)
 
 
+def validation_tasks(cfg: ClawConfig) -> list[ClawTask]:
+    """``rl.start_temperature``'s validation split: task seeds from ``VALIDATION_BLOCK`` on, disjoint from the SFT
+    tasks, the RL pool and the held-out set."""
+    n, kept_out = cfg.rl.start_temperature.validation_per_template, tuple(cfg.tasks.heldout_templates)
+    return split_tasks("train", n, seed=VALIDATION_BLOCK, heldout_templates=kept_out)
+
+
 def claw_harnesses(cfg: ClawConfig, tokenizer: Any, client: AsyncSandboxClient) -> dict[str, Rollouts]:
     """The domain's two harness paths behind one interface: ReAct in-process, the text program via the proxy."""
     r = cfg.rollout
@@ -237,55 +244,6 @@ async def teacher_phase(cfg: ClawConfig, trained: dict[str, Rollouts], tokenizer
     return await stages.teacher_phase(cfg.teacher, trained, tasks, student_tokenizer=tokenizer,
                                       scripted=lambda: TeacherEngine(tokenizer, tasks),
                                       scripted_max_tokens=SCRIPTED_MAX_TOKENS)
-
-
-async def rl_tasks(cfg: ClawConfig, trained: dict[str, Rollouts], engine: Any, pool: list[ClawTask],
-                   log: stages.RunLog) -> list[ClawTask]:
-    """The RL pool, or with ``rl.filter.enabled`` the candidates of useful difficulty for the starting policy
-    (none kept: RL is skipped, and the log says so)."""
-    f = cfg.rl.filter
-    if not f.enabled:
-        return pool
-    kept = await stages.filter_tasks(trained, engine, f.candidates_of(pool, cfg.seed), attempts=f.attempts,
-                                     low=f.low, high=f.high, temperature=cfg.rollout.temperature, seed=cfg.seed)
-    log.log(kept.stats, 0)
-    log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= {f.high} "
-              f"over {f.attempts} rollouts), success {kept.stats['filter/success']:.3f}"
-              + ("" if kept.tasks else "; no task kept, RL skipped"))
-    return kept.tasks
-
-
-async def start_at_best_temperature(cfg: ClawConfig, run: stages.RecipeRun, model: Any, tokenizer: Any, engine: Any,
-                                    harnesses: dict[str, Rollouts], heldout: list[ClawTask]) -> None:
-    """``rl.start_temperature``: the policy's validation success at each temperature of the grid through the trained
-    harnesses (each temperature's rows and the choice logged), the temperature T of the best mean over them folded
-    into ``model`` (final norm / (T / rollout.temperature), so RL's rollouts are the policy at T), the engine given
-    the folded weights, the model saved as ``sft_best_t_model``, and the held-out evaluation "sft_best_t".
-
-    "RL starts from the policy at its best temperature" is ambiguous when ``rollout.temperature`` is not 1.0; it is
-    read here as RL's rollouts being the policy at T, hence the fold against ``rollout.temperature``. The
-    "sft_best_t" row, evaluated like every stage at ``eval.temperature``, is the policy at T when the two
-    temperatures are equal (both shipped configs), and in any case the folded start RL's row is compared with.
-    """
-    st, kept_out = cfg.rl.start_temperature, tuple(cfg.tasks.heldout_templates)
-    validation = split_tasks("train", st.validation_per_template, seed=VALIDATION_BLOCK, heldout_templates=kept_out)
-    step = len(run.sft_history)
-    found = await stages.search_temperature({h: harnesses[h] for h in cfg.harnesses}, engine, validation,
-                                            temperatures=st.temperatures, attempts=st.attempts or cfg.eval.attempts,
-                                            reference=cfg.rollout.temperature, seed=cfg.seed)
-    for row in found.log_rows("start_temperature"):
-        run.log.log(row, step)
-    for t, by_harness in found.rows.items():
-        run.log.print(f"start temperature T={t}: " + " ".join(f"{h} {r['success']:.3f}" for h, r in by_harness.items())
-                      + f" mean {found.mean_success[t]:.3f} ({len(validation)} validation tasks)")
-    fold = found.temperature / cfg.rollout.temperature
-    run.log.print(f"start temperature: T={found.temperature} (mean validation success "
-                  f"{found.mean_success[found.temperature]:.3f}); final norm divided by {fold:g}")
-    fold_temperature(model, fold)
-    await engine.update_weights(model.state_dict())
-    barrier()  # every rank waits for rank 0's push, so no served replica samples the unfolded policy
-    run.save_policy(model, tokenizer, "sft_best_t_model")
-    await run.evaluate("sft_best_t", step, harnesses, engine, heldout)
 
 
 async def run(cfg: ClawConfig) -> dict[str, Any]:
@@ -316,29 +274,24 @@ async def run(cfg: ClawConfig) -> dict[str, Any]:
                     "mask": "every token the teacher generated (assistant content, tool calls, end of turn); "
                             "react: the episode rendered whole; text: each recorded call, chained by prefix"})
                 await run.evaluate("sft", len(run.sft_history), harnesses, engine, heldout)
-            if cfg.rl.enabled:
-                def on_step(stats: dict[str, float], step: int) -> None:
-                    run.log.log(stats, step)
-                    run.log.print(f"rl step {step}: success {stats['rl/success']:.2f} groups "
-                                  f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
-                                  f"env_errors {stats['rl/env_errors']:.0f}")
-
-                if cfg.rl.start_temperature.search:
-                    run.phase = "start_temperature"
-                    await start_at_best_temperature(cfg, run, model, tokenizer, engine, harnesses, heldout)
-                run.phase = "task_filter"
-                pool = await rl_tasks(cfg, trained, engine, rl_pool, run.log)
-                run.phase = "rl"
-                if pool:
-                    # A filter that keeps fewer tasks than a step draws shrinks the step rather than failing (the
-                    # whole pool, filter off, holds tasks_per_step by the config's own check).
-                    rl_cfg = replace(cfg.rl, tasks_per_step=min(cfg.rl.tasks_per_step, len(pool)))
-                    # The stage hands the engine new weights after every update: it holds the final policy here.
-                    run.rl_history = await stages.rl_stage(model, engine, trained, pool, rl_cfg, rollout=cfg.rollout,
-                                                           pad_id=tokenizer.pad_token_id, seed=cfg.seed,
-                                                           output_dir=str(run.out / "rl"), log=on_step)
+            if cfg.rl.enabled and cfg.rl.start_temperature.search:
+                run.phase, st = "start_temperature", cfg.rl.start_temperature
+                await stages.start_at_best_temperature(model, engine, trained, validation_tasks(cfg),
+                                                       temperatures=st.temperatures,
+                                                       attempts=st.attempts or cfg.eval.attempts,
+                                                       reference=cfg.rollout.temperature, seed=cfg.seed, log=run.log,
+                                                       step=len(run.sft_history))
+                run.save_policy(model, tokenizer, "sft_best_t_model")
+                await run.evaluate("sft_best_t", len(run.sft_history), harnesses, engine, heldout)
+            if cfg.rl.enabled:  # the stage hands the engine new weights after every update: the final policy after it
+                rl = await stages.rl_phase(model, engine, trained, rl_pool, cfg.rl, task_filter=cfg.rl.filter,
+                                           rollout=cfg.rollout, pad_id=tokenizer.pad_token_id, seed=cfg.seed,
+                                           output_dir=run.out / "rl", log=run.log, keep_generated=False,
+                                           set_phase=lambda phase: setattr(run, "phase", phase))
+                run.rl_history = rl.history
+                if run.rl_history:
                     run.save_policy(model, tokenizer, "rl_model")
-                    await run.evaluate("rl", cfg.rl.steps, harnesses, engine, heldout)
+                    await run.evaluate("rl", len(run.rl_history), harnesses, engine, heldout)
     return await run.finish(engine, config_to_dict(cfg))
 
 

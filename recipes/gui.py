@@ -39,7 +39,6 @@ this one process; several ranks are not supported yet.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,6 +47,7 @@ from orchard import stages
 from orchard._cli import run_main
 from orchard.data import RenderedSample, Trajectory
 from orchard.data.tokenizer import build_chat_tokenizer
+from orchard.domains.gui.corpus import tokenizer_corpus
 from orchard.domains.gui.curation import MAX_TASKS_PER_SITE, curate_sft, sft_turn_samples
 from orchard.domains.gui.judge import (
     IMAGE_MODES,
@@ -60,10 +60,9 @@ from orchard.domains.gui.tasks import TEMPLATES, GUITask, split_tasks
 from orchard.domains.gui.teacher import (
     ATTEMPTS_PER_TASK,
     DEFAULT_FAILURE_RATE,
-    GUI_SYSTEM,
     teacher_trajectories,
 )
-from orchard.domains.gui.tools import GUI_TOOLS, KEEP_LAST_IMAGES
+from orchard.domains.gui.tools import KEEP_LAST_IMAGES
 from orchard.env import SandboxClient
 from orchard.stages import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from orchard.stages.policy import ModelConfig, load_image_processor, load_policy, make_engine
@@ -72,8 +71,6 @@ from orchard.train.config import config_to_dict
 from orchard.train.metrics import WandbConfig
 
 DERIVED = stages.derived_keys("sft", "rl")
-_SYSTEM_REPEATS = 40
-"""The fixed prompt recurs in every sample: weighted up in the tokenizer's corpus so it earns whole-word merges."""
 
 
 @dataclass
@@ -209,23 +206,12 @@ def task_pools(cfg: GUIConfig) -> tuple[list[GUITask], list[GUITask]]:
             split_tasks("heldout", cfg.tasks.heldout_per_template, seed=cfg.seed, templates=templates))
 
 
-def corpus(trajectories: list[Trajectory]) -> list[str]:
-    """The tiny tokenizer's text: the system prompt, the tools, and every message and call of the teacher's runs."""
-    texts = [GUI_SYSTEM, json.dumps(GUI_TOOLS)] * _SYSTEM_REPEATS
-    for traj in trajectories:
-        for m in traj.messages:
-            parts = m.content if isinstance(m.content, list) else [{"type": "text", "text": m.content or ""}]
-            texts += [p["text"] for p in parts if p.get("type") == "text"]
-            texts += [json.dumps({"name": c.name, "arguments": c.arguments_dict()}) for c in m.tool_calls]
-    return texts
-
-
 def sft_config(cfg: GUIConfig, samples: int) -> SFTConfig:
     """``cfg.sft`` with its warm-up set to ``sft_warmup_fraction`` of the steps `stages.sft_stage` will take."""
     if cfg.sft_warmup_fraction is None:
         return cfg.sft
-    steps = max(1, round(cfg.sft.epochs * samples / cfg.sft.train.global_batch_size))  # as sft_stage counts
-    optim = replace(cfg.sft.train.optim, warmup_steps=round(cfg.sft_warmup_fraction * steps))
+    warmup = round(cfg.sft_warmup_fraction * stages.sft_steps(cfg.sft, samples))
+    optim = replace(cfg.sft.train.optim, warmup_steps=warmup)
     return replace(cfg.sft, train=replace(cfg.sft.train, optim=optim))
 
 
@@ -240,7 +226,7 @@ async def teacher_phase(cfg: GUIConfig, client: SandboxClient, train: list[GUITa
         played = await asyncio.to_thread(teacher_trajectories, client, train, attempts=t.attempts, seed=cfg.seed,
                                          failure_rate=t.failure_rate, max_steps=max(cfg.step_budgets),
                                          images=cfg.images)
-        return (played, *load_policy(cfg.model, corpus(played), seed=cfg.seed))
+        return (played, *load_policy(cfg.model, tokenizer_corpus(played), seed=cfg.seed))
     model, tokenizer = load_policy(cfg.model, [], seed=cfg.seed)
     played, _ = await stages.teacher_phase(t, {"gui": policy_rollouts(cfg, client, tokenizer, None, max(cfg.step_budgets))},
                                            train, student_tokenizer=tokenizer)
@@ -262,13 +248,6 @@ def sft_samples(cfg: GUIConfig, curated: list[Trajectory], tokenizer: Any, proce
     if not cfg.images:
         return sft_turn_samples(curated, tokenizer)
     return sft_turn_samples(curated, tokenizer, keep_images=cfg.keep_last_images, processor=processor)
-
-
-def save_processor(run: stages.RecipeRun, processor: Any, name: str) -> None:
-    """The image processor beside a saved policy (rank 0), so ``model.path=output_dir/<name>`` loads with
-    ``images: true`` (`load_image_processor`)."""
-    if processor is not None and run.ranks.is_main:
-        processor.save_pretrained(run.out / name)
 
 
 def policy_rollouts(cfg: GUIConfig, client: SandboxClient, tokenizer: Any, processor: Any, max_steps: int) -> Any:
@@ -320,8 +299,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                           f"{len(teacher)} rollouts of the train tasks, judged "
                           "(trajectories/sft_teacher.jsonl.gz)",
                 "kept": "curate_sft: passed rollouts, at most tasks.max_tasks_per_site tasks per site",
-                "mask": "one sample per assistant turn (sft_turn_samples): that turn's tokens"})
-            save_processor(run, processor, "sft_model")
+                "mask": "one sample per assistant turn (sft_turn_samples): that turn's tokens"}, processor=processor)
             await run.evaluate("sft", len(run.sft_history), run.saving({"gui": rollouts(r.max_steps)}), engine,
                                heldout)
         if cfg.rl.enabled:
@@ -341,8 +319,7 @@ async def run(cfg: GUIConfig) -> dict[str, Any]:
                                                         rollout=r, pad_id=tokenizer.pad_token_id, seed=cfg.seed,
                                                         output_dir=str(run.out / "rl" / f"budget_{budget}"),
                                                         log=on_step)
-            run.save_policy(model, tokenizer, "rl_model")
-            save_processor(run, processor, "rl_model")
+            run.save_policy(model, tokenizer, "rl_model", processor=processor)
             await run.evaluate("rl", len(run.rl_history), run.saving({"gui": rollouts(r.max_steps)}), engine, heldout)
     return await run.finish(engine, config_to_dict(cfg))
 

@@ -148,6 +148,25 @@ def scripted_rollouts() -> type:
     return ScriptedRollouts
 
 
+class RecordingLog:
+    """A `RunLog` stand-in that keeps what it is given: ``rows`` as ``(metrics, step)`` and the console ``lines``."""
+
+    def __init__(self):
+        self.rows, self.lines = [], []
+
+    def log(self, metrics, step):
+        self.rows.append((dict(metrics), step))
+
+    def print(self, line):
+        self.lines.append(line)
+
+
+@pytest.fixture(scope="session")
+def recording_log() -> type:
+    """`RecordingLog`: a stage's log whose rows and console lines a test reads."""
+    return RecordingLog
+
+
 class _Py310TimeoutError(Exception):
     """`asyncio.TimeoutError` as Python 3.10 has it (setup.cfg allows 3.10): not the builtin `TimeoutError`,
     which it is only from 3.11."""

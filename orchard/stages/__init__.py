@@ -17,16 +17,17 @@ A recipe composes these with its domain's choices (tasks, harnesses, teacher, ve
   `teacher_phase` (either teacher, played and closed), `check_tokenizers`
 - SFT: `demonstrations` (a teacher through the same harnesses), `curate_sft` (the paper's curation: over the
   context limit, invalid or unparseable calls), `sft_samples` (resolved-only, all, or credit-assigned SFT from
-  hindsight step values), `sft_stage`
+  hindsight step values), `sft_stage`, `sft_steps` (the optimizer steps it takes)
 - task filter: `filter_tasks` (initial rollouts per candidate task, keep 0 < p̂ <= 0.5), `split_attempts`,
   `TaskFilterResult`
 - a policy's best sampling temperature (`orchard.stages.temperature`): `search_temperature` (validation success
   per temperature of a grid, the best mean over the harnesses), `best_temperature` (ties nearest a reference),
-  `TemperatureSearch`, `TEMPERATURE_GRID`, `check_temperatures`; with `orchard.models.fold_temperature`, RL's start
+  `TemperatureSearch`, `TEMPERATURE_GRID`, `check_temperatures`; `start_at_best_temperature` (RL's start: the
+  search, logged, and its choice folded into the policy with `orchard.models.fold_temperature`)
 - RL: `rl_stage`, `rollout_groups` (plain groups or BAR), `bar_candidate` (what BAR may choose: not removed, not
   a dropped timeout), `bar_groups` (BAR's positive ratio per group, as it chose), `group_batch` (a group into
   samples and advantages), `trajectory_reward`; a recipe's RL phase (`orchard.stages.rl_phase`): `rl_phase` (the
-  task filter, then `rl_stage` on the kept tasks, each in its warm pool; every rollout kept, a summary),
+  task filter, then `rl_stage` on the kept tasks, each in its warm pool; every rollout kept or none, a summary),
   `RLPhaseResult`
 - on-policy distillation (`orchard.stages.distill`): `teacher_logprobs` (a teacher engine's log-probs on the
   student's action tokens), `check_teacher`, `OPD_TERMS`; `rl_stage(..., teacher=...)` uses them; `opd_teacher`
@@ -77,7 +78,7 @@ from orchard.stages.rl import (
 from orchard.stages.rl_phase import RLPhaseResult, rl_phase
 from orchard.stages.run_files import EXISTING_RUN_CHOICES, prepare_output_dir, previous_run
 from orchard.stages.sandboxes import PooledSandboxes, pooled_sandboxes, sandbox_service
-from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage
+from orchard.stages.sft import SFT_MODES, curate_sft, demonstrations, sft_samples, sft_stage, sft_steps
 from orchard.stages.task_filter import TaskFilterResult, filter_tasks, split_attempts
 from orchard.stages.teacher import TeacherConfig, check_tokenizers, sample_teacher, teacher_phase, url_teacher
 from orchard.stages.temperature import (
@@ -86,6 +87,7 @@ from orchard.stages.temperature import (
     best_temperature,
     check_temperatures,
     search_temperature,
+    start_at_best_temperature,
 )
 from orchard.stages.value_rerank import (
     RecordedRollouts,
@@ -147,7 +149,9 @@ __all__ = [
     "search_temperature",
     "sft_samples",
     "sft_stage",
+    "sft_steps",
     "split_attempts",
+    "start_at_best_temperature",
     "success_row",
     "teacher_logprobs",
     "teacher_phase",

@@ -122,9 +122,13 @@ def make_engine(cfg: ModelConfig, model: Any, tokenizer: Any, *, seed: int) -> A
     )
 
 
-def save_policy(model: Any, tokenizer: Any, path: str | Path) -> None:
+def save_policy(model: Any, tokenizer: Any, path: str | Path, *, processor: Any = None) -> None:
     """A checkpoint ``ModelConfig.path`` can load (e.g. to start RL from the SFT model with ``sft.enabled=false``);
-    saved quietly, without importing DeepSpeed on the plain engine (`orchard.train.model.save_causal_lm`)."""
+    saved quietly, without importing DeepSpeed on the plain engine (`orchard.train.model.save_causal_lm`). A
+    vision-language policy's image ``processor``, when given, is saved beside, so the checkpoint loads with
+    screenshots too (`load_image_processor`)."""
     from orchard.train.model import save_causal_lm
 
     save_causal_lm(model, path, tokenizer)
+    if processor is not None:
+        processor.save_pretrained(path)

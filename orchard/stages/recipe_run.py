@@ -119,12 +119,14 @@ class RecipeRun:
         append_trajectories(trajectories, self.out / "trajectories" / f"{self.phase}{suffix}.jsonl.gz", **extra)
 
     async def sft(self, model: Any, tokenizer: Any, engine: Any, samples: Sequence[RenderedSample],
-                  cfg: SFTConfig, *, provenance: Mapping[str, Any] | None = None) -> list[dict[str, float]]:
+                  cfg: SFTConfig, *, provenance: Mapping[str, Any] | None = None,
+                  processor: Any = None) -> list[dict[str, float]]:
         """`sft_stage` on ``samples`` (trainer output under ``output_dir/sft``), the loss printed, the model saved as
-        ``sft_model`` (rank 0), then the engine given the new weights; every rank waits there for rank 0's push, so
-        no served replica generates with the old ones. Returns (and keeps in :attr:`sft_history`) the per-step
-        metrics. First, rank 0 writes the samples as they train to ``output_dir/sft_data`` with ``provenance`` (the
-        recipe's account of where they and their masks came from; `orchard.stages.run_files.save_sft_data`)."""
+        ``sft_model`` (rank 0; with ``processor`` beside it, `save_policy`), then the engine given the new weights;
+        every rank waits there for rank 0's push, so no served replica generates with the old ones. Returns (and
+        keeps in :attr:`sft_history`) the per-step metrics. First, rank 0 writes the samples as they train to
+        ``output_dir/sft_data`` with ``provenance`` (the recipe's account of where they and their masks came from;
+        `orchard.stages.run_files.save_sft_data`)."""
         if self.ranks.is_main:
             save_sft_data(samples, self.out / "sft_data", provenance)
         self.sft_history = sft_stage(model, samples, cfg, pad_id=tokenizer.pad_token_id, seed=self.seed,
@@ -133,15 +135,16 @@ class RecipeRun:
             self.log.log({f"sft/{key}": value for key, value in row.items()}, step)
         self.log.print(f"sft: {len(samples)} samples, {len(self.sft_history)} steps, loss "
                        f"{self.sft_history[0]['loss/total']:.3f} -> {self.sft_history[-1]['loss/total']:.3f}")
-        self.save_policy(model, tokenizer, "sft_model")
+        self.save_policy(model, tokenizer, "sft_model", processor=processor)
         await engine.update_weights(model.state_dict())
         barrier()
         return self.sft_history
 
-    def save_policy(self, model: Any, tokenizer: Any, name: str) -> None:
-        """The model and tokenizer saved under ``output_dir/name`` by rank 0 (`orchard.stages.policy.save_policy`)."""
+    def save_policy(self, model: Any, tokenizer: Any, name: str, *, processor: Any = None) -> None:
+        """The model and tokenizer (and a vision-language policy's image ``processor``, when given) saved under
+        ``output_dir/name`` by rank 0 (`orchard.stages.policy.save_policy`)."""
         if self.ranks.is_main:
-            save_policy(model, tokenizer, self.out / name)
+            save_policy(model, tokenizer, self.out / name, processor=processor)
 
     async def finish(self, engine: Any, config: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
         """The end of the run: ``engine`` closed, the log closed, and on rank 0 `write_results` (results.json with

@@ -15,7 +15,6 @@ sized to the episodes it has in flight at once). ``generated`` is what a value m
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ from typing import Any
 from orchard.data import Trajectory
 from orchard.rollout.rollouts import JudgedRolloutsBase, Rollouts
 from orchard.stages.config import RLConfig, RolloutConfig, TaskFilterConfig
+from orchard.stages.ranks import ranks_from_env
 from orchard.stages.report import RunLog
 from orchard.stages.rl import bar_groups, rl_stage
 from orchard.stages.sandboxes import PooledSandboxes
@@ -41,7 +41,7 @@ class RLPhaseResult:
     history: list[dict[str, float]]
     """The RL stage's per-step stats (empty when the filter kept no task)."""
     generated: list[Trajectory]
-    """Every rollout the phase played, scored or not: the filter's, then the RL stage's."""
+    """Every rollout the phase played, scored or not: the filter's, then the RL stage's (none when not kept)."""
     summary: dict[str, Any]
     """``tasks`` (kept), ``steps``; after a stage that ran, ``tasks_per_step`` (as shrunk to the kept tasks),
     ``bar_groups`` (`bar_groups`' rows, [] without BAR) and, when a harness is judged, ``judge`` (the judges'
@@ -56,7 +56,8 @@ async def rl_phase(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
                    *, rollout: RolloutConfig, pad_id: int, seed: int, output_dir: str | Path, log: RunLog,
                    task_filter: TaskFilterConfig | None = None, filter_harnesses: Mapping[str, Rollouts] | None = None,
                    teacher: Any = None, step_stats: Callable[[list[Trajectory]], dict[str, float]] | None = None,
-                   sandboxes: PooledSandboxes | None = None) -> RLPhaseResult:
+                   sandboxes: PooledSandboxes | None = None, keep_generated: bool = True,
+                   set_phase: Callable[[str], None] | None = None) -> RLPhaseResult:
     """The task filter, then ``cfg``'s RL stage on the kept tasks.
 
     Args:
@@ -70,11 +71,17 @@ async def rl_phase(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         filter_harnesses: the rollouts the filter plays (default ``harnesses``): a judge need not grade them.
         step_stats: more stats for each step's row, from the rollouts that step generated (a judge's curves).
         sandboxes: the run's sandboxes, for a warm pool per part; None: the harnesses create their own.
+        keep_generated: False: ``generated`` stays empty and each RL step's rollouts are let go once its row is
+            logged, so a recipe that learns nothing from them does not hold a whole stage's rollouts in memory.
+        set_phase: told the name of each part as it starts, ``"task_filter"`` (when the filter runs) then ``"rl"``:
+            a recipe's ``run.phase``, so that the episodes each part plays are saved apart.
     """
     played = dict(filter_harnesses if filter_harnesses is not None else harnesses)
     generated: list[Trajectory] = []
     f = task_filter
     if f is not None and f.enabled:
+        if set_phase is not None:
+            set_phase("task_filter")
         candidates = f.candidates_of(list(tasks), seed)
         async with _pool(sandboxes, len(candidates) * math.ceil(f.attempts / len(played))):
             kept = await filter_tasks(played, engine, candidates, attempts=f.attempts, low=f.low, high=f.high,
@@ -82,18 +89,26 @@ async def rl_phase(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         log.log(kept.stats, 0)
         log.print(f"task filter: kept {len(kept.tasks)}/{kept.stats['filter/candidates']:.0f} ({f.low} < p̂ <= "
                   f"{f.high} over {f.attempts} rollouts), success {kept.stats['filter/success']:.3f}")
-        tasks, generated = kept.tasks, list(kept.trajectories)
+        tasks, generated = kept.tasks, list(kept.trajectories) if keep_generated else []
     summary: dict[str, Any] = {"tasks": len(tasks), "steps": 0}
     history: list[dict[str, float]] = []
     if tasks:
+        if set_phase is not None:
+            set_phase("rl")
         rl_cfg = replace(cfg, tasks_per_step=min(cfg.tasks_per_step, len(tasks)))
-        calls: list[list[Trajectory]] = []
-        recorded = {h: RecordedRollouts(r, calls) for h, r in harnesses.items()}
-        marks = [0]  # where each step's calls begin
+        calls: list[list[Trajectory]] = []  # the generation calls since the last step's row
+        # rl_stage hands a step's row to rank 0 alone: another rank records only the rollouts it is to keep
+        recording = keep_generated or ranks_from_env().is_main
+        played_rl = {h: RecordedRollouts(r, calls) for h, r in harnesses.items()} if recording else dict(harnesses)
+        bar_rows: list[dict[str, Any]] = []
 
         def on_step(stats: dict[str, float], step: int) -> None:
-            step_trajs = [t for c in calls[marks[-1]:] for t in c]
-            marks.append(len(calls))
+            step_trajs = [t for c in calls for t in c]
+            if rl_cfg.use_bar:
+                bar_rows.extend({**row, "step": step} for row in bar_groups([calls]))
+            if keep_generated:
+                generated.extend(step_trajs)
+            calls.clear()
             log.log({**stats, **(step_stats(step_trajs) if step_stats is not None else {})}, step)
             log.print(f"rl step {step}: success {stats['rl/success_generated']:.2f} groups "
                       f"{stats['rl/groups_with_signal']:.0f}/{stats['rl/groups']:.0f} "
@@ -102,12 +117,11 @@ async def rl_phase(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], t
         # a step plays tasks_per_step groups at once; under BAR each draws a stride at a time
         group = rl_cfg.bar_stride if rl_cfg.use_bar else rl_cfg.group_size
         async with _pool(sandboxes, rl_cfg.tasks_per_step * group):
-            history = await rl_stage(model, engine, recorded, tasks, rl_cfg, rollout=rollout, pad_id=pad_id,
+            history = await rl_stage(model, engine, played_rl, tasks, rl_cfg, rollout=rollout, pad_id=pad_id,
                                      seed=seed, output_dir=str(output_dir), log=on_step, teacher=teacher)
-        generated += [t for c in calls for t in c]
-        summary.update(steps=len(history), tasks_per_step=rl_cfg.tasks_per_step,
-                       bar_groups=bar_groups([calls[a:b] for a, b in itertools.pairwise(marks)])
-                       if rl_cfg.use_bar else [])
+        if keep_generated:  # calls after the last step's row, if any
+            generated += [t for c in calls for t in c]
+        summary.update(steps=len(history), tasks_per_step=rl_cfg.tasks_per_step, bar_groups=bar_rows)
         judges = [h for h in harnesses.values() if isinstance(h, JudgedRolloutsBase)]
         if judges:  # the judges' counts over the whole stage
             summary["judge"] = {k: sum(j.totals.get(k, 0.0) for j in judges)

@@ -27,7 +27,7 @@ from orchard.stages.config import SFTConfig
 from orchard.stages.ranks import ranks_from_env
 from orchard.train.trainer import Trainer
 
-__all__ = ["SFT_MODES", "curate_sft", "demonstrations", "sft_samples", "sft_stage"]
+__all__ = ["SFT_MODES", "curate_sft", "demonstrations", "sft_samples", "sft_stage", "sft_steps"]
 
 SFT_MODES = ("resolved", "all", "credit")
 """What an SFT stage learns from a teacher's trajectories (`sft_samples`)."""
@@ -149,12 +149,23 @@ def sft_samples(trajectories: Sequence[Trajectory], *, mode: str = "resolved",
     return samples, stats
 
 
+def sft_steps(cfg: SFTConfig, samples: int) -> int:
+    """The optimizer steps `sft_stage` takes on ``samples`` samples: ``max(1, round(epochs x samples /
+    global_batch_size))`` (Python's round: a half goes to the even neighbour). A recipe that sets a schedule by a
+    share of the steps (a warm-up fraction) reads them here."""
+    if not isinstance(cfg, SFTConfig):
+        raise ValueError(f"cfg must be an SFTConfig, got {type(cfg).__name__}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+    return max(1, round(cfg.epochs * samples / cfg.train.global_batch_size))
+
+
 def sft_stage(model: Any, samples: Sequence[RenderedSample], cfg: SFTConfig, *, pad_id: int, seed: int,
               output_dir: str) -> list[dict[str, float]]:
     """Train ``model`` in place on ``samples`` for ``cfg.epochs`` passes; returns the per-step metrics.
 
-    ``total_steps = max(1, round(epochs x len(samples) / global_batch_size))``. With ``cfg.max_len`` a longer
-    sample is left-truncated first (`orchard.data.truncate_sample`: its prompt, then its newest tokens).
+    ``total_steps = max(1, round(epochs x len(samples) / global_batch_size))`` (`sft_steps`). With ``cfg.max_len`` a
+    longer sample is left-truncated first (`orchard.data.truncate_sample`: its prompt, then its newest tokens).
     """
     if not isinstance(cfg, SFTConfig):
         raise ValueError(f"cfg must be an SFTConfig, got {type(cfg).__name__}")
@@ -166,8 +177,8 @@ def sft_stage(model: Any, samples: Sequence[RenderedSample], cfg: SFTConfig, *, 
                          f"process, and every rank would write its logs), got {cfg.train.engine!r}")
     if cfg.max_len is not None:
         samples = [truncate_sample(s, cfg.max_len) for s in samples]
-    steps = max(1, round(cfg.epochs * len(samples) / cfg.train.global_batch_size))
-    trainer = Trainer(model, replace(cfg.train, total_steps=steps, seed=seed, output_dir=output_dir, resume=False))
+    trainer = Trainer(model, replace(cfg.train, total_steps=sft_steps(cfg, len(samples)), seed=seed,
+                                     output_dir=output_dir, resume=False))
     try:
         return trainer.fit(list(samples), partial(collate, pad_id=pad_id))
     finally:

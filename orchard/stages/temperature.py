@@ -2,8 +2,9 @@
 harnesses it trains in, and the temperature of the best mean over them.
 
 This is the baseline RL has to beat (issue 16: an SFT policy sampled cold can beat RL at 1.0), and with
-`orchard.models.fold_temperature` where RL can start from. The validation split must be disjoint from the tasks the
-policy trains on and from the held-out set, or the choice is fitted to the tasks it is then judged on.
+`orchard.models.fold_temperature` where RL can start from (`start_at_best_temperature`, a recipe's step before RL).
+The validation split must be disjoint from the tasks the policy trains on and from the held-out set, or the choice
+is fitted to the tasks it is then judged on.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchard.models import fold_temperature
 from orchard.rollout.rollouts import Rollouts
 from orchard.stages.evaluate import evaluate
+from orchard.stages.ranks import barrier
+from orchard.stages.report import RunLog
 
-__all__ = ["TEMPERATURE_GRID", "TemperatureSearch", "best_temperature", "check_temperatures", "search_temperature"]
+__all__ = ["TEMPERATURE_GRID", "TemperatureSearch", "best_temperature", "check_temperatures", "search_temperature",
+           "start_at_best_temperature"]
 
 TEMPERATURE_GRID = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
 """The default grid: 0.3 to 1.2 by 0.15 (on the tiny Claw config the SFT policy's best lay at 0.3-0.75)."""
@@ -106,3 +111,46 @@ async def search_temperature(harnesses: Mapping[str, Rollouts], engine: Any, tas
         rows[t] = await evaluate(harnesses, engine, tasks, attempts=attempts, temperature=t, seed=seed)
     mean_success = {t: sum(r["success"] for r in by.values()) / len(by) for t, by in rows.items()}
     return TemperatureSearch(rows, mean_success, best_temperature(mean_success, reference=reference))
+
+
+async def start_at_best_temperature(model: Any, engine: Any, harnesses: Mapping[str, Rollouts], tasks: Sequence[Any],
+                                    *, temperatures: Sequence[float] = TEMPERATURE_GRID, attempts: int = 3,
+                                    reference: float = 1.0, seed: int | None = None, log: RunLog, step: int,
+                                    prefix: str = "start_temperature") -> TemperatureSearch:
+    """RL's start moved to the policy's best temperature: `search_temperature` on the validation ``tasks``, each
+    temperature's rows and the choice logged at ``step`` (`TemperatureSearch.log_rows` under ``prefix``) with a
+    console line each, the chosen T folded into ``model`` against ``reference`` (the final norm's weight divided by
+    T / reference, `orchard.models.fold_temperature`), and ``engine`` given the folded weights; every rank waits
+    for rank 0's push, so no served replica samples the unfolded policy. Returns the search.
+
+    "RL starts from the policy at its best temperature" is ambiguous when RL does not sample at 1.0; it is read here
+    as RL's rollouts being the policy at T, hence the fold against ``reference``, the temperature RL samples at. The
+    recipe then saves the folded model and evaluates it on its held-out tasks (the Claw recipe: ``sft_best_t``, the
+    baseline RL has to beat); at an evaluation temperature of ``reference`` that row is the policy at T.
+
+    Args:
+        model: the policy (a model `fold_temperature` takes), folded in place.
+        engine: its rollout engine.
+        harnesses, tasks, temperatures, attempts, seed: as `search_temperature` takes them (``tasks``: the
+            validation split).
+        reference: the temperature RL samples at, a number > 0: ties go nearest it, and T is folded against it.
+        log: the run's log (`RunLog`); ``step``: where the rows go (the SFT stage's last step).
+        prefix: the rows' namespace.
+    """
+    if isinstance(reference, bool) or not isinstance(reference, (int, float)) or not reference > 0:
+        raise ValueError(f"reference must be a number > 0 (T is folded against it), got {reference!r}")
+    found = await search_temperature(harnesses, engine, tasks, temperatures=temperatures, attempts=attempts,
+                                     reference=reference, seed=seed)
+    for row in found.log_rows(prefix):
+        log.log(row, step)
+    name = prefix.replace("_", " ")
+    for t, by_harness in found.rows.items():
+        log.print(f"{name} T={t}: " + " ".join(f"{h} {r['success']:.3f}" for h, r in by_harness.items())
+                  + f" mean {found.mean_success[t]:.3f} ({len(tasks)} validation tasks)")
+    fold = found.temperature / reference
+    log.print(f"{name}: T={found.temperature} (mean validation success {found.mean_success[found.temperature]:.3f}); "
+              f"final norm divided by {fold:g}")
+    fold_temperature(model, fold)
+    await engine.update_weights(model.state_dict())
+    barrier()
+    return found

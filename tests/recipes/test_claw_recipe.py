@@ -2,7 +2,6 @@
 SFT on teacher episodes through both harnesses, the best start temperature folded in and evaluated, two GRPO
 steps, evaluation, table, metrics and plot."""
 
-import asyncio
 import json
 import os
 import signal
@@ -15,8 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from orchard.domains.claw.tasks import TEMPLATES
-from orchard.stages import RunLog
-from orchard.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -245,29 +242,6 @@ def test_ctrl_c_during_a_run_is_one_line_and_status_130(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert (proc.returncode, err) == (130, "interrupted\n")
     assert "stage  harness" not in out  # it stopped
-
-
-def test_the_rl_pool_is_filtered_to_tasks_of_useful_difficulty(tmp_path, scripted_rollouts, recipe_module):
-    claw = recipe_module("claw")
-    T, F = True, False
-    # 8 attempts over the two harnesses (4 each): p̂ = 0, 2/8, 4/8, 8/8 -> "rare" and "half" are kept.
-    outcomes = {"never": [F], "rare": [T, F, F, F], "half": [T, F], "always": [T]}
-    harnesses = {"react": scripted_rollouts(outcomes), "text": scripted_rollouts(outcomes)}
-    log = RunLog(tmp_path)
-
-    def config(*overrides):
-        return load_config(claw.ClawConfig, ROOT / "recipes/configs/claw_tiny.yaml", overrides)
-
-    def pool_of(*overrides):
-        return asyncio.run(claw.rl_tasks(config(*overrides), harnesses, None, list(outcomes), log))
-
-    assert pool_of() == list(outcomes)  # the filter is off by default: the whole pool
-    assert pool_of("rl.filter.enabled=true") == ["rare", "half"]
-    # 2 candidates drawn with the run's seed: the kept ones are those of the 2 among "rare" and "half"
-    two = claw.TaskFilterConfig(candidates=2).candidates_of(list(outcomes), seed=config().seed)
-    assert not set(two) >= {"rare", "half"}  # (the seed's draw leaves one out: a filter ignoring candidates fails)
-    assert pool_of("rl.filter.enabled=true", "rl.filter.candidates=2") == [t for t in two if t in ("rare", "half")]
-    assert pool_of("rl.filter.enabled=true", "rl.filter.low=0.9", "rl.filter.high=1.0") == ["always"]
 
 
 def test_a_previous_run_in_output_dir_is_one_line_before_any_work(tmp_path, recipe_main):

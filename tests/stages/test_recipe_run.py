@@ -78,6 +78,25 @@ def test_sft_trains_saves_and_hands_the_weights_to_the_engine(tmp_path):
         assert (out / "results.json").is_file() is saved and (out / "metrics.jsonl").is_file() is saved
 
 
+def test_a_policys_image_processor_is_saved_beside_it(tmp_path):
+    from transformers import AutoImageProcessor
+
+    from orchard.models import tiny_image_processor
+
+    tok = build_chat_tokenizer()
+    model, processor = tiny_qwen3(tok, seed=0, hidden_size=16, num_hidden_layers=1), tiny_image_processor()
+    for ranks, saved in ((Ranks(), True), (Ranks(rank=1, world_size=2), False)):
+        run = RecipeRun(tmp_path / str(ranks.rank), seed=0, eval_cfg=EVAL, ranks=ranks)
+        run.save_policy(model, tok, "with", processor=processor)
+        run.save_policy(model, tok, "without")
+        out = tmp_path / str(ranks.rank)
+        assert (out / "with" / "preprocessor_config.json").is_file() is saved  # rank 0 alone writes
+        assert not (out / "without" / "preprocessor_config.json").exists()
+    # the checkpoint loads its processor back, as load_image_processor does for model.path=<it>
+    loaded = AutoImageProcessor.from_pretrained(tmp_path / "0" / "with", local_files_only=True)
+    assert (loaded.patch_size, loaded.merge_size) == (processor.patch_size, processor.merge_size)
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="seed must be an int"):
         RecipeRun(tmp_path, seed=1.5, eval_cfg=EVAL)

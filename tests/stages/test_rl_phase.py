@@ -1,6 +1,7 @@
 """A recipe's RL phase (`rl_phase`) on scripted harnesses, the RL stage replaced by one that plays its groups through
-the real `rollout_groups`: the filter's choice, the step that shrinks to the kept tasks, every rollout kept, BAR's
-report, a judge's counts over the RL stage only, per-step stats, and a warm pool per part sized to it."""
+the real `rollout_groups`: the filter's choice, the step that shrinks to the kept tasks, every rollout kept (or none,
+the rows unchanged), BAR's report, a judge's counts over the RL stage only, per-step stats, a warm pool per part
+sized to it, and each part's phase named to the recipe."""
 
 import asyncio
 import contextlib
@@ -10,17 +11,6 @@ from orchard.rollout.rollouts import JudgedRolloutsBase
 from orchard.stages import RLConfig, RolloutConfig, TaskFilterConfig, rl_phase, rollout_groups
 
 rl_phase_module = importlib.import_module("orchard.stages.rl_phase")  # the package's name is the function
-
-
-class Log:
-    def __init__(self):
-        self.rows, self.lines = [], []
-
-    def log(self, metrics, step):
-        self.rows.append((dict(metrics), step))
-
-    def print(self, line):
-        self.lines.append(line)
 
 
 class Counting(JudgedRolloutsBase):
@@ -60,14 +50,14 @@ def fake_rl_stage(played):
     return rl_stage
 
 
-def test_filter_then_rl_on_the_kept_tasks(scripted_rollouts, monkeypatch, tmp_path):
+def test_filter_then_rl_on_the_kept_tasks(scripted_rollouts, monkeypatch, tmp_path, recording_log):
     played = {}
     monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
     T, F = True, False
     plain = scripted_rollouts({"never": [F], "half": [T, F], "always": [T]})
     judged = Counting(plain, "http://judge:8000/v1")
     cfg = RLConfig(group_size=2, bar_n_max=4, bar_stride=4, use_bar=True, tasks_per_step=2)
-    log, pools = Log(), Pools()
+    log, pools = recording_log(), Pools()
     result = asyncio.run(rl_phase(None, None, {"bash": judged}, ["never", "half", "always"], cfg,
                                   rollout=RolloutConfig(), pad_id=0, seed=0, output_dir=tmp_path / "rl", log=log,
                                   task_filter=TaskFilterConfig(attempts=4), filter_harnesses={"bash": plain},
@@ -90,10 +80,11 @@ def test_filter_then_rl_on_the_kept_tasks(scripted_rollouts, monkeypatch, tmp_pa
         "bar_groups": [{"step": s, "pool_positive_ratio": 0.5, "kept_positive_ratio": 0.5} for s in (1, 2)]}
 
 
-def test_no_task_kept_skips_rl_and_keeps_the_filters_rollouts(scripted_rollouts, monkeypatch, tmp_path):
+def test_no_task_kept_skips_rl_and_keeps_the_filters_rollouts(scripted_rollouts, monkeypatch, tmp_path,
+                                                              recording_log):
     played = {}
     monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
-    log = Log()
+    log = recording_log()
     result = asyncio.run(rl_phase(None, None, {"bash": scripted_rollouts({"a": [False], "b": [True]})}, ["a", "b"],
                                   RLConfig(group_size=2, tasks_per_step=2), rollout=RolloutConfig(), pad_id=0, seed=0,
                                   output_dir=tmp_path, log=log, task_filter=TaskFilterConfig(attempts=2)))
@@ -102,11 +93,75 @@ def test_no_task_kept_skips_rl_and_keeps_the_filters_rollouts(scripted_rollouts,
     assert log.lines[-1] == "rl: skipped, no task of useful difficulty for the policy"
 
 
-def test_without_a_filter_rl_plays_every_task_on_plain_groups(scripted_rollouts, monkeypatch, tmp_path):
+def test_without_a_filter_rl_plays_every_task_on_plain_groups(scripted_rollouts, monkeypatch, tmp_path,
+                                                              recording_log):
     played = {}
     monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
     result = asyncio.run(rl_phase(None, None, {"bash": scripted_rollouts({"a": [False], "b": [True]})}, ["a", "b"],
                                   RLConfig(group_size=2, tasks_per_step=2), rollout=RolloutConfig(), pad_id=0, seed=0,
-                                  output_dir=tmp_path, log=Log(), task_filter=TaskFilterConfig(enabled=False)))
+                                  output_dir=tmp_path, log=recording_log(),
+                                  task_filter=TaskFilterConfig(enabled=False)))
     assert played["tasks"] == ["a", "b"] and len(result.generated) == 2 * 2 * 2  # 2 steps x 2 tasks x 2
     assert result.summary == {"tasks": 2, "steps": 2, "tasks_per_step": 2, "bar_groups": []}
+
+
+def test_the_filter_rates_its_candidates_over_every_harness(scripted_rollouts, monkeypatch, tmp_path,
+                                                            recording_log):
+    T, F = True, False
+    # 8 attempts over the two harnesses (4 each): p̂ = 0, 2/8, 4/8, 8/8 -> "rare" and "half" are kept.
+    outcomes = {"never": [F], "rare": [T, F, F, F], "half": [T, F], "always": [T]}
+    harnesses = {"bash": scripted_rollouts(outcomes), "tool": scripted_rollouts(outcomes)}
+
+    def trained_on(**filter_kwargs):
+        played = {}
+        monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage(played))
+        asyncio.run(rl_phase(None, None, harnesses, list(outcomes), RLConfig(group_size=2, tasks_per_step=1),
+                             rollout=RolloutConfig(), pad_id=0, seed=0, output_dir=tmp_path, log=recording_log(),
+                             task_filter=TaskFilterConfig(**filter_kwargs)))
+        return played.get("tasks", [])
+
+    assert trained_on() == ["rare", "half"]
+    # 2 candidates drawn with the run's seed: the kept ones are those of the 2 among "rare" and "half"
+    two = TaskFilterConfig(candidates=2).candidates_of(list(outcomes), seed=0)
+    assert not set(two) >= {"rare", "half"}  # (the seed's draw leaves one out: a filter ignoring candidates fails)
+    assert trained_on(candidates=2) == [t for t in two if t in ("rare", "half")]
+    assert trained_on(low=0.9, high=1.0) == ["always"]
+
+
+def test_rollouts_let_go_leave_the_rows_and_the_summary_as_they_were(scripted_rollouts, monkeypatch, tmp_path,
+                                                                     recording_log):
+    T, F = True, False
+
+    def phase(keep_generated):
+        monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage({}))
+        log, phases = recording_log(), []
+        result = asyncio.run(rl_phase(
+            None, None, {"bash": scripted_rollouts({"never": [F], "half": [T, F], "always": [T]})},
+            ["never", "half", "always"], RLConfig(group_size=2, bar_n_max=4, bar_stride=4, use_bar=True,
+                                                  tasks_per_step=2),
+            rollout=RolloutConfig(), pad_id=0, seed=0, output_dir=tmp_path, log=log,
+            task_filter=TaskFilterConfig(attempts=4), step_stats=lambda trajs: {"rl/step_rollouts": len(trajs)},
+            keep_generated=keep_generated, set_phase=phases.append))
+        return result, log, phases
+
+    kept, kept_log, kept_phases = phase(True)
+    dropped, dropped_log, dropped_phases = phase(False)
+    assert len(kept.generated) == 12 + 8 and dropped.generated == []  # the filter's 12, 2 steps x a stride of 4
+    assert dropped.summary == kept.summary and dropped.history == kept.history
+    assert dropped_log.rows == kept_log.rows and dropped_log.lines == kept_log.lines
+    assert [row.get("rl/step_rollouts") for row, _ in dropped_log.rows[1:]] == [4, 4]
+    assert dropped_phases == kept_phases == ["task_filter", "rl"]  # each part named as it starts
+
+
+def test_only_the_parts_that_run_are_named(scripted_rollouts, monkeypatch, tmp_path, recording_log):
+    monkeypatch.setattr(rl_phase_module, "rl_stage", fake_rl_stage({}))
+
+    def phases(outcomes, task_filter):
+        named = []
+        asyncio.run(rl_phase(None, None, {"bash": scripted_rollouts(outcomes)}, list(outcomes),
+                             RLConfig(group_size=2, tasks_per_step=1), rollout=RolloutConfig(), pad_id=0, seed=0,
+                             output_dir=tmp_path, log=recording_log(), task_filter=task_filter, set_phase=named.append))
+        return named
+
+    assert phases({"a": [True]}, None) == ["rl"]  # no filter
+    assert phases({"a": [True]}, TaskFilterConfig(attempts=2)) == ["task_filter"]  # p̂ = 1: none kept, no RL

@@ -1,5 +1,5 @@
 """SFT modes over a teacher's trajectories: resolved-only, all, and credit-assigned SFT from hindsight values; the
-SFT stage's context length."""
+SFT stage's context length and its step count."""
 
 import asyncio
 
@@ -8,7 +8,7 @@ import torch
 
 from orchard.data import Message, RenderedSample, RenderReport, ToolCall, Trajectory
 from orchard.models import tiny_qwen3
-from orchard.stages import SFTConfig, curate_sft, demonstrations, sft_samples, sft_stage
+from orchard.stages import SFTConfig, curate_sft, demonstrations, sft_samples, sft_stage, sft_steps
 from orchard.train.trainer import OptimConfig, TrainConfig
 
 # [system, a0, a0, obs, a1, a1, obs, a2]: three steps (assistant turns), observations never supervised.
@@ -145,3 +145,31 @@ def test_sft_stage_left_truncates_to_max_len(tmp_path):
 def test_sft_config_rejects_a_bad_max_len():
     with pytest.raises(ValueError, match="max_len must be an int >= 1, got 0"):
         SFTConfig(max_len=0)
+
+
+@pytest.mark.parametrize(("epochs", "samples", "batch", "steps"), [
+    (2, 10, 4, 5),     # 2 x 10 / 4 = 5
+    (1, 6, 4, 2),      # 1.5: a half goes to the even neighbour, 2
+    (1, 10, 4, 2),     # 2.5 -> 2, not 3
+    (1, 1, 16, 1),     # 0.0625 rounds to 0: at least one step
+    (1, 0, 16, 1),
+    (0.5, 44, 6, 4),   # 3.67 -> 4
+])
+def test_sft_steps_is_the_stages_count(epochs, samples, batch, steps):
+    assert sft_steps(SFTConfig(epochs=epochs, train=TrainConfig(global_batch_size=batch, micro_batch_size=batch)),
+                     samples) == steps
+
+
+def test_sft_stage_takes_sft_steps_steps(tmp_path):
+    # 3 samples x 1 epoch / batch 2 = 1.5 -> 2 steps
+    cfg = SFTConfig(epochs=1, train=TrainConfig(global_batch_size=2, micro_batch_size=2, optim=OptimConfig(lr=1e-3)))
+    model = tiny_qwen3(16, hidden_size=16, num_hidden_layers=1)
+    history = sft_stage(model, traj(1.0).samples * 3, cfg, pad_id=0, seed=0, output_dir=str(tmp_path))
+    assert len(history) == sft_steps(cfg, 3) == 2
+
+
+def test_sft_steps_bad_arguments():
+    with pytest.raises(ValueError, match=r"^cfg must be an SFTConfig, got dict$"):
+        sft_steps({}, 3)
+    with pytest.raises(ValueError, match=r"^samples must be an int >= 0, got -1$"):
+        sft_steps(SFTConfig(), -1)

@@ -1,13 +1,17 @@
 """`search_temperature`: validation success at each temperature of a grid per harness, the best mean over the
-harnesses chosen, ties nearest the reference; `best_temperature`'s tie rule; the grid's checks."""
+harnesses chosen, ties nearest the reference; `best_temperature`'s tie rule; the grid's checks;
+`start_at_best_temperature`: the search logged, its choice folded into the policy against the reference and pushed
+to the engine."""
 
 import asyncio
 import math
 
 import pytest
+import torch
 
 from orchard.data import Trajectory
-from orchard.stages import TemperatureSearch, best_temperature, search_temperature
+from orchard.models import tiny_qwen3
+from orchard.stages import TemperatureSearch, best_temperature, search_temperature, start_at_best_temperature
 
 
 class ByTemperature:
@@ -105,3 +109,43 @@ def test_bad_arguments_are_refused_before_any_episode(kwargs, message):
     with pytest.raises(ValueError, match=message):
         asyncio.run(search_temperature({"react": react}, None, ["a"], **{"attempts": 1, **kwargs}))
     assert react.temperatures == []
+
+
+class Engine:
+    """Keeps the weights it was given."""
+
+    def __init__(self):
+        self.pushed = []
+
+    async def update_weights(self, state_dict):
+        self.pushed.append({k: v.detach().clone() for k, v in state_dict.items()})
+
+
+def test_start_at_best_temperature_folds_the_choice_against_the_reference(recording_log):
+    # 2 tasks x 2 attempts per temperature: 0.25 at 0.5, 0.75 at 1.5 -> T = 1.5. RL samples at the reference 0.75,
+    # so the fold is 1.5 / 0.75 = 2: the final norm halves, and the policy sampled at 0.75 is the original at 1.5.
+    model, engine, log = tiny_qwen3(64, seed=0), Engine(), recording_log()
+    norm = model.model.norm.weight.detach().clone()
+    react = ByTemperature({0.5: [T, F, F, F], 1.5: [T, T, T, F]})
+    found = asyncio.run(start_at_best_temperature(model, engine, {"react": react}, ["a", "b"], temperatures=[0.5, 1.5],
+                                                  attempts=2, reference=0.75, seed=0, log=log, step=7))
+    assert found.temperature == 1.5 and found.mean_success == {0.5: 0.25, 1.5: 0.75}
+    torch.testing.assert_close(model.model.norm.weight.detach(), norm / 2)
+    (pushed,) = engine.pushed  # once, after the fold
+    torch.testing.assert_close(pushed["model.norm.weight"], norm / 2)
+    # every row at the given step, under the prefix: one per temperature, then the choice
+    assert [(row.get("start_temperature/value", row.get("start_temperature/chosen")), step) for row, step in log.rows] \
+        == [(0.5, 7), (1.5, 7), (1.5, 7)]
+    assert log.lines == ["start temperature T=0.5: react 0.250 mean 0.250 (2 validation tasks)",
+                         "start temperature T=1.5: react 0.750 mean 0.750 (2 validation tasks)",
+                         "start temperature: T=1.5 (mean validation success 0.750); final norm divided by 2"]
+
+
+@pytest.mark.parametrize("reference", [0, -1.0, True])
+def test_start_at_best_temperature_needs_a_reference_to_fold_against(reference, recording_log):
+    model, react = tiny_qwen3(64, seed=0), ByTemperature({0.5: [T]})
+    norm = model.model.norm.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"^reference must be a number > 0 \(T is folded against it\), got "):
+        asyncio.run(start_at_best_temperature(model, Engine(), {"react": react}, ["a"], temperatures=[0.5],
+                                              attempts=1, reference=reference, log=recording_log(), step=0))
+    assert react.temperatures == [] and torch.equal(model.model.norm.weight, norm)  # nothing played, nothing folded
