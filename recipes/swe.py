@@ -352,8 +352,9 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
     async with stages.pooled_sandboxes(cfg.env_url, shared=shared_folders(), cpu=cfg.sandbox_cpu,
                                        memory=cfg.sandbox_memory, max_pool=cfg.env_pool,
                                        pool_options=sandbox_options()) as sandboxes:
-        harnesses = run.saving(swe_harnesses(sandboxes, tokenizer, max_steps=r.max_steps, max_tokens=r.max_tokens,
-                                             max_time_s=r.max_time_s, concurrency=r.concurrency, seed=cfg.seed))
+        raw = swe_harnesses(sandboxes, tokenizer, max_steps=r.max_steps, max_tokens=r.max_tokens,
+                            max_time_s=r.max_time_s, concurrency=r.concurrency, seed=cfg.seed)
+        harnesses = run.saving(raw)  # every episode written once, under the phase that played it
         trained = {h: harnesses[h] for h in cfg.harnesses}
 
         async def evaluate(stage: str, step: int) -> None:  # a warm pool for one harness's held-out episodes
@@ -362,14 +363,13 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
 
         await evaluate("base", 0)
         if cfg.sft.enabled or (cfg.rl.enabled and row.teacher and cfg.rl.teacher.trained_here):  # SFT's corpus, the
+            run.phase = "sft_teacher"
             async with sandboxes.stage(len(train) * cfg.teacher.attempts):                      # CPU OPD teacher's
                 trajectories, stats = await stages.teacher_phase(
                     cfg.teacher, trained, train, student_tokenizer=tokenizer, scripted_max_tokens=SCRIPTED_MAX_TOKENS,
                     scripted=lambda: SWETeacherEngine(tokenizer, train, seed=cfg.seed,
                                                       failure_rate=cfg.teacher.failure_rate))
             run.log.log(stats, 0)
-            run.phase = "sft_teacher"
-            run.save_trajectories(trajectories)
             if cfg.sft.curate:  # once: SFT and the CPU OPD teacher learn from the same corpus
                 trajectories, dropped = stages.curate_sft(trajectories, max_len=cfg.sft.max_len,
                                                           unparseable=unparseable_actions)
@@ -388,10 +388,11 @@ async def run(cfg: SWEConfig) -> dict[str, Any]:
                                          seed=cfg.seed, output_dir=run.out / "opd_teacher",
                                          log=run.log.print) if row.teacher else None
             run.phase = "rl"  # the stage hands the engine new weights after every update: the final policy after it
+            plain = {h: raw[h] for h in cfg.harnesses}  # saved below, once, judged where judged
             rl = await stages.rl_phase(
-                model, engine, judged_harnesses(trained, tokenizer, rl_pool, judge=j.url, model=j.model,
-                                                rubric_weight=j.rubric_weight) if row.judge else trained,
-                rl_pool, cfg.rl, task_filter=cfg.rl.filter, filter_harnesses=trained, rollout=r,
+                model, engine, judged_harnesses(plain, tokenizer, rl_pool, judge=j.url, model=j.model,
+                                                rubric_weight=j.rubric_weight) if row.judge else plain,
+                rl_pool, cfg.rl, task_filter=cfg.rl.filter, filter_harnesses=plain, rollout=r,
                 pad_id=tokenizer.pad_token_id, seed=cfg.seed, output_dir=run.out / "rl", log=run.log, teacher=teacher,
                 step_stats=judge_step_stats if row.judge else None, sandboxes=sandboxes)
             (run.out / "rl_summary.json").write_text(json.dumps({"variant": cfg.rl.variant, **rl.summary}, indent=2))

@@ -9,6 +9,7 @@ from dataclasses import asdict
 import pytest
 from swe_smoke import ROOT, assert_trained, real_files, recipe
 
+from orchard.data import read_jsonl
 from orchard.domains.swe.pools import instance_pools
 from orchard.train.config import load_config
 
@@ -67,6 +68,13 @@ def test_swe_recipe_smoke(tmp_path):
     sft_rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert sft_rows and all(r["loss/total"] == r["loss/total"] for r in sft_rows)  # finite, ran
     assert (out / "learning_curve.png").stat().st_size > 5_000
+    # every episode played is written once, under the phase that played it: the 24 teacher episodes (failures
+    # kept), and 2 held-out instances x 3 harnesses per evaluation
+    files = out / "trajectories"
+    assert sorted(p.name for p in files.iterdir()) == ["eval_base.jsonl.gz", "eval_sft.jsonl.gz",
+                                                       "sft_teacher.jsonl.gz"]
+    assert [len(read_jsonl(files / f"{phase}.jsonl.gz")) for phase in ("sft_teacher", "eval_base", "eval_sft")] == [
+        24, 6, 6]
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -20,7 +20,7 @@ from swe_smoke import (
     uniform_teacher,
 )
 
-from orchard.data import Trajectory
+from orchard.data import Trajectory, read_jsonl
 from orchard.stages import RolloutConfig, rollout_groups
 
 # One RL step of 2 tasks of the RL pool (the task filter off: every train instance), groups of 2 (BAR: 2 kept of
@@ -66,6 +66,9 @@ def test_swe_rl_and_rerank_smoke(tmp_path, memorised):
     assert (summary["variant"], summary["steps"], summary["tasks"]) == ("grpo_bar", 1, 2)
     step = rl_step(out)
     assert step["rl/episodes"] == 8 and step["rl/env_errors"] == 0  # 2 tasks x BAR's budget of 4
+    # the 8 rollouts (BAR's discards included) written once, under rl (the filter is off)
+    rl_written = read_jsonl(out / "trajectories" / "rl.jsonl.gz")
+    assert len(rl_written) == 8 and all(t.metadata["phase"] == "rl" for t in rl_written)
     # BAR spends its whole budget of 4 per task in one stride: two groups, one generation call each. Measured (seed
     # 0): 4 of the 8 resolved, 1 of one task's 4 and 3 of the other's (pool ratios 0.25 and 0.75, the groups in the
     # order they finish); from each BAR keeps N = 2 with 1 resolved (ratio 0.5, inside the band [0.375, 0.625]):
