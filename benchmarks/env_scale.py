@@ -118,16 +118,21 @@ async def one_http_task(http, i: int, commands: int, mix: str, lat: dict[str, li
     return ok
 
 
-async def run_http(url: str, key: str, n: int, commands: int, mix: str, pool: int,
+async def run_http(url: str, key: str, n: int, commands: int, mix: str, pool: int, at_once: int | None = None,
                    ) -> tuple[int, float, dict[str, list[float]], list[str]]:
     import httpx
 
     lat: dict[str, list[float]] = {"create": [], "exec": [], "delete": []}
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    gate = asyncio.Semaphore(at_once or n)
+
+    async def task(http, i: int) -> bool:
+        async with gate:
+            return await one_http_task(http, i, commands, mix, lat)
+
     async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": key}, timeout=900, limits=limits) as http:
         start = time.perf_counter()
-        results = await asyncio.gather(*(one_http_task(http, i, commands, mix, lat) for i in range(n)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(task(http, i) for i in range(n)), return_exceptions=True)
         wall = time.perf_counter() - start
     errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
     return sum(r is True for r in results), wall, lat, errors
@@ -164,12 +169,16 @@ def main() -> None:
                         help="echo: `echo` commands; mixed: python3 --version, ls /, cat /etc/os-release, echo")
     parser.add_argument("--pool", type=int, default=None,
                         help="the http client's connection pool (default: one connection per sandbox)")
+    parser.add_argument("--at-once", type=int, default=None,
+                        help="the http client's tasks in flight at once (default: all N); httpx's connection pool "
+                             "costs client CPU that grows with the requests it holds")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.n < 1 or args.commands < 0:
         raise SystemExit(f"--n must be >= 1 and --commands >= 0, got {args.n}, {args.commands}")
-    if args.pool is not None and (args.client != "http" or args.pool < 1):
-        raise SystemExit(f"--pool must be >= 1 and goes with --client http, got {args.pool}")
+    for name, value in (("--pool", args.pool), ("--at-once", args.at_once)):
+        if value is not None and (args.client != "http" or value < 1):
+            raise SystemExit(f"{name} must be >= 1 and goes with --client http, got {value}")
 
     from orchard.env.embedded import serve
 
@@ -183,7 +192,7 @@ def main() -> None:
             busy_before = machine_busy()
             if args.client == "http":
                 ok, wall, lat, errors = asyncio.run(run_http(svc.url, svc.api_key, args.n, args.commands, args.mix,
-                                                             args.pool or args.n))
+                                                             args.pool or args.n, args.at_once))
             else:
                 ok, wall, lat, errors = asyncio.run(run(svc.url, svc.api_key, args.n, args.commands, args.mix))
             busy = machine_busy() - busy_before
@@ -195,7 +204,8 @@ def main() -> None:
 
     info = machine()
     print(f"# env_scale: {args.n} sandboxes at once, {args.commands} {args.mix} commands each, client "
-          f"{args.client}{f' (pool {args.pool or args.n})' if args.client == 'http' else ''}, "
+          f"{args.client}"
+          f"{f' (pool {args.pool or args.n}, {args.at_once or args.n} at once)' if args.client == 'http' else ''}, "
           f"max_concurrent_execs {args.max_concurrent_execs}, backend {args.backend}, "
           f"root on {args.root_parent or tempfile.gettempdir()}")
     print(f"# machine: {info['machine']}; python {info['python']}; commit {info['commit']}")
