@@ -453,19 +453,13 @@ class AgentLoop:
                 assistant, parse_errors = self._assistant_message(completion, offset + meta["steps"] - 1)
                 messages.append(assistant)
                 builder.add_assistant(self._context(messages), completion.token_ids)
-                if not assistant.tool_calls and not parse_errors:
-                    if no_call_reply is None:
-                        termination = "done"
-                        break
-                    # a convention where only a tool ends the episode: the reply is a format error, answered
+                no_call = not assistant.tool_calls and not parse_errors
+                if no_call and no_call_reply is None:
+                    termination = "done"
+                    break
+                if no_call:  # a convention where only a tool ends the episode: a format error, answered
                     messages.append(Message("user", no_call_reply))
-                    meta["format_errors"] += 1
-                    consecutive += 1
-                    if consecutive >= self.max_format_errors:
-                        termination = "format_error"
-                        break
-                    continue
-                turn_error = bool(parse_errors)
+                turn_error = bool(parse_errors) or no_call
                 done = False
                 e0 = time.monotonic()
                 for call in assistant.tool_calls:

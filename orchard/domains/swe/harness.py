@@ -95,6 +95,29 @@ class _SWEHarness:
             await prepare_sandbox(sandbox, instance, timeout=self.exec_timeout_s)
         return [Message("user", task_prompt(instance.problem_statement))]
 
+    absolute_paths = False
+    """The file tools take absolute paths only (`FileTools` ``require_absolute``)."""
+
+    def _invalid(self, name: str, exc: BadArguments) -> str:
+        """The error observation's text for a call to ``name`` with unusable arguments."""
+        return f"{name}: {exc}"
+
+    async def _act(self, tools: FileTools, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        """One well-formed call of the convention: its observation and whether the episode ends."""
+        raise NotImplementedError
+
+    async def act(self, sandbox: Any, call: ToolCall, task: Any) -> Observation:
+        arguments, error = call.parse_arguments()
+        if arguments is None:
+            raise InvalidToolCall(f"arguments of {call.name} are not a JSON object: {error}")
+        tools = FileTools(sandbox, timeout=self.exec_timeout_s, require_absolute=self.absolute_paths)
+        try:
+            return Observation(*await self._act(tools, call.name, arguments))
+        except BadArguments as exc:
+            raise InvalidToolCall(self._invalid(call.name, exc)) from None
+        except ToolError as exc:
+            return Observation(f"Error: {exc}")
+
     async def evaluate(self, sandbox: Any, task: Any, trajectory: Trajectory) -> tuple[float, dict[str, float]]:
         instance = _instance(task)
         async with _environment("score"):
@@ -124,19 +147,14 @@ class SWEToolHarness(_SWEHarness):
     def tools(self, task: Any) -> list[dict[str, Any]]:
         return TOOL_SCHEMAS
 
-    async def act(self, sandbox: Any, call: ToolCall, task: Any) -> Observation:
-        arguments, error = call.parse_arguments()
-        if arguments is None:
-            raise InvalidToolCall(f"arguments of {call.name} are not a JSON object: {error}")
-        tools = FileTools(sandbox, timeout=self.exec_timeout_s, require_absolute=True)
-        try:
-            return Observation(*await tool_convention_call(sandbox, tools, call.name, arguments,
-                                                           exec_timeout_s=self.exec_timeout_s,
-                                                           max_output_chars=self.max_output_chars))
-        except BadArguments as exc:
-            raise InvalidToolCall(str(exc)) from None
-        except ToolError as exc:
-            return Observation(f"Error: {exc}")
+    absolute_paths = True
+
+    def _invalid(self, name: str, exc: BadArguments) -> str:
+        return str(exc)  # the program's words
+
+    async def _act(self, tools: FileTools, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        return await tool_convention_call(tools.sandbox, tools, name, arguments, exec_timeout_s=self.exec_timeout_s,
+                                          max_output_chars=self.max_output_chars)
 
 
 class SWEEvalHarness(_SWEHarness):
@@ -154,18 +172,6 @@ class SWEEvalHarness(_SWEHarness):
 
     def tools(self, task: Any) -> list[dict[str, Any]]:
         return EVAL_SCHEMAS
-
-    async def act(self, sandbox: Any, call: ToolCall, task: Any) -> Observation:
-        arguments, error = call.parse_arguments()
-        if arguments is None:
-            raise InvalidToolCall(f"arguments of {call.name} are not a JSON object: {error}")
-        tools = FileTools(sandbox, timeout=self.exec_timeout_s)
-        try:
-            return Observation(*await self._act(tools, call.name, arguments))
-        except BadArguments as exc:
-            raise InvalidToolCall(f"{call.name}: {exc}") from None
-        except ToolError as exc:
-            return Observation(f"Error: {exc}")
 
     async def _act(self, tools: FileTools, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         def text(key: str) -> str:

@@ -29,17 +29,22 @@ def tokenizer():
     return build_chat_tokenizer()
 
 
-@pytest.mark.slow
-def test_the_fix_is_worth_one_and_gets_the_credit(embedded_service, tokenizer, sandbox_ids):
+def failed_plan(tokenizer, convention):
+    """A toy instance and a failed episode's script of it in ``convention``: the careful plan's view, edit and
+    submission (its test runs only cost time here), with a revert of the fix before the submission."""
     instance = make_instance("ledger", 5, level=1)
     teacher = SWETeacherEngine(tokenizer, [instance], failure_rate=0.0)
     [fix] = patch_edits(instance.patch)
-    # the careful plan's view, edit and submission (its test runs only cost time here), with a revert before the end
     careful = [step for step in teacher.plan(instance, "careful") if step.kind in ("view", "edit", "submit")]
     revert = Step("While here, put that line back as it was.", "edit", edit=Edit(fix.path, fix.new, fix.old))
     plan = [*careful[:-1], revert, careful[-1]]  # view, fix, revert, submit
     assert [step.kind for step in plan] == ["view", "edit", "edit", "submit"]
-    script = [teacher.render(step, "eval") for step in plan]
+    return instance, [teacher.render(step, convention) for step in plan]
+
+
+@pytest.mark.slow
+def test_the_fix_is_worth_one_and_gets_the_credit(embedded_service, tokenizer, sandbox_ids):
+    instance, script = failed_plan(tokenizer, "eval")
     states = [1, 2, 3]  # before the fix, after it, after the revert
 
     async def main():
@@ -74,12 +79,7 @@ def test_a_trajectory_the_harness_program_recorded_is_valued_in_process(embedded
     # the same failed plan (view, fix, revert, submit) in the tool convention, played by the separate harness
     # program behind the recording proxy, then valued with SWEToolHarness: the program's calls replay one for one
     # (no observation differs) and the states are worth what they are in the evaluation convention
-    instance = make_instance("ledger", 5, level=1)
-    teacher = SWETeacherEngine(tokenizer, [instance], failure_rate=0.0)
-    [fix] = patch_edits(instance.patch)
-    careful = [step for step in teacher.plan(instance, "careful") if step.kind in ("view", "edit", "submit")]
-    revert = Step("While here, put that line back as it was.", "edit", edit=Edit(fix.path, fix.new, fix.old))
-    script = [teacher.render(step, "tool") for step in [*careful[:-1], revert, careful[-1]]]
+    instance, script = failed_plan(tokenizer, "tool")
     finish = '<tool_call>\n{"name": "finish", "arguments": {"message": "Submitting."}}\n</tool_call>'
 
     async def main():
